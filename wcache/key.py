@@ -1,0 +1,96 @@
+"""The cache key: which bytes a daemon serves, computed the same way by daemon and engine.
+
+A key names a checkpoint (fingerprint of its file names and headers), the rank's
+sharding and dtype, and the slab layout version. The daemon refuses a GET_STATE whose
+key differs in any field and names those fields (``KEY_MISMATCH``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Union
+
+from wcache.checkpoint import Checkpoint
+from wcache.layout import LAYOUT_VERSION, resolve_dtype
+from wcache.sharding import resolve_plan
+
+__all__ = ["WeightCacheKey"]
+
+KeyValue = Union[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightCacheKey:
+    """Identity of one rank's weights. Field names and types are part of the wire format (§4.3)."""
+
+    fingerprint: str
+    architecture: str
+    tp_size: int
+    tp_rank: int
+    dtype: str
+    plan: str = "none"
+    layout: int = LAYOUT_VERSION
+    fingerprint_kind: str = "headers"  # "headers" | "content"
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: str | None = None,
+        plan_file: str | os.PathLike[str] | None = None,
+        verify_content: bool = False,
+        checkpoint: Checkpoint | None = None,
+    ) -> WeightCacheKey:
+        """The key a daemon started with the same arguments serves. Reads headers only
+        (all data too with ``verify_content``)."""
+        ckpt = checkpoint or Checkpoint.open(path)
+        plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
+        return cls(
+            fingerprint=ckpt.fingerprint(content=verify_content),
+            architecture=ckpt.architecture,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            dtype=resolve_dtype(ckpt, dtype),
+            plan=plan.id if plan is not None else "none",
+            layout=LAYOUT_VERSION,
+            fingerprint_kind="content" if verify_content else "headers",
+        )
+
+    def to_wire(self) -> dict[str, KeyValue]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> WeightCacheKey:
+        """Build from a validated wire map; missing fields take their defaults, extra ones are
+        ignored here (``diff_wire`` reports them)."""
+        known = {f.name: m[f.name] for f in fields(cls) if f.name in m}
+        return cls(**known)
+
+    def diff_wire(self, requested: dict[str, Any]) -> dict[str, list[Any]]:
+        """Fields where ``requested`` differs from this key: name -> [served, requested].
+
+        A field absent from ``requested`` counts as its default; a field this daemon does
+        not know is always a difference (the client expects something we cannot promise).
+        """
+        served = self.to_wire()
+        out: dict[str, list[Any]] = {}
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, value in served.items():
+            want = requested.get(name, defaults[name])
+            if want != value or type(want) is not type(value):
+                out[name] = [value, requested.get(name)]
+        for name in requested:
+            if name not in served:
+                out[name] = [None, requested[name]]
+        return out
+
+    def short(self) -> str:
+        """A log-friendly one-liner."""
+        return (
+            f"{self.architecture or 'model'}@{self.fingerprint[:12]}"
+            f"/tp{self.tp_rank}of{self.tp_size}/{self.dtype}"
+        )

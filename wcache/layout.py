@@ -1,0 +1,110 @@
+"""Slab layout: where each (sharded, cast) tensor of a rank lives in its one slab.
+
+Pure Python. Tensors are placed in checkpoint-file order (so reads are sequential),
+each at an offset aligned to ``ALIGN`` bytes; the slab's size is a multiple of ``ALIGN``.
+Tied weights absent from the checkpoint become aliases (``lm_head.weight`` ->
+``model.embed_tokens.weight`` when ``tie_word_embeddings``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from wcache.checkpoint import Checkpoint, TensorInfo
+from wcache.errors import CheckpointError
+from wcache.proto.frames import DTYPE_SIZES, TensorEntry, TensorTable
+from wcache.sharding import Shard, ShardPlan, shard_tensors
+
+__all__ = ["ALIGN", "FLOATING", "LAYOUT_VERSION", "Layout", "Placement", "plan_layout", "resolve_dtype"]
+
+#: Bump when placement rules change: a cached slab of another layout is another key.
+LAYOUT_VERSION = 1
+ALIGN = 256  # bytes: CUDA's allocation granularity for vectorised access, and cache lines
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+_CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def resolve_dtype(ckpt: Checkpoint, requested: str | None) -> str:
+    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint."""
+    if requested not in (None, "auto"):
+        if requested not in _CASTABLE:
+            raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(sorted(_CASTABLE))}")
+        return str(requested)
+    by_bytes: Counter[str] = Counter()
+    for t in ckpt.tensors.values():
+        if t.dtype in FLOATING:
+            by_bytes[t.dtype] += t.nbytes
+    return by_bytes.most_common(1)[0][0] if by_bytes else "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One tensor of the rank: read ``source`` (sliced by ``shard``), cast to ``dtype``,
+    store C-contiguous at ``offset``."""
+
+    source: TensorInfo
+    shard: Shard | None
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Layout:
+    placements: tuple[Placement, ...]
+    aliases: dict[str, str]
+    total_bytes: int  # slab size, a multiple of ALIGN
+    dtype: str
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.nbytes for p in self.placements)
+
+    def table(self) -> TensorTable:
+        """The STATE frame's tensor table for this layout (slab 0)."""
+        return TensorTable.from_entries(
+            [TensorEntry(p.source.name, p.dtype, p.shape, _contiguous(p.shape), 0, p.offset) for p in self.placements]
+        )
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_layout(ckpt: Checkpoint, *, tp_rank: int, tp_size: int, dtype: str, plan: ShardPlan | None) -> Layout:
+    """Place every tensor of the rank; raises ShardingError before any data is read."""
+    shards = shard_tensors(ckpt.tensors.values(), plan, tp_rank, tp_size)
+    order = sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.start))
+    placements: list[Placement] = []
+    offset = 0
+    for t in order:
+        shard = shards[t.name]
+        shape = list(t.shape)
+        if shard is not None:
+            shape[shard.dim] = shard.length
+        out_dtype = dtype if t.dtype in FLOATING else t.dtype
+        p = Placement(t, shard, out_dtype, tuple(shape), offset)
+        placements.append(p)
+        offset = _align(offset + p.nbytes)
+    aliases: dict[str, str] = {}
+    tie = ckpt.config.get("tie_word_embeddings")
+    if tie is True and "lm_head.weight" not in ckpt.tensors and "model.embed_tokens.weight" in ckpt.tensors:
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"
+    return Layout(tuple(placements), aliases, max(offset, ALIGN), dtype)

@@ -1,0 +1,231 @@
+"""The sans-I/O connection: bytes in, typed frames out; frames in, bytes out.
+
+Everything that affects the connection's state lives in this module: the transition
+table ``TRANSITIONS`` (docs/protocol.md §5), the outstanding request ids, and the leases
+granted on this connection. The asyncio server and client only move bytes between a
+socket and a :class:`Connection`.
+
+Errors: a frame the *peer* may not send now raises :class:`UnexpectedFrameError`
+(a :class:`ProtocolError`); a frame *we* may not send raises
+:class:`LocalProtocolError`. Malformed bytes raise :class:`ProtocolError`. After any
+of these from ``events()`` the connection should send ``fatal_error()`` and close.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+from wcache.errors import (
+    LocalProtocolError,
+    ProtocolError,
+    UnexpectedFrameError,
+    UnsupportedVersionError,
+    WCacheError,
+)
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_REPRESENTABLE, FrameBuffer, decode_body, gc_paused, pack_frame
+from wcache.proto.frames import (
+    ErrorFrame,
+    Frame,
+    Hello,
+    HelloOk,
+    Release,
+    Released,
+    State,
+    decode_frame,
+)
+
+__all__ = ["PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "Connection", "Role", "Phase", "TRANSITIONS"]
+
+#: The protocol version this implementation speaks (docs/protocol.md §3).
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class Phase(enum.Enum):
+    START = "start"  # nothing exchanged yet
+    HELLO_SENT = "hello_sent"  # client: HELLO out, awaiting HELLO_OK
+    HELLO_RECEIVED = "hello_received"  # server: HELLO in, must answer HELLO_OK or fatal ERROR
+    OPEN = "open"  # requests and replies flow
+    CLOSED = "closed"  # a fatal ERROR went either way, or the stream ended
+
+
+SEND, RECV = "send", "recv"
+#: (role, phase, direction, frame type) -> next phase. Absent = not allowed.
+#: A fatal ERROR (either direction, any phase) always leads to CLOSED; see _after().
+TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
+    (Role.CLIENT, Phase.START, SEND, "HELLO"): Phase.HELLO_SENT,
+    (Role.CLIENT, Phase.HELLO_SENT, RECV, "HELLO_OK"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "GET_STATE"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "RELEASE"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "STATUS"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "STATE"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "RELEASED"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "STATUS_REPLY"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "ERROR"): Phase.OPEN,
+    (Role.SERVER, Phase.START, RECV, "HELLO"): Phase.HELLO_RECEIVED,
+    (Role.SERVER, Phase.HELLO_RECEIVED, SEND, "HELLO_OK"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "GET_STATE"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "RELEASE"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "STATUS"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "STATE"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "RELEASED"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "STATUS_REPLY"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "ERROR"): Phase.OPEN,
+}
+#: Request type -> the reply type that answers it (ERROR answers any request).
+REPLY_TO = {"GET_STATE": "STATE", "RELEASE": "RELEASED", "STATUS": "STATUS_REPLY"}
+#: How many requests may wait for a reply on one connection.
+MAX_PENDING = 64
+
+
+class Connection:
+    """Protocol state of one connection, for either role.
+
+    >>> conn = Connection(Role.CLIENT)
+    >>> data = conn.send(Hello(versions=(1,)))   # bytes for the socket
+    >>> conn.receive_data(chunk)                 # bytes from the socket; b"" = EOF
+    >>> for frame in conn.events(): ...          # typed frames, validated
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        supported_versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+    ) -> None:
+        self.role = role
+        self.phase = Phase.START
+        self.version: int | None = None
+        self.supported_versions = supported_versions
+        self.max_frame_size = max_frame_size
+        #: request id -> request frame type, for requests awaiting a reply
+        self.pending: dict[int, str] = {}
+        #: leases granted on this connection and not yet released
+        self.leases: set[int] = set()
+        self._buffer = FrameBuffer(max_frame_size)
+        self._eof = False
+        self._next_id = 1
+
+    # ------------------------------------------------------------------ inbound
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes from the peer; ``b""`` marks the end of the stream."""
+        if not data:
+            self._eof = True
+            return
+        self._buffer.feed(data)
+
+    @property
+    def buffered(self) -> int:
+        return self._buffer.buffered
+
+    @property
+    def eof(self) -> bool:
+        return self._eof
+
+    def events(self) -> Iterator[Frame]:
+        """Yield each complete frame received so far, after validating it against the state.
+
+        Raises ProtocolError (or a subclass) on malformed bytes or an illegal frame.
+        A stream that ends inside a frame raises ProtocolError too.
+        """
+        while self.phase is not Phase.CLOSED:
+            body = self._buffer.next_body()
+            if body is None:
+                if self._eof:
+                    self.phase = Phase.CLOSED
+                    if self._buffer.buffered:
+                        raise ProtocolError(
+                            f"stream ended inside a frame ({self._buffer.buffered} bytes pending)"
+                        )
+                return
+            with gc_paused(len(body)):
+                frame = decode_frame(decode_body(body))
+            self._on(RECV, frame)
+            yield frame
+
+    # ------------------------------------------------------------------ outbound
+    def send(self, frame: Frame) -> bytes:
+        """Validate ``frame`` against the state, update the state, return its bytes."""
+        self._on(SEND, frame)
+        return pack_frame(frame.to_wire(), max_frame_size=MAX_REPRESENTABLE)
+
+    def next_request_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def hello_reply(self, hello: Hello, **fields: Any) -> HelloOk:
+        """Server: choose the version for ``hello`` or raise UnsupportedVersionError."""
+        common = set(hello.versions) & set(self.supported_versions)
+        if not common:
+            raise UnsupportedVersionError(
+                f"no common protocol version: client offers {list(hello.versions)}, "
+                f"daemon supports {list(self.supported_versions)}",
+                details={"offered": list(hello.versions), "supported": list(self.supported_versions)},
+            )
+        return HelloOk(version=max(common), max_frame_size=self.max_frame_size, **fields)
+
+    def fatal_error(self, exc: WCacheError, id: int = 0) -> bytes:
+        """Bytes of a fatal ERROR frame for ``exc``; the connection is CLOSED afterwards."""
+        return self.send(ErrorFrame.from_exception(exc, id, fatal=True))
+
+    # ------------------------------------------------------------------ state
+    def _on(self, direction: str, frame: Frame) -> None:
+        t = frame.TYPE
+        if isinstance(frame, ErrorFrame) and frame.fatal:
+            if self.phase is Phase.CLOSED and direction == SEND:
+                raise LocalProtocolError("connection is closed")
+            self.phase = Phase.CLOSED
+            return
+        nxt = TRANSITIONS.get((self.role, self.phase, direction, t))
+        if nxt is None:
+            msg = f"{t} frame not allowed in phase {self.phase.value} ({self.role.value} {direction})"
+            if direction == SEND:
+                raise LocalProtocolError(msg)
+            raise UnexpectedFrameError(msg, details={"type": t, "phase": self.phase.value})
+        self._check_ids(direction, frame)
+        self.phase = nxt
+
+    def _check_ids(self, direction: str, frame: Frame) -> None:
+        """Request/reply bookkeeping: ids pair replies with requests; STATE/RELEASED move leases."""
+        if isinstance(frame, Hello):
+            return
+        err = LocalProtocolError if direction == SEND else UnexpectedFrameError
+        if isinstance(frame, HelloOk):
+            if frame.version not in self.supported_versions:
+                raise err(
+                    f"protocol version {frame.version} is not one this side speaks",
+                    details={"chosen": frame.version, "supported": list(self.supported_versions)},
+                )
+            self.version = frame.version
+            return
+        rid = frame.id
+        if frame.TYPE in REPLY_TO:  # a request
+            if rid in self.pending:
+                raise err(f"request id {rid} is already waiting for a reply")
+            if len(self.pending) >= MAX_PENDING:
+                raise err(f"more than {MAX_PENDING} requests waiting for replies")
+            if isinstance(frame, Release) and direction == SEND and frame.lease not in self.leases:
+                raise LocalProtocolError(f"lease {frame.lease} is not held on this connection")
+            self.pending[rid] = frame.TYPE
+            return
+        if isinstance(frame, ErrorFrame) and rid == 0:
+            return  # a connection-level error, answering no particular request
+        req = self.pending.get(rid)
+        if req is None or (not isinstance(frame, ErrorFrame) and REPLY_TO[req] != frame.TYPE):
+            raise err(f"{frame.TYPE} with id {rid} answers no pending request of that kind")
+        del self.pending[rid]
+        if isinstance(frame, State):
+            if frame.lease in self.leases:
+                raise err(f"lease {frame.lease} granted twice on one connection")
+            self.leases.add(frame.lease)
+        elif isinstance(frame, Released):
+            self.leases.discard(frame.lease)

@@ -1,0 +1,149 @@
+"""Tensor-parallel sharding plans: which dimension of each tensor a rank takes a slice of.
+
+A plan is an ordered list of (regex, dim) rules; the first rule whose pattern matches
+the whole tensor name wins; ``dim`` None means replicated. Built-in plans cover the
+Llama family; anything else takes a JSON plan file::
+
+    {"name": "my-arch", "rules": [{"pattern": ".*\\\\.wq\\\\.weight", "dim": 0},
+                                  {"pattern": ".*norm.*", "dim": null}]}
+
+Everything is checked before any tensor data is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from wcache.checkpoint import TensorInfo
+from wcache.errors import ShardingError
+
+__all__ = ["BUILTIN_PLANS", "Shard", "ShardPlan", "load_plan_file", "resolve_plan", "shard_tensors"]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank's slice of a tensor: ``length`` entries of dimension ``dim`` from ``start``."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    name: str
+    rules: tuple[tuple[re.Pattern[str], int | None], ...]
+    id: str
+
+    def dim_for(self, name: str) -> int | None:
+        for pattern, dim in self.rules:
+            if pattern.fullmatch(name):
+                return dim
+        raise KeyError(name)
+
+
+def _plan(name: str, rules: Iterable[tuple[str, int | None]], id: str) -> ShardPlan:
+    return ShardPlan(name, tuple((re.compile(p), d) for p, d in rules), id)
+
+
+_LLAMA_RULES: list[tuple[str, int | None]] = [
+    (r"model\.embed_tokens\.weight", 0),
+    (r"lm_head\.weight", 0),
+    (r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)", 0),
+    (r".*\.(o_proj|down_proj)\.weight", 1),
+    (r".*\.(o_proj|down_proj)\.bias", None),
+    (r".*norm\.(weight|bias)", None),
+    (r".*\.rotary_emb\.inv_freq", None),
+]
+LLAMA_PLAN = _plan("llama", _LLAMA_RULES, "builtin:llama/1")
+#: architecture (config.json "architectures"[0]) -> plan
+BUILTIN_PLANS: dict[str, ShardPlan] = {
+    arch: LLAMA_PLAN
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+}
+
+
+def load_plan_file(path: str | os.PathLike[str]) -> ShardPlan:
+    """Parse a JSON plan file; its id is a hash of its canonical content."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardingError(f"shard plan {p}: cannot read ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
+        raise ShardingError(f"shard plan {p}: expected an object with a 'rules' array")
+    rules: list[tuple[str, int | None]] = []
+    for i, r in enumerate(data["rules"]):
+        if not isinstance(r, dict) or not isinstance(r.get("pattern"), str):
+            raise ShardingError(f"shard plan {p}: rule {i} needs a string 'pattern'")
+        dim = r.get("dim")
+        if dim is not None and (type(dim) is not int or dim < 0):
+            raise ShardingError(f"shard plan {p}: rule {i} 'dim' must be a non-negative integer or null")
+        try:
+            re.compile(r["pattern"])
+        except re.error as exc:
+            raise ShardingError(f"shard plan {p}: rule {i} pattern is not a valid regex ({exc})") from exc
+        rules.append((r["pattern"], dim))
+    canon = json.dumps(rules, separators=(",", ":")).encode()
+    name = data.get("name") if isinstance(data.get("name"), str) else p.stem
+    return _plan(str(name), rules, "file:" + hashlib.sha256(canon).hexdigest()[:16])
+
+
+def resolve_plan(architecture: str, tp_size: int, plan_file: str | os.PathLike[str] | None = None) -> ShardPlan | None:
+    """The plan for this architecture (a plan file wins); None when tp_size is 1 and no file."""
+    if plan_file is not None:
+        return load_plan_file(plan_file)
+    if tp_size == 1:
+        return None
+    plan = BUILTIN_PLANS.get(architecture)
+    if plan is None:
+        raise ShardingError(
+            f"no built-in sharding plan for architecture {architecture or '(none in config.json)'!r} "
+            f"(built in: {', '.join(sorted(BUILTIN_PLANS))}); pass a plan file with --shard-plan"
+        )
+    return plan
+
+
+def shard_tensors(
+    tensors: Iterable[TensorInfo], plan: ShardPlan | None, tp_rank: int, tp_size: int
+) -> dict[str, Shard | None]:
+    """Each tensor's slice for this rank (None = whole tensor); raises ShardingError first."""
+    if not 0 <= tp_rank < tp_size:
+        raise ShardingError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
+    out: dict[str, Shard | None] = {}
+    unmatched: list[str] = []
+    bad: list[str] = []
+    for t in tensors:
+        if plan is None or tp_size == 1:
+            out[t.name] = None
+            continue
+        try:
+            dim = plan.dim_for(t.name)
+        except KeyError:
+            unmatched.append(t.name)
+            continue
+        if dim is None:
+            out[t.name] = None
+            continue
+        if dim >= len(t.shape) or t.shape[dim] % tp_size:
+            bad.append(f"{t.name} (shape {list(t.shape)}, dim {dim})")
+            continue
+        n = t.shape[dim] // tp_size
+        out[t.name] = Shard(dim, tp_rank * n, n)
+    if unmatched:
+        raise ShardingError(
+            f"plan {plan.name if plan else ''!r} has no rule for {len(unmatched)} tensor(s): "
+            + ", ".join(unmatched[:10])
+            + (" ..." if len(unmatched) > 10 else "")
+        )
+    if bad:
+        raise ShardingError(
+            f"cannot split for tp_size {tp_size}: " + ", ".join(bad[:10]) + (" ..." if len(bad) > 10 else "")
+        )
+    return out
