@@ -63,10 +63,7 @@ _LLAMA_RULES: list[tuple[str, int | None]] = [
 ]
 LLAMA_PLAN = _plan("llama", _LLAMA_RULES, "builtin:llama/1")
 #: architecture (config.json "architectures"[0]) -> plan
-BUILTIN_PLANS: dict[str, ShardPlan] = {
-    arch: LLAMA_PLAN
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-}
+BUILTIN_PLANS: dict[str, ShardPlan] = dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), LLAMA_PLAN)
 
 
 def load_plan_file(path: str | os.PathLike[str]) -> ShardPlan:

@@ -131,7 +131,7 @@ class FrameBuffer:
     in, before any of the body is kept waiting for the rest.
     """
 
-    __slots__ = ("_buf", "_pos", "_need", "max_frame_size")
+    __slots__ = ("_buf", "_need", "_pos", "max_frame_size")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if not 1 <= max_frame_size <= MAX_REPRESENTABLE:

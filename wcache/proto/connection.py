@@ -24,7 +24,14 @@ from wcache.errors import (
     UnsupportedVersionError,
     WCacheError,
 )
-from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_REPRESENTABLE, FrameBuffer, decode_body, gc_paused, pack_frame
+from wcache.proto.codec import (
+    DEFAULT_MAX_FRAME_SIZE,
+    MAX_REPRESENTABLE,
+    FrameBuffer,
+    decode_body,
+    gc_paused,
+    pack_frame,
+)
 from wcache.proto.frames import (
     ErrorFrame,
     Frame,

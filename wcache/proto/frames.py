@@ -14,8 +14,8 @@ import operator
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import accumulate, chain, repeat
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, repeat
 from typing import Any, ClassVar, NamedTuple, Union
 
 from wcache.errors import ErrorCode, ProtocolError, WCacheError

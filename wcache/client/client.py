@@ -1,0 +1,331 @@
+"""``WCacheClient``: connect, HELLO, GET_STATE, map, build views — typically a few ms.
+
+One connection per fetch. In zero_copy mode the connection *is* the lease's lifeline:
+it stays open until ``release()``; if the engine dies the kernel closes it and the
+daemon ends the lease. In copy mode the client copies the slab into its own memory and
+releases at once.
+
+Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed),
+the daemon's errors as their ``ServerError`` subclasses (``KeyMismatchError`` ...),
+``ProtocolError`` for bytes that break docs/protocol.md. A fetch cancelled at any point
+closes its connection, so the daemon frees its lease, and the client stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from wcache import __version__
+from wcache.channel import Channel, close_fds, peer_credentials
+from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
+from wcache.key import WeightCacheKey
+from wcache.paths import default_socket_dir, socket_name
+from wcache.proto import (
+    PROTOCOL_VERSION,
+    Connection,
+    ErrorFrame,
+    Frame,
+    GetState,
+    Hello,
+    HelloOk,
+    Release,
+    Role,
+    State,
+    Status,
+    StatusReply,
+)
+
+__all__ = ["CachedWeights", "WCacheClient"]
+
+MODES = ("zero_copy", "copy")
+
+
+class CachedWeights(Mapping[str, torch.Tensor]):
+    """A read-only name -> tensor mapping backed by a daemon lease (aliases included).
+
+    ``await weights.release()`` (or ``async with``) ends the lease. In zero_copy mode
+    the tensors are views of the daemon's memory: do not write to them, and on CUDA do
+    not use them after release(). Copy-mode tensors are the engine's own.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        key: WeightCacheKey,
+        lease: int,
+        mode: str,
+        aliases: dict[str, str],
+        channel: Channel | None,
+        hello: HelloOk,
+        socket_path: Path,
+        keepalive: list[Any],
+    ) -> None:
+        self._tensors = tensors
+        self.key = key
+        self.lease = lease
+        self.mode = mode
+        self.aliases = dict(aliases)
+        self.server = hello
+        self.socket_path = socket_path
+        self._channel = channel
+        self._keepalive = keepalive
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<CachedWeights {self.key.short()} tensors={len(self)} mode={self.mode} lease={self.lease} {state}>"
+
+    @property
+    def released(self) -> bool:
+        return self._channel is None or self._channel.closed
+
+    async def release(self, timeout: float = 5.0) -> None:
+        """End the lease (RELEASE, await RELEASED) and close the connection. Idempotent.
+
+        If the daemon is gone the lease is gone with it; that is not an error.
+        """
+        ch, self._channel = self._channel, None
+        if ch is None or ch.closed:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await ch.send(Release(id=ch.conn.next_request_id(), lease=self.lease))
+                frame, fds = await ch.receive()
+                close_fds(fds)
+                if isinstance(frame, ErrorFrame):
+                    raise error_from_frame(frame.code, frame.message, frame.details)
+        except (EOFError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            ch.close()
+
+    def release_sync(self, timeout: float = 5.0) -> None:
+        """Blocking release() for code without an event loop."""
+        ch, self._channel = self._channel, None
+        if ch is None or ch.closed:
+            return
+        try:
+            ch.sock.setblocking(True)
+            ch.sock.settimeout(timeout)
+            ch.sock.sendall(ch.conn.send(Release(id=ch.conn.next_request_id(), lease=self.lease)))
+            while ch.conn.pending:
+                data = ch.sock.recv(1 << 16)
+                ch.conn.receive_data(data)
+                for frame in ch.conn.events():
+                    if isinstance(frame, ErrorFrame):
+                        raise error_from_frame(frame.code, frame.message, frame.details)
+                if not data:
+                    break
+        except (OSError, EOFError):
+            pass
+        finally:
+            ch.close()
+
+    async def __aenter__(self) -> CachedWeights:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.release()
+
+    def __del__(self) -> None:
+        ch = getattr(self, "_channel", None)
+        if ch is not None:
+            ch.close()  # the daemon sees EOF and ends the lease
+
+
+class WCacheClient:
+    """Fetches weights from wcache daemons.
+
+    ``socket_path`` names one daemon; ``socket_dir`` (default: the private default
+    directory) picks ``wcache-rank<N>.sock`` by the key's tp_rank, so one client can
+    ``asyncio.gather`` several ranks, each from its own daemon.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        socket_dir: str | os.PathLike[str] | None = None,
+        timeout: float = 30.0,
+        name: str = "",
+        device: torch.device | str | None = None,
+    ) -> None:
+        if socket_path is not None and socket_dir is not None:
+            raise ValueError("give socket_path or socket_dir, not both")
+        self.socket_path = Path(socket_path) if socket_path is not None else None
+        self.socket_dir = Path(socket_dir) if socket_dir is not None else None
+        self.timeout = timeout
+        self.name = name or f"pid{os.getpid()}"
+        self.device = torch.device(device) if device is not None else None
+
+    def socket_for(self, key: WeightCacheKey | None = None) -> Path:
+        if self.socket_path is not None:
+            return self.socket_path
+        return (self.socket_dir or default_socket_dir()) / socket_name(key.tp_rank if key else 0)
+
+    # ------------------------------------------------------------------ connection
+    async def _connect(self, path: Path) -> tuple[Channel, HelloOk]:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, str(path))
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+            sock.close()
+            raise CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}") from exc
+        creds = peer_credentials(sock)
+        if creds.uid not in (os.geteuid(), 0):
+            sock.close()
+            raise CacheUnavailableError(
+                f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it"
+            )
+        ch = Channel(sock, Connection(Role.CLIENT), accept_fds=True)
+        try:
+            await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=f"wcache/{__version__}", name=self.name))
+            frame, _ = await _expect(ch)
+            assert isinstance(frame, HelloOk)
+        except BaseException:
+            ch.close()
+            raise
+        return ch, frame
+
+    async def fetch(
+        self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
+    ) -> CachedWeights:
+        """Lease and map the weights for ``key``. See the module docstring for errors."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        path = self.socket_for(key)
+        limit = self.timeout if timeout is None else timeout
+        ch: Channel | None = None
+        try:
+            async with asyncio.timeout(limit):
+                ch, hello = await self._connect(path)
+                device_uuid = ""
+                if hello.backend == "cuda":
+                    from wcache.client import cuda
+
+                    device_uuid = cuda.local_uuid(self.device, hello.device.uuid)
+                req = GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid)
+                await ch.send(req)
+                frame, fds = await _expect(ch)
+                if not isinstance(frame, State):
+                    close_fds(fds)
+                    raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+                return await self._materialise(ch, hello, frame, fds, key, mode, path)
+        except TimeoutError as exc:
+            if ch is not None:
+                ch.close()
+            raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
+        except (EOFError, ConnectionError) as exc:
+            if ch is not None:
+                ch.close()
+            raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
+        except BaseException:
+            if ch is not None:
+                ch.close()
+            raise
+
+    async def _materialise(
+        self,
+        ch: Channel,
+        hello: HelloOk,
+        state: State,
+        fds: list[int],
+        key: WeightCacheKey,
+        mode: str,
+        path: Path,
+    ) -> CachedWeights:
+        from wcache.client.mapping import build_views, map_slabs
+
+        slabs = map_slabs(state, fds, self.device)
+        keepalive: list[Any] = list(slabs)
+        if mode == "copy":
+            bases = [s.base.clone() for s in slabs]
+            for s in slabs:
+                s.close()
+            keepalive = []
+            tensors = build_views(state, bases)
+            weights = CachedWeights(
+                tensors,
+                key=key,
+                lease=state.lease,
+                mode=mode,
+                aliases=state.aliases,
+                channel=ch,
+                hello=hello,
+                socket_path=path,
+                keepalive=keepalive,
+            )
+            await weights.release()
+            return weights
+        tensors = build_views(state, [s.base for s in slabs])
+        return CachedWeights(
+            tensors,
+            key=key,
+            lease=state.lease,
+            mode=mode,
+            aliases=state.aliases,
+            channel=ch,
+            hello=hello,
+            socket_path=path,
+            keepalive=keepalive,
+        )
+
+    async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
+        """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
+        path = self.socket_for(key)
+        limit = self.timeout if timeout is None else timeout
+        ch: Channel | None = None
+        try:
+            async with asyncio.timeout(limit):
+                ch, _ = await self._connect(path)
+                await ch.send(Status(id=ch.conn.next_request_id()))
+                frame, _ = await _expect(ch)
+                assert isinstance(frame, StatusReply)
+                return frame
+        except TimeoutError as exc:
+            raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
+        except (EOFError, ConnectionError) as exc:
+            raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
+        finally:
+            if ch is not None:
+                ch.close()
+
+    def fetch_sync(
+        self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
+    ) -> CachedWeights:
+        """Blocking fetch() for engines without an event loop (not from inside a running loop)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.fetch(key, mode, timeout=timeout))
+        raise RuntimeError("fetch_sync() called from a running event loop; use 'await client.fetch(...)'")
+
+
+async def _expect(ch: Channel) -> tuple[Frame, list[int]]:
+    """The next frame; an ERROR frame becomes its exception class."""
+    frame, fds = await ch.receive()
+    if isinstance(frame, ErrorFrame):
+        close_fds(fds)
+        raise error_from_frame(frame.code, frame.message, frame.details)
+    return frame, fds

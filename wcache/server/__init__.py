@@ -1,0 +1,2 @@
+"""The daemon: ``cli`` (wcache-server), ``daemon`` (asyncio socket server), ``store``
+(model and leases), ``loader`` (safetensors -> slab), ``security``, ``backends``."""

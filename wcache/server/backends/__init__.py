@@ -1,0 +1,1 @@
+"""Slab backends: ``host`` (memfd shared memory) and ``cuda`` (CUDA IPC / VMM)."""

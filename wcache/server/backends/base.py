@@ -1,0 +1,50 @@
+"""What a slab backend provides. Backends differ only in how a slab is allocated,
+exported and (client side, wcache/client/mapping.py) mapped; protocol, store, leases,
+layout and loader are shared.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from wcache.proto import DeviceInfo, SlabDescriptor
+
+__all__ = ["Backend", "Slab"]
+
+
+class Slab(Protocol):
+    """One contiguous allocation holding a rank's tensors at their layout offsets."""
+
+    size: int
+
+    def tensor(self) -> torch.Tensor:
+        """A writable uint8 tensor over the whole slab, for loading (only before seal())."""
+        ...
+
+    def host_buffer(self) -> memoryview | None:
+        """A writable view of host memory to read files straight into, or None (device memory)."""
+        ...
+
+    def seal(self) -> None:
+        """Loading is done: drop writable access the daemon no longer needs."""
+        ...
+
+    def export(self) -> tuple[SlabDescriptor, list[int]]:
+        """The descriptor for STATE (its ``fd`` is 0 when a descriptor travels) and the fds to
+        send. The daemon keeps owning those fds; the kernel duplicates them into the peer."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str  # "host" | "cuda"
+    device: DeviceInfo
+
+    def check_platform(self) -> None:
+        """Raise UnsupportedPlatformError if this machine cannot share this kind of memory."""
+        ...
+
+    def allocate(self, nbytes: int) -> Slab: ...

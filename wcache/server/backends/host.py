@@ -1,0 +1,89 @@
+"""Host backend: the slab is a sealed memfd in shared memory; clients map it read-only.
+
+After loading, the daemon drops its writable mapping and adds F_SEAL_WRITE/SHRINK/GROW:
+from then on no process, the daemon included, can change or resize the bytes, so a
+client that receives the fd cannot corrupt the weights other engines map.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import sys
+
+import torch
+
+from wcache.errors import UnsupportedPlatformError
+from wcache.proto import DeviceInfo, SlabDescriptor
+
+__all__ = ["HostBackend", "HostSlab"]
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
+
+
+class HostSlab:
+    def __init__(self, nbytes: int, name: str = "wcache-slab") -> None:
+        self.size = nbytes
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self._mm: mmap.mmap | None = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._tensor: torch.Tensor | None = None
+        self.sealed = False
+
+    def tensor(self) -> torch.Tensor:
+        if self._mm is None:
+            raise RuntimeError("slab is sealed")
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._tensor
+
+    def host_buffer(self) -> memoryview | None:
+        if self._mm is None:
+            raise RuntimeError("slab is sealed")
+        return memoryview(self._mm)
+
+    def seal(self) -> None:
+        self._tensor = None  # releases torch's export of the mmap buffer
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        self.sealed = True
+
+    def export(self) -> tuple[SlabDescriptor, list[int]]:
+        return SlabDescriptor(size=self.size, kind="memfd", fd=0), [self.fd]
+
+    def close(self) -> None:
+        self._tensor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            self._mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class HostBackend:
+    name = "host"
+
+    def __init__(self) -> None:
+        self.device = DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory")
+
+    def check_platform(self) -> None:
+        if sys.platform != "linux" or not hasattr(os, "memfd_create") or not hasattr(fcntl, "F_ADD_SEALS"):
+            raise UnsupportedPlatformError(
+                f"the host backend needs Linux memfd with sealing and SCM_RIGHTS; this is {sys.platform}. "
+                "Alternatives: load weights from disk normally (the client falls back to it)",
+                details={"platform": sys.platform, "backend": self.name},
+            )
+
+    def allocate(self, nbytes: int) -> HostSlab:
+        return HostSlab(nbytes)

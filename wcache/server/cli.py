@@ -1,0 +1,152 @@
+"""``wcache-server``: load one rank of a checkpoint and serve it on a Unix socket.
+
+Order of work, so that a bad start costs nothing: arguments -> socket directory checks
+-> one-daemon lock -> platform check -> checkpoint headers, key and shard plan (no data)
+-> load into one slab -> listen -> ready line (and ready file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from wcache import __version__
+from wcache.errors import WCacheError
+from wcache.paths import default_socket_dir, socket_name
+from wcache.server.backends.base import Backend
+from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
+
+__all__ = ["main", "make_backend", "parse_args"]
+
+log = logging.getLogger("wcache.server")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="wcache-server",
+        description="Keep one tensor-parallel rank of a safetensors checkpoint resident and hand it to "
+        "engines over a Unix socket (docs/protocol.md).",
+    )
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors + config.json)")
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "float64"])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket-path", type=Path, help="socket file (its directory must be private)")
+    where.add_argument("--socket-dir", type=Path, help=f"directory for {socket_name(0)} etc. (default: private dir)")
+    p.add_argument("--shard-plan", type=Path, help="JSON sharding plan for architectures without a built-in one")
+    p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
+    p.add_argument("--verify-content", action="store_true", help="fingerprint the data too, not only headers")
+    p.add_argument("--threads", type=int, default=8, help="reader threads for loading")
+    p.add_argument("--max-frame-size", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
+        p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
+    return args
+
+
+def make_backend(device: str) -> Backend:
+    if device == "cpu":
+        from wcache.server.backends.host import HostBackend
+
+        return HostBackend()
+    if device == "cuda" or device.startswith("cuda:"):
+        from wcache.server.backends.cuda import CudaBackend
+
+        return CudaBackend(int(device.split(":", 1)[1]) if ":" in device else 0)
+    raise SystemExit(f"wcache-server: error: --device must be cpu or cuda:K, got {device!r}")
+
+
+def resolve_socket(args: argparse.Namespace) -> Path:
+    if args.socket_path is not None:
+        path = Path(os.path.abspath(args.socket_path))
+        check_private_dir(path.parent)
+        return path
+    d = args.socket_dir if args.socket_dir is not None else default_socket_dir()
+    if args.socket_dir is None:
+        ensure_socket_dir(d)
+    else:
+        check_private_dir(Path(os.path.abspath(d)))
+    return Path(os.path.abspath(d)) / socket_name(args.tp_rank)
+
+
+def write_ready(path: Path, payload: dict[str, object]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload) + "\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wcache.server.daemon import Daemon
+    from wcache.server.store import Store, load_model
+
+    sock_path = resolve_socket(args)
+    lock = DaemonLock(sock_path)
+    lock.acquire()
+    try:
+        backend = make_backend(args.device)
+        backend.check_platform()
+        model = load_model(
+            args.model,
+            backend=backend,
+            tp_rank=args.tp_rank,
+            tp_size=args.tp_size,
+            dtype=args.dtype,
+            plan_file=args.shard_plan,
+            verify_content=args.verify_content,
+            threads=args.threads,
+        )
+        try:
+            daemon = Daemon(Store(model), sock_path, software=f"wcache/{__version__}", max_frame_size=args.max_frame_size)
+
+            def ready() -> None:
+                st = model.stats
+                log.info(
+                    "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f",
+                    sock_path,
+                    model.key.short(),
+                    backend.name,
+                    backend.device.uuid or backend.device.kind,
+                    len(model.table),
+                    model.slab_bytes,
+                    st.seconds,
+                    st.gb_per_s,
+                )
+                if args.ready_file is not None:
+                    write_ready(
+                        args.ready_file,
+                        {"socket": str(sock_path), "pid": os.getpid(), "key": model.key.to_wire()},
+                    )
+
+            import uvloop
+
+            uvloop.run(daemon.serve(ready))
+        finally:
+            model.close()
+    finally:
+        lock.release()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s wcache-server[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return run(args)
+    except WCacheError as exc:
+        print(f"wcache-server: error: {exc.message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

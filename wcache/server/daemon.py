@@ -1,0 +1,252 @@
+"""The asyncio Unix-socket server: accept, check the peer, move bytes, dispatch.
+
+Parsing lives in wcache.proto, lease logic in store.py; this module only moves bytes
+between sockets and Connection objects and turns failures into ERROR frames. Nothing a
+client sends can stop the daemon: every exception in a connection's handler ends at
+most that connection (docs/protocol.md §6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from wcache.channel import Channel, peer_credentials
+from wcache.errors import InternalError, PermissionDeniedError, ProtocolError, WCacheError
+from wcache.proto import (
+    DEFAULT_MAX_FRAME_SIZE,
+    Connection,
+    ErrorFrame,
+    GetState,
+    Hello,
+    Release,
+    Role,
+    Status,
+    StatusReply,
+)
+from wcache.server.store import Store
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("wcache.server")
+
+
+class Daemon:
+    def __init__(
+        self,
+        store: Store,
+        socket_path: Path,
+        *,
+        software: str,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        handshake_timeout: float = 10.0,
+        idle_timeout: float | None = None,
+        max_connections: int = 1024,
+        shutdown_grace: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.socket_path = Path(socket_path)
+        self.software = software
+        self.max_frame_size = max_frame_size
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.shutdown_grace = shutdown_grace
+        self.started = time.monotonic()
+        self._stop = asyncio.Event()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._busy: set[int] = set()
+        self._next_conn = 1
+        self._uid = os.geteuid()
+        self._tag = f"socket={self.socket_path}"
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _bind(self) -> socket.socket:
+        # Only the lock holder gets here (cli.py), so a leftover socket file is stale.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            sock.bind(str(self.socket_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, 0o600)
+        sock.listen(512)
+        sock.setblocking(False)
+        return sock
+
+    async def serve(self, on_ready: object | None = None) -> None:
+        """Serve until stop() or SIGTERM/SIGINT; then drain and unlink the socket."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop)
+        listener = self._bind()
+        if callable(on_ready):
+            on_ready()
+        accept = asyncio.ensure_future(self._accept_loop(listener))
+        try:
+            await self._stop.wait()
+        finally:
+            accept.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await accept
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            await self._drain()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+            log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
+
+    async def _drain(self) -> None:
+        """Let requests being answered finish (up to shutdown_grace), then close every connection."""
+        deadline = time.monotonic() + self.shutdown_grace
+        while self._busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                log.warning("accept failed %s error=%s", self._tag, exc)
+                await asyncio.sleep(0.1)
+                continue
+            conn_id = self._next_conn
+            self._next_conn += 1
+            task = asyncio.ensure_future(self._serve_connection(sock, conn_id))
+            self._tasks[conn_id] = task
+            task.add_done_callback(lambda _t, c=conn_id: self._tasks.pop(c, None))
+
+    # ------------------------------------------------------------------ one connection
+    async def _serve_connection(self, sock: socket.socket, conn_id: int) -> None:
+        conn = Connection(Role.SERVER, max_frame_size=self.max_frame_size)
+        ch = Channel(sock, conn, accept_fds=False)
+        pid = -1
+        try:
+            creds = peer_credentials(sock)
+            pid = creds.pid
+            if creds.uid != self._uid:
+                log.warning("refused %s pid=%d uid=%d reason=uid-mismatch", self._tag, creds.pid, creds.uid)
+                await ch.send_bytes(
+                    conn.fatal_error(
+                        PermissionDeniedError(
+                            f"peer uid {creds.uid} is not the daemon's uid {self._uid}",
+                            details={"peer_uid": creds.uid},
+                        )
+                    )
+                )
+                return
+            if len(self._tasks) > self.max_connections:
+                raise ProtocolError(f"too many connections (limit {self.max_connections})")
+            await self._handshake(ch, conn)
+            while True:
+                frame, _ = await asyncio.wait_for(ch.receive(), self.idle_timeout)
+                self._busy.add(conn_id)
+                try:
+                    await self._dispatch(ch, frame, conn_id, pid)
+                finally:
+                    self._busy.discard(conn_id)
+        except ProtocolError as exc:
+            log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ch.send_bytes(conn.fatal_error(exc)), 1.0)
+        except (EOFError, ConnectionError, TimeoutError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # never let one connection take the daemon down
+            log.exception("connection handler failed %s pid=%d", self._tag, pid)
+        finally:
+            ended = self.store.drop_connection(conn_id)
+            if ended:
+                log.info(
+                    "connection closed %s pid=%d leases_ended=%d leases_left=%d",
+                    self._tag,
+                    pid,
+                    len(ended),
+                    len(self.store.leases),
+                )
+            ch.close()
+
+    async def _handshake(self, ch: Channel, conn: Connection) -> None:
+        frame, _ = await asyncio.wait_for(ch.receive(), self.handshake_timeout)
+        assert isinstance(frame, Hello)  # the transition table admits nothing else here
+        m = self.store.model
+        reply = conn.hello_reply(
+            frame,
+            software=self.software,
+            backend=m.backend.name,
+            device=m.backend.device,
+            server_pid=os.getpid(),
+        )
+        await ch.send(reply)
+
+    async def _dispatch(self, ch: Channel, frame: object, conn_id: int, pid: int) -> None:
+        rid = getattr(frame, "id", 0)
+        try:
+            if isinstance(frame, GetState):
+                state, fds = self.store.acquire(conn_id, pid, frame)
+                await ch.send(state, fds)
+                log.info(
+                    "lease granted %s pid=%d lease=%d mode=%s key=%s tensors=%d bytes=%d leases=%d",
+                    self._tag,
+                    pid,
+                    state.lease,
+                    frame.mode,
+                    self.store.model.key.short(),
+                    len(state.tensors),
+                    self.store.model.slab_bytes,
+                    len(self.store.leases),
+                )
+            elif isinstance(frame, Release):
+                released = self.store.release(conn_id, frame)
+                await ch.send(released)
+                log.info(
+                    "lease released %s pid=%d lease=%d leases_left=%d", self._tag, pid, frame.lease, released.leases_left
+                )
+            elif isinstance(frame, Status):
+                await ch.send(self.status_reply(frame.id))
+            else:  # the transition table admits no other frame here
+                raise ProtocolError(f"unexpected {type(frame).__name__}")
+        except ProtocolError:
+            raise
+        except WCacheError as exc:
+            log.info("request refused %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
+            await ch.send(ErrorFrame.from_exception(exc, rid))
+        except (ConnectionError, OSError):
+            raise
+        except Exception as exc:
+            log.exception("request failed %s pid=%d", self._tag, pid)
+            await ch.send(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
+
+    def status_reply(self, rid: int) -> StatusReply:
+        m = self.store.model
+        return StatusReply(
+            id=rid,
+            software=self.software,
+            backend=m.backend.name,
+            device=m.backend.device,
+            uptime_seconds=time.monotonic() - self.started,
+            connections=len(self._tasks),
+            models=(self.store.model_info(),),
+            leases=self.store.lease_infos(),
+        )

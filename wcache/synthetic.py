@@ -1,0 +1,111 @@
+"""Llama-shaped synthetic checkpoints, made locally (no downloads) for the demo, tests and
+benchmarks. Values are random; shapes, names, config.json and the sharded index are
+what Hugging Face writes for LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["LLAMA3_8B", "TINY", "LlamaShape", "make_llama_checkpoint"]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie_word_embeddings: bool = False
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            out += [
+                (p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (self.intermediate, h)),
+                (p + "mlp.up_proj.weight", (self.intermediate, h)),
+                (p + "mlp.down_proj.weight", (h, self.intermediate)),
+            ]
+        out.append(("model.norm.weight", (h,)))
+        if not self.tie_word_embeddings:
+            out.append(("lm_head.weight", (self.vocab, h)))
+        return out
+
+    def config(self, dtype: str) -> dict[str, object]:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "hidden_act": "silu",
+            "torch_dtype": dtype,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+
+
+#: Llama-3-8B shapes: 291 tensors, 16.06 GB in bf16.
+LLAMA3_8B = LlamaShape(4096, 14336, 32, 32, 8, 128256)
+#: A few MB: the demo's and the tests' default.
+TINY = LlamaShape(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, vocab=4096)
+
+
+def make_llama_checkpoint(
+    path: str | os.PathLike[str],
+    shape: LlamaShape = TINY,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    shards: int = 1,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Path:
+    """Write ``config.json`` and ``shards`` safetensors files (+ index when > 1) under ``path``."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    names = shape.tensors()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    per = -(-len(names) // shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for s in range(shards):
+        chunk = names[s * per : (s + 1) * per]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for name, shp in chunk:
+            t = torch.randn(shp, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
+            tensors[name] = t.cpu()
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, str(root / fname), metadata={"format": "pt"})
+        del tensors
+    dtype_name = str(dtype).removeprefix("torch.")
+    (root / "config.json").write_text(json.dumps(shape.config(dtype_name), indent=2) + "\n")
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (root / "wcache-synthetic.json").write_text(json.dumps({"shape": asdict(shape), "seed": seed}) + "\n")
+    return root
