@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from wcache.errors import FrameTooLargeError, ProtocolError
+from wcache.errors import FrameTooLargeError, LocalProtocolError, ProtocolError
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
@@ -55,8 +55,15 @@ class Preencoded:
 
 def encode_body(payload: dict[str, Any]) -> bytes:
     """msgpack-encode one frame map (bin type for bytes, str for text)."""
-    if not any(type(v) is Preencoded for v in payload.values()):
-        return msgpack.packb(payload, use_bin_type=True)
+    try:
+        if not any(type(v) is Preencoded for v in payload.values()):
+            return msgpack.packb(payload, use_bin_type=True)
+        return _splice(payload)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"cannot encode frame: {exc}") from exc
+
+
+def _splice(payload: dict[str, Any]) -> bytes:
     n = len(payload)
     parts = [bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)]
     for k, v in payload.items():

@@ -160,22 +160,21 @@ class _Fields:
         return v
 
 
-def _check_plain(frame: str, fld: str, v: Any, depth: int = 0) -> None:
-    """ERROR details: nested maps/arrays of str, int, float, bool, nil, bin; string keys."""
+def _plain(frame: str, fld: str, v: Any, depth: int = 0) -> Any:
+    """Validate free-form ERROR details and return them with arrays as lists.
+
+    Allowed: nested maps (str keys) and arrays of str, int, float, bool, nil, bin; depth <= 8.
+    """
     if depth > 8:
         raise _fail(frame, fld, "nested too deeply")
     if v is None or type(v) in (str, int, float, bool, bytes):
-        return
+        return v
     if type(v) is list or type(v) is tuple:
-        for x in v:
-            _check_plain(frame, fld, x, depth + 1)
-        return
+        return [_plain(frame, fld, x, depth + 1) for x in v]
     if type(v) is dict:
-        for k, x in v.items():
-            if type(k) is not str:
-                raise _fail(frame, fld, "map keys must be strings")
-            _check_plain(frame, fld, x, depth + 1)
-        return
+        if any(type(k) is not str for k in v):
+            raise _fail(frame, fld, "map keys must be strings")
+        return {k: _plain(frame, fld, x, depth + 1) for k, x in v.items()}
     raise _fail(frame, fld, f"unsupported value type {type(v).__name__}")
 
 
@@ -771,8 +770,7 @@ class ErrorFrame:
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> ErrorFrame:
         f = _Fields(cls.TYPE, m)
-        details = f.map("details", {})
-        _check_plain(cls.TYPE, "details", details)
+        details = _plain(cls.TYPE, "details", f.map("details", {}))
         return cls(
             id=f.int("id", 0),
             code=f.int("code", hi=2**31 - 1),

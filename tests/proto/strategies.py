@@ -1,0 +1,150 @@
+"""Hypothesis strategies producing valid frames of every type."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from wcache.proto import (
+    DTYPE_SIZES,
+    DeviceInfo,
+    ErrorFrame,
+    GetState,
+    Hello,
+    HelloOk,
+    LeaseInfo,
+    ModelInfo,
+    Release,
+    Released,
+    SlabDescriptor,
+    State,
+    Status,
+    StatusReply,
+    TensorEntry,
+    TensorTable,
+    tensor_extent,
+)
+
+text = st.text(max_size=40)
+ids = st.integers(1, 2**63 - 1)
+uints = st.integers(0, 2**63 - 1)
+floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
+keys = st.dictionaries(st.text(max_size=20), st.one_of(st.text(max_size=40), st.integers(-(2**63), 2**63 - 1)), max_size=8)
+devices = st.builds(
+    DeviceInfo, kind=st.sampled_from(["cpu", "cuda"]), index=st.integers(0, 16), uuid=text, name=text
+)
+plain = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), floats, text, st.binary(max_size=16)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@st.composite
+def tables(draw: st.DrawFn, slab_sizes: list[int]) -> TensorTable:
+    n = draw(st.integers(0, 12))
+    names = draw(st.lists(st.text(min_size=1, max_size=30), min_size=n, max_size=n, unique=True))
+    entries = []
+    for name in names:
+        dtype = draw(st.sampled_from(sorted(DTYPE_SIZES)))
+        rank = draw(st.integers(0, 4))
+        shape = tuple(draw(st.lists(st.integers(0, 6), min_size=rank, max_size=rank)))
+        stride = tuple(draw(st.lists(st.integers(0, 40), min_size=rank, max_size=rank)))
+        slab = draw(st.integers(0, len(slab_sizes) - 1))
+        ext = tensor_extent(dtype, shape, stride)
+        room = slab_sizes[slab] - ext
+        if room < 0:
+            shape, stride, ext, room = (), (), DTYPE_SIZES[dtype], slab_sizes[slab] - DTYPE_SIZES[dtype]
+        offset = draw(st.integers(0, max(room, 0)))
+        entries.append(TensorEntry(name, dtype, shape, stride, slab, offset))
+    return TensorTable.from_entries(entries)
+
+
+@st.composite
+def states(draw: st.DrawFn) -> State:
+    nslabs = draw(st.integers(1, 3))
+    with_fd = draw(st.lists(st.booleans(), min_size=nslabs, max_size=nslabs))
+    slabs, pos = [], 0
+    for i in range(nslabs):
+        fd = -1
+        if with_fd[i]:
+            fd, pos = pos, pos + 1
+        slabs.append(
+            SlabDescriptor(
+                size=draw(st.integers(64, 4096)),
+                kind=draw(st.sampled_from(["memfd", "cuda_ipc", "cuda_vmm"])),
+                fd=fd,
+                handle=draw(st.binary(max_size=64)),
+                offset=draw(st.integers(0, 1 << 20)),
+                device_uuid=draw(text),
+            )
+        )
+    table = draw(tables([s.size for s in slabs]))
+    aliases = {}
+    if len(table):
+        for a in draw(st.lists(st.text(min_size=1, max_size=10), max_size=3, unique=True)):
+            if a not in table.names:
+                aliases[a] = draw(st.sampled_from(table.names))
+    return State(
+        id=draw(ids),
+        lease=draw(ids),
+        key=draw(keys),
+        mode=draw(st.sampled_from(["zero_copy", "copy"])),
+        slabs=tuple(slabs),
+        tensors=table,
+        aliases=aliases,
+    )
+
+
+frames = st.one_of(
+    st.builds(Hello, versions=st.lists(st.integers(1, 2**31 - 1), min_size=1, max_size=16).map(tuple), software=text, name=text),
+    st.builds(
+        HelloOk,
+        version=st.integers(1, 2**31 - 1),
+        software=text,
+        backend=st.sampled_from(["host", "cuda"]),
+        device=devices,
+        max_frame_size=st.integers(1, 2**32 - 1),
+        server_pid=st.integers(0, 2**31),
+    ),
+    st.builds(GetState, id=ids, key=keys, mode=st.sampled_from(["zero_copy", "copy"]), device_uuid=text),
+    states(),
+    st.builds(Release, id=ids, lease=st.integers(1, 2**63 - 1)),
+    st.builds(Released, id=ids, lease=st.integers(1, 2**63 - 1), leases_left=uints),
+    st.builds(Status, id=ids),
+    st.builds(
+        StatusReply,
+        id=ids,
+        software=text,
+        backend=st.sampled_from(["host", "cuda"]),
+        device=devices,
+        uptime_seconds=floats,
+        connections=uints,
+        models=st.lists(
+            st.builds(
+                ModelInfo,
+                key=keys,
+                backend=text,
+                bytes=uints,
+                tensors=uints,
+                leases=uints,
+                load_seconds=floats,
+                last_use=floats,
+            ),
+            max_size=3,
+        ).map(tuple),
+        leases=st.lists(
+            st.builds(LeaseInfo, lease=uints, mode=st.sampled_from(["zero_copy", "copy"]), pid=uints, age_seconds=floats),
+            max_size=3,
+        ).map(tuple),
+    ),
+    st.builds(
+        ErrorFrame,
+        id=uints,
+        code=st.integers(0, 2**31 - 1),
+        message=text,
+        details=st.dictionaries(st.text(max_size=8), plain, max_size=4),
+        fatal=st.booleans(),
+    ),
+)

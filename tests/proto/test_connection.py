@@ -1,0 +1,173 @@
+"""The sans-I/O connection: handshake, version negotiation, request/reply pairing, leases."""
+
+from __future__ import annotations
+
+import pytest
+
+from wcache.errors import LocalProtocolError, ProtocolError, UnexpectedFrameError, UnsupportedVersionError
+from wcache.proto import (
+    Connection,
+    DeviceInfo,
+    ErrorFrame,
+    GetState,
+    Hello,
+    HelloOk,
+    Phase,
+    Release,
+    Released,
+    Role,
+    Status,
+    pack_frame,
+)
+from wcache.proto.examples import EXAMPLES
+
+
+def _ok(version: int = 1) -> HelloOk:
+    return HelloOk(version=version, software="t", backend="host", device=DeviceInfo("cpu"), max_frame_size=1 << 20)
+
+
+def _open_pair() -> tuple[Connection, Connection]:
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
+    s.receive_data(c.send(Hello(versions=(1,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+    assert [f.TYPE for f in c.events()] == ["HELLO_OK"]
+    assert c.phase is s.phase is Phase.OPEN
+    assert c.version == s.version == 1
+    return c, s
+
+
+def test_handshake_and_request_cycle() -> None:
+    c, s = _open_pair()
+    s.receive_data(c.send(EXAMPLES["GET_STATE"]))
+    assert list(s.events()) == [EXAMPLES["GET_STATE"]]
+    c.receive_data(s.send(EXAMPLES["STATE"]))
+    assert list(c.events()) == [EXAMPLES["STATE"]]
+    assert c.leases == s.leases == {1001}
+    s.receive_data(c.send(Release(id=2, lease=1001)))
+    list(s.events())
+    c.receive_data(s.send(Released(id=2, lease=1001)))
+    list(c.events())
+    assert c.leases == s.leases == set()
+    assert c.pending == s.pending == {}
+
+
+def test_version_negotiation_picks_highest_common() -> None:
+    s = Connection(Role.SERVER, supported_versions=(1, 2, 3))
+    assert s.hello_reply(Hello(versions=(2, 1, 9)), software="", backend="host", device=DeviceInfo("cpu")).version == 2
+
+
+def test_unsupported_version() -> None:
+    s = Connection(Role.SERVER)
+    with pytest.raises(UnsupportedVersionError) as info:
+        s.hello_reply(Hello(versions=(7, 8)), software="", backend="host", device=DeviceInfo("cpu"))
+    assert info.value.details == {"offered": [7, 8], "supported": [1]}
+    s.receive_data(Connection(Role.CLIENT).send(Hello(versions=(7,))))
+    list(s.events())
+    data = s.fatal_error(info.value)
+    assert s.phase is Phase.CLOSED
+    c = Connection(Role.CLIENT)
+    c.send(Hello(versions=(7,)))
+    c.receive_data(data)
+    (err,) = c.events()
+    assert isinstance(err, ErrorFrame) and err.fatal and err.code == 3
+    assert c.phase is Phase.CLOSED
+
+
+def test_client_rejects_version_it_did_not_offer() -> None:
+    raw = pack_frame(_ok(5).to_wire())
+    c = Connection(Role.CLIENT)
+    c.send(Hello(versions=(1,)))
+    c.receive_data(raw)
+    with pytest.raises(UnexpectedFrameError, match="version 5"):
+        list(c.events())
+
+
+@pytest.mark.parametrize("frame", [EXAMPLES["GET_STATE"], EXAMPLES["STATUS"], EXAMPLES["RELEASE"]])
+def test_request_before_hello_is_unexpected(frame: object) -> None:
+    s = Connection(Role.SERVER)
+    s.receive_data(pack_frame(frame.to_wire()))  # type: ignore[attr-defined]  # a client skipping HELLO
+    with pytest.raises(UnexpectedFrameError):
+        list(s.events())
+
+
+def test_server_may_not_send_state_unasked() -> None:
+    _, s = _open_pair()
+    with pytest.raises(LocalProtocolError):
+        s.send(EXAMPLES["STATE"])
+
+
+def test_client_rejects_unsolicited_reply() -> None:
+    c, _ = _open_pair()
+    other = Connection(Role.SERVER)
+    other.phase = Phase.OPEN
+    other.pending[1] = "GET_STATE"
+    c.receive_data(other.send(EXAMPLES["STATE"]))
+    with pytest.raises(UnexpectedFrameError, match="answers no pending request"):
+        list(c.events())
+
+
+def test_reply_type_must_match_request() -> None:
+    c, s = _open_pair()
+    s.receive_data(c.send(Status(id=5)))
+    list(s.events())
+    s.pending[5] = "RELEASE"  # make the server believe otherwise, so it sends a mismatched reply
+    c.receive_data(s.send(Released(id=5, lease=1)))
+    with pytest.raises(UnexpectedFrameError):
+        list(c.events())
+
+
+def test_duplicate_request_id() -> None:
+    c, s = _open_pair()
+    c.send(Status(id=9))
+    with pytest.raises(LocalProtocolError, match="already waiting"):
+        c.send(Status(id=9))
+
+
+def test_release_of_unknown_lease_is_local_error() -> None:
+    c, _ = _open_pair()
+    with pytest.raises(LocalProtocolError, match="not held"):
+        c.send(Release(id=3, lease=42))
+
+
+def test_pending_limit() -> None:
+    c, _ = _open_pair()
+    for i in range(1, 65):
+        c.send(Status(id=i))
+    with pytest.raises(LocalProtocolError, match="more than 64"):
+        c.send(Status(id=65))
+
+
+def test_error_answers_pending_request_and_connection_stays_open() -> None:
+    c, s = _open_pair()
+    s.receive_data(c.send(GetState(id=1, key={})))
+    list(s.events())
+    c.receive_data(s.send(ErrorFrame(id=1, code=21, message="nope")))
+    (err,) = c.events()
+    assert isinstance(err, ErrorFrame) and not err.fatal
+    assert c.phase is Phase.OPEN and c.pending == {}
+
+
+def test_eof_inside_frame() -> None:
+    s = Connection(Role.SERVER)
+    data = Connection(Role.CLIENT).send(Hello(versions=(1,)))
+    s.receive_data(data[:-3])
+    s.receive_data(b"")
+    with pytest.raises(ProtocolError, match="stream ended inside a frame"):
+        list(s.events())
+    assert s.phase is Phase.CLOSED
+
+
+def test_clean_eof() -> None:
+    s = Connection(Role.SERVER)
+    s.receive_data(b"")
+    assert list(s.events()) == []
+    assert s.eof and s.phase is Phase.CLOSED
+
+
+def test_nothing_after_fatal_error() -> None:
+    _, s = _open_pair()
+    s.fatal_error(ProtocolError("bye"))
+    with pytest.raises(LocalProtocolError):
+        s.send(ErrorFrame(id=0, code=1, message="again", fatal=True))

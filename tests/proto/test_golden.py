@@ -1,0 +1,81 @@
+"""Golden bytes: the wire format of one example of each frame is pinned here and in docs/protocol.md §8."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+
+from wcache.proto import Connection, Role, decode_body, decode_frame, pack_frame
+from wcache.proto.examples import EXAMPLES, hexdump
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+# sha256 of each example's bytes (length prefix included). Changing one is a wire-format change:
+# it needs a protocol version bump or a compatible, defaulted new field (docs/protocol.md §2.1).
+GOLDEN_SHA256 = {
+    "HELLO": "73bd1402a2635a45a880bc036854d49aae631d646ceef95a9fc0449fe6b83c41",
+    "HELLO_OK": "1b8f6cf642d8710f9889104cc0ec0f1b16bc1043c541371217e355da090ce3ef",
+    "GET_STATE": "268956dfaee6a9e3bbd465b26bb22294b6000039cce866eedc87b3604c2145ae",
+    "STATE": "7302efcb95d1db96e351f719017675e1019756c5a9b097f8a0f7e61e68d88c3d",
+    "RELEASE": "4ea87e2d6977136feca27491ddbfa70d3b558d43d8899566d110df85e439fdb8",
+    "RELEASED": "74090ef68c2f761c9be1e44eb771c01cc2ab6621e2c10b4923557f28d28d19de",
+    "STATUS": "5b8b33533ee8d6b02521a3f8df27b4b83c21c0da4d9988e35af6ce976e92f2f0",
+    "STATUS_REPLY": "e38f79479a36a2c83c42c1f63c76a6f3e8545d07bd4efcc9244d417f0f56bd0e",
+    "ERROR": "5d423e9a76b338e72a46284d2176781959dbd8a023962e2f696f096f5643578c",
+}
+
+HELLO_BYTES = bytes.fromhex(
+    "0000003b84a474797065a548454c4c4fa876657273696f6e739101a8736f6674"
+    "77617265ac7763616368652f302e312e30a46e616d65a8656e67696e652d30"
+)
+
+
+def test_hello_bytes_literal() -> None:
+    assert pack_frame(EXAMPLES["HELLO"].to_wire()) == HELLO_BYTES
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_golden_digest(name: str) -> None:
+    data = pack_frame(EXAMPLES[name].to_wire())
+    assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256[name]
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_golden_decodes_to_example(name: str) -> None:
+    data = pack_frame(EXAMPLES[name].to_wire())
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    assert decode_frame(decode_body(data[4:])) == EXAMPLES[name]
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_protocol_doc_shows_the_bytes(name: str) -> None:
+    """docs/protocol.md §8 must show exactly what the encoder produces."""
+    data = pack_frame(EXAMPLES[name].to_wire())
+    doc = DOC.read_text()
+    m = re.search(rf"### {name} \((\d+) bytes\)\n```\n(.*?)\n```", doc, re.S)
+    assert m, f"docs/protocol.md has no example for {name}"
+    assert int(m.group(1)) == len(data)
+    assert m.group(2) == hexdump(data)
+
+
+def test_examples_cover_every_frame_type() -> None:
+    from wcache.proto.frames import FRAME_TYPES
+
+    assert set(EXAMPLES) == set(FRAME_TYPES)
+
+
+def test_example_state_maps_through_a_connection() -> None:
+    """The STATE example is a legal reply: run it through client and server connections."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    server.receive_data(client.send(EXAMPLES["HELLO"]))
+    assert list(server.events()) == [EXAMPLES["HELLO"]]
+    client.receive_data(server.send(EXAMPLES["HELLO_OK"]))
+    assert list(client.events()) == [EXAMPLES["HELLO_OK"]]
+    server.receive_data(client.send(EXAMPLES["GET_STATE"]))
+    list(server.events())
+    client.receive_data(server.send(EXAMPLES["STATE"]))
+    assert list(client.events()) == [EXAMPLES["STATE"]]
+    assert client.leases == {1001}

@@ -1,0 +1,105 @@
+"""One example of each frame, as printed in docs/protocol.md §8 and pinned by golden-bytes
+tests. ``python -m wcache.proto.examples`` prints their hex dumps."""
+
+from __future__ import annotations
+
+from wcache.proto.codec import pack_frame
+from wcache.proto.frames import (
+    DeviceInfo,
+    ErrorFrame,
+    Frame,
+    GetState,
+    Hello,
+    HelloOk,
+    LeaseInfo,
+    ModelInfo,
+    Release,
+    Released,
+    SlabDescriptor,
+    State,
+    Status,
+    StatusReply,
+    TensorEntry,
+    TensorTable,
+)
+
+__all__ = ["EXAMPLES", "hexdump"]
+
+_KEY: dict[str, str | int] = {
+    "fingerprint": "8f3a9c1d2b4e6f708192a3b4c5d6e7f8",
+    "architecture": "LlamaForCausalLM",
+    "tp_size": 2,
+    "tp_rank": 0,
+    "dtype": "bfloat16",
+    "plan": "builtin:llama/1",
+    "layout": 1,
+    "fingerprint_kind": "headers",
+}
+
+EXAMPLES: dict[str, Frame] = {
+    "HELLO": Hello(versions=(1,), software="wcache/0.1.0", name="engine-0"),
+    "HELLO_OK": HelloOk(
+        version=1,
+        software="wcache/0.1.0",
+        backend="host",
+        device=DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory"),
+        max_frame_size=67108864,
+        server_pid=4242,
+    ),
+    "GET_STATE": GetState(id=1, key=_KEY, mode="zero_copy", device_uuid=""),
+    "STATE": State(
+        id=1,
+        lease=1001,
+        key=_KEY,
+        mode="zero_copy",
+        slabs=(SlabDescriptor(size=768, kind="memfd", fd=0, handle=b"", offset=0, device_uuid=""),),
+        tensors=TensorTable.from_entries(
+            [
+                TensorEntry("model.embed_tokens.weight", "bfloat16", (4, 64), (64, 1), 0, 0),
+                TensorEntry("model.norm.weight", "bfloat16", (64,), (1,), 0, 512),
+            ]
+        ),
+        aliases={"lm_head.weight": "model.embed_tokens.weight"},
+    ),
+    "RELEASE": Release(id=2, lease=1001),
+    "RELEASED": Released(id=2, lease=1001, leases_left=0),
+    "STATUS": Status(id=3),
+    "STATUS_REPLY": StatusReply(
+        id=3,
+        software="wcache/0.1.0",
+        backend="host",
+        device=DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory"),
+        uptime_seconds=12.5,
+        connections=1,
+        models=(
+            ModelInfo(
+                key=_KEY, backend="host", bytes=768, tensors=2, leases=1, load_seconds=0.25, last_use=1700000000.0
+            ),
+        ),
+        leases=(LeaseInfo(lease=1001, mode="zero_copy", pid=777, age_seconds=3.0),),
+    ),
+    "ERROR": ErrorFrame(
+        id=1,
+        code=21,
+        message="requested key differs from the served one in: dtype",
+        details={"fields": {"dtype": ["bfloat16", "float16"]}},
+        fatal=False,
+    ),
+}
+
+
+def hexdump(data: bytes, width: int = 16) -> str:
+    """``xxd``-style lines: offset, hex bytes, printable ASCII."""
+    lines = []
+    for i in range(0, len(data), width):
+        chunk = data[i : i + width]
+        hexes = " ".join(f"{b:02x}" for b in chunk)
+        text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
+        lines.append(f"{i:08x}  {hexes:<{width * 3 - 1}}  {text}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    for name, frame in EXAMPLES.items():
+        data = pack_frame(frame.to_wire())
+        print(f"### {name} ({len(data)} bytes)\n```\n{hexdump(data)}\n```\n")
