@@ -17,14 +17,16 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from wcache.proto import (
     Connection,
+    DeviceInfo,
     GetState,
     Hello,
     HelloOk,
-    DeviceInfo,
     Role,
     SlabDescriptor,
     State,
@@ -57,7 +59,7 @@ def moe_entries(n: int = 50_000) -> list[TensorEntry]:
     return _place(shapes)
 
 
-def _place(shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorEntry]:
+def _place(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[TensorEntry]:
     out, off = [], 0
     for name, shape in shapes:
         stride = tuple(shape[1:]) + (1,) if len(shape) == 2 else (1,)
@@ -129,7 +131,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    results = {
+    results: dict[str, Any] = {
         "benchmark": "proto_bench",
         "date": datetime.date.today().isoformat(),
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},

@@ -90,7 +90,4 @@ class WeightCacheKey:
 
     def short(self) -> str:
         """A log-friendly one-liner."""
-        return (
-            f"{self.architecture or 'model'}@{self.fingerprint[:12]}"
-            f"/tp{self.tp_rank}of{self.tp_size}/{self.dtype}"
-        )
+        return f"{self.architecture or 'model'}@{self.fingerprint[:12]}/tp{self.tp_rank}of{self.tp_size}/{self.dtype}"

@@ -63,7 +63,9 @@ _LLAMA_RULES: list[tuple[str, int | None]] = [
 ]
 LLAMA_PLAN = _plan("llama", _LLAMA_RULES, "builtin:llama/1")
 #: architecture (config.json "architectures"[0]) -> plan
-BUILTIN_PLANS: dict[str, ShardPlan] = dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), LLAMA_PLAN)
+BUILTIN_PLANS: dict[str, ShardPlan] = dict.fromkeys(
+    ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), LLAMA_PLAN
+)
 
 
 def load_plan_file(path: str | os.PathLike[str]) -> ShardPlan:

@@ -28,10 +28,10 @@ text = st.text(max_size=40)
 ids = st.integers(1, 2**63 - 1)
 uints = st.integers(0, 2**63 - 1)
 floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
-keys = st.dictionaries(st.text(max_size=20), st.one_of(st.text(max_size=40), st.integers(-(2**63), 2**63 - 1)), max_size=8)
-devices = st.builds(
-    DeviceInfo, kind=st.sampled_from(["cpu", "cuda"]), index=st.integers(0, 16), uuid=text, name=text
+keys = st.dictionaries(
+    st.text(max_size=20), st.one_of(st.text(max_size=40), st.integers(-(2**63), 2**63 - 1)), max_size=8
 )
+devices = st.builds(DeviceInfo, kind=st.sampled_from(["cpu", "cuda"]), index=st.integers(0, 16), uuid=text, name=text)
 plain = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), floats, text, st.binary(max_size=16)),
     lambda children: st.one_of(
@@ -98,7 +98,12 @@ def states(draw: st.DrawFn) -> State:
 
 
 frames = st.one_of(
-    st.builds(Hello, versions=st.lists(st.integers(1, 2**31 - 1), min_size=1, max_size=16).map(tuple), software=text, name=text),
+    st.builds(
+        Hello,
+        versions=st.lists(st.integers(1, 2**31 - 1), min_size=1, max_size=16).map(tuple),
+        software=text,
+        name=text,
+    ),
     st.builds(
         HelloOk,
         version=st.integers(1, 2**31 - 1),
@@ -135,7 +140,9 @@ frames = st.one_of(
             max_size=3,
         ).map(tuple),
         leases=st.lists(
-            st.builds(LeaseInfo, lease=uints, mode=st.sampled_from(["zero_copy", "copy"]), pid=uints, age_seconds=floats),
+            st.builds(
+                LeaseInfo, lease=uints, mode=st.sampled_from(["zero_copy", "copy"]), pid=uints, age_seconds=floats
+            ),
             max_size=3,
         ).map(tuple),
     ),

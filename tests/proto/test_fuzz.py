@@ -57,8 +57,18 @@ def test_random_bodies_with_valid_prefix(body: bytes) -> None:
 
 
 json_like = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20), st.binary(max_size=20)),
-    lambda c: st.one_of(st.lists(c, max_size=5), st.dictionaries(st.one_of(st.text(max_size=10), st.integers(-(2**63), 2**64 - 1)), c, max_size=5)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=20),
+        st.binary(max_size=20),
+    ),
+    lambda c: st.one_of(
+        st.lists(c, max_size=5),
+        st.dictionaries(st.one_of(st.text(max_size=10), st.integers(-(2**63), 2**64 - 1)), c, max_size=5),
+    ),
     max_leaves=20,
 )
 

@@ -15,8 +15,6 @@ from tests.conftest import DaemonProc
 from wcache import KeyMismatchError, UnknownLeaseError, WCacheClient, WeightCacheKey
 from wcache.sharding import LLAMA_PLAN
 
-pytestmark = pytest.mark.asyncio
-
 
 def reference(model: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
@@ -101,7 +99,9 @@ async def test_dtype_cast(daemon_factory: Callable[..., DaemonProc], ckpt: Path)
             assert torch.equal(w[name], ref[name].float())
 
 
-async def test_tp2_two_daemons_concurrently(daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path) -> None:
+async def test_tp2_two_daemons_concurrently(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
     daemon_factory(ckpt, "--tp-size", "2", "--tp-rank", "0")
     daemon_factory(ckpt, "--tp-size", "2", "--tp-rank", "1")
     keys = [WeightCacheKey.from_checkpoint(ckpt, tp_rank=r, tp_size=2) for r in (0, 1)]

@@ -257,10 +257,12 @@ class WCacheClient:
     ) -> CachedWeights:
         from wcache.client.mapping import build_views, map_slabs
 
-        slabs = map_slabs(state, fds, self.device)
+        slabs = map_slabs(state, fds, self.device, populate=mode == "copy")
         keepalive: list[Any] = list(slabs)
         if mode == "copy":
             bases = [s.base.clone() for s in slabs]
+            if any(b.is_cuda for b in bases):
+                torch.cuda.synchronize()  # the copies must land before the mappings go away
             for s in slabs:
                 s.close()
             keepalive = []

@@ -41,13 +41,15 @@ class MappedSlab:
             self._close = None
 
 
-def _map_memfd(desc: SlabDescriptor, fd: int) -> MappedSlab:
+def _map_memfd(desc: SlabDescriptor, fd: int, populate: bool) -> MappedSlab:
     st = os.fstat(fd)
     if st.st_size < desc.size + desc.offset:
         raise ProtocolError(f"shared memory of {st.st_size} bytes is smaller than the slab ({desc.size})")
     if desc.size == 0:
         return MappedSlab(torch.empty(0, dtype=torch.uint8), None)
-    mm = mmap.mmap(fd, desc.size + desc.offset, mmap.MAP_SHARED, mmap.PROT_READ)
+    # copy mode reads every page at once: pre-fault them in one call (MAP_POPULATE)
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    mm = mmap.mmap(fd, desc.size + desc.offset, flags, mmap.PROT_READ)
     with warnings.catch_warnings():
         # the mapping is read-only on purpose (zero_copy tensors must not be written)
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -55,7 +57,9 @@ def _map_memfd(desc: SlabDescriptor, fd: int) -> MappedSlab:
     return MappedSlab(base, mm)
 
 
-def map_slabs(state: State, fds: list[int], device: torch.device | None = None) -> list[MappedSlab]:
+def map_slabs(
+    state: State, fds: list[int], device: torch.device | None = None, *, populate: bool = False
+) -> list[MappedSlab]:
     """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive)."""
     slabs: list[MappedSlab] = []
     try:
@@ -64,7 +68,7 @@ def map_slabs(state: State, fds: list[int], device: torch.device | None = None) 
             if desc.kind == "memfd":
                 if fd < 0:
                     raise ProtocolError("memfd slab without a file descriptor")
-                slabs.append(_map_memfd(desc, fd))
+                slabs.append(_map_memfd(desc, fd, populate))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
                 try:
                     from wcache.client import cuda

@@ -149,9 +149,7 @@ class Connection:
                 if self._eof:
                     self.phase = Phase.CLOSED
                     if self._buffer.buffered:
-                        raise ProtocolError(
-                            f"stream ended inside a frame ({self._buffer.buffered} bytes pending)"
-                        )
+                        raise ProtocolError(f"stream ended inside a frame ({self._buffer.buffered} bytes pending)")
                 return
             with gc_paused(len(body)):
                 frame = decode_frame(decode_body(body))

@@ -93,31 +93,31 @@ class _Fields:
             raise _fail(self.frame, name, "missing")
         return default
 
-    def int(self, name: str, default: Any = _REQUIRED, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    def integer(self, name: str, default: Any = _REQUIRED, lo: int = 0, hi: int = 2**63 - 1) -> int:
         v = self._get(name, default)
         if type(v) is not int or not lo <= v <= hi:
             raise _fail(self.frame, name, f"expected an integer in [{lo}, {hi}]")
         return v
 
-    def str(self, name: str, default: Any = _REQUIRED, max_len: int = MAX_NAME) -> str:
+    def string(self, name: str, default: Any = _REQUIRED, max_len: int = MAX_NAME) -> str:
         v = self._get(name, default)
         if type(v) is not str or len(v) > max_len:
             raise _fail(self.frame, name, f"expected a string of at most {max_len} characters")
         return v
 
     def choice(self, name: str, options: Sequence[str], default: Any = _REQUIRED) -> str:
-        v = self.str(name, default)
+        v = self.string(name, default)
         if v not in options:
             raise _fail(self.frame, name, f"expected one of {list(options)}, got {v!r}")
         return v
 
-    def bool(self, name: str, default: Any = _REQUIRED) -> bool:
+    def boolean(self, name: str, default: Any = _REQUIRED) -> bool:
         v = self._get(name, default)
         if type(v) is not bool:
             raise _fail(self.frame, name, "expected a boolean")
         return v
 
-    def float(self, name: str, default: Any = _REQUIRED) -> float:
+    def number(self, name: str, default: Any = _REQUIRED) -> float:
         v = self._get(name, default)
         if type(v) is int:
             v = float(v)
@@ -125,26 +125,26 @@ class _Fields:
             raise _fail(self.frame, name, "expected a finite number")
         return v
 
-    def bytes(self, name: str, default: Any = _REQUIRED, max_len: int = 4096) -> bytes:
+    def binary(self, name: str, default: Any = _REQUIRED, max_len: int = 4096) -> bytes:
         v = self._get(name, default)
         if type(v) is not bytes or len(v) > max_len:
             raise _fail(self.frame, name, f"expected bin of at most {max_len} bytes")
         return v
 
-    def list(self, name: str, default: Any = _REQUIRED) -> Sequence[Any]:
+    def array(self, name: str, default: Any = _REQUIRED) -> Sequence[Any]:
         v = self._get(name, default)
         if type(v) is not tuple and type(v) is not list:
             raise _fail(self.frame, name, "expected an array")
         return v
 
-    def map(self, name: str, default: Any = _REQUIRED) -> dict[str, Any]:
+    def mapping(self, name: str, default: Any = _REQUIRED) -> dict[str, Any]:
         v = self._get(name, default)
         if type(v) is not dict or any(type(k) is not str for k in v):
             raise _fail(self.frame, name, "expected a map with string keys")
         return v
 
     def key(self, name: str) -> KeyMap:
-        v = self.map(name)
+        v = self.mapping(name)
         for k, x in v.items():
             if len(k) > MAX_NAME or not (type(x) is str or type(x) is int):
                 raise _fail(self.frame, name, f"key field {k[:64]!r} must be a string or integer")
@@ -153,7 +153,7 @@ class _Fields:
         return v
 
     def str_map(self, name: str, default: Any = _REQUIRED) -> dict[str, str]:
-        v = self.map(name, default)
+        v = self.mapping(name, default)
         for k, x in v.items():
             if type(x) is not str or len(k) > MAX_NAME or len(x) > MAX_NAME:
                 raise _fail(self.frame, name, "expected a map of strings to strings")
@@ -198,9 +198,9 @@ class DeviceInfo:
         f = _Fields("DeviceInfo", m)
         return cls(
             kind=f.choice("kind", ("cpu", "cuda")),
-            index=f.int("index", 0, hi=1 << 16),
-            uuid=f.str("uuid", ""),
-            name=f.str("name", ""),
+            index=f.integer("index", 0, hi=1 << 16),
+            uuid=f.string("uuid", ""),
+            name=f.string("name", ""),
         )
 
 
@@ -234,12 +234,12 @@ class SlabDescriptor:
     def from_wire(cls, m: Any) -> SlabDescriptor:
         f = _Fields("SlabDescriptor", m)
         return cls(
-            size=f.int("size"),
+            size=f.integer("size"),
             kind=f.choice("kind", SLAB_KINDS),
-            fd=f.int("fd", -1, lo=-1, hi=253),
-            handle=f.bytes("handle", b""),
-            offset=f.int("offset", 0),
-            device_uuid=f.str("device_uuid", ""),
+            fd=f.integer("fd", -1, lo=-1, hi=253),
+            handle=f.binary("handle", b""),
+            offset=f.integer("offset", 0),
+            device_uuid=f.string("device_uuid", ""),
         )
 
 
@@ -397,11 +397,11 @@ class TensorTable:
         every non-empty tensor's extent inside its slab.
         """
         f = _Fields("TensorTable", m)
-        names = tuple(f.list("names"))
-        table = tuple(f.list("dtypes"))
+        names = tuple(f.array("names"))
+        table = tuple(f.array("dtypes"))
         limit = 1 << 31
-        dix = f.bytes("dtype_index", max_len=limit)
-        ranks = f.bytes("ranks", max_len=limit)
+        dix = f.binary("dtype_index", max_len=limit)
+        ranks = f.binary("ranks", max_len=limit)
         n = len(names)
         if not (len(dix) == len(ranks) == n):
             raise _fail("TensorTable", "names", "column lengths differ")
@@ -419,10 +419,10 @@ class TensorTable:
         if max(ranks) > MAX_DIMS:
             raise _fail("TensorTable", "ranks", f"rank above {MAX_DIMS}")
         total = sum(ranks)
-        flat_shape = _from_le("Q", f.bytes("shapes", max_len=limit), "shapes")
-        flat_stride = _from_le("Q", f.bytes("strides", max_len=limit), "strides")
-        slabs = _from_le("I", f.bytes("slabs", max_len=limit), "slabs")
-        offsets = _from_le("Q", f.bytes("offsets", max_len=limit), "offsets")
+        flat_shape = _from_le("Q", f.binary("shapes", max_len=limit), "shapes")
+        flat_stride = _from_le("Q", f.binary("strides", max_len=limit), "strides")
+        slabs = _from_le("I", f.binary("slabs", max_len=limit), "slabs")
+        offsets = _from_le("Q", f.binary("offsets", max_len=limit), "offsets")
         if len(flat_shape) != total or len(flat_stride) != total or len(slabs) != n or len(offsets) != n:
             raise _fail("TensorTable", "shapes", "column lengths differ from names/ranks")
         for col, what in ((flat_shape, "shapes"), (flat_stride, "strides")):
@@ -471,12 +471,12 @@ class ModelInfo:
         f = _Fields("ModelInfo", m)
         return cls(
             key=f.key("key"),
-            backend=f.str("backend"),
-            bytes=f.int("bytes"),
-            tensors=f.int("tensors"),
-            leases=f.int("leases"),
-            load_seconds=f.float("load_seconds", 0.0),
-            last_use=f.float("last_use", 0.0),
+            backend=f.string("backend"),
+            bytes=f.integer("bytes"),
+            tensors=f.integer("tensors"),
+            leases=f.integer("leases"),
+            load_seconds=f.number("load_seconds", 0.0),
+            last_use=f.number("last_use", 0.0),
         )
 
 
@@ -496,10 +496,10 @@ class LeaseInfo:
     def from_wire(cls, m: Any) -> LeaseInfo:
         f = _Fields("LeaseInfo", m)
         return cls(
-            lease=f.int("lease"),
+            lease=f.integer("lease"),
             mode=f.choice("mode", MODES),
-            pid=f.int("pid", 0),
-            age_seconds=f.float("age_seconds", 0.0),
+            pid=f.integer("pid", 0),
+            age_seconds=f.number("age_seconds", 0.0),
         )
 
 
@@ -521,12 +521,10 @@ class Hello:
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Hello:
         f = _Fields(cls.TYPE, m)
-        versions = f.list("versions")
-        if not 0 < len(versions) <= MAX_VERSIONS or any(
-            type(v) is not int or not 0 < v < 2**31 for v in versions
-        ):
+        versions = f.array("versions")
+        if not 0 < len(versions) <= MAX_VERSIONS or any(type(v) is not int or not 0 < v < 2**31 for v in versions):
             raise _fail(cls.TYPE, "versions", f"expected 1..{MAX_VERSIONS} positive integers")
-        return cls(tuple(versions), f.str("software", ""), f.str("name", ""))
+        return cls(tuple(versions), f.string("software", ""), f.string("name", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -556,12 +554,12 @@ class HelloOk:
     def from_wire(cls, m: dict[str, Any]) -> HelloOk:
         f = _Fields(cls.TYPE, m)
         return cls(
-            version=f.int("version", lo=1, hi=2**31 - 1),
-            software=f.str("software", ""),
+            version=f.integer("version", lo=1, hi=2**31 - 1),
+            software=f.string("software", ""),
             backend=f.choice("backend", ("host", "cuda")),
-            device=DeviceInfo.from_wire(f.map("device")),
-            max_frame_size=f.int("max_frame_size", lo=1, hi=2**32 - 1),
-            server_pid=f.int("server_pid", 0),
+            device=DeviceInfo.from_wire(f.mapping("device")),
+            max_frame_size=f.integer("max_frame_size", lo=1, hi=2**32 - 1),
+            server_pid=f.integer("server_pid", 0),
         )
 
 
@@ -588,10 +586,10 @@ class GetState:
     def from_wire(cls, m: dict[str, Any]) -> GetState:
         f = _Fields(cls.TYPE, m)
         return cls(
-            id=f.int("id", lo=1),
+            id=f.integer("id", lo=1),
             key=f.key("key"),
             mode=f.choice("mode", MODES, "zero_copy"),
-            device_uuid=f.str("device_uuid", ""),
+            device_uuid=f.string("device_uuid", ""),
         )
 
 
@@ -623,21 +621,21 @@ class State:
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> State:
         f = _Fields(cls.TYPE, m)
-        slabs = tuple(SlabDescriptor.from_wire(s) for s in f.list("slabs"))
+        slabs = tuple(SlabDescriptor.from_wire(s) for s in f.array("slabs"))
         if len(slabs) > 1024:
             raise _fail(cls.TYPE, "slabs", "more than 1024 slabs")
         fds = [s.fd for s in slabs if s.fd >= 0]
         if sorted(fds) != list(range(len(fds))):
             raise _fail(cls.TYPE, "slabs", "fd positions must be 0..n-1, each once")
-        tensors = TensorTable.from_wire(f.map("tensors"), [s.size for s in slabs])
+        tensors = TensorTable.from_wire(f.mapping("tensors"), [s.size for s in slabs])
         aliases = f.str_map("aliases", {})
         known = set(tensors.names) if aliases else set()
         for a, t in aliases.items():
             if a in known or t not in known:
                 raise _fail(cls.TYPE, "aliases", f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
         return cls(
-            id=f.int("id", lo=1),
-            lease=f.int("lease", lo=1),
+            id=f.integer("id", lo=1),
+            lease=f.integer("lease", lo=1),
             key=f.key("key"),
             mode=f.choice("mode", MODES),
             slabs=slabs,
@@ -665,7 +663,7 @@ class Release:
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Release:
         f = _Fields(cls.TYPE, m)
-        return cls(id=f.int("id", lo=1), lease=f.int("lease", lo=1))
+        return cls(id=f.integer("id", lo=1), lease=f.integer("lease", lo=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,7 +681,7 @@ class Released:
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Released:
         f = _Fields(cls.TYPE, m)
-        return cls(id=f.int("id", lo=1), lease=f.int("lease", lo=1), leases_left=f.int("leases_left", 0))
+        return cls(id=f.integer("id", lo=1), lease=f.integer("lease", lo=1), leases_left=f.integer("leases_left", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,7 +696,7 @@ class Status:
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Status:
-        return cls(id=_Fields(cls.TYPE, m).int("id", lo=1))
+        return cls(id=_Fields(cls.TYPE, m).integer("id", lo=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -732,14 +730,14 @@ class StatusReply:
     def from_wire(cls, m: dict[str, Any]) -> StatusReply:
         f = _Fields(cls.TYPE, m)
         return cls(
-            id=f.int("id", lo=1),
-            software=f.str("software", ""),
+            id=f.integer("id", lo=1),
+            software=f.string("software", ""),
             backend=f.choice("backend", ("host", "cuda")),
-            device=DeviceInfo.from_wire(f.map("device")),
-            uptime_seconds=f.float("uptime_seconds"),
-            connections=f.int("connections"),
-            models=tuple(ModelInfo.from_wire(x) for x in f.list("models", [])),
-            leases=tuple(LeaseInfo.from_wire(x) for x in f.list("leases", [])),
+            device=DeviceInfo.from_wire(f.mapping("device")),
+            uptime_seconds=f.number("uptime_seconds"),
+            connections=f.integer("connections"),
+            models=tuple(ModelInfo.from_wire(x) for x in f.array("models", [])),
+            leases=tuple(LeaseInfo.from_wire(x) for x in f.array("leases", [])),
         )
 
 
@@ -770,13 +768,13 @@ class ErrorFrame:
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> ErrorFrame:
         f = _Fields(cls.TYPE, m)
-        details = _plain(cls.TYPE, "details", f.map("details", {}))
+        details = _plain(cls.TYPE, "details", f.mapping("details", {}))
         return cls(
-            id=f.int("id", 0),
-            code=f.int("code", hi=2**31 - 1),
-            message=f.str("message", "", max_len=65536),
+            id=f.integer("id", 0),
+            code=f.integer("code", hi=2**31 - 1),
+            message=f.string("message", "", max_len=65536),
             details=details,
-            fatal=f.bool("fatal", False),
+            fatal=f.boolean("fatal", False),
         )
 
     @classmethod

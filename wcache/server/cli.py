@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
+    p.add_argument(
+        "--cuda-export",
+        default="vmm",
+        choices=["vmm", "ipc"],
+        help="how a CUDA slab is shared: vmm (fd over SCM_RIGHTS, read-only mappings) or ipc (cudaIpcMemHandle)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "float64"])
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket-path", type=Path, help="socket file (its directory must be private)")
@@ -51,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_backend(device: str) -> Backend:
+def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
     if device == "cpu":
         from wcache.server.backends.host import HostBackend
 
@@ -59,7 +65,8 @@ def make_backend(device: str) -> Backend:
     if device == "cuda" or device.startswith("cuda:"):
         from wcache.server.backends.cuda import CudaBackend
 
-        return CudaBackend(int(device.split(":", 1)[1]) if ":" in device else 0)
+        backend: Backend = CudaBackend(int(device.split(":", 1)[1]) if ":" in device else 0, cuda_export)
+        return backend
     raise SystemExit(f"wcache-server: error: --device must be cpu or cuda:K, got {device!r}")
 
 
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     lock = DaemonLock(sock_path)
     lock.acquire()
     try:
-        backend = make_backend(args.device)
+        backend = make_backend(args.device, args.cuda_export)
         backend.check_platform()
         model = load_model(
             args.model,
@@ -103,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
         )
         try:
-            daemon = Daemon(Store(model), sock_path, software=f"wcache/{__version__}", max_frame_size=args.max_frame_size)
+            daemon = Daemon(
+                Store(model), sock_path, software=f"wcache/{__version__}", max_frame_size=args.max_frame_size
+            )
 
             def ready() -> None:
                 st = model.stats

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from wcache.channel import Channel, peer_credentials
@@ -134,7 +135,13 @@ class Daemon:
             self._next_conn += 1
             task = asyncio.ensure_future(self._serve_connection(sock, conn_id))
             self._tasks[conn_id] = task
-            task.add_done_callback(lambda _t, c=conn_id: self._tasks.pop(c, None))
+            task.add_done_callback(self._forget(conn_id))
+
+    def _forget(self, conn_id: int) -> Callable[[asyncio.Task[None]], None]:
+        def done(_task: asyncio.Task[None]) -> None:
+            self._tasks.pop(conn_id, None)
+
+        return done
 
     # ------------------------------------------------------------------ one connection
     async def _serve_connection(self, sock: socket.socket, conn_id: int) -> None:
@@ -221,7 +228,11 @@ class Daemon:
                 released = self.store.release(conn_id, frame)
                 await ch.send(released)
                 log.info(
-                    "lease released %s pid=%d lease=%d leases_left=%d", self._tag, pid, frame.lease, released.leases_left
+                    "lease released %s pid=%d lease=%d leases_left=%d",
+                    self._tag,
+                    pid,
+                    frame.lease,
+                    released.leases_left,
                 )
             elif isinstance(frame, Status):
                 await ch.send(self.status_reply(frame.id))

@@ -24,7 +24,7 @@ from wcache.errors import (
 )
 from wcache.key import WeightCacheKey
 from wcache.layout import plan_layout
-from wcache.proto import GetState, LeaseInfo, ModelInfo, Release, Released, State, TensorTable
+from wcache.proto import GetState, LeaseInfo, ModelInfo, Release, Released, SlabDescriptor, State, TensorTable
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import LoadStats, load_into
 from wcache.sharding import resolve_plan
@@ -124,14 +124,13 @@ class Store:
             )
         held = sum(1 for lease in self.leases.values() if lease.conn_id == conn_id)
         if held >= self.max_leases_per_connection:
-            raise LimitExceededError(
-                f"connection already holds {held} leases (limit {self.max_leases_per_connection})"
-            )
+            raise LimitExceededError(f"connection already holds {held} leases (limit {self.max_leases_per_connection})")
         lease = Lease(self._next_lease, conn_id, pid, req.mode)
         self._next_lease += 1
         self.leases[lease.id] = lease
         m.last_use = time.time()
-        descs, fds = [], []
+        descs: list[SlabDescriptor] = []
+        fds: list[int] = []
         for slab in m.slabs:
             desc, slab_fds = slab.export()
             if slab_fds:

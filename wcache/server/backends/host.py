@@ -19,7 +19,9 @@ from wcache.proto import DeviceInfo, SlabDescriptor
 
 __all__ = ["HostBackend", "HostSlab"]
 
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
+_SEALS = (
+    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
+)
 
 
 class HostSlab:

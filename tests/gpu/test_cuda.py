@@ -1,0 +1,149 @@
+"""The CUDA backend end to end: real daemons on the GPU, both export kinds."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import DaemonProc
+from wcache import CacheUnavailableError, DeviceMismatchError, UnsupportedPlatformError, WCacheClient, WeightCacheKey
+from wcache.sharding import LLAMA_PLAN
+
+EXPORTS = ["vmm", "ipc"]
+
+
+def reference(model: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(str(model / "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(params=EXPORTS)
+def gpu_daemon(request: pytest.FixtureRequest, daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> DaemonProc:
+    return daemon_factory(ckpt, "--device", "cuda:0", "--cuda-export", request.param)
+
+
+async def test_zero_copy_on_gpu_bit_identical_no_engine_memory(gpu_daemon: DaemonProc, ckpt: Path) -> None:
+    torch.cuda.init()
+    torch.empty(1, device="cuda:0")
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info(0)
+    allocated_before = torch.cuda.memory_allocated(0)
+    w = await WCacheClient(gpu_daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt))
+    free_after, _ = torch.cuda.mem_get_info(0)
+    assert torch.cuda.memory_allocated(0) == allocated_before  # the engine allocated nothing
+    assert free_before - free_after < 4 << 20  # mapping the daemon's slab costs no device memory
+    ref = reference(ckpt)
+    assert set(w) == set(ref)
+    for name, t in ref.items():
+        assert w[name].is_cuda
+        assert torch.equal(w[name].cpu().view(torch.int16), t.view(torch.int16)), name
+    assert len({w[n].untyped_storage().data_ptr() for n in w}) == 1
+    assert w.server.backend == "cuda"
+    await w.release()
+    assert (await WCacheClient(gpu_daemon.socket).status()).models[0].leases == 0
+
+
+async def test_copy_mode_on_gpu(gpu_daemon: DaemonProc, ckpt: Path) -> None:
+    w = await WCacheClient(gpu_daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt), mode="copy")
+    assert w.released
+    ref = reference(ckpt)
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(w[name].cpu(), ref[name])
+    w[name].zero_()  # owned memory
+    async with await WCacheClient(gpu_daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as again:
+        assert torch.equal(again[name].cpu(), ref[name])
+
+
+ENGINE = """
+import asyncio, sys, time
+from wcache import WCacheClient, WeightCacheKey
+async def main():
+    w = await WCacheClient(sys.argv[1]).fetch(WeightCacheKey.from_checkpoint(sys.argv[2]))
+    s = float(sum(t.float().sum().item() for t in w.values()))
+    print("fetched", s, flush=True)
+    await asyncio.sleep(120)
+asyncio.run(main())
+"""
+
+
+async def test_engine_killed_while_mapped(gpu_daemon: DaemonProc, ckpt: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", ENGINE, str(gpu_daemon.socket), str(ckpt)], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
+        assert line.startswith(b"fetched")
+        assert (await WCacheClient(gpu_daemon.socket).status()).models[0].leases == 1
+    finally:
+        p.kill()
+        p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+    deadline = time.monotonic() + 5
+    while (await WCacheClient(gpu_daemon.socket).status()).models[0].leases:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    ref = reference(ckpt)
+    async with await WCacheClient(gpu_daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+        assert all(torch.equal(w[n].cpu(), ref[n]) for n in ref)  # the slab is intact for the next engine
+
+
+async def test_daemon_killed(gpu_daemon: DaemonProc, ckpt: Path) -> None:
+    os.kill(gpu_daemon.proc.pid, signal.SIGKILL)
+    gpu_daemon.proc.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(CacheUnavailableError):
+        await WCacheClient(gpu_daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt))
+    assert time.monotonic() - t0 < 1.0
+
+
+async def test_device_mismatch_by_uuid(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
+    from wcache.client.client import _expect
+    from wcache.proto import GetState
+
+    d = daemon_factory(ckpt, "--device", "cuda:0")
+    client = WCacheClient(d.socket)
+    ch, hello = await client._connect(d.socket)
+    try:
+        assert hello.device.uuid.startswith("GPU-")
+        key = WeightCacheKey.from_checkpoint(ckpt)
+        await ch.send(GetState(id=1, key=key.to_wire(), device_uuid="GPU-00000000-0000-0000-0000-000000000000"))
+        with pytest.raises(DeviceMismatchError):
+            await _expect(ch)
+    finally:
+        ch.close()
+
+
+async def test_tp2_two_daemons_one_gpu(daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path) -> None:
+    for r in (0, 1):
+        daemon_factory(ckpt, "--device", "cuda:0", "--tp-size", "2", "--tp-rank", str(r))
+    keys = [WeightCacheKey.from_checkpoint(ckpt, tp_rank=r, tp_size=2) for r in (0, 1)]
+    w0, w1 = await asyncio.gather(*(WCacheClient(socket_dir=socket_dir).fetch(k) for k in keys))
+    ref = reference(ckpt)
+    for name, full in ref.items():
+        dim = LLAMA_PLAN.dim_for(name)
+        got = full.cuda() if dim is None else torch.cat([w0[name], w1[name]], dim=dim)
+        if dim is None:
+            assert torch.equal(w0[name], got) and torch.equal(w1[name], got)
+        else:
+            assert torch.equal(got.cpu(), full), name
+    await asyncio.gather(w0.release(), w1.release())
+
+
+def test_platform_check_names_alternatives() -> None:
+    from wcache.server.backends.cuda import CudaBackend
+
+    with pytest.raises(UnsupportedPlatformError, match="--device cpu"):
+        CudaBackend(index=torch.cuda.device_count() + 5).check_platform()

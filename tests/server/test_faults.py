@@ -1,0 +1,265 @@
+"""Faults: killed daemons and clients, hostile bytes, bad checkpoints, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.conftest import DaemonProc, server_cmd
+from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
+from wcache.proto import Hello, pack_frame
+
+
+async def _leases(d: DaemonProc) -> int:
+    return (await WCacheClient(d.socket).status()).models[0].leases
+
+
+async def _wait_leases(d: DaemonProc, n: int, deadline: float = 5.0) -> None:
+    end = time.monotonic() + deadline
+    while await _leases(d) != n:
+        assert time.monotonic() < end, f"leases stuck at {await _leases(d)}, want {n}"
+        await asyncio.sleep(0.02)
+
+
+async def test_daemon_killed_mid_session(daemon: DaemonProc, ckpt: Path) -> None:
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    client = WCacheClient(daemon.socket, timeout=30)
+    w = await client.fetch(key)
+    name = "model.norm.weight"
+    before = w[name].clone()
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # a request will be in flight when it dies
+    pending = asyncio.ensure_future(client.fetch(key))
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    os.kill(daemon.proc.pid, signal.SIGKILL)
+    with pytest.raises(CacheUnavailableError, match="closed the connection"):
+        await pending
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    with pytest.raises(CacheUnavailableError):
+        await client.fetch(key)
+    assert time.monotonic() - t0 < 1.0
+    assert w[name].equal(before)  # host mappings outlive the daemon
+    await w.release()  # no daemon to tell: not an error
+
+
+async def test_no_daemon(tmp_path: Path, ckpt: Path) -> None:
+    with pytest.raises(CacheUnavailableError, match="no wcache daemon"):
+        await WCacheClient(tmp_path / "nothing.sock").fetch(WeightCacheKey.from_checkpoint(ckpt))
+
+
+CLIENT = """
+import asyncio, sys
+from wcache import WCacheClient, WeightCacheKey
+async def main():
+    w = await WCacheClient(sys.argv[1]).fetch(WeightCacheKey.from_checkpoint(sys.argv[2]))
+    print("fetched", flush=True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+async def test_client_killed_holding_lease(daemon: DaemonProc, ckpt: Path) -> None:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CLIENT, str(daemon.socket), str(ckpt)], stdout=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 60)
+            assert line.strip() == b"fetched"
+        assert await _leases(daemon) == 3
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+    await _wait_leases(daemon, 0)
+    assert "leases_ended=1" in daemon.log_text()
+    async with await WCacheClient(daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+        assert len(w) > 0
+
+
+def _raw(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(path))
+    return s
+
+
+def _read_reply(s: socket.socket) -> dict[str, object] | None:
+    """One frame, or None if the daemon just closed."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+        chunk = s.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    (n,) = struct.unpack(">I", data[:4])
+    reply = msgpack.unpackb(data[4 : 4 + n])
+    assert isinstance(reply, dict)
+    return reply
+
+
+HOSTILE = {
+    "random bytes": b"\x7f\x13\xa5\x01" + os.urandom(60),
+    "oversized length": struct.pack(">I", 2**31) + b"x" * 16,
+    "zero length": b"\x00\x00\x00\x00",
+    "not a map": pack_frame({"type": "HELLO"})[:4]
+    + msgpack.packb([1, 2, 3]).ljust(len(pack_frame({"type": "HELLO"})) - 4, b"\xc0"),
+    "unknown type": pack_frame({"type": "REBOOT", "id": 1}),
+    "wrong field type": pack_frame({"type": "HELLO", "versions": "all"}),
+    "request before hello": pack_frame({"type": "GET_STATE", "id": 1, "key": {}}),
+    "future version only": pack_frame(Hello(versions=(99,)).to_wire()),
+    "ext type": struct.pack(">I", 4) + b"\x81\xa1x\xd4",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+async def test_hostile_input_gets_error_and_daemon_serves_on(daemon: DaemonProc, ckpt: Path, name: str) -> None:
+    s = _raw(daemon.socket)
+    try:
+        s.sendall(HOSTILE[name])
+        reply = await asyncio.to_thread(_read_reply, s)
+        if reply is not None:
+            assert reply["type"] == "ERROR" and reply["fatal"] is True
+            if name == "oversized length":
+                assert reply["code"] == 2
+            if name == "future version only":
+                assert reply["code"] == 3
+                assert reply["details"] == {"offered": [99], "supported": [1]}
+            if name == "request before hello":
+                assert reply["code"] == 4
+        assert await asyncio.to_thread(s.recv, 1) == b""  # and the connection is closed
+    finally:
+        s.close()
+    async with await WCacheClient(daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+        assert len(w) > 0
+    assert daemon.proc.poll() is None
+
+
+async def test_client_sending_fds_is_refused(daemon: DaemonProc) -> None:
+    s = _raw(daemon.socket)
+    r, w = os.pipe()
+    try:
+        s.sendmsg(
+            [pack_frame(Hello(versions=(1,)).to_wire())], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))]
+        )
+        reply = await asyncio.to_thread(_read_reply, s)
+        assert reply is not None and reply["code"] == 1 and "descriptors" in str(reply["message"])
+    finally:
+        s.close()
+        os.close(r)
+        os.close(w)
+
+
+async def test_silent_client_dropped_after_handshake_timeout(daemon: DaemonProc) -> None:
+    s = _raw(daemon.socket)
+    s.settimeout(30)
+    t0 = time.monotonic()
+    try:
+        assert await asyncio.to_thread(s.recv, 1) == b""
+    finally:
+        s.close()
+    assert 5 < time.monotonic() - t0 < 20
+
+
+async def test_sigterm_drains_and_unlinks(daemon: DaemonProc, ckpt: Path) -> None:
+    w = await WCacheClient(daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt))
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert not daemon.socket.exists()
+    assert "stopped" in daemon.log_text()
+    await w.release()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate", "past the"),
+        ("header_len", "header length"),
+        ("bad_dtype", "unknown dtype"),
+        ("overlap", "overlap"),
+        ("shape", "needs"),
+        ("missing_shard", "missing"),
+    ],
+)
+def test_bad_checkpoint_is_a_clear_error(
+    tmp_path: Path, ckpt: Path, socket_dir: Path, damage: str, message: str
+) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    f = sorted(bad.glob("*.safetensors"))[0]
+    raw = f.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    names = [k for k in header if k != "__metadata__"]
+    if damage == "truncate":
+        f.write_bytes(raw[: len(raw) - 100])
+    elif damage == "header_len":
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
+    else:
+        if damage == "bad_dtype":
+            header[names[0]]["dtype"] = "Q7"
+        elif damage == "overlap":
+            a, b = sorted(names, key=lambda n: header[n]["data_offsets"][0])[:2]
+            header[b]["data_offsets"] = [
+                header[a]["data_offsets"][0],
+                header[a]["data_offsets"][0] + header[b]["data_offsets"][1] - header[b]["data_offsets"][0],
+            ]
+        elif damage == "shape":
+            header[names[0]]["shape"] = [s * 2 for s in header[names[0]]["shape"]]
+        elif damage == "missing_shard":
+            f.unlink()
+        if damage != "missing_shard":
+            hb = json.dumps(header).encode()
+            hb += b" " * ((8 - len(hb) % 8) % 8)
+            f.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + hlen :])
+    out = subprocess.run(
+        server_cmd("--model", str(bad), "--socket-dir", str(socket_dir)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr
+    assert message in out.stderr
+    assert f.name in out.stderr
+    assert not (socket_dir / "wcache-rank0.sock").exists()
+
+
+def test_sharding_errors_before_loading(tmp_path: Path, ckpt: Path, socket_dir: Path) -> None:
+    out = subprocess.run(
+        server_cmd("--model", str(ckpt), "--socket-dir", str(socket_dir), "--tp-size", "3", "--tp-rank", "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1 and "cannot split for tp_size 3" in out.stderr
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    out = subprocess.run(
+        server_cmd("--model", str(other), "--socket-dir", str(socket_dir), "--tp-size", "2", "--tp-rank", "1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1 and "FancyNewForCausalLM" in out.stderr and "--shard-plan" in out.stderr

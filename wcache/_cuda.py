@@ -1,0 +1,242 @@
+"""CUDA plumbing shared by the daemon's CUDA backend and the client's CUDA mapping.
+
+Two ways to share one slab between processes (docs/protocol.md §4.5):
+
+- legacy IPC: ``cudaIpcGetMemHandle`` on a ``cudaMalloc`` allocation; the 64-byte handle
+  travels as msgpack bin and the peer calls ``cudaIpcOpenMemHandle``;
+- VMM: ``cuMemCreate`` with the POSIX-fd handle type; the fd travels with SCM_RIGHTS and
+  the peer imports, reserves, maps and sets access (read-only where the driver allows).
+
+Either way the mapped range becomes a torch tensor through ``__cuda_array_interface__``;
+the holder object unmaps when torch frees the last view. Needs ``cuda-bindings``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from wcache.errors import UnsupportedPlatformError
+
+__all__ = [
+    "DeviceBuffer",
+    "device_index_for_uuid",
+    "device_uuid",
+    "ipc_handle",
+    "ipc_open",
+    "vmm_allocate",
+    "vmm_import",
+]
+
+
+def _bindings() -> tuple[Any, Any]:
+    try:
+        driver = importlib.import_module("cuda.bindings.driver")
+        runtime = importlib.import_module("cuda.bindings.runtime")
+    except ImportError:
+        try:  # cuda-python < 12.6 spelled them cuda.cuda / cuda.cudart
+            driver = importlib.import_module("cuda.cuda")
+            runtime = importlib.import_module("cuda.cudart")
+        except ImportError as exc:
+            raise UnsupportedPlatformError(
+                "CUDA memory sharing needs the cuda-bindings package (pip install cuda-bindings); "
+                "alternatives: the host backend (--device cpu) or loading from disk",
+                details={"missing": "cuda-bindings"},
+            ) from exc
+    return driver, runtime
+
+
+def _check(result: Any, what: str) -> None:
+    code = int(result[0] if isinstance(result, tuple) else result)
+    if code != 0:
+        driver, _ = _bindings()
+        try:
+            _, name = driver.cuGetErrorName(code)
+            label = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # best effort naming only
+            label = str(result)
+        raise RuntimeError(f"{what} failed: {label} ({code})")
+
+
+def device_uuid(index: int) -> str:
+    """``GPU-xxxxxxxx-...`` of the visible device ``index`` (stable across CUDA_VISIBLE_DEVICES)."""
+    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+
+
+def device_index_for_uuid(uuid: str) -> int | None:
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    return None
+
+
+def _make_current(index: int) -> None:
+    torch.cuda.set_device(index)
+    torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
+
+
+class DeviceBuffer:
+    """Owns one mapped device range; exposes it for ``torch.as_tensor`` (no copy)."""
+
+    def __init__(self, ptr: int, size: int, index: int, release: Callable[[], None] | None) -> None:
+        self.ptr, self.size, self.index = ptr, size, index
+        self._release = release
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    def tensor(self) -> torch.Tensor:
+        return torch.as_tensor(self, device=f"cuda:{self.index}")
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the driver frees it anyway
+            pass
+
+
+# ---------------------------------------------------------------- legacy IPC
+
+
+def ipc_handle(ptr: int) -> tuple[bytes, int]:
+    """(64-byte cudaIpcMemHandle, offset of ``ptr`` inside its allocation)."""
+    driver, runtime = _bindings()
+    err, handle = runtime.cudaIpcGetMemHandle(ptr)
+    _check(err, "cudaIpcGetMemHandle")
+    err, base, _size = driver.cuMemGetAddressRange(ptr)
+    _check(err, "cuMemGetAddressRange")
+    return bytes(handle.reserved), ptr - int(base)
+
+
+def ipc_open(handle: bytes, offset: int, size: int, index: int) -> DeviceBuffer:
+    driver, runtime = _bindings()
+    _make_current(index)
+    h = runtime.cudaIpcMemHandle_t()
+    h.reserved = handle
+    err, base = runtime.cudaIpcOpenMemHandle(h, runtime.cudaIpcMemLazyEnablePeerAccess)
+    _check(err, "cudaIpcOpenMemHandle")
+    base = int(base)
+
+    def release() -> None:
+        runtime.cudaIpcCloseMemHandle(base)
+
+    return DeviceBuffer(base + offset, size, index, release)
+
+
+# ---------------------------------------------------------------- VMM
+
+
+def _prop(driver: Any, index: int) -> Any:
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    prop.requestedHandleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _granularity(driver: Any, index: int) -> int:
+    err, gran = driver.cuMemGetAllocationGranularity(
+        _prop(driver, index), driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    )
+    _check(err, "cuMemGetAllocationGranularity")
+    return int(gran)
+
+
+def _map(driver: Any, handle: Any, size: int, index: int, read_only: bool) -> tuple[int, bool]:
+    """Reserve, map and set access; returns (address, mapped read-only)."""
+    err, ptr = driver.cuMemAddressReserve(size, 0, 0, 0)
+    _check(err, "cuMemAddressReserve")
+    ptr = int(ptr)
+    try:
+        _check(driver.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+        acc = driver.CUmemAccessDesc()
+        acc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = index
+        flags = driver.CUmemAccess_flags
+        if read_only:
+            acc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            if int(driver.cuMemSetAccess(ptr, size, [acc], 1)[0]) == 0:
+                return ptr, True
+        acc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _check(driver.cuMemSetAccess(ptr, size, [acc], 1), "cuMemSetAccess")
+        return ptr, False
+    except BaseException:
+        driver.cuMemUnmap(ptr, size)
+        driver.cuMemAddressFree(ptr, size)
+        raise
+
+
+class VmmAllocation:
+    """The daemon's VMM slab: one physical allocation, mapped read-write here, exportable as an fd."""
+
+    def __init__(self, nbytes: int, index: int) -> None:
+        driver, _ = _bindings()
+        _make_current(index)
+        self.index = index
+        gran = _granularity(driver, index)
+        self.size = max(gran, -(-nbytes // gran) * gran)
+        err, self.handle = driver.cuMemCreate(self.size, _prop(driver, index), 0)
+        _check(err, f"cuMemCreate({self.size} bytes)")
+        try:
+            self.ptr, _ = _map(driver, self.handle, self.size, index, read_only=False)
+            err, fd = driver.cuMemExportToShareableHandle(
+                self.handle, driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+            )
+            _check(err, "cuMemExportToShareableHandle")
+            self.fd = int(fd)
+        except BaseException:
+            driver.cuMemRelease(self.handle)
+            raise
+        self.buffer = DeviceBuffer(self.ptr, self.size, index, None)
+
+    def close(self) -> None:
+        driver, _ = _bindings()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.handle is not None:
+            driver.cuMemUnmap(self.ptr, self.size)
+            driver.cuMemAddressFree(self.ptr, self.size)
+            driver.cuMemRelease(self.handle)
+            self.handle = None
+
+
+def vmm_allocate(nbytes: int, index: int) -> VmmAllocation:
+    return VmmAllocation(nbytes, index)
+
+
+def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[DeviceBuffer, bool]:
+    """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only."""
+    driver, _ = _bindings()
+    _make_current(index)
+    gran = _granularity(driver, index)
+    total = max(gran, -(-(offset + size) // gran) * gran)
+    err, handle = driver.cuMemImportFromShareableHandle(
+        fd, driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+    _check(err, "cuMemImportFromShareableHandle")
+    try:
+        ptr, ro = _map(driver, handle, total, index, read_only)
+    finally:
+        driver.cuMemRelease(handle)  # the mapping keeps the memory alive
+
+    def release() -> None:
+        driver.cuMemUnmap(ptr, total)
+        driver.cuMemAddressFree(ptr, total)
+
+    return DeviceBuffer(ptr + offset, size, index, release), ro

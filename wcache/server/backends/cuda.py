@@ -1,0 +1,131 @@
+"""CUDA backend: the slab lives on one GPU and is exported once, for every lease.
+
+``export="vmm"`` (default, see benchmarks/results/ for the measurement): cuMemCreate with
+the POSIX-fd handle type; each STATE carries the fd (SCM_RIGHTS) — a capability handed
+to one checked peer, mapped read-only by zero_copy clients where the driver allows.
+``export="ipc"``: a cudaMalloc'd slab (torch) and its 64-byte cudaIpcMemHandle in the
+STATE frame. Either way: one handle per rank, never one per tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+from wcache import _cuda
+from wcache.errors import UnsupportedPlatformError
+from wcache.proto import DeviceInfo, SlabDescriptor
+
+__all__ = ["CudaBackend", "CudaIpcSlab", "CudaVmmSlab"]
+
+EXPORTS = ("vmm", "ipc")
+
+
+class CudaIpcSlab:
+    def __init__(self, nbytes: int, index: int) -> None:
+        self.size = nbytes
+        self.index = index
+        self._t: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+        self.handle, self.offset = _cuda.ipc_handle(self._t.data_ptr())
+        self.uuid = _cuda.device_uuid(index)
+
+    def tensor(self) -> torch.Tensor:
+        assert self._t is not None
+        return self._t
+
+    def host_buffer(self) -> memoryview | None:
+        return None
+
+    def seal(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def export(self) -> tuple[SlabDescriptor, list[int]]:
+        return (
+            SlabDescriptor(
+                size=self.size, kind="cuda_ipc", handle=self.handle, offset=self.offset, device_uuid=self.uuid
+            ),
+            [],
+        )
+
+    def close(self) -> None:
+        self._t = None
+        torch.cuda.empty_cache()
+
+
+class CudaVmmSlab:
+    def __init__(self, nbytes: int, index: int) -> None:
+        self.size = nbytes
+        self.index = index
+        self.alloc = _cuda.vmm_allocate(nbytes, index)
+        self._t: torch.Tensor | None = self.alloc.buffer.tensor()[:nbytes]
+        self.uuid = _cuda.device_uuid(index)
+
+    def tensor(self) -> torch.Tensor:
+        assert self._t is not None
+        return self._t
+
+    def host_buffer(self) -> memoryview | None:
+        return None
+
+    def seal(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def export(self) -> tuple[SlabDescriptor, list[int]]:
+        return SlabDescriptor(size=self.size, kind="cuda_vmm", fd=0, device_uuid=self.uuid), [self.alloc.fd]
+
+    def close(self) -> None:
+        self._t = None
+        self.alloc.close()
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, index: int, export: str = "vmm") -> None:
+        if export not in EXPORTS:
+            raise ValueError(f"export must be one of {EXPORTS}")
+        self.index = index
+        self.export = export
+        self.device = DeviceInfo(kind="cuda", index=index)
+
+    def check_platform(self) -> None:
+        """Before anything loads: can this machine share CUDA memory between processes?"""
+        where = f"{sys.platform} {platform.release()}"
+        alternatives = "alternatives: --device cpu (host shared memory) or loading weights from disk"
+        if sys.platform != "linux" or "microsoft" in platform.release().lower():
+            raise UnsupportedPlatformError(
+                f"CUDA IPC is not supported on {where}; {alternatives}", details={"platform": where}
+            )
+        if not torch.cuda.is_available():
+            raise UnsupportedPlatformError(
+                f"no CUDA device is available to torch {torch.__version__} on {where}; {alternatives}",
+                details={"platform": where},
+            )
+        if self.index >= torch.cuda.device_count():
+            raise UnsupportedPlatformError(
+                f"cuda:{self.index} does not exist ({torch.cuda.device_count()} visible: "
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})",
+                details={"platform": where},
+            )
+        _cuda._bindings()  # raises UnsupportedPlatformError naming the missing package
+        props = torch.cuda.get_device_properties(self.index)
+        self.device = DeviceInfo(kind="cuda", index=self.index, uuid=_cuda.device_uuid(self.index), name=props.name)
+        # a tiny round trip proves the driver lets us export this kind of memory
+        probe = self.allocate(1 << 21)
+        try:
+            probe.export()
+        except Exception as exc:
+            raise UnsupportedPlatformError(
+                f"this driver/platform refused to export CUDA memory ({self.export}): {exc}; {alternatives}",
+                details={"platform": where, "export": self.export},
+            ) from exc
+        finally:
+            probe.close()
+
+    def allocate(self, nbytes: int) -> CudaIpcSlab | CudaVmmSlab:
+        if self.export == "ipc":
+            return CudaIpcSlab(nbytes, self.index)
+        return CudaVmmSlab(nbytes, self.index)
