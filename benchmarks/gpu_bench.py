@@ -23,9 +23,7 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS: dict[str, Any] = {"benchmark": "gpu_bench", "date": datetime.date.today().isoformat(), "steps": {}}
 OUT: Path = Path("gpu_bench.json")
+LOGS: Path = Path("/tmp/wcache-bench/logs")
 
 
 def save() -> None:
@@ -213,11 +212,21 @@ class Daemon:
         sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(sock_dir, 0o700)
         self.ready = sock_dir / f"{name}.ready"
-        self.log = OUT.parent / f"daemon-{name}.log"
+        self.log = LOGS / f"daemon-{name}.log"
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "wcache.server.cli", "--model", str(model), "--socket-dir", str(sock_dir),
-             "--ready-file", str(self.ready), *args],
+            [
+                sys.executable,
+                "-m",
+                "wcache.server.cli",
+                "--model",
+                str(model),
+                "--socket-dir",
+                str(sock_dir),
+                "--ready-file",
+                str(self.ready),
+                *args,
+            ],
             stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
         )
@@ -243,7 +252,10 @@ class Daemon:
     def gpu_mib(self) -> int | None:
         q = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, check=False, timeout=30,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
         )
         for line in q.stdout.splitlines():
             pid, mib = (x.strip() for x in line.split(","))
@@ -261,7 +273,7 @@ class Daemon:
 
 
 def main() -> None:
-    global OUT
+    global OUT, LOGS
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-bench"))
@@ -272,6 +284,8 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
+    LOGS = work / "logs"
+    LOGS.mkdir(exist_ok=True)
     os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
 
     import torch
@@ -330,22 +344,37 @@ def main() -> None:
         for name in ("vmm", "ipc"):
             with step(f"fetch_{name}") as r:
                 path = socks[name]
-                r.update(run_py(ENGINE, str(path), str(model), str(args.repeats), "1" if name == "vmm" else "0", "0", "1",
-                                timeout=600))
-                r["second_engine"] = run_py(ENGINE, str(path), str(model), str(args.repeats), "0", "0", "1", timeout=300)
+                r.update(
+                    run_py(
+                        ENGINE,
+                        str(path),
+                        str(model),
+                        str(args.repeats),
+                        "1" if name == "vmm" else "0",
+                        "0",
+                        "1",
+                        timeout=600,
+                    )
+                )
+                r["second_engine"] = run_py(
+                    ENGINE, str(path), str(model), str(args.repeats), "0", "0", "1", timeout=300
+                )
 
         with step("tp2_two_daemons_one_gpu") as r:
             tp_dir = sock / "tp2"
-            pair = [Daemon(model, tp_dir, "--device", "cuda:0", "--tp-size", "2", "--tp-rank", str(k), name=f"tp{k}")
-                    for k in (0, 1)]
+            pair = [
+                Daemon(model, tp_dir, "--device", "cuda:0", "--tp-size", "2", "--tp-rank", str(k), name=f"tp{k}")
+                for k in (0, 1)
+            ]
             daemons.extend(pair)
             for d in pair:
                 d.wait(600)
             r["rank_load_s"] = [d.load_seconds() for d in pair]
             r.update(run_py(TP2_ENGINE, str(tp_dir), str(model), timeout=600))
             for k in (0, 1):
-                r[f"rank{k}"] = run_py(ENGINE, str(tp_dir / f"wcache-rank{k}.sock"), str(model), "10", "0", str(k), "2",
-                                       timeout=300)
+                r[f"rank{k}"] = run_py(
+                    ENGINE, str(tp_dir / f"wcache-rank{k}.sock"), str(model), "10", "0", str(k), "2", timeout=300
+                )
             for d in pair:
                 d.stop()
 
@@ -372,7 +401,9 @@ def make_moe(path: Path, n: int = 50_000) -> None:
     g = torch.Generator(device="cuda:0").manual_seed(0)
     data = torch.randn(n * 64 * 128, generator=g, device="cuda:0").to(torch.bfloat16).cpu()
     tensors = {
-        f"model.layers.{i // 1000}.mlp.experts.{(i % 1000) // 3}.w{i % 3}.weight": data[i * 8192 : (i + 1) * 8192].view(64, 128).clone()
+        f"model.layers.{i // 1000}.mlp.experts.{(i % 1000) // 3}.w{i % 3}.weight": data[i * 8192 : (i + 1) * 8192]
+        .view(64, 128)
+        .clone()
         for i in range(n)
     }
     save_file(tensors, str(path / "model.safetensors"))

@@ -20,11 +20,12 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 } 2>&1 | tee "$OUT/env.txt"
 
 status=0
-echo "== tests/gpu" | tee "$OUT/gpu_tests.log"
-timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra \
-  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
-
 echo "== benchmarks/gpu_bench.py" | tee "$OUT/gpu_bench.log"
-timeout 1500 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" --work /tmp/wcache-bench 2>&1 \
+timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" --work /tmp/wcache-bench 2>&1 \
   | tee -a "$OUT/gpu_bench.log" || status=1
+tail -n 40 /tmp/wcache-bench/logs/*.log > "$OUT/daemons.log" 2>&1
+
+echo "== tests/gpu" | tee "$OUT/gpu_tests.log"
+timeout "${TESTS_TIMEOUT:-190}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra -W default \
+  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 exit $status
