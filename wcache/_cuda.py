@@ -91,7 +91,6 @@ class DeviceBuffer:
             "data": (ptr, False),
             "version": 3,
             "strides": None,
-            "stream": None,
         }
 
     def tensor(self) -> torch.Tensor:
@@ -119,15 +118,21 @@ def ipc_handle(ptr: int) -> tuple[bytes, int]:
     _check(err, "cudaIpcGetMemHandle")
     err, base, _size = driver.cuMemGetAddressRange(ptr)
     _check(err, "cuMemGetAddressRange")
-    return bytes(handle.reserved), ptr - int(base)
+    raw = handle.reserved
+    data = bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes(v & 0xFF for v in raw)
+    return data, ptr - int(base)
 
 
 def ipc_open(handle: bytes, offset: int, size: int, index: int) -> DeviceBuffer:
     driver, runtime = _bindings()
     _make_current(index)
     h = runtime.cudaIpcMemHandle_t()
-    h.reserved = handle
-    err, base = runtime.cudaIpcOpenMemHandle(h, runtime.cudaIpcMemLazyEnablePeerAccess)
+    try:
+        h.reserved = handle
+    except (TypeError, ValueError):
+        h.reserved = [b - 256 if b > 127 else b for b in handle]  # bindings that take signed chars
+    lazy = getattr(runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
+    err, base = runtime.cudaIpcOpenMemHandle(h, lazy)
     _check(err, "cudaIpcOpenMemHandle")
     base = int(base)
 

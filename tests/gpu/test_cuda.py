@@ -36,7 +36,6 @@ def gpu_daemon(request: pytest.FixtureRequest, daemon_factory: Callable[..., Dae
 
 
 async def test_zero_copy_on_gpu_bit_identical_no_engine_memory(gpu_daemon: DaemonProc, ckpt: Path) -> None:
-    torch.cuda.init()
     torch.empty(1, device="cuda:0")
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info(0)
