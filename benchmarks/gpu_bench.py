@@ -71,9 +71,11 @@ def drop_caches() -> bool:
 
 
 def run_py(code: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run a fresh Python process (a restarted engine); its last stdout line is JSON."""
+    """Run a fresh Python process (a restarted engine) from a script file; its last stdout line is JSON."""
+    script = LOGS / f"child-{abs(hash(code))}.py"
+    script.write_text(code)
     out = subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -145,7 +147,8 @@ async def main():
     alloc0 = torch.cuda.memory_allocated(0)
     t0 = time.perf_counter(); w = await client.fetch(key); first = time.perf_counter() - t0
     free1, _ = torch.cuda.mem_get_info(0)
-    res = {"first_fetch_ms": first * 1e3, "tensors": len(w), "process_to_context_s": ctx_ready,
+    res = {"first_fetch_ms": first * 1e3, "first_fetch_phases_ms": w.timings, "tensors": len(w),
+           "process_to_context_s": ctx_ready,
            "engine_device_bytes_added": free0 - free1,
            "engine_torch_allocated_added": torch.cuda.memory_allocated(0) - alloc0}
     identical = None
@@ -158,10 +161,12 @@ async def main():
                     identical = False
     res["identical_to_safetensors"] = identical
     await w.release()
-    zc = []
+    zc, phases = [], []
     for _ in range(repeats):
         t0 = time.perf_counter(); w = await client.fetch(key); zc.append(time.perf_counter() - t0)
+        phases.append(w.timings)
         await w.release()
+    res["phases_ms_median"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     cp = []
     for _ in range(max(3, repeats // 4)):
         t0 = time.perf_counter(); c = await client.fetch(key, mode="copy"); torch.cuda.synchronize()
@@ -208,7 +213,7 @@ asyncio.run(main())
 
 
 class Daemon:
-    def __init__(self, model: Path, sock_dir: Path, *args: str, name: str) -> None:
+    def __init__(self, model: Path, sock_dir: Path, *args: str, name: str, env: dict[str, str] | None = None) -> None:
         sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(sock_dir, 0o700)
         self.ready = sock_dir / f"{name}.ready"
@@ -229,6 +234,7 @@ class Daemon:
             ],
             stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
+            env=env,
         )
         self.ready_s = -1.0
 

@@ -33,27 +33,33 @@ __all__ = [
 ]
 
 
-def _bindings() -> tuple[Any, Any]:
+_DRIVER: Any = None
+
+
+def _bindings() -> Any:
+    """The CUDA driver API bindings (only the driver module: it imports in milliseconds)."""
+    global _DRIVER
+    if _DRIVER is not None:
+        return _DRIVER
     try:
         driver = importlib.import_module("cuda.bindings.driver")
-        runtime = importlib.import_module("cuda.bindings.runtime")
     except ImportError:
-        try:  # cuda-python < 12.6 spelled them cuda.cuda / cuda.cudart
+        try:  # cuda-python < 12.6 spelled it cuda.cuda
             driver = importlib.import_module("cuda.cuda")
-            runtime = importlib.import_module("cuda.cudart")
         except ImportError as exc:
             raise UnsupportedPlatformError(
                 "CUDA memory sharing needs the cuda-bindings package (pip install cuda-bindings); "
                 "alternatives: the host backend (--device cpu) or loading from disk",
                 details={"missing": "cuda-bindings"},
             ) from exc
-    return driver, runtime
+    _DRIVER = driver
+    return driver
 
 
 def _check(result: Any, what: str) -> None:
     code = int(result[0] if isinstance(result, tuple) else result)
     if code != 0:
-        driver, _ = _bindings()
+        driver = _bindings()
         try:
             _, name = driver.cuGetErrorName(code)
             label = name.decode() if isinstance(name, bytes) else str(name)
@@ -112,10 +118,10 @@ class DeviceBuffer:
 
 
 def ipc_handle(ptr: int) -> tuple[bytes, int]:
-    """(64-byte cudaIpcMemHandle, offset of ``ptr`` inside its allocation)."""
-    driver, runtime = _bindings()
-    err, handle = runtime.cudaIpcGetMemHandle(ptr)
-    _check(err, "cudaIpcGetMemHandle")
+    """(64-byte CUipcMemHandle, offset of ``ptr`` inside its allocation)."""
+    driver = _bindings()
+    err, handle = driver.cuIpcGetMemHandle(ptr)
+    _check(err, "cuIpcGetMemHandle")
     err, base, _size = driver.cuMemGetAddressRange(ptr)
     _check(err, "cuMemGetAddressRange")
     raw = handle.reserved
@@ -124,20 +130,21 @@ def ipc_handle(ptr: int) -> tuple[bytes, int]:
 
 
 def ipc_open(handle: bytes, offset: int, size: int, index: int) -> DeviceBuffer:
-    driver, runtime = _bindings()
+    driver = _bindings()
     _make_current(index)
-    h = runtime.cudaIpcMemHandle_t()
+    h = driver.CUipcMemHandle()
     try:
         h.reserved = handle
     except (TypeError, ValueError):
         h.reserved = [b - 256 if b > 127 else b for b in handle]  # bindings that take signed chars
-    lazy = getattr(runtime, "cudaIpcMemLazyEnablePeerAccess", 1)
-    err, base = runtime.cudaIpcOpenMemHandle(h, lazy)
-    _check(err, "cudaIpcOpenMemHandle")
+    flags_enum = getattr(driver, "CUipcMem_flags", None)
+    flags = flags_enum.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS if flags_enum is not None else 1
+    err, base = driver.cuIpcOpenMemHandle(h, flags)
+    _check(err, "cuIpcOpenMemHandle")
     base = int(base)
 
     def release() -> None:
-        runtime.cudaIpcCloseMemHandle(base)
+        driver.cuIpcCloseMemHandle(base)
 
     return DeviceBuffer(base + offset, size, index, release)
 
@@ -190,7 +197,7 @@ class VmmAllocation:
     """The daemon's VMM slab: one physical allocation, mapped read-write here, exportable as an fd."""
 
     def __init__(self, nbytes: int, index: int) -> None:
-        driver, _ = _bindings()
+        driver = _bindings()
         _make_current(index)
         self.index = index
         gran = _granularity(driver, index)
@@ -210,7 +217,7 @@ class VmmAllocation:
         self.buffer = DeviceBuffer(self.ptr, self.size, index, None)
 
     def close(self) -> None:
-        driver, _ = _bindings()
+        driver = _bindings()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -227,7 +234,7 @@ def vmm_allocate(nbytes: int, index: int) -> VmmAllocation:
 
 def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[DeviceBuffer, bool]:
     """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only."""
-    driver, _ = _bindings()
+    driver = _bindings()
     _make_current(index)
     gran = _granularity(driver, index)
     total = max(gran, -(-(offset + size) // gran) * gran)

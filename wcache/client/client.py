@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -42,6 +43,7 @@ from wcache.proto import (
     Status,
     StatusReply,
 )
+from wcache.proto.codec import gc_paused
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -78,6 +80,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.socket_path = socket_path
         self._channel = channel
         self._keepalive = keepalive
+        #: where the fetch spent its time, in ms: connect (incl. HELLO), state (GET_STATE -> STATE decoded),
+        #: map (slab mappings), views (tensor views built), copy (copy mode only)
+        self.timings: dict[str, float] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -219,7 +224,9 @@ class WCacheClient:
         ch: Channel | None = None
         try:
             async with asyncio.timeout(limit):
+                t0 = time.perf_counter()
                 ch, hello = await self._connect(path)
+                t1 = time.perf_counter()
                 device_uuid = ""
                 if hello.backend == "cuda":
                     from wcache.client import cuda
@@ -231,7 +238,10 @@ class WCacheClient:
                 if not isinstance(frame, State):
                     close_fds(fds)
                     raise ProtocolError(f"expected STATE, got {frame.TYPE}")
-                return await self._materialise(ch, hello, frame, fds, key, mode, path)
+                t2 = time.perf_counter()
+                weights = await self._materialise(ch, hello, frame, fds, key, mode, path)
+                weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
+                return weights
         except TimeoutError as exc:
             if ch is not None:
                 ch.close()
@@ -257,7 +267,9 @@ class WCacheClient:
     ) -> CachedWeights:
         from wcache.client.mapping import build_views, map_slabs
 
+        t0 = time.perf_counter()
         slabs = map_slabs(state, fds, self.device, populate=mode == "copy")
+        t1 = time.perf_counter()
         keepalive: list[Any] = list(slabs)
         if mode == "copy":
             bases = [s.base.clone() for s in slabs]
@@ -266,7 +278,9 @@ class WCacheClient:
             for s in slabs:
                 s.close()
             keepalive = []
-            tensors = build_views(state, bases)
+            t2 = time.perf_counter()
+            with gc_paused(len(state.tensors) * 64):
+                tensors = build_views(state, bases)
             weights = CachedWeights(
                 tensors,
                 key=key,
@@ -278,10 +292,16 @@ class WCacheClient:
                 socket_path=path,
                 keepalive=keepalive,
             )
+            weights.timings = {
+                "map": (t1 - t0) * 1e3,
+                "copy": (t2 - t1) * 1e3,
+                "views": (time.perf_counter() - t2) * 1e3,
+            }
             await weights.release()
             return weights
-        tensors = build_views(state, [s.base for s in slabs])
-        return CachedWeights(
+        with gc_paused(len(state.tensors) * 64):  # 10^4+ tensor objects: skip the GC passes meanwhile
+            tensors = build_views(state, [s.base for s in slabs])
+        weights = CachedWeights(
             tensors,
             key=key,
             lease=state.lease,
@@ -292,6 +312,8 @@ class WCacheClient:
             socket_path=path,
             keepalive=keepalive,
         )
+        weights.timings = {"map": (t1 - t0) * 1e3, "views": (time.perf_counter() - t1) * 1e3}
+        return weights
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""

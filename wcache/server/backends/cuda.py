@@ -107,7 +107,7 @@ class CudaBackend:
         if self.index >= torch.cuda.device_count():
             raise UnsupportedPlatformError(
                 f"cuda:{self.index} does not exist ({torch.cuda.device_count()} visible: "
-                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})",
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}); {alternatives}",
                 details={"platform": where},
             )
         _cuda._bindings()  # raises UnsupportedPlatformError naming the missing package
