@@ -57,7 +57,8 @@ def encode_body(payload: dict[str, Any]) -> bytes:
     """msgpack-encode one frame map (bin type for bytes, str for text)."""
     try:
         if not any(type(v) is Preencoded for v in payload.values()):
-            return msgpack.packb(payload, use_bin_type=True)
+            body: bytes = msgpack.packb(payload, use_bin_type=True)
+            return body
         return _splice(payload)
     except (TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"cannot encode frame: {exc}") from exc
