@@ -1,0 +1,72 @@
+"""Atheris (libFuzzer) harness for the sans-I/O decoder.
+
+Invariant: for any input bytes, fed whole and then one byte at a time into a server-side
+and a client-side ``Connection``, decoding yields only typed frames or raises
+``wcache.errors.ProtocolError`` (or a subclass); whole and byte-at-a-time feeding yield
+the same frames and the same outcome; buffered bytes stay bounded by the frame limit.
+Anything else — another exception, a hang, unbounded buffering — is a bug.
+
+Run (one command, N inputs; seeds are the golden examples of docs/protocol.md §8):
+
+    python tests/fuzz/fuzz_decoder.py -runs=1000000 -max_len=4096
+"""
+
+from __future__ import annotations
+
+import sys
+
+import atheris
+
+with atheris.instrument_imports():
+    from wcache.errors import ProtocolError
+    from wcache.proto import Connection, Frame, Role, pack_frame
+    from wcache.proto.examples import EXAMPLES
+
+MAX = 1 << 16
+
+
+def _drive(data: bytes, role: Role, chunk: int) -> tuple[list[Frame], str]:
+    conn = Connection(role, max_frame_size=MAX)
+    frames: list[Frame] = []
+    outcome = "ok"
+    try:
+        for i in range(0, len(data), chunk):
+            conn.receive_data(data[i : i + chunk])
+            frames.extend(conn.events())
+            if conn.buffered > MAX + 4 + chunk:
+                raise AssertionError(f"unbounded buffering: {conn.buffered} bytes")
+        conn.receive_data(b"")
+        frames.extend(conn.events())
+    except ProtocolError as exc:
+        outcome = type(exc).__name__
+    return frames, outcome
+
+
+def test_one_input(data: bytes) -> None:
+    for role in (Role.SERVER, Role.CLIENT):
+        whole = _drive(data, role, max(1, len(data)))
+        if len(data) <= 4096:
+            assert _drive(data, role, 1) == whole, "chunking changed the result"
+
+
+def seeds() -> list[bytes]:
+    return [pack_frame(f.to_wire()) for f in EXAMPLES.values()]
+
+
+def main() -> None:
+    args = list(sys.argv)
+    if not any(not a.startswith("-") for a in args[1:]):
+        import os
+        import tempfile
+
+        corpus = tempfile.mkdtemp(prefix="wcache-fuzz-corpus-")
+        for i, s in enumerate(seeds()):
+            with open(os.path.join(corpus, f"seed{i}"), "wb") as fh:
+                fh.write(s)
+        args.append(corpus)
+    atheris.Setup(args, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

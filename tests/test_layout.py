@@ -1,0 +1,122 @@
+"""Checkpoint metadata, keys, sharding plans and slab layout (pure Python, no daemon)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from wcache import CheckpointError, ShardingError, WeightCacheKey
+from wcache.checkpoint import Checkpoint
+from wcache.layout import ALIGN, plan_layout, resolve_dtype
+from wcache.sharding import LLAMA_PLAN, load_plan_file, resolve_plan, shard_tensors
+
+
+def test_checkpoint_reads_index_and_config(ckpt: Path) -> None:
+    c = Checkpoint.open(ckpt)
+    assert c.architecture == "LlamaForCausalLM"
+    assert len(c.files) == 2
+    assert len(c.tensors) == 39
+    assert c.total_bytes == sum(t.nbytes for t in c.tensors.values())
+
+
+def test_key_is_stable_and_sensitive(ckpt: Path, tied_ckpt: Path) -> None:
+    a = WeightCacheKey.from_checkpoint(ckpt)
+    assert a == WeightCacheKey.from_checkpoint(ckpt)
+    assert a.fingerprint != WeightCacheKey.from_checkpoint(tied_ckpt).fingerprint
+    b = WeightCacheKey.from_checkpoint(ckpt, tp_rank=1, tp_size=2)
+    assert set(a.diff_wire(b.to_wire())) == {"tp_rank", "tp_size", "plan"}
+    assert b.plan == LLAMA_PLAN.id
+    content = WeightCacheKey.from_checkpoint(ckpt, verify_content=True)
+    assert content.fingerprint != a.fingerprint and content.fingerprint_kind == "content"
+    assert WeightCacheKey.from_wire(a.to_wire()) == a
+
+
+def test_key_diff_defaults_and_unknown_fields(ckpt: Path) -> None:
+    a = WeightCacheKey.from_checkpoint(ckpt)
+    wire = a.to_wire()
+    del wire["layout"]  # an older client omitting a defaulted field still matches
+    assert a.diff_wire(wire) == {}
+    wire["transform"] = "fuse-qkv"  # a field this daemon does not know: a difference
+    assert a.diff_wire(wire) == {"transform": [None, "fuse-qkv"]}
+    wire = a.to_wire()
+    wire["tp_size"] = "1"  # same text, other type
+    assert "tp_size" in a.diff_wire(wire)
+
+
+def test_layout_alignment_and_order(ckpt: Path) -> None:
+    c = Checkpoint.open(ckpt)
+    lay = plan_layout(c, tp_rank=0, tp_size=1, dtype=resolve_dtype(c, None), plan=None)
+    offs = [p.offset for p in lay.placements]
+    assert all(o % ALIGN == 0 for o in offs)
+    assert offs == sorted(offs)
+    assert lay.total_bytes % ALIGN == 0
+    assert lay.total_bytes >= lay.payload_bytes
+    assert [p.source.name for p in lay.placements] == [
+        t.name for t in sorted(c.tensors.values(), key=lambda t: (str(t.file), t.start))
+    ]
+
+
+def test_tp_layout_halves_sharded_dims(ckpt: Path) -> None:
+    c = Checkpoint.open(ckpt)
+    plan = resolve_plan(c.architecture, 2)
+    lay = plan_layout(c, tp_rank=1, tp_size=2, dtype="bfloat16", plan=plan)
+    by = {p.source.name: p for p in lay.placements}
+    q = by["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape[0] * 2 == q.source.shape[0] and q.shard is not None and q.shard.start == q.shape[0]
+    o = by["model.layers.0.self_attn.o_proj.weight"]
+    assert o.shape[1] * 2 == o.source.shape[1] and o.shard is not None and o.shard.dim == 1
+    assert by["model.norm.weight"].shard is None
+
+
+def test_dtype_resolution(ckpt: Path) -> None:
+    c = Checkpoint.open(ckpt)
+    assert resolve_dtype(c, None) == "bfloat16"
+    assert resolve_dtype(c, "float32") == "float32"
+    with pytest.raises(CheckpointError, match="int8"):
+        resolve_dtype(c, "int8")
+
+
+def test_plan_file(tmp_path: Path, ckpt: Path) -> None:
+    p = tmp_path / "plan.json"
+    rules = [{"pattern": r".*(q|k|v|gate|up)_proj\.weight", "dim": 0}, {"pattern": r".*", "dim": None}]
+    p.write_text(json.dumps({"name": "mine", "rules": rules}))
+    plan = load_plan_file(p)
+    assert plan.id.startswith("file:") and plan.name == "mine"
+    shards = shard_tensors(Checkpoint.open(ckpt).tensors.values(), plan, 0, 2)
+    assert shards["model.layers.0.mlp.up_proj.weight"] is not None
+    assert shards["model.layers.0.mlp.down_proj.weight"] is None
+    key = WeightCacheKey.from_checkpoint(ckpt, tp_rank=0, tp_size=2, plan_file=p)
+    assert key.plan == plan.id
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("not json", "cannot read"),
+        ('{"rules": 3}', "'rules' array"),
+        ('{"rules": [{"dim": 0}]}', "pattern"),
+        ('{"rules": [{"pattern": "(", "dim": 0}]}', "regex"),
+        ('{"rules": [{"pattern": ".*", "dim": -1}]}', "non-negative"),
+    ],
+)
+def test_bad_plan_files(tmp_path: Path, content: str, match: str) -> None:
+    p = tmp_path / "plan.json"
+    p.write_text(content)
+    with pytest.raises(ShardingError, match=match):
+        load_plan_file(p)
+
+
+def test_plan_without_rule_for_a_tensor(tmp_path: Path, ckpt: Path) -> None:
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps({"rules": [{"pattern": r".*norm.*", "dim": None}]}))
+    with pytest.raises(ShardingError, match="no rule for"):
+        shard_tensors(Checkpoint.open(ckpt).tensors.values(), load_plan_file(p), 0, 2)
+
+
+def test_missing_directory_and_no_files(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpoint.open(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        Checkpoint.open(tmp_path)
