@@ -118,5 +118,5 @@ def test_plan_without_rule_for_a_tensor(tmp_path: Path, ckpt: Path) -> None:
 def test_missing_directory_and_no_files(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         Checkpoint.open(tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         Checkpoint.open(tmp_path)
