@@ -120,3 +120,53 @@ def test_missing_directory_and_no_files(tmp_path: Path) -> None:
         Checkpoint.open(tmp_path / "nope")
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         Checkpoint.open(tmp_path)
+
+
+def test_tp2_rank_reads_about_half(tmp_path: Path, ckpt: Path) -> None:
+    """Issue 5: with TP=2 each rank reads <= 55% of the checkpoint's bytes, and gets the right slices."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.loader import load_into
+
+    c = Checkpoint.open(ckpt)
+    ref: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(str(ckpt / "*.safetensors"))):
+        ref.update(load_file(f))
+    for rank in (0, 1):
+        lay = plan_layout(c, tp_rank=rank, tp_size=2, dtype="bfloat16", plan=resolve_plan(c.architecture, 2))
+        slab = HostBackend().allocate(lay.total_bytes)
+        try:
+            stats = load_into(lay, slab, threads=3, staging_bytes=1 << 20, progress=False)
+            assert stats.read_fraction <= 0.55
+            assert stats.bytes_read == lay.payload_bytes
+            base = slab.tensor()
+            for p in lay.placements:
+                got = base[p.offset : p.offset + p.nbytes].view(torch.bfloat16).reshape(p.shape)
+                want = ref[p.source.name]
+                if p.shard is not None:
+                    want = want.narrow(p.shard.dim, p.shard.start, p.shard.length)
+                assert torch.equal(got, want), p.source.name
+        finally:
+            slab.close()
+
+
+def test_progress_bar_draws(ckpt: Path) -> None:
+    import io
+
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.loader import load_into
+
+    c = Checkpoint.open(ckpt)
+    lay = plan_layout(c, tp_rank=0, tp_size=1, dtype="bfloat16", plan=None)
+    slab = HostBackend().allocate(lay.total_bytes)
+    out = io.StringIO()
+    try:
+        load_into(lay, slab, threads=2, progress=out)
+    finally:
+        slab.close()
+    last = out.getvalue().rstrip("\n").split("\r")[-1]
+    assert "GB/s" in last and f"/{lay.payload_bytes / 1e9:.2f} GB" in last

@@ -48,7 +48,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-plan", type=Path, help="JSON sharding plan for architectures without a built-in one")
     p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
     p.add_argument("--verify-content", action="store_true", help="fingerprint the data too, not only headers")
-    p.add_argument("--threads", type=int, default=8, help="reader threads for loading")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=min(16, os.cpu_count() or 4),
+        help="reader threads for loading (default: cores, <= 16)",
+    )
+    p.add_argument(
+        "--staging-bytes",
+        type=int,
+        default=2 << 30,
+        help="pinned host staging for GPU loads, split across reader threads (default 2 GiB)",
+    )
     p.add_argument("--max-frame-size", type=int, default=64 * 1024 * 1024)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -108,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             plan_file=args.shard_plan,
             verify_content=args.verify_content,
             threads=args.threads,
+            staging_bytes=args.staging_bytes,
         )
         try:
             daemon = Daemon(

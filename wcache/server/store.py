@@ -26,7 +26,7 @@ from wcache.key import WeightCacheKey
 from wcache.layout import plan_layout
 from wcache.proto import GetState, LeaseInfo, ModelInfo, Release, Released, SlabDescriptor, State, TensorTable
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.loader import LoadStats, load_into
+from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_into
 from wcache.sharding import resolve_plan
 
 __all__ = ["Lease", "ServedModel", "Store", "load_model"]
@@ -65,6 +65,7 @@ def load_model(
     plan_file: str | os.PathLike[str] | None = None,
     verify_content: bool = False,
     threads: int = 8,
+    staging_bytes: int = DEFAULT_STAGING,
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, seal. Every check runs before data is read."""
     ckpt = Checkpoint.open(model_dir)
@@ -81,7 +82,7 @@ def load_model(
     layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
     slab = backend.allocate(layout.total_bytes)
     try:
-        stats = load_into(layout, slab, threads=threads)
+        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes)
         slab.seal()
     except BaseException:
         slab.close()
