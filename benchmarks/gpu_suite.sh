@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU in one call: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
 # (or the folder given as $1). On the lent H200:  bash benchmarks/gpu_suite.sh
-# Carried wheels (pytest-asyncio, pytest) in .whl/ are installed to /tmp/site first.
+# Carried wheels in .whl/ (pytest-asyncio, pytest; fastsafetensors and runai-model-streamer for the
+# cold-load comparison) are installed to /tmp/site first. Set SKIP_BENCH=1 to skip gpu_bench.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
@@ -21,9 +22,13 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 
 status=0
 echo "== benchmarks/gpu_bench.py" | tee "$OUT/gpu_bench.log"
-timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" --work /tmp/wcache-bench 2>&1 \
+[ "${SKIP_BENCH:-0}" = 1 ] || timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" --work /tmp/wcache-bench 2>&1 \
   | tee -a "$OUT/gpu_bench.log" || status=1
 tail -n 40 /tmp/wcache-bench/logs/*.log > "$OUT/daemons.log" 2>&1
+
+echo "== benchmarks/cold_load_bench.py" | tee "$OUT/cold_load.log"
+timeout "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_load_bench.py --device cuda:0 --out "$OUT/cold_load.json" \
+  --work /tmp/wcache-bench 2>&1 | tee -a "$OUT/cold_load.log" || status=1
 
 echo "== tests/gpu" | tee "$OUT/gpu_tests.log"
 timeout "${TESTS_TIMEOUT:-190}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra -W default \

@@ -1,0 +1,229 @@
+"""Cold and warm daemon loads vs other loaders, side by side (issue 5).
+
+On a GPU (``--device cuda:0``), same 16 GB Llama-3-8B-shaped checkpoint:
+wcache-server load cold (page cache dropped) and warm, a TP=2 rank's read fraction,
+``safetensors.torch.load_file(device=...)`` cold/warm, fastsafetensors and
+runai-model-streamer cold/warm when they import. On the CPU (``--device cpu``): the
+host backend's load against ``safetensors.torch.load_file`` + materialising the tensors
+in memory, as a ratio.
+
+wcache's figure is the daemon's own ``loaded ... seconds=`` line (reading, copying,
+synchronising; not the Python start-up), the others are timed inside their process
+after ``import torch`` and CUDA initialisation, so both exclude interpreter start-up.
+
+    python benchmarks/cold_load_bench.py --device cuda:0 --out $OUT/cold_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+SAFETENSORS = r"""
+import glob, json, sys, time, torch
+from safetensors.torch import load_file
+dev = sys.argv[2]
+if dev != "cpu":
+    torch.empty(1, device=dev); torch.cuda.synchronize()
+t0 = time.perf_counter(); n = 0
+for f in sorted(glob.glob(sys.argv[1] + "/*.safetensors")):
+    d = load_file(f, device=dev)
+    if dev == "cpu":
+        d = {k: v.clone() for k, v in d.items()}   # materialise: load_file on cpu only maps
+    n += len(d)
+if dev != "cpu":
+    torch.cuda.synchronize()
+print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
+"""
+
+FASTSAFETENSORS = r"""
+import glob, json, sys, time, torch
+from fastsafetensors import fastsafe_open
+dev = sys.argv[2]
+torch.empty(1, device=dev); torch.cuda.synchronize()
+files = sorted(glob.glob(sys.argv[1] + "/*.safetensors"))
+t0 = time.perf_counter(); n = 0
+with fastsafe_open(filenames=files, nogds=True, device=dev) as f:
+    for k in f.get_keys():
+        t = f.get_tensor(k).clone(); n += 1
+torch.cuda.synchronize()
+print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
+"""
+
+RUNAI = r"""
+import glob, json, sys, time, torch
+from runai_model_streamer import SafetensorsStreamer
+dev = sys.argv[2]
+torch.empty(1, device=dev); torch.cuda.synchronize()
+t0 = time.perf_counter(); n = 0
+with SafetensorsStreamer() as s:
+    for f in sorted(glob.glob(sys.argv[1] + "/*.safetensors")):
+        s.stream_file(f)
+        for name, t in s.get_tensors():
+            t.to(dev); n += 1
+torch.cuda.synchronize()
+print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
+"""
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def child(code: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+        fh.write(code)
+    try:
+        out = subprocess.run(
+            [sys.executable, fh.name, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    finally:
+        os.unlink(fh.name)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1][:300] if out.stderr.strip() else f"rc {out.returncode}"}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def daemon_load(model: Path, device: str, work: Path, *extra: str) -> dict[str, Any]:
+    """Start wcache-server, read its 'loaded' line, stop it."""
+    sock = work / "sock"
+    sock.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(sock, 0o700)
+    ready = sock / "ready.json"
+    ready.unlink(missing_ok=True)
+    log = work / "daemon.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as fh:
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "wcache.server.cli",
+                "--model",
+                str(model),
+                "--device",
+                device,
+                "--socket-dir",
+                str(sock),
+                "--ready-file",
+                str(ready),
+                *extra,
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while not ready.exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                return {"error": log.read_text()[-1500:]}
+            time.sleep(0.02)
+        ready_s = time.perf_counter() - t0
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    text = log.read_text()
+    m = re.search(
+        r"loaded bytes_read=(\d+) bytes_stored=(\d+) seconds=([\d.]+) read_gb_s=([\d.]+) read_fraction=([\d.]+)", text
+    )
+    if not m:
+        return {"error": text[-1500:]}
+    return {
+        "seconds": float(m.group(3)),
+        "bytes_read": int(m.group(1)),
+        "read_gb_s": float(m.group(4)),
+        "read_fraction": float(m.group(5)),
+        "process_start_to_ready_s": ready_s,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--model", type=Path, help="checkpoint (default: generate one)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-bench"))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
+    from wcache.synthetic import LLAMA3_8B, LlamaShape, make_llama_checkpoint
+
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    gpu = args.device != "cpu"
+    model = args.model or (work / ("llama3-8b" if gpu else "cold-cpu"))
+    if not (model / "config.json").exists():
+        shape = (
+            LLAMA3_8B
+            if gpu
+            else LlamaShape(hidden=1536, intermediate=4096, layers=32, heads=16, kv_heads=8, vocab=64000)
+        )
+        make_llama_checkpoint(model, shape, shards=4 if gpu else 2, seed=0, device="cuda:0" if gpu else "cpu")
+    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    res: dict[str, Any] = {
+        "benchmark": "cold_load_bench",
+        "date": datetime.date.today().isoformat(),
+        "device": args.device,
+        "checkpoint_bytes": size,
+        "cpus": os.cpu_count(),
+    }
+    runs: dict[str, dict[str, Any]] = {}
+    loaders: list[tuple[str, Any]] = [
+        ("wcache", lambda: daemon_load(model, args.device, work)),
+        ("safetensors", lambda: child(SAFETENSORS, str(model), args.device)),
+    ]
+    if gpu:
+        loaders += [
+            ("fastsafetensors", lambda: child(FASTSAFETENSORS, str(model), args.device)),
+            ("runai_model_streamer", lambda: child(RUNAI, str(model), args.device)),
+        ]
+    for name, fn in loaders:
+        dropped = drop_caches()
+        cold = fn()
+        warm = fn()
+        runs[name] = {"cold": cold, "warm": warm, "page_cache_dropped": dropped}
+        print(name, json.dumps(runs[name]), flush=True)
+    res["runs"] = runs
+    tp = daemon_load(model, args.device, work, "--tp-size", "2", "--tp-rank", "1")
+    res["tp2_rank1_warm"] = tp
+    w, s = runs["wcache"], runs["safetensors"]
+    res["summary"] = {
+        "wcache_cold_s": w["cold"].get("seconds"),
+        "wcache_warm_s": w["warm"].get("seconds"),
+        "safetensors_cold_s": s["cold"].get("seconds"),
+        "safetensors_warm_s": s["warm"].get("seconds"),
+        "tp2_rank_read_fraction": tp.get("read_fraction"),
+        "wcache_over_safetensors_cold": _ratio(w["cold"], s["cold"]),
+        "wcache_over_safetensors_warm": _ratio(w["warm"], s["warm"]),
+        "targets": {"cold_s": 7.0, "warm_s": 1.0, "tp2_read_fraction": 0.55} if gpu else {"ratio_max": 1.0},
+    }
+    print(json.dumps(res["summary"], indent=2))
+    dest = args.out or REPO / "benchmarks" / "results" / f"cold_load-{args.device.replace(':', '')}-{res['date']}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    if "seconds" in a and "seconds" in b and b["seconds"]:
+        return float(a["seconds"]) / float(b["seconds"])
+    return None
+
+
+if __name__ == "__main__":
+    main()
