@@ -56,8 +56,8 @@ torch.empty(1, device=dev); torch.cuda.synchronize()
 files = sorted(glob.glob(sys.argv[1] + "/*.safetensors"))
 t0 = time.perf_counter(); n = 0
 with fastsafe_open(filenames=files, nogds=True, device=dev) as f:
-    for k in f.get_keys():
-        t = f.get_tensor(k).clone(); n += 1
+    for k in f.keys():
+        t = f.get_tensor(k); n += 1
 torch.cuda.synchronize()
 print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
 """
@@ -190,6 +190,7 @@ def main() -> None:
     ]
     if gpu:
         loaders += [
+            ("wcache_buffered_io", lambda: daemon_load(model, args.device, work, "--io", "buffered")),
             ("fastsafetensors", lambda: child(FASTSAFETENSORS, str(model), args.device)),
             ("runai_model_streamer", lambda: child(RUNAI, str(model), args.device)),
         ]

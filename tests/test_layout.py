@@ -170,3 +170,37 @@ def test_progress_bar_draws(ckpt: Path) -> None:
         slab.close()
     last = out.getvalue().rstrip("\n").split("\r")[-1]
     assert "GB/s" in last and f"/{lay.payload_bytes / 1e9:.2f} GB" in last
+
+
+def test_direct_read_of_unaligned_ranges(ckpt: Path) -> None:
+    """O_DIRECT path: an aligned superset read returns exactly the wanted bytes."""
+    import mmap
+    import os
+    import random
+
+    from wcache.server.loader import ALIGN_IO, _read_direct, page_cache_fraction
+
+    f = sorted(ckpt.glob("*.safetensors"))[0]
+    data = f.read_bytes()
+    assert page_cache_fraction(f) > 0.5  # just read
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    buf = mmap.mmap(-1, (1 << 20) + 2 * ALIGN_IO)  # page-aligned, like pinned staging
+    view = memoryview(buf)
+    rnd = random.Random(0)
+    try:
+        for _ in range(50):
+            n = rnd.randint(1, 1 << 20)
+            off = rnd.randint(0, len(data) - n)
+            start = _read_direct(fd, view, off, n, str(f))
+            assert view[start : start + n] == data[off : off + n]
+        start = _read_direct(fd, view, len(data) - 10, 10, str(f))  # the file's last bytes
+        assert view[start : start + 10] == data[-10:]
+        with pytest.raises(CheckpointError, match="ended early"):
+            _read_direct(fd, view, len(data) - 10, 20, str(f))
+    finally:
+        view.release()
+        buf.close()
+        os.close(fd)

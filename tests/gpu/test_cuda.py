@@ -126,8 +126,9 @@ async def test_device_mismatch_by_uuid(daemon_factory: Callable[..., DaemonProc]
 
 
 async def test_tp2_two_daemons_one_gpu(daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path) -> None:
-    for r in (0, 1):
-        daemon_factory(ckpt, "--device", "cuda:0", "--tp-size", "2", "--tp-rank", str(r))
+    for r in (0, 1):  # O_DIRECT reads (single-extent jobs) on one rank, page-cache reads on the other
+        io = "direct" if r == 0 else "buffered"
+        daemon_factory(ckpt, "--device", "cuda:0", "--tp-size", "2", "--tp-rank", str(r), "--io", io)
     keys = [WeightCacheKey.from_checkpoint(ckpt, tp_rank=r, tp_size=2) for r in (0, 1)]
     w0, w1 = await asyncio.gather(*(WCacheClient(socket_dir=socket_dir).fetch(k) for k in keys))
     ref = reference(ckpt)

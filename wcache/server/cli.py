@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--socket-path", type=Path, help="socket file (its directory must be private)")
     where.add_argument("--socket-dir", type=Path, help=f"directory for {socket_name(0)} etc. (default: private dir)")
     p.add_argument("--shard-plan", type=Path, help="JSON sharding plan for architectures without a built-in one")
+    p.add_argument(
+        "--io",
+        default="auto",
+        choices=["auto", "direct", "buffered"],
+        help="GPU loads: O_DIRECT reads, page-cache reads, or auto (direct for files mostly not cached)",
+    )
     p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
     p.add_argument("--verify-content", action="store_true", help="fingerprint the data too, not only headers")
     p.add_argument(
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             verify_content=args.verify_content,
             threads=args.threads,
             staging_bytes=args.staging_bytes,
+            io=args.io,
         )
         try:
             daemon = Daemon(

@@ -135,12 +135,62 @@ def _jobs(layout: Layout, chunk: int) -> list[_Job]:
     return jobs
 
 
-class _Files:
-    """One read-only fd per checkpoint file, shared by the reader threads."""
+ALIGN_IO = 4096  # O_DIRECT offset/length/buffer alignment
 
-    def __init__(self) -> None:
+
+def page_cache_fraction(path: Path) -> float:
+    """Fraction of ``path``'s pages resident in the page cache (mmap + mincore), 0..1; 1.0 if unknown."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return 1.0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        page = os.sysconf("SC_PAGE_SIZE")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        finally:
+            os.close(fd)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return 1.0
+        try:
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(addr, size, vec) != 0:
+                return 1.0
+            return sum(v & 1 for v in bytes(vec)) / pages
+        finally:
+            libc.munmap(addr, size)
+    except (OSError, AttributeError, ValueError):
+        return 1.0
+
+
+class _Files:
+    """One read-only fd per checkpoint file (and an O_DIRECT one where asked), shared by the reader threads."""
+
+    def __init__(self, direct: bool = False) -> None:
         self.fds: dict[Path, int] = {}
+        self.direct_fds: dict[Path, int] = {}
+        self.direct = direct
         self.lock = threading.Lock()
+
+    def direct_fd(self, path: Path) -> int:
+        """An O_DIRECT fd for ``path``, or -1 where the filesystem refuses it (tmpfs...)."""
+        fd = self.direct_fds.get(path)
+        if fd is None:
+            with self.lock:
+                fd = self.direct_fds.get(path)
+                if fd is None:
+                    try:
+                        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+                    except OSError:
+                        fd = -1
+                    self.direct_fds[path] = fd
+        return fd
 
     def fd(self, path: Path) -> int:
         fd = self.fds.get(path)
@@ -154,9 +204,11 @@ class _Files:
         return fd
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        for fd in [*self.fds.values(), *self.direct_fds.values()]:
+            if fd >= 0:
+                os.close(fd)
         self.fds.clear()
+        self.direct_fds.clear()
 
 
 def _read(files: _Files, job: _Job, view: memoryview) -> None:
@@ -173,6 +225,24 @@ def _read(files: _Files, job: _Job, view: memoryview) -> None:
                 )
             done += got
         pos += n
+
+
+def _read_direct(fd: int, view: memoryview, off: int, n: int, where: str) -> int:
+    """O_DIRECT read of [off, off+n) into ``view`` (page-aligned, >= n + 2*ALIGN_IO bytes).
+
+    Reads the aligned superset; returns where the wanted bytes start in ``view``.
+    """
+    start = off - off % ALIGN_IO
+    delta = off - start
+    want = delta + n
+    length = -(-want // ALIGN_IO) * ALIGN_IO
+    got = 0
+    while got < want:
+        r = os.preadv(fd, [view[got:length]], start + got)
+        if r == 0 or (r % ALIGN_IO and got + r < want):
+            raise CheckpointError(f"{where}: file ended early (truncated while loading?)")
+        got += r
+    return delta
 
 
 class _Progress:
@@ -222,8 +292,12 @@ class _DeviceWorker:
 
     def __init__(self, device: torch.device, chunk: int) -> None:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.views = [memoryview((ctypes.c_char * chunk).from_address(b.data_ptr())).cast("B") for b in self.bufs]
+        size = chunk + 2 * ALIGN_IO  # room to read an aligned superset with O_DIRECT
+        self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        if any(b.data_ptr() % ALIGN_IO for b in self.bufs):  # cudaHostAlloc is page-aligned; be sure
+            self.bufs = [torch.empty(size + ALIGN_IO, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.bufs = [b[(-b.data_ptr()) % ALIGN_IO :][:size] for b in self.bufs]
+        self.views = [memoryview((ctypes.c_char * size).from_address(b.data_ptr())).cast("B") for b in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
@@ -246,9 +320,15 @@ def load_into(
     threads: int = 8,
     staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
+    io: str = "auto",
 ) -> LoadStats:
     """Fill ``slab`` with every placement of ``layout``. ``progress``: a stream for the bar,
-    None to draw on stderr only if it is a TTY, False for none."""
+    None to draw on stderr only if it is a TTY, False for none. ``io`` (device slabs only):
+    ``direct`` reads with O_DIRECT (parallel reads straight from the disk, no page-cache
+    copy), ``buffered`` through the page cache, ``auto`` picks direct for files that are
+    less than half in the page cache (mincore)."""
+    if io not in ("auto", "direct", "buffered"):
+        raise ValueError(f"io must be auto, direct or buffered, got {io!r}")
     t0 = time.perf_counter()
     threads = max(1, threads)
     target = slab.tensor()
@@ -262,6 +342,11 @@ def load_into(
     bar = _Progress(total, stream)
     files = _Files()
     host = slab.host_buffer()
+    direct: set[Path] = set()
+    if on_device and io != "buffered" and hasattr(os, "O_DIRECT"):
+        for f in {p.source.file for p in layout.placements}:
+            if io == "direct" or page_cache_fraction(f) < 0.5:
+                direct.add(f)
     local = threading.local()
     workers: list[_DeviceWorker] = []
     workers_lock = threading.Lock()
@@ -283,9 +368,15 @@ def load_into(
         else:
             w = worker()
             i = w.slot()
-            _read(files, job, w.views[i][:n])
+            start = 0
+            f, off, _ = job.extents[0]
+            dfd = files.direct_fd(f) if f in direct and len(job.extents) == 1 else -1
+            if dfd >= 0:
+                start = _read_direct(dfd, w.views[i], off, n, f"{f}: tensor {job.placement.source.name!r}")
+            else:
+                _read(files, job, w.views[i][:n])
             with torch.cuda.stream(w.stream):
-                target[job.dest : job.dest + n].copy_(w.bufs[i][:n], non_blocking=True)
+                target[job.dest : job.dest + n].copy_(w.bufs[i][start : start + n], non_blocking=True)
                 ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ev.record(w.stream)
             w.events[i] = ev
@@ -309,7 +400,8 @@ def load_into(
     ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
     stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
     log.info(
-        "loaded bytes_read=%d bytes_stored=%d seconds=%.2f read_gb_s=%.2f read_fraction=%.3f threads=%d chunk=%d",
+        "loaded bytes_read=%d bytes_stored=%d seconds=%.2f read_gb_s=%.2f read_fraction=%.3f threads=%d chunk=%d "
+        "direct_files=%d",
         stats.bytes_read,
         stats.bytes_stored,
         seconds,
@@ -317,6 +409,7 @@ def load_into(
         stats.read_fraction,
         threads,
         chunk,
+        len(direct),
     )
     return stats
 

@@ -66,6 +66,7 @@ def load_model(
     verify_content: bool = False,
     threads: int = 8,
     staging_bytes: int = DEFAULT_STAGING,
+    io: str = "auto",
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, seal. Every check runs before data is read."""
     ckpt = Checkpoint.open(model_dir)
@@ -82,7 +83,7 @@ def load_model(
     layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
     slab = backend.allocate(layout.total_bytes)
     try:
-        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes)
+        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io)
         slab.seal()
     except BaseException:
         slab.close()

@@ -30,7 +30,9 @@ class HostSlab:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, nbytes)
-            self._mm: mmap.mmap | None = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: allocate and map every page in one call instead of faulting them in one by one
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm: mmap.mmap | None = mmap.mmap(self.fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
