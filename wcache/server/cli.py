@@ -48,9 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-plan", type=Path, help="JSON sharding plan for architectures without a built-in one")
     p.add_argument(
         "--io",
-        default="auto",
-        choices=["auto", "direct", "buffered"],
-        help="GPU loads: O_DIRECT reads, page-cache reads, or auto (direct for files mostly not cached)",
+        default="buffered",
+        choices=["buffered", "direct", "auto"],
+        help="GPU loads: page-cache reads (default), O_DIRECT reads, or auto (direct for files mostly not cached). "
+        "Measured on the H200's disk: direct was not faster cold (9.19 vs 9.15 s for 16 GB) and leaves the page "
+        "cache empty for the next start",
     )
     p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
     p.add_argument("--verify-content", action="store_true", help="fingerprint the data too, not only headers")

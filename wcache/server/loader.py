@@ -320,7 +320,7 @@ def load_into(
     threads: int = 8,
     staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
-    io: str = "auto",
+    io: str = "buffered",
 ) -> LoadStats:
     """Fill ``slab`` with every placement of ``layout``. ``progress``: a stream for the bar,
     None to draw on stderr only if it is a TTY, False for none. ``io`` (device slabs only):

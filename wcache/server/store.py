@@ -66,7 +66,7 @@ def load_model(
     verify_content: bool = False,
     threads: int = 8,
     staging_bytes: int = DEFAULT_STAGING,
-    io: str = "auto",
+    io: str = "buffered",
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, seal. Every check runs before data is read."""
     ckpt = Checkpoint.open(model_dir)
