@@ -321,15 +321,17 @@ def load_into(
     staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
     io: str = "buffered",
+    started: float | None = None,
 ) -> LoadStats:
     """Fill ``slab`` with every placement of ``layout``. ``progress``: a stream for the bar,
     None to draw on stderr only if it is a TTY, False for none. ``io`` (device slabs only):
     ``direct`` reads with O_DIRECT (parallel reads straight from the disk, no page-cache
     copy), ``buffered`` through the page cache, ``auto`` picks direct for files that are
-    less than half in the page cache (mincore)."""
+    less than half in the page cache (mincore). ``started``: a ``time.perf_counter()`` taken
+    before the slab was allocated, so that the reported time includes allocation."""
     if io not in ("auto", "direct", "buffered"):
         raise ValueError(f"io must be auto, direct or buffered, got {io!r}")
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
     target = slab.tensor()
     on_device = target.is_cuda

@@ -81,9 +81,10 @@ def load_model(
         checkpoint=ckpt,
     )
     layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
+    started = time.perf_counter()
     slab = backend.allocate(layout.total_bytes)
     try:
-        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io)
+        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io, started=started)
         slab.seal()
     except BaseException:
         slab.close()

@@ -1,0 +1,138 @@
+"""Engines use it: nn.Module attach, disk fallback, and Hugging Face transformers (CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import DaemonProc
+from wcache import CacheUnavailableError, KeyMismatchError, WCacheClient, WCacheError, WeightCacheKey
+from wcache.nn import attach, empty_parameters, load_from_disk, load_weights
+
+
+class TinyLM(nn.Module):
+    """Parameters named like a Llama checkpoint's, for attach tests."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.ones(hidden))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+        self.register_buffer("scale", torch.full((hidden,), 2.0), persistent=False)
+
+
+async def test_attach_zero_copy_tied(daemon_factory: Callable[..., DaemonProc], tied_ckpt: Path) -> None:
+    d = daemon_factory(tied_ckpt)
+    w = await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(tied_ckpt))
+    cfg = json.loads((tied_ckpt / "config.json").read_text())
+    with empty_parameters():
+        m = TinyLM(cfg["vocab_size"], cfg["hidden_size"])
+    assert m.lm_head.weight.is_meta and not m.scale.is_meta
+    only = {k: v for k, v in w.items() if k.startswith(("model.embed_tokens", "model.norm", "lm_head"))}
+    report = attach(m, only)
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # type: ignore[union-attr]  # still tied
+    emb = m.model.embed_tokens.weight  # type: ignore[union-attr]
+    assert emb.data_ptr() == w["model.embed_tokens.weight"].data_ptr()  # no copy
+    assert report.kept_buffers == ["scale"]
+    await w.release()
+
+
+def test_attach_lists_missing_and_unused(tied_ckpt: Path) -> None:
+    weights = load_from_disk(tied_ckpt)
+    with empty_parameters():
+        m = TinyLM(512, 64)
+    with pytest.raises(WCacheError, match=r"not in the cache: model\.norm\.weight"):
+        attach(m, {k: v for k, v in weights.items() if k != "model.norm.weight"})
+    with pytest.raises(WCacheError, match="no place in the module"):
+        attach(m, weights)
+
+
+async def test_fallback_to_disk_same_tensors(
+    daemon: DaemonProc, ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cached = await load_weights(ckpt, tp_rank=1, tp_size=2, client=WCacheClient(tmp_path / "none.sock"))
+    assert cached.source == "disk" and "CacheUnavailableError" in cached.reason
+    served = await load_weights(ckpt, client=WCacheClient(daemon.socket))
+    assert served.source == "cache"
+    disk = load_from_disk(ckpt)
+    assert all(torch.equal(served.tensors[k], disk[k]) for k in disk)
+    await served.release()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wcache.nn"):
+        mism = await load_weights(ckpt, dtype="float32", client=WCacheClient(daemon.socket))
+    assert mism.source == "disk" and "KeyMismatchError" in mism.reason
+    assert sum("from disk instead of the cache" in r.message for r in caplog.records) == 1
+    assert mism.tensors["model.norm.weight"].dtype == torch.float32
+    with pytest.raises(KeyMismatchError):
+        await load_weights(ckpt, dtype="float32", client=WCacheClient(daemon.socket), fallback=False)
+    with pytest.raises(CacheUnavailableError):
+        await load_weights(ckpt, client=WCacheClient(tmp_path / "none.sock"), fallback=False)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)  # type: ignore[arg-type]
+    return path
+
+
+async def test_transformers_identical_to_from_pretrained(
+    daemon_factory: Callable[..., DaemonProc], hf_model: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from wcache.integrations.transformers import from_pretrained
+
+    d = daemon_factory(hf_model)
+    model, weights = await from_pretrained(hf_model, client=WCacheClient(d.socket))
+    assert weights is not None and weights.source == "cache"
+    ref = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.bfloat16)
+    ref.eval()  # type: ignore[no-untyped-call]
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        a, b = model(ids).logits, ref(ids).logits
+    assert torch.equal(a, b)
+    ga = model.generate(ids, max_new_tokens=8, do_sample=False)
+    gb = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ga, gb)
+    assert (
+        model.model.layers[0].mlp.up_proj.weight.data_ptr()
+        == weights.tensors["model.layers.0.mlp.up_proj.weight"].data_ptr()
+    )
+    await weights.release()
+
+
+async def test_transformers_fallback(hf_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from wcache.integrations.transformers import from_pretrained
+
+    with caplog.at_level(logging.WARNING, logger="wcache.transformers"):
+        model, weights = await from_pretrained(hf_model, client=WCacheClient(tmp_path / "none.sock"))
+    assert weights is None and model is not None
+    assert any("CacheUnavailableError" in r.message for r in caplog.records)
+    with pytest.raises(CacheUnavailableError):
+        await from_pretrained(hf_model, client=WCacheClient(tmp_path / "none.sock"), fallback=False)

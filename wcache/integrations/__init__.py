@@ -1,0 +1,1 @@
+"""Integrations with inference frameworks (each imports its framework lazily)."""
