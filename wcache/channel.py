@@ -147,16 +147,33 @@ class Channel:
         self._fds.extend(fds)
         self.conn.receive_data(data)
 
-    async def receive(self) -> tuple[Frame, list[int]]:
+    async def receive(self, *, frame_timeout: float | None = None) -> tuple[Frame, list[int]]:
         """The next frame and its file descriptors (the caller owns and must close them).
 
+        ``frame_timeout``: once part of a frame has arrived, the rest must arrive within
+        this many seconds (TimeoutError otherwise) — a peer cannot hold a half-sent frame.
         Raises ProtocolError on bad input and EOFError when the peer closed cleanly
         between frames.
         """
+        partial_since: float | None = None
         while not self._frames:
             if self.conn.eof:
                 raise EOFError("peer closed the connection")
-            await self._recv_some()
+            if frame_timeout is not None and self.conn.buffered:
+                loop = asyncio.get_running_loop()
+                if partial_since is None:
+                    partial_since = loop.time()
+                left = partial_since + frame_timeout - loop.time()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(self._recv_some(), left)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"half a frame ({self.conn.buffered} bytes) not completed within {frame_timeout} s"
+                    ) from None
+            else:
+                await self._recv_some()
             for frame in self.conn.events():
                 self._frames.append(frame)
         frame = self._frames.popleft()

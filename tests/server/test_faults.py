@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -263,3 +264,50 @@ def test_sharding_errors_before_loading(tmp_path: Path, ckpt: Path, socket_dir: 
         check=False,
     )
     assert out.returncode == 1 and "FancyNewForCausalLM" in out.stderr and "--shard-plan" in out.stderr
+
+
+async def test_half_sent_frame_times_out_without_delaying_others(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    d = daemon_factory(ckpt, "--frame-timeout", "1.5")
+    s = _raw(d.socket)
+    s.settimeout(20)
+    try:
+        s.sendall(pack_frame(Hello(versions=(1,)).to_wire()))
+        assert (await asyncio.to_thread(_read_reply, s) or {}).get("type") == "HELLO_OK"
+        whole = pack_frame({"type": "STATUS", "id": 1})
+        s.sendall(whole[: len(whole) // 2])  # and stall
+        t0 = time.monotonic()
+        async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+            assert len(w) > 0
+        assert time.monotonic() - t0 < 1.0  # the stalled client delays nobody
+        assert await asyncio.to_thread(s.recv, 1) == b""  # and is closed after --frame-timeout
+        assert 1.0 < time.monotonic() - t0 < 10
+    finally:
+        s.close()
+    assert "half a frame" in d.log_text()
+
+
+async def test_memfd_slab_cannot_be_written_by_a_client(daemon: DaemonProc, ckpt: Path) -> None:
+    """The host slab is a sealed memfd: a client holding the fd cannot change the weights."""
+    import mmap
+
+    from wcache.client.client import _expect
+    from wcache.proto import GetState
+
+    client = WCacheClient(daemon.socket)
+    ch, _ = await client._connect(daemon.socket)
+    try:
+        await ch.send(GetState(id=1, key=WeightCacheKey.from_checkpoint(ckpt).to_wire()))
+        state, fds = await _expect(ch)
+        (fd,) = fds
+        size = os.fstat(fd).st_size
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        os.close(fd)
+    finally:
+        ch.close()

@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pinned host staging for GPU loads, split across reader threads (default 2 GiB)",
     )
     p.add_argument("--max-frame-size", type=int, default=64 * 1024 * 1024)
+    p.add_argument(
+        "--idle-timeout", type=float, default=0, help="close connections silent this long, in s (0: never; leases live)"
+    )
+    p.add_argument("--frame-timeout", type=float, default=10.0, help="max seconds to finish sending a started frame")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
@@ -132,7 +136,12 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             daemon = Daemon(
-                Store(model), sock_path, software=f"wcache/{__version__}", max_frame_size=args.max_frame_size
+                Store(model),
+                sock_path,
+                software=f"wcache/{__version__}",
+                max_frame_size=args.max_frame_size,
+                idle_timeout=args.idle_timeout or None,
+                frame_timeout=args.frame_timeout,
             )
 
             def ready() -> None:

@@ -48,6 +48,7 @@ class Daemon:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         handshake_timeout: float = 10.0,
         idle_timeout: float | None = None,
+        frame_timeout: float = 10.0,
         max_connections: int = 1024,
         shutdown_grace: float = 5.0,
     ) -> None:
@@ -57,6 +58,7 @@ class Daemon:
         self.max_frame_size = max_frame_size
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
+        self.frame_timeout = frame_timeout
         self.max_connections = max_connections
         self.shutdown_grace = shutdown_grace
         self.started = time.monotonic()
@@ -166,7 +168,7 @@ class Daemon:
                 raise ProtocolError(f"too many connections (limit {self.max_connections})")
             await self._handshake(ch, conn)
             while True:
-                frame, _ = await asyncio.wait_for(ch.receive(), self.idle_timeout)
+                frame, _ = await asyncio.wait_for(ch.receive(frame_timeout=self.frame_timeout), self.idle_timeout)
                 self._busy.add(conn_id)
                 try:
                     await self._dispatch(ch, frame, conn_id, pid)
@@ -176,7 +178,9 @@ class Daemon:
             log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ch.send_bytes(conn.fatal_error(exc)), 1.0)
-        except (EOFError, ConnectionError, TimeoutError):
+        except TimeoutError as exc:
+            log.info("connection timed out %s pid=%d reason=%s", self._tag, pid, str(exc) or "idle or handshake")
+        except (EOFError, ConnectionError):
             pass
         except asyncio.CancelledError:
             pass
