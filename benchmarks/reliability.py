@@ -45,6 +45,22 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+DEVICE = "cpu"
+
+
+def gpu_used_mib() -> int | None:
+    if DEVICE == "cpu":
+        return None
+    q = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", DEVICE.split(":")[1]],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    return int(q.stdout.strip()) if q.returncode == 0 else None
+
+
 class Daemon:
     def __init__(self, model: Path, sock_dir: Path, *extra: str) -> None:
         self.ready = sock_dir / "ready.json"
@@ -250,6 +266,7 @@ async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10) -> dict
     rnd = random.Random(0)
     killed = 0
     t0 = time.perf_counter()
+    gpu_before = gpu_used_mib()
     for start in range(0, n, batch):
         procs = [
             subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(sock), str(model)], stdout=subprocess.PIPE)
@@ -270,7 +287,15 @@ async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10) -> dict
     deadline = time.monotonic() + 10
     while (left := await leases(sock)) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    return {"clients_killed": killed, "leases_after": left, "seconds": time.perf_counter() - t0}
+    await asyncio.sleep(1.0)  # let the driver reclaim the killed processes' contexts
+    return {
+        "clients_killed": killed,
+        "leases_after": left,
+        "seconds": time.perf_counter() - t0,
+        "device": DEVICE,
+        "gpu_used_mib_before": gpu_before,
+        "gpu_used_mib_after": gpu_used_mib(),
+    }
 
 
 async def kill_daemon(model: Path, sock_dir: Path, key: WeightCacheKey, clients: int = 20) -> dict[str, Any]:
@@ -460,10 +485,15 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=100)
     ap.add_argument("--load-clients", type=int, default=256)
     ap.add_argument("--load-seconds", type=float, default=60.0)
+    ap.add_argument("--device", default="cpu", help="daemon device: cpu or cuda:K (GPU rows)")
+    ap.add_argument("--only", choices=["all", "kills"], default="all")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     res = asyncio.run(main_async(args))
-    out = args.out or REPO / "benchmarks" / "results" / f"reliability-{res['date']}.json"
+    tag = "" if DEVICE == "cpu" else "-" + DEVICE.replace(":", "")
+    out = args.out or REPO / "benchmarks" / "results" / f"reliability{tag}-{res['date']}.json"
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 
