@@ -436,6 +436,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(),
     }
+    if args.only == "kills":
+        d = Daemon(model, sock_dir)
+        try:
+            async with await WCacheClient(d.socket).fetch(key):
+                pass
+            res["killed_clients"] = await kill_clients(d.socket, model, args.kills)
+            res["daemon_gpu_mib"] = gpu_used_mib()
+        finally:
+            d.stop()
+        res["killed_daemon"] = await kill_daemon(model, sock_dir, key)
+        return res
     if args.fuzz_runs:
         print("== fuzz", flush=True)
         res["fuzz_decoder"] = fuzz(args.fuzz_runs)
