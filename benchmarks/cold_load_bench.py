@@ -21,15 +21,15 @@ import datetime
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from wcache.server.process import spawn_daemon  # noqa: E402
 
 SAFETENSORS = r"""
 import glob, json, sys, time, torch
@@ -106,39 +106,13 @@ def daemon_load(model: Path, device: str, work: Path, *extra: str) -> dict[str, 
     sock = work / "sock"
     sock.mkdir(mode=0o700, exist_ok=True)
     os.chmod(sock, 0o700)
-    ready = sock / "ready.json"
-    ready.unlink(missing_ok=True)
     log = work / "daemon.log"
-    t0 = time.perf_counter()
-    with open(log, "wb") as fh:
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "wcache.server.cli",
-                "--model",
-                str(model),
-                "--device",
-                device,
-                "--socket-dir",
-                str(sock),
-                "--ready-file",
-                str(ready),
-                *extra,
-            ],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
     try:
-        deadline = time.monotonic() + 600
-        while not ready.exists():
-            if p.poll() is not None or time.monotonic() > deadline:
-                return {"error": log.read_text()[-1500:]}
-            time.sleep(0.02)
-        ready_s = time.perf_counter() - t0
-    finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(60)
+        d = spawn_daemon(model, sock, "--device", device, *extra, log=log, timeout=600)
+    except (RuntimeError, TimeoutError) as exc:
+        return {"error": str(exc)[-1500:]}
+    ready_s = d.ready_seconds
+    d.stop()
     text = log.read_text()
     m = re.search(
         r"loaded bytes_read=(\d+) bytes_stored=(\d+) seconds=([\d.]+) read_gb_s=([\d.]+) read_fraction=([\d.]+)", text

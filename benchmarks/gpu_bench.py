@@ -23,7 +23,7 @@ import contextlib
 import datetime
 import json
 import os
-import signal
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from wcache.server.process import spawn_daemon  # noqa: E402
+
 RESULTS: dict[str, Any] = {"benchmark": "gpu_bench", "date": datetime.date.today().isoformat(), "steps": {}}
 OUT: Path = Path("gpu_bench.json")
 LOGS: Path = Path("/tmp/wcache-bench/logs")
@@ -213,47 +216,24 @@ asyncio.run(main())
 
 
 class Daemon:
+    """A wcache-server subprocess (wcache.server.process) plus what the benchmark reads off it."""
+
     def __init__(self, model: Path, sock_dir: Path, *args: str, name: str, env: dict[str, str] | None = None) -> None:
         sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(sock_dir, 0o700)
-        self.ready = sock_dir / f"{name}.ready"
-        self.log = LOGS / f"daemon-{name}.log"
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "wcache.server.cli",
-                "--model",
-                str(model),
-                "--socket-dir",
-                str(sock_dir),
-                "--ready-file",
-                str(self.ready),
-                *args,
-            ],
-            stdout=open(self.log, "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        self.d = spawn_daemon(model, sock_dir, *args, log=LOGS / f"daemon-{name}.log", env=env, timeout=None)
+        self.log = self.d.log
+        self.proc = self.d.proc
         self.ready_s = -1.0
 
     def wait(self, timeout: float) -> Path:
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"daemon not ready in {timeout} s: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        self.ready_s = time.perf_counter() - self.t0
-        return Path(json.loads(self.ready.read_text())["socket"])
+        self.d.wait_ready(timeout)
+        self.ready_s = self.d.ready_seconds
+        return self.d.socket
 
     def load_seconds(self) -> float | None:
-        for line in self.log.read_text().splitlines():
-            if " ready " in line and "load_s=" in line:
-                return float(line.split("load_s=")[1].split()[0])
-        return None
+        m = re.search(r" loaded .*?seconds=([\d.]+)", self.log.read_text())
+        return float(m.group(1)) if m else None
 
     def gpu_mib(self) -> int | None:
         q = subprocess.run(
@@ -270,12 +250,7 @@ class Daemon:
         return None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.d.stop()
 
 
 def main() -> None:

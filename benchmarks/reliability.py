@@ -29,6 +29,7 @@ from typing import Any
 
 from wcache import CacheUnavailableError, WCacheClient, WCacheError, WeightCacheKey
 from wcache.proto import GetState, Hello, Release, Status, pack_frame
+from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,41 +62,8 @@ def gpu_used_mib() -> int | None:
     return int(q.stdout.strip()) if q.returncode == 0 else None
 
 
-class Daemon:
-    def __init__(self, model: Path, sock_dir: Path, *extra: str) -> None:
-        self.ready = sock_dir / "ready.json"
-        self.ready.unlink(missing_ok=True)
-        self.log = sock_dir.parent / f"daemon-{time.time_ns()}.log"
-        with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "wcache.server.cli",
-                    "--model",
-                    str(model),
-                    "--socket-dir",
-                    str(sock_dir),
-                    "--ready-file",
-                    str(self.ready),
-                    "--log-level",
-                    "WARNING",
-                    *extra,
-                ],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 120
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(self.log.read_text())
-            time.sleep(0.02)
-        self.socket = Path(json.loads(self.ready.read_text())["socket"])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
+def start_daemon(model: Path, sock_dir: Path, *extra: str) -> DaemonProcess:
+    return spawn_daemon(model, sock_dir, "--log-level", "WARNING", "--device", DEVICE, *extra)
 
 
 async def leases(sock: Path) -> int:
@@ -301,7 +269,7 @@ async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10) -> dict
 async def kill_daemon(model: Path, sock_dir: Path, key: WeightCacheKey, clients: int = 20) -> dict[str, Any]:
     from wcache.nn import load_from_disk, load_weights
 
-    d = Daemon(model, sock_dir)
+    d = start_daemon(model, sock_dir)
     os.kill(d.proc.pid, signal.SIGSTOP)  # requests will be in flight when it dies
     tasks = [asyncio.ensure_future(WCacheClient(d.socket, timeout=30).fetch(key)) for _ in range(clients)]
     await asyncio.sleep(0.5)
@@ -326,7 +294,7 @@ async def kill_daemon(model: Path, sock_dir: Path, key: WeightCacheKey, clients:
 
     same = lw.source == "disk" and all(torch.equal(lw.tensors[k], v) for k, v in ref.items())
     stale = d.socket.exists()
-    d2 = Daemon(model, sock_dir)  # stale socket and lock left by SIGKILL: the next daemon recovers
+    d2 = start_daemon(model, sock_dir)  # stale socket and lock left by SIGKILL: the next daemon recovers
     second = subprocess.run(
         [sys.executable, "-m", "wcache.server.cli", "--model", str(model), "--socket-dir", str(sock_dir)],
         capture_output=True,
@@ -437,7 +405,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
     }
     if args.only == "kills":
-        d = Daemon(model, sock_dir)
+        d = start_daemon(model, sock_dir)
         try:
             async with await WCacheClient(d.socket).fetch(key):
                 pass
@@ -451,7 +419,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print("== fuzz", flush=True)
         res["fuzz_decoder"] = fuzz(args.fuzz_runs)
         print(res["fuzz_decoder"], flush=True)
-    d = Daemon(model, sock_dir, "--frame-timeout", "5")
+    d = start_daemon(model, sock_dir, "--frame-timeout", "5")
     try:
         pid = d.proc.pid
         async with await WCacheClient(d.socket).fetch(key):

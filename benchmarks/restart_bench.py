@@ -22,15 +22,14 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 #: 291 tensors like Llama-3-8B (32 layers), 2.2 GB in bf16.
@@ -84,42 +83,16 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="wcache-restart-"))
     os.chmod(work, 0o700)
     model = work / "model"
-    daemon = None
+    daemon: DaemonProcess | None = None
     try:
         if not (model / "config.json").exists():
             make_llama_checkpoint(model, SHAPE, shards=2, seed=0)
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         sock_dir = work / "sock"
         sock_dir.mkdir(mode=0o700, exist_ok=True)
-        ready = sock_dir / "ready.json"
-        ready.unlink(missing_ok=True)
-        log = work / "daemon.log"
-        t0 = time.perf_counter()
-        with open(log, "wb") as fh:
-            daemon = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "wcache.server.cli",
-                    "--model",
-                    str(model),
-                    "--device",
-                    args.device,
-                    "--socket-dir",
-                    str(sock_dir),
-                    "--ready-file",
-                    str(ready),
-                ],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 600
-        while not ready.exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"daemon failed:\n{log.read_text()}")
-            time.sleep(0.05)
-        sock = json.loads(ready.read_text())["socket"]
-        ready_s = time.perf_counter() - t0
+        daemon = spawn_daemon(model, sock_dir, "--device", args.device, log=work / "daemon.log", timeout=600)
+        sock = str(daemon.socket)
+        ready_s = daemon.ready_seconds
         runs: list[dict[str, Any]] = []
         for _ in range(args.engines):
             out = subprocess.run(
@@ -157,9 +130,8 @@ def main() -> None:
         dest.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps({k: v for k, v in results.items() if k != "engines"}, indent=2))
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(30)
+        if daemon is not None:
+            daemon.stop()
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
 

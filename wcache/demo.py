@@ -13,13 +13,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 #: ~270 MB: 8 layers, hidden 1024, vocab 32000 — big enough to show the gap, quick to build.
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="wcache-demo-"))
     os.chmod(work, 0o700)
-    daemon: subprocess.Popen[bytes] | None = None
+    daemon: DaemonProcess | None = None
     try:
         model = args.model
         if model is None:
@@ -70,34 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built a Llama-shaped checkpoint: {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s ({model})")
         sock_dir = work / "sock"
         sock_dir.mkdir(mode=0o700)
-        ready = work / "ready.json"
-        log = open(work / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
         t0 = time.perf_counter()
-        daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "wcache.server.cli",
-                "--model",
-                str(model),
-                "--device",
-                args.device,
-                "--socket-dir",
-                str(sock_dir),
-                "--ready-file",
-                str(ready),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                print((work / "daemon.log").read_text(), file=sys.stderr)
-                print("wcache-demo: the daemon did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.05)
-        sock = json.loads(ready.read_text())["socket"]
+        try:
+            daemon = spawn_daemon(model, sock_dir, "--device", args.device, log=work / "daemon.log", timeout=300)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"wcache-demo: the daemon did not start: {exc}", file=sys.stderr)
+            return 1
+        sock = str(daemon.socket)
         print(f"wcache-server ready in {time.perf_counter() - t0:.1f} s (process start + load), socket {sock}")
         print()
         print(f"{'restart':>7}  {'disk load':>10}  {'zero_copy':>10}  {'copy':>9}  {'tensors':>7}  identical")
@@ -126,12 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print("On a GPU (--device cuda:0) the disk path also pays host->device copies; see benchmarks/.")
         return 0
     finally:
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(15)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+        if daemon is not None:
+            daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

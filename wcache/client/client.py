@@ -14,10 +14,11 @@ closes its connection, so the daemon frees its lease, and the client stays usabl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -220,40 +221,46 @@ class WCacheClient:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         path = self.socket_for(key)
+        async with self._session(path, timeout, keep_open=True) as session:
+            t0 = time.perf_counter()
+            ch, hello = session.ch, session.hello = await self._connect(path)
+            t1 = time.perf_counter()
+            device_uuid = ""
+            if hello.backend == "cuda":
+                from wcache.client import cuda
+
+                device_uuid = cuda.local_uuid(self.device, hello.device.uuid)
+            await ch.send(GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid))
+            frame, fds = await _expect(ch)
+            if not isinstance(frame, State):
+                close_fds(fds)
+                raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+            t2 = time.perf_counter()
+            weights = await self._materialise(ch, hello, frame, fds, key, mode, path)
+            weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
+            return weights
+
+    @contextlib.asynccontextmanager
+    async def _session(self, path: Path, timeout: float | None, *, keep_open: bool) -> AsyncIterator[_Session]:
+        """One connection's request under a deadline: timeouts, EOF and resets become
+        CacheUnavailableError; the connection is closed on any failure (and on success unless
+        ``keep_open``: a zero_copy lease lives as long as its connection)."""
         limit = self.timeout if timeout is None else timeout
-        ch: Channel | None = None
+        session = _Session()
         try:
             async with asyncio.timeout(limit):
-                t0 = time.perf_counter()
-                ch, hello = await self._connect(path)
-                t1 = time.perf_counter()
-                device_uuid = ""
-                if hello.backend == "cuda":
-                    from wcache.client import cuda
-
-                    device_uuid = cuda.local_uuid(self.device, hello.device.uuid)
-                req = GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid)
-                await ch.send(req)
-                frame, fds = await _expect(ch)
-                if not isinstance(frame, State):
-                    close_fds(fds)
-                    raise ProtocolError(f"expected STATE, got {frame.TYPE}")
-                t2 = time.perf_counter()
-                weights = await self._materialise(ch, hello, frame, fds, key, mode, path)
-                weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
-                return weights
+                yield session
         except TimeoutError as exc:
-            if ch is not None:
-                ch.close()
+            session.close()
             raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
         except (EOFError, ConnectionError) as exc:
-            if ch is not None:
-                ch.close()
+            session.close()
             raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
         except BaseException:
-            if ch is not None:
-                ch.close()
+            session.close()
             raise
+        if not keep_open:
+            session.close()
 
     async def _materialise(
         self,
@@ -318,22 +325,12 @@ class WCacheClient:
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
         path = self.socket_for(key)
-        limit = self.timeout if timeout is None else timeout
-        ch: Channel | None = None
-        try:
-            async with asyncio.timeout(limit):
-                ch, _ = await self._connect(path)
-                await ch.send(Status(id=ch.conn.next_request_id()))
-                frame, _ = await _expect(ch)
-                assert isinstance(frame, StatusReply)
-                return frame
-        except TimeoutError as exc:
-            raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
-        except (EOFError, ConnectionError) as exc:
-            raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
-        finally:
-            if ch is not None:
-                ch.close()
+        async with self._session(path, timeout, keep_open=False) as session:
+            session.ch, session.hello = await self._connect(path)
+            await session.ch.send(Status(id=session.ch.conn.next_request_id()))
+            frame, _ = await _expect(session.ch)
+            assert isinstance(frame, StatusReply)
+            return frame
 
     def fetch_sync(
         self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
@@ -344,6 +341,17 @@ class WCacheClient:
         except RuntimeError:
             return asyncio.run(self.fetch(key, mode, timeout=timeout))
         raise RuntimeError("fetch_sync() called from a running event loop; use 'await client.fetch(...)'")
+
+
+class _Session:
+    """The connection of one in-flight request (set once connected)."""
+
+    ch: Channel | None = None
+    hello: HelloOk | None = None
+
+    def close(self) -> None:
+        if self.ch is not None:
+            self.ch.close()
 
 
 async def _expect(ch: Channel) -> tuple[Frame, list[int]]:

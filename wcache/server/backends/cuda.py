@@ -24,16 +24,16 @@ __all__ = ["CudaBackend", "CudaIpcSlab", "CudaVmmSlab"]
 EXPORTS = ("vmm", "ipc")
 
 
-class CudaIpcSlab:
-    def __init__(self, nbytes: int, index: int) -> None:
-        self.size = nbytes
-        self.index = index
-        self._t: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
-        self.handle, self.offset = _cuda.ipc_handle(self._t.data_ptr())
-        self.uuid = _cuda.device_uuid(index)
+class _CudaSlab:
+    """What both CUDA slabs share: a device tensor over the slab, no host view, sync on seal."""
+
+    size: int
+    index: int
+    _t: torch.Tensor | None
 
     def tensor(self) -> torch.Tensor:
-        assert self._t is not None
+        if self._t is None:
+            raise RuntimeError("slab is closed")
         return self._t
 
     def host_buffer(self) -> memoryview | None:
@@ -42,36 +42,37 @@ class CudaIpcSlab:
     def seal(self) -> None:
         torch.cuda.synchronize(self.index)
 
+
+class CudaIpcSlab(_CudaSlab):
+    """A cudaMalloc'd slab (through torch) shared as a 64-byte cudaIpcMemHandle."""
+
+    def __init__(self, nbytes: int, index: int) -> None:
+        self.size = nbytes
+        self.index = index
+        self._t = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+        self.handle, self.offset = _cuda.ipc_handle(self._t.data_ptr())
+        self.uuid = _cuda.device_uuid(index)
+
     def export(self) -> tuple[SlabDescriptor, list[int]]:
-        return (
-            SlabDescriptor(
-                size=self.size, kind="cuda_ipc", handle=self.handle, offset=self.offset, device_uuid=self.uuid
-            ),
-            [],
+        desc = SlabDescriptor(
+            size=self.size, kind="cuda_ipc", handle=self.handle, offset=self.offset, device_uuid=self.uuid
         )
+        return desc, []
 
     def close(self) -> None:
         self._t = None
         torch.cuda.empty_cache()
 
 
-class CudaVmmSlab:
+class CudaVmmSlab(_CudaSlab):
+    """A cuMemCreate'd slab shared as a POSIX fd (SCM_RIGHTS)."""
+
     def __init__(self, nbytes: int, index: int) -> None:
         self.size = nbytes
         self.index = index
         self.alloc = _cuda.vmm_allocate(nbytes, index)
-        self._t: torch.Tensor | None = self.alloc.buffer.tensor()[:nbytes]
+        self._t = self.alloc.buffer.tensor()[:nbytes]
         self.uuid = _cuda.device_uuid(index)
-
-    def tensor(self) -> torch.Tensor:
-        assert self._t is not None
-        return self._t
-
-    def host_buffer(self) -> memoryview | None:
-        return None
-
-    def seal(self) -> None:
-        torch.cuda.synchronize(self.index)
 
     def export(self) -> tuple[SlabDescriptor, list[int]]:
         return SlabDescriptor(size=self.size, kind="cuda_vmm", fd=0, device_uuid=self.uuid), [self.alloc.fd]
