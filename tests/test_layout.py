@@ -204,3 +204,40 @@ def test_direct_read_of_unaligned_ranges(ckpt: Path) -> None:
         view.release()
         buf.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("arch", "names"),
+    [
+        (
+            "MixtralForCausalLM",
+            {
+                "model.layers.0.block_sparse_moe.experts.3.w1.weight": 0,
+                "model.layers.0.block_sparse_moe.experts.3.w3.weight": 0,
+                "model.layers.0.block_sparse_moe.experts.3.w2.weight": 1,
+                "model.layers.0.block_sparse_moe.gate.weight": None,
+                "model.layers.0.self_attn.q_proj.weight": 0,
+                "model.layers.0.self_attn.o_proj.weight": 1,
+                "model.embed_tokens.weight": 0,
+                "model.norm.weight": None,
+            },
+        ),
+        (
+            "Qwen3MoeForCausalLM",
+            {
+                "model.layers.1.mlp.experts.127.gate_proj.weight": 0,
+                "model.layers.1.mlp.experts.127.up_proj.weight": 0,
+                "model.layers.1.mlp.experts.127.down_proj.weight": 1,
+                "model.layers.1.mlp.gate.weight": None,
+                "model.layers.1.self_attn.q_norm.weight": None,
+                "model.layers.1.self_attn.k_proj.weight": 0,
+                "lm_head.weight": 0,
+            },
+        ),
+    ],
+)
+def test_moe_plans(arch: str, names: dict[str, int | None]) -> None:
+    plan = resolve_plan(arch, 2)
+    assert plan is not None
+    for name, dim in names.items():
+        assert plan.dim_for(name) == dim, name

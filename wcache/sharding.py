@@ -61,11 +61,28 @@ _LLAMA_RULES: list[tuple[str, int | None]] = [
     (r".*norm\.(weight|bias)", None),
     (r".*\.rotary_emb\.inv_freq", None),
 ]
+#: Mixtral: each expert's w1/w3 column-parallel and w2 row-parallel, like a dense MLP; the router replicated.
+_MIXTRAL_RULES: list[tuple[str, int | None]] = [
+    (r".*\.block_sparse_moe\.experts\.\d+\.(w1|w3)\.weight", 0),
+    (r".*\.block_sparse_moe\.experts\.\d+\.w2\.weight", 1),
+    (r".*\.block_sparse_moe\.gate\.weight", None),
+]
+#: Qwen2/3-MoE: experts' and shared expert's gate/up column-parallel, down row-parallel; routers replicated.
+_QWEN_MOE_RULES: list[tuple[str, int | None]] = [
+    (r".*\.mlp\.(experts\.\d+|shared_expert)\.(gate_proj|up_proj)\.weight", 0),
+    (r".*\.mlp\.(experts\.\d+|shared_expert)\.down_proj\.weight", 1),
+    (r".*\.mlp\.(gate|shared_expert_gate)\.weight", None),
+]
 LLAMA_PLAN = _plan("llama", _LLAMA_RULES, "builtin:llama/1")
+MIXTRAL_PLAN = _plan("mixtral", _MIXTRAL_RULES + _LLAMA_RULES, "builtin:mixtral/1")
+QWEN_MOE_PLAN = _plan("qwen-moe", _QWEN_MOE_RULES + _LLAMA_RULES, "builtin:qwen-moe/1")
 #: architecture (config.json "architectures"[0]) -> plan
-BUILTIN_PLANS: dict[str, ShardPlan] = dict.fromkeys(
-    ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), LLAMA_PLAN
-)
+BUILTIN_PLANS: dict[str, ShardPlan] = {
+    **dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"), LLAMA_PLAN),
+    "MixtralForCausalLM": MIXTRAL_PLAN,
+    "Qwen2MoeForCausalLM": QWEN_MOE_PLAN,
+    "Qwen3MoeForCausalLM": QWEN_MOE_PLAN,
+}
 
 
 def load_plan_file(path: str | os.PathLike[str]) -> ShardPlan:
