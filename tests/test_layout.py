@@ -38,8 +38,8 @@ def test_key_diff_defaults_and_unknown_fields(ckpt: Path) -> None:
     wire = a.to_wire()
     del wire["layout"]  # an older client omitting a defaulted field still matches
     assert a.diff_wire(wire) == {}
-    wire["transform"] = "fuse-qkv"  # a field this daemon does not know: a difference
-    assert a.diff_wire(wire) == {"transform": [None, "fuse-qkv"]}
+    wire["quantization"] = "fp8"  # a field this daemon does not know: a difference
+    assert a.diff_wire(wire) == {"quantization": [None, "fp8"]}
     wire = a.to_wire()
     wire["tp_size"] = "1"  # same text, other type
     assert "tp_size" in a.diff_wire(wire)

@@ -32,6 +32,7 @@ class WeightCacheKey:
     plan: str = "none"
     layout: int = LAYOUT_VERSION
     fingerprint_kind: str = "headers"  # "headers" | "content"
+    transform: str = ""  # load-time transform spec (wcache.transforms), "" for none
 
     @classmethod
     def from_checkpoint(
@@ -44,6 +45,7 @@ class WeightCacheKey:
         plan_file: str | os.PathLike[str] | None = None,
         verify_content: bool = False,
         checkpoint: Checkpoint | None = None,
+        transform: str = "",
     ) -> WeightCacheKey:
         """The key a daemon started with the same arguments serves. Reads headers only
         (all data too with ``verify_content``)."""
@@ -58,6 +60,7 @@ class WeightCacheKey:
             plan=plan.id if plan is not None else "none",
             layout=LAYOUT_VERSION,
             fingerprint_kind="content" if verify_content else "headers",
+            transform=transform,
         )
 
     def to_wire(self) -> dict[str, KeyValue]:

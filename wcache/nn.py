@@ -143,8 +143,9 @@ def load_from_disk(
     dtype: str | None = None,
     plan_file: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
+    transform: str = "",
 ) -> dict[str, torch.Tensor]:
-    """The same tensors a daemon would serve (same plan, slices, cast, aliases), read from disk."""
+    """The same tensors a daemon would serve (same plan, slices, cast, aliases, transform), read from disk."""
     from safetensors import safe_open
 
     ckpt = Checkpoint.open(model_dir)
@@ -172,6 +173,11 @@ def load_from_disk(
                 out[p.source.name] = t.to(device=device, dtype=getattr(torch, p.dtype)).contiguous()
     for alias, target in layout.aliases.items():
         out[alias] = out[target]
+    if transform:
+        from wcache.transforms import load_transform
+
+        with torch.no_grad():
+            out = load_transform(transform)(out, ckpt.config)
     return out
 
 
@@ -186,6 +192,7 @@ async def load_weights(
     client: Any = None,
     fallback: bool = True,
     device: str | torch.device = "cpu",
+    transform: str = "",
 ) -> LoadedWeights:
     """Weights for one rank: from the daemon if it can serve them, else (``fallback``) from disk."""
     from wcache.client import WCacheClient
@@ -203,6 +210,12 @@ async def load_weights(
         reason = f"{type(exc).__name__}: {exc.message}"
     log.warning("wcache: loading %s from disk instead of the cache (%s)", model_dir, reason)
     tensors = load_from_disk(
-        model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file, device=device
+        model_dir,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        dtype=dtype,
+        plan_file=plan_file,
+        device=device,
+        transform=transform,
     )
     return LoadedWeights(tensors, "disk", reason)

@@ -136,3 +136,47 @@ async def test_transformers_fallback(hf_model: Path, tmp_path: Path, caplog: pyt
     assert any("CacheUnavailableError" in r.message for r in caplog.records)
     with pytest.raises(CacheUnavailableError):
         await from_pretrained(hf_model, client=WCacheClient(tmp_path / "none.sock"), fallback=False)
+
+
+FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
+
+
+async def test_transform_fuses_per_rank_and_is_part_of_the_key(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    for r in (0, 1):
+        daemon_factory(ckpt, "--tp-size", "2", "--tp-rank", str(r), "--transform", FUSE)
+    client = WCacheClient(socket_dir=socket_dir)
+    for r in (0, 1):
+        key = WeightCacheKey.from_checkpoint(ckpt, tp_rank=r, tp_size=2, transform=FUSE)
+        plain = load_from_disk(ckpt, tp_rank=r, tp_size=2)
+        async with await client.fetch(key) as w:
+            p = "model.layers.2."
+            assert p + "self_attn.q_proj.weight" not in w
+            qkv = torch.cat([plain[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0)
+            assert torch.equal(w[p + "self_attn.qkv_proj.weight"], qkv)
+            gate_up = torch.cat([plain[p + "mlp.gate_proj.weight"], plain[p + "mlp.up_proj.weight"]], dim=0)
+            assert torch.equal(w[p + "mlp.gate_up_proj.weight"], gate_up)
+            assert torch.equal(w[p + "mlp.down_proj.weight"], plain[p + "mlp.down_proj.weight"])
+            disk = load_from_disk(ckpt, tp_rank=r, tp_size=2, transform=FUSE)  # the fallback gives the same
+            assert set(disk) == set(w) and all(torch.equal(disk[k], w[k]) for k in disk)
+        with pytest.raises(KeyMismatchError) as info:
+            await client.fetch(WeightCacheKey.from_checkpoint(ckpt, tp_rank=r, tp_size=2))
+        assert set(info.value.fields) == {"transform"}
+
+
+def test_bad_transform_spec_is_a_clear_error(ckpt: Path, socket_dir: Path) -> None:
+    import subprocess
+
+    from tests.conftest import server_cmd
+
+    for spec, msg in (("nope", "package.module:function"), ("wcache.transforms:missing", "cannot import")):
+        out = subprocess.run(
+            server_cmd("--model", str(ckpt), "--socket-dir", str(socket_dir), "--transform", spec),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 1
+        assert msg in out.stderr

@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Measured on the H200's disk: direct was not faster cold (9.19 vs 9.15 s for 16 GB) and leaves the page "
         "cache empty for the next start",
     )
+    p.add_argument(
+        "--transform",
+        default="",
+        metavar="MODULE:FUNCTION",
+        help="rewrite the rank's tensors once at load (e.g. wcache.transforms:fuse_llama_qkv_gate_up); part of the key",
+    )
     p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
     p.add_argument("--verify-content", action="store_true", help="fingerprint the data too, not only headers")
     p.add_argument(
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             staging_bytes=args.staging_bytes,
             io=args.io,
+            transform=args.transform,
         )
         try:
             daemon = Daemon(

@@ -14,6 +14,9 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from wcache.checkpoint import Checkpoint
 from wcache.errors import (
@@ -21,13 +24,26 @@ from wcache.errors import (
     KeyMismatchError,
     LimitExceededError,
     UnknownLeaseError,
+    WCacheError,
 )
 from wcache.key import WeightCacheKey
-from wcache.layout import plan_layout
-from wcache.proto import GetState, LeaseInfo, ModelInfo, Release, Released, SlabDescriptor, State, TensorTable
+from wcache.layout import ALIGN, Layout, plan_layout
+from wcache.proto import (
+    DTYPE_SIZES,
+    GetState,
+    LeaseInfo,
+    ModelInfo,
+    Release,
+    Released,
+    SlabDescriptor,
+    State,
+    TensorEntry,
+    TensorTable,
+)
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_into
+from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_into, torch_dtype
 from wcache.sharding import resolve_plan
+from wcache.transforms import Transform, load_transform
 
 __all__ = ["Lease", "ServedModel", "Store", "load_model"]
 
@@ -67,8 +83,9 @@ def load_model(
     threads: int = 8,
     staging_bytes: int = DEFAULT_STAGING,
     io: str = "buffered",
+    transform: str = "",
 ) -> ServedModel:
-    """Validate, shard, allocate one slab, load, seal. Every check runs before data is read."""
+    """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read."""
     ckpt = Checkpoint.open(model_dir)
     plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
     key = WeightCacheKey.from_checkpoint(
@@ -79,19 +96,77 @@ def load_model(
         plan_file=plan_file,
         verify_content=verify_content,
         checkpoint=ckpt,
+        transform=transform,
     )
+    fn = load_transform(transform) if transform else None
     layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
     started = time.perf_counter()
     slab = backend.allocate(layout.total_bytes)
     try:
         stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io, started=started)
+        if fn is not None:
+            loaded = slab
+            slab, table, aliases, payload = _transformed(fn, layout, loaded, backend, ckpt.config, transform)
+            loaded.close()
+        else:
+            table, aliases, payload = layout.table(), layout.aliases, layout.payload_bytes
         slab.seal()
     except BaseException:
         slab.close()
         raise
-    table = layout.table()
     table.encoded()  # encode the tensor table once; every STATE reuses it
-    return ServedModel(key, table, layout.aliases, [slab], backend, layout.payload_bytes, stats)
+    return ServedModel(key, table, aliases, [slab], backend, payload, stats)
+
+
+def _transformed(
+    fn: Transform, layout: Layout, slab: Slab, backend: Backend, config: dict[str, Any], spec: str
+) -> tuple[Slab, TensorTable, dict[str, str], int]:
+    """Run a load-time transform over the loaded tensors and pack its result into a new slab."""
+    base = slab.tensor()
+    views: dict[str, torch.Tensor] = {
+        p.source.name: base[p.offset : p.offset + p.nbytes].view(torch_dtype(p.dtype)).reshape(p.shape)
+        for p in layout.placements
+    }
+    for alias, target in layout.aliases.items():
+        views[alias] = views[target]
+    with torch.no_grad():
+        result = fn(dict(views), config)
+    if not isinstance(result, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in result.items()
+    ):
+        raise WCacheError(f"transform {spec!r} must return a dict of str -> torch.Tensor")
+    names: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    entries: list[TensorEntry] = []
+    offset = 0
+    placed: list[tuple[int, torch.Tensor]] = []
+    for name, t in result.items():
+        if id(t) in names:
+            aliases[name] = names[id(t)]
+            continue
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:
+            raise WCacheError(f"transform {spec!r} returned {name!r} of unsupported dtype {dtype}")
+        names[id(t)] = name
+        shape = tuple(t.shape)
+        stride = tuple(int(x) for x in torch.empty(shape, device="meta").stride())
+        entries.append(TensorEntry(name, dtype, shape, stride, 0, offset))
+        placed.append((offset, t))
+        offset = (offset + t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+    out = backend.allocate(max(offset, ALIGN))
+    try:
+        dest = out.tensor()
+        for off, t in placed:
+            n = t.numel() * t.element_size()
+            if n:
+                dest[off : off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        if dest.is_cuda:
+            torch.cuda.synchronize(dest.device)
+    except BaseException:
+        out.close()
+        raise
+    log.info("transform %s: %d tensors in, %d out, %d aliases", spec, len(views), len(entries), len(aliases))
+    return out, TensorTable.from_entries(entries), aliases, sum(t.numel() * t.element_size() for _, t in placed)
 
 
 @dataclass
