@@ -182,3 +182,36 @@ async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
         ch.close()
     assert (await client.status()).models[0].leases == 1
     await w.release()
+
+
+def test_wcache_status_cli(daemon: DaemonProc, socket_dir: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "wcache.cli", "status", "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "LlamaForCausalLM@" in out.stdout and "tp0/1 bfloat16" in out.stdout and "host:cpu" in out.stdout
+    js = subprocess.run(
+        [sys.executable, "-m", "wcache.cli", "status", "--socket-path", str(daemon.socket), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    doc = json.loads(js.stdout)[str(daemon.socket)]
+    assert doc["type"] == "STATUS_REPLY" and doc["models"][0]["tensors"] == 39
+    none = subprocess.run(
+        [sys.executable, "-m", "wcache.cli", "status", "--socket-path", str(socket_dir / "nope.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert none.returncode == 1 and "CacheUnavailableError" in none.stdout
