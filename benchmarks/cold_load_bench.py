@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from wcache.server.process import spawn_daemon  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_bench import drop_caches  # noqa: E402
+
 SAFETENSORS = r"""
 import glob, json, sys, time, torch
 from safetensors.torch import load_file
@@ -76,15 +79,6 @@ with SafetensorsStreamer() as s:
 torch.cuda.synchronize()
 print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
 """
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def child(code: str, *args: str, timeout: float = 300) -> dict[str, Any]:

@@ -276,38 +276,22 @@ class WCacheClient:
 
         t0 = time.perf_counter()
         slabs = map_slabs(state, fds, self.device, populate=mode == "copy")
-        t1 = time.perf_counter()
+        timings = {"map": (time.perf_counter() - t0) * 1e3}
         keepalive: list[Any] = list(slabs)
+        bases = [s.base for s in slabs]
         if mode == "copy":
-            bases = [s.base.clone() for s in slabs]
+            t1 = time.perf_counter()
+            bases = [b.clone() for b in bases]
             if any(b.is_cuda for b in bases):
                 torch.cuda.synchronize()  # the copies must land before the mappings go away
             for s in slabs:
                 s.close()
             keepalive = []
-            t2 = time.perf_counter()
-            with gc_paused(len(state.tensors) * 64):
-                tensors = build_views(state, bases)
-            weights = CachedWeights(
-                tensors,
-                key=key,
-                lease=state.lease,
-                mode=mode,
-                aliases=state.aliases,
-                channel=ch,
-                hello=hello,
-                socket_path=path,
-                keepalive=keepalive,
-            )
-            weights.timings = {
-                "map": (t1 - t0) * 1e3,
-                "copy": (t2 - t1) * 1e3,
-                "views": (time.perf_counter() - t2) * 1e3,
-            }
-            await weights.release()
-            return weights
+            timings["copy"] = (time.perf_counter() - t1) * 1e3
+        t2 = time.perf_counter()
         with gc_paused(len(state.tensors) * 64):  # 10^4+ tensor objects: skip the GC passes meanwhile
-            tensors = build_views(state, [s.base for s in slabs])
+            tensors = build_views(state, bases)
+        timings["views"] = (time.perf_counter() - t2) * 1e3
         weights = CachedWeights(
             tensors,
             key=key,
@@ -319,7 +303,9 @@ class WCacheClient:
             socket_path=path,
             keepalive=keepalive,
         )
-        weights.timings = {"map": (t1 - t0) * 1e3, "views": (time.perf_counter() - t1) * 1e3}
+        weights.timings = timings
+        if mode == "copy":
+            await weights.release()  # the engine owns its copy: no lease needed
         return weights
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
