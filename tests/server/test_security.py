@@ -129,3 +129,19 @@ def test_stale_socket_and_lock_recovered(ckpt: Path, socket_dir: Path) -> None:
     finally:
         assert second.stop() == 0
     assert not second.socket.exists()
+
+
+def test_symlink_planted_at_the_socket_path_is_replaced(tmp_path: Path, ckpt: Path, socket_dir: Path) -> None:
+    """A symlink where the socket goes (left by anyone who could write there) is removed, never followed."""
+    target = tmp_path / "elsewhere"
+    target.write_text("precious")
+    link = socket_dir / "wcache-rank0.sock"
+    link.symlink_to(target)
+    d = start_daemon(ckpt, socket_dir)
+    try:
+        import stat as st
+
+        assert st.S_ISSOCK(os.lstat(d.socket).st_mode)
+        assert target.read_text() == "precious"
+    finally:
+        assert d.stop() == 0
