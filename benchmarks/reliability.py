@@ -73,26 +73,39 @@ async def leases(sock: Path) -> int:
 # ------------------------------------------------------------------------------------------ fuzz
 
 
-def fuzz(runs: int) -> dict[str, Any]:
+def fuzz(runs: int, procs: int = os.cpu_count() or 1) -> dict[str, Any]:
+    """``runs`` inputs through the atheris harness, split over ``procs`` fuzzer processes."""
     t0 = time.perf_counter()
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "fuzz" / "fuzz_decoder.py"),
-            f"-runs={runs}",
-            "-max_len=4096",
-            f"-artifact_prefix={tempfile.gettempdir()}/",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    m = re.search(r"Done (\d+) runs in (\d+) second", out.stderr)
+    each = -(-runs // procs)
+    ps = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "fuzz" / "fuzz_decoder.py"),
+                f"-runs={each}",
+                "-max_len=4096",
+                f"-seed={i + 1}",
+                f"-artifact_prefix={tempfile.gettempdir()}/",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(procs)
+    ]
+    done, failures, tails = 0, 0, []
+    for p in ps:
+        _, err = p.communicate()
+        m = re.search(r"Done (\d+) runs in (\d+) second", err)
+        done += int(m.group(1)) if m else 0
+        failures += p.returncode != 0
+        tails.append(err.strip().splitlines()[-1][:200] if err.strip() else "")
     return {
-        "inputs": int(m.group(1)) if m else None,
+        "inputs": done,
+        "processes": procs,
         "seconds": time.perf_counter() - t0,
-        "failures": 0 if out.returncode == 0 else 1,
-        "tail": out.stderr.strip().splitlines()[-1][:200] if out.stderr.strip() else "",
+        "failures": failures,
+        "tails": tails,
     }
 
 
