@@ -215,3 +215,41 @@ def test_wcache_status_cli(daemon: DaemonProc, socket_dir: Path) -> None:
         check=False,
     )
     assert none.returncode == 1 and "CacheUnavailableError" in none.stdout
+
+
+async def test_prometheus_metrics(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
+    import socket as _socket
+    import urllib.request
+
+    s = _socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    d = daemon_factory(ckpt, "--metrics-port", str(port))
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    client = WCacheClient(d.socket)
+    async with await client.fetch(key):
+        pass
+    await client.fetch(key, mode="copy")
+    with pytest.raises(KeyMismatchError):
+        await client.fetch(WeightCacheKey.from_checkpoint(ckpt, dtype="float16"))
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, ""
+
+    status, text = await asyncio.to_thread(get, "/metrics")
+    assert status == 200
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert lines['wcache_fetches_total{mode="zero_copy"}'] == "1"
+    assert lines['wcache_fetches_total{mode="copy"}'] == "1"
+    assert lines["wcache_releases_total"] == "2"
+    assert lines['wcache_errors_total{code="KEY_MISMATCH"}'] == "1"
+    assert lines['wcache_fetch_seconds_bucket{le="+Inf"}'] == "2"
+    assert lines["wcache_leases"] == "0"
+    resident = [k for k in lines if k.startswith("wcache_resident_bytes")]
+    assert len(resident) == 1 and 'tier="host"' in resident[0] and int(float(lines[resident[0]])) > 9_000_000
+    assert (await asyncio.to_thread(get, "/other"))[0] == 404

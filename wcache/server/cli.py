@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--idle-timeout", type=float, default=0, help="close connections silent this long, in s (0: never; leases live)"
     )
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus text metrics on 127.0.0.1:PORT (0: off)"
+    )
     p.add_argument("--frame-timeout", type=float, default=10.0, help="max seconds to finish sending a started frame")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -149,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 max_frame_size=args.max_frame_size,
                 idle_timeout=args.idle_timeout or None,
                 frame_timeout=args.frame_timeout,
+                metrics_port=args.metrics_port,
             )
 
             def ready() -> None:

@@ -31,6 +31,7 @@ from wcache.proto import (
     Status,
     StatusReply,
 )
+from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.store import Store
 
 __all__ = ["Daemon"]
@@ -51,6 +52,7 @@ class Daemon:
         frame_timeout: float = 10.0,
         max_connections: int = 1024,
         shutdown_grace: float = 5.0,
+        metrics_port: int = 0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -61,6 +63,8 @@ class Daemon:
         self.frame_timeout = frame_timeout
         self.max_connections = max_connections
         self.shutdown_grace = shutdown_grace
+        self.metrics_port = metrics_port
+        self.metrics = Metrics()
         self.started = time.monotonic()
         self._stop = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -95,12 +99,15 @@ class Daemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
         listener = self._bind()
+        http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
         if callable(on_ready):
             on_ready()
         accept = asyncio.ensure_future(self._accept_loop(listener))
         try:
             await self._stop.wait()
         finally:
+            if http is not None:
+                http.close()
             accept.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await accept
@@ -135,6 +142,7 @@ class Daemon:
                 continue
             conn_id = self._next_conn
             self._next_conn += 1
+            self.metrics.connections_total += 1
             task = asyncio.ensure_future(self._serve_connection(sock, conn_id))
             self._tasks[conn_id] = task
             task.add_done_callback(self._forget(conn_id))
@@ -155,6 +163,7 @@ class Daemon:
             pid = creds.pid
             if creds.uid != self._uid:
                 log.warning("refused %s pid=%d uid=%d reason=uid-mismatch", self._tag, creds.pid, creds.uid)
+                self.metrics.errors["PERMISSION_DENIED"] += 1
                 await ch.send_bytes(
                     conn.fatal_error(
                         PermissionDeniedError(
@@ -176,6 +185,7 @@ class Daemon:
                     self._busy.discard(conn_id)
         except ProtocolError as exc:
             log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
+            self.metrics.errors[exc.code.name] += 1
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ch.send_bytes(conn.fatal_error(exc)), 1.0)
         except TimeoutError as exc:
@@ -215,8 +225,10 @@ class Daemon:
         rid = getattr(frame, "id", 0)
         try:
             if isinstance(frame, GetState):
+                t0 = time.perf_counter()
                 state, fds = self.store.acquire(conn_id, pid, frame)
                 await ch.send(state, fds)
+                self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)
                 log.info(
                     "lease granted %s pid=%d lease=%d mode=%s key=%s tensors=%d bytes=%d leases=%d",
                     self._tag,
@@ -231,6 +243,7 @@ class Daemon:
             elif isinstance(frame, Release):
                 released = self.store.release(conn_id, frame)
                 await ch.send(released)
+                self.metrics.releases += 1
                 log.info(
                     "lease released %s pid=%d lease=%d leases_left=%d",
                     self._tag,
@@ -246,12 +259,25 @@ class Daemon:
             raise
         except WCacheError as exc:
             log.info("request refused %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
+            self.metrics.errors[exc.code.name] += 1
             await ch.send(ErrorFrame.from_exception(exc, rid))
         except (ConnectionError, OSError):
             raise
         except Exception as exc:
             log.exception("request failed %s pid=%d", self._tag, pid)
+            self.metrics.errors["INTERNAL"] += 1
             await ch.send(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
+
+    def render_metrics(self) -> str:
+        m = self.store.model
+        tier = "device" if m.backend.name == "cuda" else "host"
+        return self.metrics.render(
+            resident=[(tier, m.key.short(), m.slab_bytes)],
+            leases=len(self.store.leases),
+            connections=len(self._tasks),
+            uptime=time.monotonic() - self.started,
+            load_seconds=m.stats.seconds,
+        )
 
     def status_reply(self, rid: int) -> StatusReply:
         m = self.store.model

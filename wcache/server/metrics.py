@@ -1,0 +1,119 @@
+"""Prometheus text metrics, served on an optional loopback port (``--metrics-port``).
+
+Counters and a fetch-latency histogram kept by the daemon; rendered in the Prometheus text
+exposition format (version 0.0.4) at ``GET /metrics`` on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+
+__all__ = ["BUCKETS", "Metrics", "serve_metrics"]
+
+#: fetch latency buckets (seconds), served side: GET_STATE decoded -> STATE sent
+BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+def _label(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.fetches: Counter[str] = Counter()  # by mode
+        self.releases = 0
+        self.errors: Counter[str] = Counter()  # by ERROR code name
+        self.connections_total = 0
+        self.bucket_counts = [0] * len(BUCKETS)
+        self.fetch_count = 0
+        self.fetch_sum = 0.0
+
+    def observe_fetch(self, mode: str, seconds: float) -> None:
+        self.fetches[mode] += 1
+        self.fetch_count += 1
+        self.fetch_sum += seconds
+        for i, b in enumerate(BUCKETS):
+            if seconds <= b:
+                self.bucket_counts[i] += 1
+
+    def render(
+        self,
+        *,
+        resident: list[tuple[str, str, int]],  # (tier, key, bytes)
+        leases: int,
+        connections: int,
+        uptime: float,
+        load_seconds: float,
+    ) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(
+                f"{name}{labels} {value:g}" if isinstance(value, float) else f"{name}{labels} {value}"
+                for labels, value in samples
+            )
+
+        metric(
+            "wcache_resident_bytes",
+            "gauge",
+            "Bytes of weights held, by tier (device or host) and model key.",
+            [(f'{{tier="{t}",key="{_label(k)}"}}', float(b)) for t, k, b in resident],
+        )
+        metric("wcache_leases", "gauge", "Live leases.", [("", float(leases))])
+        metric("wcache_connections", "gauge", "Open client connections.", [("", float(connections))])
+        metric("wcache_connections_total", "counter", "Connections accepted.", [("", float(self.connections_total))])
+        metric(
+            "wcache_fetches_total",
+            "counter",
+            "Leases granted (GET_STATE answered with STATE), by mode.",
+            [(f'{{mode="{m}"}}', float(self.fetches[m])) for m in ("zero_copy", "copy")],
+        )
+        metric("wcache_releases_total", "counter", "Leases released by RELEASE.", [("", float(self.releases))])
+        metric(
+            "wcache_errors_total",
+            "counter",
+            "ERROR frames sent, by code.",
+            [(f'{{code="{c}"}}', float(n)) for c, n in sorted(self.errors.items())],
+        )
+        cum = [(f'{{le="{b:g}"}}', float(n)) for b, n in zip(BUCKETS, self.bucket_counts)]
+        cum.append(('{le="+Inf"}', float(self.fetch_count)))
+        out.append("# HELP wcache_fetch_seconds Time from GET_STATE received to STATE sent.")
+        out.append("# TYPE wcache_fetch_seconds histogram")
+        out.extend(f"wcache_fetch_seconds_bucket{labels} {value:g}" for labels, value in cum)
+        out.append(f"wcache_fetch_seconds_sum {self.fetch_sum:g}")
+        out.append(f"wcache_fetch_seconds_count {self.fetch_count}")
+        metric("wcache_uptime_seconds", "gauge", "Seconds since the daemon started serving.", [("", uptime)])
+        metric("wcache_load_seconds", "gauge", "Seconds the weights took to load.", [("", load_seconds)])
+        return "\n".join(out) + "\n"
+
+
+async def serve_metrics(port: int, render: Callable[[], str]) -> asyncio.AbstractServer:
+    """HTTP on 127.0.0.1:``port``: ``GET /metrics`` -> the text format; anything else -> 404."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
+                body = render().encode()
+                head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+            else:
+                body = b"not found\n"
+                head = "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n"
+            writer.write(f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    return await asyncio.start_server(handle, host="127.0.0.1", port=port)
