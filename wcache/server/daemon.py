@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from wcache.channel import Channel, peer_credentials
-from wcache.errors import InternalError, PermissionDeniedError, ProtocolError, WCacheError
+from wcache.errors import InternalError, LimitExceededError, PermissionDeniedError, ProtocolError, WCacheError
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
     Connection,
@@ -174,7 +174,11 @@ class Daemon:
                 )
                 return
             if len(self._tasks) > self.max_connections:
-                raise ProtocolError(f"too many connections (limit {self.max_connections})")
+                log.warning("refused %s pid=%d reason=connection-limit limit=%d", self._tag, pid, self.max_connections)
+                self.metrics.errors["LIMIT_EXCEEDED"] += 1
+                limit = LimitExceededError(f"too many connections (limit {self.max_connections}); try again later")
+                await ch.send_bytes(conn.fatal_error(limit))
+                return
             await self._handshake(ch, conn)
             while True:
                 frame, _ = await asyncio.wait_for(ch.receive(frame_timeout=self.frame_timeout), self.idle_timeout)
