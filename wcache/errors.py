@@ -21,6 +21,9 @@ class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same 
     │   ├── LimitExceededError          LIMIT_EXCEEDED      too many leases / connections
     │   ├── DeviceMismatchError         DEVICE_MISMATCH     engine and daemon on different GPUs
     │   ├── UnsupportedPlatformError    UNSUPPORTED_PLATFORM the platform cannot share this memory
+    │   ├── OutOfMemoryError            OUT_OF_MEMORY       a PRELOAD does not fit; details name what is pinned
+    │   ├── InUseError                  IN_USE              EVICT of a model with live leases
+    │   ├── NotFoundError               NOT_FOUND           no model under that key
     │   └── InternalError               INTERNAL            an unexpected failure inside the daemon
     ├── CheckpointError                 -                   a checkpoint directory or file is unusable
     ├── ShardingError                   -                   no plan, or a dimension that does not divide
@@ -43,11 +46,14 @@ __all__ = [
     "ErrorCode",
     "FrameTooLargeError",
     "InsecurePathError",
+    "InUseError",
     "InternalError",
     "KeyMismatchError",
     "LimitExceededError",
     "LocalProtocolError",
     "NotReadyError",
+    "OutOfMemoryError",
+    "NotFoundError",
     "PermissionDeniedError",
     "ProtocolError",
     "ServerError",
@@ -75,6 +81,9 @@ class ErrorCode(enum.IntEnum):
     LIMIT_EXCEEDED = 23
     DEVICE_MISMATCH = 24
     UNSUPPORTED_PLATFORM = 25
+    OUT_OF_MEMORY = 26
+    IN_USE = 27
+    NOT_FOUND = 28
     UNAVAILABLE = 30
     INTERNAL = 99
 
@@ -190,6 +199,25 @@ class UnsupportedPlatformError(ServerError):
     code = ErrorCode.UNSUPPORTED_PLATFORM
 
 
+class OutOfMemoryError(ServerError):
+    """A PRELOAD does not fit the memory budget even after evicting every unleased model;
+    ``details["pinned"]`` lists the keys held by leases."""
+
+    code = ErrorCode.OUT_OF_MEMORY
+
+
+class InUseError(ServerError):
+    """EVICT of a model that live leases still hold."""
+
+    code = ErrorCode.IN_USE
+
+
+class NotFoundError(ServerError):
+    """The daemon holds no model under that key (EVICT), or none at all (GET_STATE)."""
+
+    code = ErrorCode.NOT_FOUND
+
+
 class InternalError(ServerError):
     code = ErrorCode.INTERNAL
 
@@ -219,6 +247,9 @@ ERROR_CLASSES: dict[ErrorCode, type[WCacheError]] = {
     ErrorCode.LIMIT_EXCEEDED: LimitExceededError,
     ErrorCode.DEVICE_MISMATCH: DeviceMismatchError,
     ErrorCode.UNSUPPORTED_PLATFORM: UnsupportedPlatformError,
+    ErrorCode.OUT_OF_MEMORY: OutOfMemoryError,
+    ErrorCode.IN_USE: InUseError,
+    ErrorCode.NOT_FOUND: NotFoundError,
     ErrorCode.UNAVAILABLE: CacheUnavailableError,
     ErrorCode.INTERNAL: InternalError,
 }

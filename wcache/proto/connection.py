@@ -72,6 +72,10 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.OPEN, SEND, "GET_STATE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "RELEASE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "STATUS"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "PRELOAD"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "EVICT"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "PRELOADED"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "EVICTED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "STATE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "RELEASED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "STATUS_REPLY"): Phase.OPEN,
@@ -81,13 +85,23 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, RECV, "GET_STATE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "RELEASE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "STATUS"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "PRELOAD"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "EVICT"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "PRELOADED"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "EVICTED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "STATE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "RELEASED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "STATUS_REPLY"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "ERROR"): Phase.OPEN,
 }
 #: Request type -> the reply type that answers it (ERROR answers any request).
-REPLY_TO = {"GET_STATE": "STATE", "RELEASE": "RELEASED", "STATUS": "STATUS_REPLY"}
+REPLY_TO = {
+    "GET_STATE": "STATE",
+    "RELEASE": "RELEASED",
+    "STATUS": "STATUS_REPLY",
+    "PRELOAD": "PRELOADED",
+    "EVICT": "EVICTED",
+}
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
 

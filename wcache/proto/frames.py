@@ -27,12 +27,16 @@ __all__ = [
     "SLAB_KINDS",
     "DeviceInfo",
     "ErrorFrame",
+    "Evict",
+    "Evicted",
     "Frame",
     "GetState",
     "Hello",
     "HelloOk",
     "LeaseInfo",
     "ModelInfo",
+    "Preload",
+    "Preloaded",
     "Release",
     "Released",
     "SlabDescriptor",
@@ -797,9 +801,150 @@ class ErrorFrame:
             return self.code
 
 
-Frame = Union[Hello, HelloOk, GetState, State, Release, Released, Status, StatusReply, ErrorFrame]
+@dataclass(frozen=True, slots=True)
+class Preload:
+    """Client -> daemon: load a checkpoint directory (on the daemon's machine) for one rank and keep it."""
+
+    TYPE: ClassVar[str] = "PRELOAD"
+    id: int
+    model: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    dtype: str = "auto"
+    plan_file: str = ""
+    transform: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE,
+            "id": self.id,
+            "model": self.model,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "dtype": self.dtype,
+            "plan_file": self.plan_file,
+            "transform": self.transform,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Preload:
+        f = _Fields(cls.TYPE, m)
+        tp_size = f.integer("tp_size", 1, lo=1, hi=1 << 16)
+        return cls(
+            id=f.integer("id", lo=1),
+            model=f.string("model", max_len=4096),
+            tp_rank=f.integer("tp_rank", 0, hi=tp_size - 1),
+            tp_size=tp_size,
+            dtype=f.string("dtype", "auto"),
+            plan_file=f.string("plan_file", "", max_len=4096),
+            transform=f.string("transform", ""),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Preloaded:
+    """Daemon -> client: the model is resident (``load_seconds`` 0 if it already was)."""
+
+    TYPE: ClassVar[str] = "PRELOADED"
+    id: int
+    key: KeyMap
+    bytes: int
+    tensors: int
+    load_seconds: float = 0.0
+    evicted: tuple[KeyMap, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE,
+            "id": self.id,
+            "key": dict(self.key),
+            "bytes": self.bytes,
+            "tensors": self.tensors,
+            "load_seconds": self.load_seconds,
+            "evicted": [dict(k) for k in self.evicted],
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Preloaded:
+        f = _Fields(cls.TYPE, m)
+        evicted = tuple(_Fields(cls.TYPE, {"key": k}).key("key") for k in f.array("evicted", ()))
+        return cls(
+            id=f.integer("id", lo=1),
+            key=f.key("key"),
+            bytes=f.integer("bytes"),
+            tensors=f.integer("tensors"),
+            load_seconds=f.number("load_seconds", 0.0),
+            evicted=evicted,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Client -> daemon: drop the model served under ``key`` (refused while leases hold it)."""
+
+    TYPE: ClassVar[str] = "EVICT"
+    id: int
+    key: KeyMap
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "key": dict(self.key)}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Evict:
+        f = _Fields(cls.TYPE, m)
+        return cls(id=f.integer("id", lo=1), key=f.key("key"))
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    """Daemon -> client: the model is gone; ``bytes`` were freed."""
+
+    TYPE: ClassVar[str] = "EVICTED"
+    id: int
+    key: KeyMap
+    bytes: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "key": dict(self.key), "bytes": self.bytes}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Evicted:
+        f = _Fields(cls.TYPE, m)
+        return cls(id=f.integer("id", lo=1), key=f.key("key"), bytes=f.integer("bytes"))
+
+
+Frame = Union[
+    Hello,
+    HelloOk,
+    GetState,
+    State,
+    Release,
+    Released,
+    Status,
+    StatusReply,
+    ErrorFrame,
+    Preload,
+    Preloaded,
+    Evict,
+    Evicted,
+]
 FRAME_TYPES: dict[str, Any] = {
-    c.TYPE: c for c in (Hello, HelloOk, GetState, State, Release, Released, Status, StatusReply, ErrorFrame)
+    c.TYPE: c
+    for c in (
+        Hello,
+        HelloOk,
+        GetState,
+        State,
+        Release,
+        Released,
+        Status,
+        StatusReply,
+        ErrorFrame,
+        Preload,
+        Preloaded,
+        Evict,
+        Evicted,
+    )
 }
 
 

@@ -31,7 +31,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Keep one tensor-parallel rank of a safetensors checkpoint resident and hand it to "
         "engines over a Unix socket (docs/protocol.md).",
     )
-    p.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors + config.json)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="checkpoint directory (safetensors + config.json); more with PRELOAD / wcache preload",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=int,
+        default=0,
+        help="most slab bytes held at once; PRELOAD evicts unleased models, least recently used first (0: none)",
+    )
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
@@ -122,8 +132,9 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wcache.proto import Preload
     from wcache.server.daemon import Daemon
-    from wcache.server.store import Store, load_model
+    from wcache.server.store import ServedModel, Store, load_model
 
     sock_path = resolve_socket(args)
     lock = DaemonLock(sock_path)
@@ -131,54 +142,78 @@ def run(args: argparse.Namespace) -> int:
     try:
         backend = make_backend(args.device, args.cuda_export)
         backend.check_platform()
-        model = load_model(
-            args.model,
-            backend=backend,
-            tp_rank=args.tp_rank,
-            tp_size=args.tp_size,
-            dtype=args.dtype,
-            plan_file=args.shard_plan,
-            verify_content=args.verify_content,
-            threads=args.threads,
-            staging_bytes=args.staging_bytes,
-            io=args.io,
-            transform=args.transform,
-        )
+
+        def loader(req: Preload) -> ServedModel:
+            return load_model(
+                req.model,
+                backend=backend,
+                tp_rank=req.tp_rank,
+                tp_size=req.tp_size,
+                dtype=req.dtype,
+                plan_file=req.plan_file or None,
+                verify_content=args.verify_content,
+                threads=args.threads,
+                staging_bytes=args.staging_bytes,
+                io=args.io,
+                transform=req.transform,
+            )
+
+        store = Store(backend, budget=args.memory_budget or None)
         try:
+            if args.model is not None:
+                first = Preload(
+                    id=1,
+                    model=str(args.model),
+                    tp_rank=args.tp_rank,
+                    tp_size=args.tp_size,
+                    dtype=args.dtype,
+                    plan_file=str(args.shard_plan or ""),
+                    transform=args.transform,
+                )
+                model = loader(first)
+                if store.budget is not None and model.slab_bytes > store.budget:
+                    model.close()
+                    raise WCacheError(f"the model needs {model.slab_bytes} bytes, over --memory-budget {store.budget}")
+                store.add(model)
             daemon = Daemon(
-                Store(model),
+                store,
                 sock_path,
                 software=f"wcache/{__version__}",
                 max_frame_size=args.max_frame_size,
                 idle_timeout=args.idle_timeout or None,
                 frame_timeout=args.frame_timeout,
                 metrics_port=args.metrics_port,
+                loader=loader,
             )
 
             def ready() -> None:
-                st = model.stats
+                models = list(store.models.values())
+                m = models[0] if models else None
                 log.info(
-                    "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f",
+                    "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f "
+                    "models=%d budget=%s",
                     sock_path,
-                    model.key.short(),
+                    m.key.short() if m else "-",
                     backend.name,
                     backend.device.uuid or backend.device.kind,
-                    len(model.table),
-                    model.slab_bytes,
-                    st.seconds,
-                    st.gb_per_s,
+                    len(m.table) if m else 0,
+                    store.resident_bytes,
+                    m.stats.seconds if m else 0.0,
+                    m.stats.gb_per_s if m else 0.0,
+                    len(models),
+                    store.budget if store.budget is not None else "none",
                 )
                 if args.ready_file is not None:
                     write_ready(
                         args.ready_file,
-                        {"socket": str(sock_path), "pid": os.getpid(), "key": model.key.to_wire()},
+                        {"socket": str(sock_path), "pid": os.getpid(), "key": m.key.to_wire() if m else None},
                     )
 
             import uvloop
 
             uvloop.run(daemon.serve(ready))
         finally:
-            model.close()
+            store.close()
     finally:
         lock.release()
     return 0

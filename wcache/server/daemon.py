@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -19,20 +20,31 @@ from collections.abc import Callable
 from pathlib import Path
 
 from wcache.channel import Channel, peer_credentials
-from wcache.errors import InternalError, LimitExceededError, PermissionDeniedError, ProtocolError, WCacheError
+from wcache.errors import (
+    InternalError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    ProtocolError,
+    WCacheError,
+)
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
     Connection,
     ErrorFrame,
+    Evict,
+    Evicted,
     GetState,
     Hello,
+    Preload,
+    Preloaded,
     Release,
     Role,
     Status,
     StatusReply,
 )
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.store import Store
+from wcache.server.store import ServedModel, Store, planned_bytes
 
 __all__ = ["Daemon"]
 
@@ -53,6 +65,7 @@ class Daemon:
         max_connections: int = 1024,
         shutdown_grace: float = 5.0,
         metrics_port: int = 0,
+        loader: Callable[[Preload], ServedModel] | None = None,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -65,6 +78,8 @@ class Daemon:
         self.shutdown_grace = shutdown_grace
         self.metrics_port = metrics_port
         self.metrics = Metrics()
+        self.loader = loader
+        self._preload_lock = asyncio.Lock()
         self.started = time.monotonic()
         self._stop = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -215,13 +230,9 @@ class Daemon:
     async def _handshake(self, ch: Channel, conn: Connection) -> None:
         frame, _ = await asyncio.wait_for(ch.receive(), self.handshake_timeout)
         assert isinstance(frame, Hello)  # the transition table admits nothing else here
-        m = self.store.model
+        backend = self.store.backend
         reply = conn.hello_reply(
-            frame,
-            software=self.software,
-            backend=m.backend.name,
-            device=m.backend.device,
-            server_pid=os.getpid(),
+            frame, software=self.software, backend=backend.name, device=backend.device, server_pid=os.getpid()
         )
         await ch.send(reply)
 
@@ -230,7 +241,7 @@ class Daemon:
         try:
             if isinstance(frame, GetState):
                 t0 = time.perf_counter()
-                state, fds = self.store.acquire(conn_id, pid, frame)
+                state, fds, model = self.store.acquire(conn_id, pid, frame)
                 await ch.send(state, fds)
                 self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)
                 log.info(
@@ -239,9 +250,9 @@ class Daemon:
                     pid,
                     state.lease,
                     frame.mode,
-                    self.store.model.key.short(),
+                    model.key.short(),
                     len(state.tensors),
-                    self.store.model.slab_bytes,
+                    model.slab_bytes,
                     len(self.store.leases),
                 )
             elif isinstance(frame, Release):
@@ -257,6 +268,19 @@ class Daemon:
                 )
             elif isinstance(frame, Status):
                 await ch.send(self.status_reply(frame.id))
+            elif isinstance(frame, Preload):
+                await ch.send(await self._preload(frame, pid))
+            elif isinstance(frame, Evict):
+                gone = self.store.evict(frame.key)
+                await ch.send(Evicted(id=frame.id, key=gone.key.to_wire(), bytes=gone.slab_bytes))
+                log.info(
+                    "evicted %s pid=%d key=%s bytes=%d resident=%d",
+                    self._tag,
+                    pid,
+                    gone.key.short(),
+                    gone.slab_bytes,
+                    self.store.resident_bytes,
+                )
             else:  # the transition table admits no other frame here
                 raise ProtocolError(f"unexpected {type(frame).__name__}")
         except ProtocolError:
@@ -272,26 +296,65 @@ class Daemon:
             self.metrics.errors["INTERNAL"] += 1
             await ch.send(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
 
+    async def _preload(self, req: Preload, pid: int) -> Preloaded:
+        """Load a model in a worker thread (the daemon keeps serving), after making room for it."""
+        if self.loader is None:
+            raise NotFoundError("this daemon was started without a loader for PRELOAD")
+        async with self._preload_lock:
+            dtype = None if req.dtype == "auto" else req.dtype
+            plan = req.plan_file or None
+            key, nbytes = await asyncio.to_thread(
+                planned_bytes, req.model, tp_rank=req.tp_rank, tp_size=req.tp_size, dtype=dtype, plan_file=plan
+            )
+            key = dataclasses.replace(key, transform=req.transform)
+            held = self.store.models.get(key)
+            if held is not None:
+                return Preloaded(id=req.id, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
+            evicted = self.store.make_room(nbytes)
+            for m in evicted:
+                log.info("evicted %s key=%s bytes=%d reason=preload", self._tag, m.key.short(), m.slab_bytes)
+            model = await asyncio.to_thread(self.loader, req)
+            self.store.add(model)
+        log.info(
+            "preloaded %s pid=%d key=%s tensors=%d bytes=%d load_s=%.2f resident=%d models=%d",
+            self._tag,
+            pid,
+            model.key.short(),
+            len(model.table),
+            model.slab_bytes,
+            model.stats.seconds,
+            self.store.resident_bytes,
+            len(self.store.models),
+        )
+        return Preloaded(
+            id=req.id,
+            key=model.key.to_wire(),
+            bytes=model.slab_bytes,
+            tensors=len(model.table),
+            load_seconds=model.stats.seconds,
+            evicted=tuple(m.key.to_wire() for m in evicted),
+        )
+
     def render_metrics(self) -> str:
-        m = self.store.model
-        tier = "device" if m.backend.name == "cuda" else "host"
+        tier = "device" if self.store.backend.name == "cuda" else "host"
+        models = list(self.store.models.values())
         return self.metrics.render(
-            resident=[(tier, m.key.short(), m.slab_bytes)],
+            resident=[(tier, m.key.short(), m.slab_bytes) for m in models],
             leases=len(self.store.leases),
             connections=len(self._tasks),
             uptime=time.monotonic() - self.started,
-            load_seconds=m.stats.seconds,
+            load_seconds=sum(m.stats.seconds for m in models),
         )
 
     def status_reply(self, rid: int) -> StatusReply:
-        m = self.store.model
+        backend = self.store.backend
         return StatusReply(
             id=rid,
             software=self.software,
-            backend=m.backend.name,
-            device=m.backend.device,
+            backend=backend.name,
+            device=backend.device,
             uptime_seconds=time.monotonic() - self.started,
             connections=len(self._tasks),
-            models=(self.store.model_info(),),
+            models=self.store.model_infos(),
             leases=self.store.lease_infos(),
         )

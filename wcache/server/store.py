@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,11 @@ import torch
 from wcache.checkpoint import Checkpoint
 from wcache.errors import (
     DeviceMismatchError,
+    InUseError,
     KeyMismatchError,
     LimitExceededError,
+    NotFoundError,
+    OutOfMemoryError,
     UnknownLeaseError,
     WCacheError,
 )
@@ -175,26 +179,122 @@ class Lease:
     conn_id: int
     pid: int
     mode: str
+    key: WeightCacheKey
     created: float = field(default_factory=time.monotonic)
 
 
+def planned_bytes(
+    model_dir: str | os.PathLike[str],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dtype: str | None = None,
+    plan_file: str | os.PathLike[str] | None = None,
+) -> tuple[WeightCacheKey, int]:
+    """The key and slab size a load would have, from headers alone (for budget checks)."""
+    ckpt = Checkpoint.open(model_dir)
+    plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
+    key = WeightCacheKey.from_checkpoint(
+        Path(model_dir), tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file, checkpoint=ckpt
+    )
+    layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
+    return key, layout.total_bytes
+
+
 class Store:
-    def __init__(self, model: ServedModel, *, max_leases_per_connection: int = 64) -> None:
-        self.model = model
+    """The models a daemon holds (least recently used first) and their leases.
+
+    ``budget``: the most slab bytes held at once; a new model evicts unleased models, least
+    recently used first, and is refused (OUT_OF_MEMORY, naming what is pinned) if that is not enough.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        models: list[ServedModel] | None = None,
+        *,
+        budget: int | None = None,
+        max_leases_per_connection: int = 64,
+    ) -> None:
+        self.backend = backend
+        self.budget = budget
+        self.models: OrderedDict[WeightCacheKey, ServedModel] = OrderedDict()
+        for m in models or []:
+            self.models[m.key] = m
         self.leases: dict[int, Lease] = {}
         self.max_leases_per_connection = max_leases_per_connection
         self._next_lease = secrets.randbits(31) + 1  # not reused across daemon restarts
 
-    def acquire(self, conn_id: int, pid: int, req: GetState) -> tuple[State, list[int]]:
-        """Grant a lease for ``req``; raises KeyMismatchError / DeviceMismatchError / LimitExceededError."""
-        m = self.model
-        diff = m.key.diff_wire(req.key)
-        if diff:
-            raise KeyMismatchError(
-                "requested key differs from the served one in: " + ", ".join(sorted(diff)),
-                details={"fields": diff},
+    @property
+    def resident_bytes(self) -> int:
+        return sum(m.slab_bytes for m in self.models.values())
+
+    def leased(self, key: WeightCacheKey) -> int:
+        return sum(1 for lease in self.leases.values() if lease.key == key)
+
+    def find(self, requested: dict[str, str | int]) -> ServedModel:
+        """The model served under exactly ``requested``; KEY_MISMATCH against the most recent one else."""
+        for m in self.models.values():
+            if not m.key.diff_wire(requested):
+                return m
+        if not self.models:
+            raise NotFoundError("the daemon holds no weights; PRELOAD a model first")
+        recent = next(reversed(self.models.values()))
+        diff = recent.key.diff_wire(requested)
+        served = [m.key.short() for m in self.models.values()]
+        raise KeyMismatchError(
+            "requested key differs from the served one in: "
+            + ", ".join(sorted(diff))
+            + (f" (serving {len(served)} models)" if len(served) > 1 else ""),
+            details={"fields": diff, "served": served},
+        )
+
+    def make_room(self, nbytes: int) -> list[ServedModel]:
+        """Evict unleased models, least recently used first, until ``nbytes`` more fit the budget.
+        Returns them (closed). Raises OutOfMemoryError, evicting nothing, if it cannot."""
+        if self.budget is None:
+            return []
+        free = self.budget - self.resident_bytes
+        victims: list[ServedModel] = []
+        for m in self.models.values():
+            if free >= nbytes:
+                break
+            if not self.leased(m.key):
+                victims.append(m)
+                free += m.slab_bytes
+        if free < nbytes:
+            pinned = [m.key.short() for m in self.models.values() if self.leased(m.key)]
+            raise OutOfMemoryError(
+                f"{nbytes} bytes do not fit the {self.budget}-byte budget: {self.resident_bytes} bytes resident, "
+                f"pinned by leases: {', '.join(pinned) or 'none'}",
+                details={"needed": nbytes, "budget": self.budget, "resident": self.resident_bytes, "pinned": pinned},
             )
-        dev = m.backend.device
+        for m in victims:
+            del self.models[m.key]
+            m.close()
+        return victims
+
+    def add(self, model: ServedModel) -> None:
+        self.models[model.key] = model
+
+    def evict(self, requested: dict[str, str | int]) -> ServedModel:
+        m = next((m for m in self.models.values() if not m.key.diff_wire(requested)), None)
+        if m is None:
+            raise NotFoundError(
+                "no model is served under that key", details={"served": [k.short() for k in self.models]}
+            )
+        n = self.leased(m.key)
+        if n:
+            raise InUseError(f"{m.key.short()} is held by {n} lease(s)", details={"leases": n})
+        del self.models[m.key]
+        m.close()
+        return m
+
+    def acquire(self, conn_id: int, pid: int, req: GetState) -> tuple[State, list[int], ServedModel]:
+        """Grant a lease for ``req``; raises KeyMismatchError / NotFoundError / DeviceMismatchError /
+        LimitExceededError."""
+        m = self.find(req.key)
+        dev = self.backend.device
         if req.device_uuid and dev.uuid and req.device_uuid != dev.uuid:
             raise DeviceMismatchError(
                 f"engine is on GPU {req.device_uuid}, the daemon serves GPU {dev.uuid}",
@@ -203,10 +303,11 @@ class Store:
         held = sum(1 for lease in self.leases.values() if lease.conn_id == conn_id)
         if held >= self.max_leases_per_connection:
             raise LimitExceededError(f"connection already holds {held} leases (limit {self.max_leases_per_connection})")
-        lease = Lease(self._next_lease, conn_id, pid, req.mode)
+        lease = Lease(self._next_lease, conn_id, pid, req.mode, m.key)
         self._next_lease += 1
         self.leases[lease.id] = lease
         m.last_use = time.time()
+        self.models.move_to_end(m.key)
         descs: list[SlabDescriptor] = []
         fds: list[int] = []
         for slab in m.slabs:
@@ -224,7 +325,7 @@ class Store:
             tensors=m.table,
             aliases=m.aliases,
         )
-        return state, fds
+        return state, fds, m
 
     def release(self, conn_id: int, req: Release) -> Released:
         lease = self.leases.get(req.lease)
@@ -232,7 +333,7 @@ class Store:
             # Same answer for "no such lease" and "someone else's": nothing to learn by probing.
             raise UnknownLeaseError(f"lease {req.lease} is not held by this connection")
         del self.leases[req.lease]
-        return Released(id=req.id, lease=req.lease, leases_left=len(self.leases))
+        return Released(id=req.id, lease=req.lease, leases_left=self.leased(lease.key))
 
     def drop_connection(self, conn_id: int) -> list[Lease]:
         ended = [lease for lease in self.leases.values() if lease.conn_id == conn_id]
@@ -240,18 +341,25 @@ class Store:
             del self.leases[lease.id]
         return ended
 
-    def model_info(self) -> ModelInfo:
-        m = self.model
-        return ModelInfo(
-            key=m.key.to_wire(),
-            backend=m.backend.name,
-            bytes=m.slab_bytes,
-            tensors=len(m.table),
-            leases=len(self.leases),
-            load_seconds=m.stats.seconds,
-            last_use=m.last_use,
+    def model_infos(self) -> tuple[ModelInfo, ...]:
+        return tuple(
+            ModelInfo(
+                key=m.key.to_wire(),
+                backend=self.backend.name,
+                bytes=m.slab_bytes,
+                tensors=len(m.table),
+                leases=self.leased(m.key),
+                load_seconds=m.stats.seconds,
+                last_use=m.last_use,
+            )
+            for m in self.models.values()
         )
 
     def lease_infos(self) -> tuple[LeaseInfo, ...]:
         now = time.monotonic()
         return tuple(LeaseInfo(x.id, x.mode, x.pid, now - x.created) for x in self.leases.values())
+
+    def close(self) -> None:
+        for m in self.models.values():
+            m.close()
+        self.models.clear()
