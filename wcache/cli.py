@@ -1,9 +1,13 @@
 """``wcache``: operator commands against running daemons.
 
     wcache status [--socket-path P | --socket-dir D] [--json]
+    wcache preload DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--socket-path P | --socket-dir D]
+    wcache evict DIR [same options]
 
-Prints one row per daemon socket found (models, bytes, leases, clients, uptime), or the
-STATUS_REPLY frames as JSON. Exit status 1 if no daemon answered.
+``status`` prints one row per model of each daemon socket found (model, rank, device, bytes,
+leases, connections, uptime), or the STATUS_REPLY frames as JSON; exit 1 if no daemon answered.
+``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased
+models, least recently used first, under its --memory-budget); ``evict`` drops it.
 """
 
 from __future__ import annotations
@@ -40,25 +44,66 @@ async def _status(paths: list[Path], timeout: float) -> list[tuple[Path, StatusR
     return list(await asyncio.gather(*(one(p) for p in paths)))
 
 
-def _row(path: Path, r: StatusReply | str) -> list[str]:
+def _rows(path: Path, r: StatusReply | str) -> list[list[str]]:
     if isinstance(r, str):
-        return [str(path), "-", "-", "-", "-", "-", "-", r]
-    m = r.models[0] if r.models else None
-    key = m.key if m else {}
-    return [
-        str(path),
-        f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}",
-        f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}",
-        f"{r.backend}:{r.device.uuid or r.device.kind}",
-        f"{(m.bytes if m else 0) / 1e9:.2f} GB",
-        str(m.leases if m else 0),
-        str(r.connections),
-        f"up {r.uptime_seconds:.0f}s",
-    ]
+        return [[str(path), "-", "-", "-", "-", "-", "-", r]]
+    rows = []
+    for m in r.models or (None,):
+        key = m.key if m else {}
+        rows.append(
+            [
+                str(path),
+                f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}" if m else "(none)",
+                f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}" if m else "-",
+                f"{r.backend}:{r.device.uuid or r.device.kind}",
+                f"{(m.bytes if m else 0) / 1e9:.2f} GB",
+                str(m.leases if m else 0),
+                str(r.connections),
+                f"up {r.uptime_seconds:.0f}s",
+            ]
+        )
+    return rows
 
 
 def _to_json(r: StatusReply) -> dict[str, Any]:
     return r.to_wire()
+
+
+async def _manage(args: argparse.Namespace) -> int:
+    client = WCacheClient(args.socket_path, socket_dir=args.socket_dir)
+    try:
+        if args.cmd == "preload":
+            r = await client.preload(
+                args.model,
+                tp_rank=args.tp_rank,
+                tp_size=args.tp_size,
+                dtype=args.dtype,
+                plan_file=args.shard_plan,
+                transform=args.transform,
+                timeout=args.timeout,
+            )
+            gone = ", ".join(f"{k.get('architecture')}@{str(k.get('fingerprint'))[:12]}" for k in r.evicted)
+            print(
+                f"resident: {r.tensors} tensors, {r.bytes / 1e9:.2f} GB, loaded in {r.load_seconds:.2f} s"
+                + (f"; evicted {gone}" if gone else "")
+            )
+        else:
+            from wcache.key import WeightCacheKey
+
+            key = WeightCacheKey.from_checkpoint(
+                args.model,
+                tp_rank=args.tp_rank,
+                tp_size=args.tp_size,
+                dtype=args.dtype,
+                plan_file=args.shard_plan,
+                transform=args.transform,
+            )
+            ev = await client.evict(key, timeout=args.timeout)
+            print(f"evicted: {ev.bytes / 1e9:.2f} GB freed")
+    except WCacheError as exc:
+        print(f"wcache {args.cmd}: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--socket-dir", type=Path)
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0)
+    for name, help_ in (("preload", "load a checkpoint into the daemon of its rank"), ("evict", "drop it again")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("model", type=Path)
+        sp.add_argument("--tp-rank", type=int, default=0)
+        sp.add_argument("--tp-size", type=int, default=1)
+        sp.add_argument("--dtype", default=None)
+        sp.add_argument("--shard-plan", type=Path)
+        sp.add_argument("--transform", default="")
+        w = sp.add_mutually_exclusive_group()
+        w.add_argument("--socket-path", type=Path)
+        w.add_argument("--socket-dir", type=Path)
+        sp.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
+    if args.cmd in ("preload", "evict"):
+        return asyncio.run(_manage(args))
     paths = _sockets(args)
     if not paths:
         print(f"wcache: no daemon sockets in {args.socket_dir or default_socket_dir()}", file=sys.stderr)
@@ -87,13 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        rows = [
-            ["SOCKET", "MODEL", "RANK", "DEVICE", "SLAB", "LEASES", "CONNS", "UPTIME"],
-            *(_row(p, r) for p, r in results),
-        ]
+        rows = [["SOCKET", "MODEL", "RANK", "DEVICE", "SLAB", "LEASES", "CONNS", "UPTIME"]]
+        for p, r in results:
+            rows += _rows(p, r)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0 if any(isinstance(r, StatusReply) for _, r in results) else 1
 
 

@@ -34,10 +34,14 @@ from wcache.proto import (
     PROTOCOL_VERSION,
     Connection,
     ErrorFrame,
+    Evict,
+    Evicted,
     Frame,
     GetState,
     Hello,
     HelloOk,
+    Preload,
+    Preloaded,
     Release,
     Role,
     State,
@@ -316,6 +320,48 @@ class WCacheClient:
             await session.ch.send(Status(id=session.ch.conn.next_request_id()))
             frame, _ = await _expect(session.ch)
             assert isinstance(frame, StatusReply)
+            return frame
+
+    async def preload(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: str | None = None,
+        plan_file: str | os.PathLike[str] | None = None,
+        transform: str = "",
+        timeout: float | None = 600.0,
+    ) -> Preloaded:
+        """Ask the daemon to load ``model_dir`` (a path on the daemon's machine) and keep it resident.
+
+        Raises OutOfMemoryError (details name what leases pin) when it does not fit the budget.
+        """
+        path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(tp_rank)
+        async with self._session(path, timeout, keep_open=False) as session:
+            session.ch, session.hello = await self._connect(path)
+            req = Preload(
+                id=session.ch.conn.next_request_id(),
+                model=os.path.abspath(model_dir),
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                dtype=dtype or "auto",
+                plan_file=os.path.abspath(plan_file) if plan_file else "",
+                transform=transform,
+            )
+            await session.ch.send(req)
+            frame, _ = await _expect(session.ch)
+            assert isinstance(frame, Preloaded)
+            return frame
+
+    async def evict(self, key: WeightCacheKey, *, timeout: float | None = None) -> Evicted:
+        """Drop the model served under ``key``; InUseError while leases hold it, NotFoundError if absent."""
+        path = self.socket_for(key)
+        async with self._session(path, timeout, keep_open=False) as session:
+            session.ch, session.hello = await self._connect(path)
+            await session.ch.send(Evict(id=session.ch.conn.next_request_id(), key=key.to_wire()))
+            frame, _ = await _expect(session.ch)
+            assert isinstance(frame, Evicted)
             return frame
 
     def fetch_sync(

@@ -65,9 +65,13 @@ class ServedModel:
     stats: LoadStats
     last_use: float = 0.0
 
+    def __post_init__(self) -> None:
+        self._slab_bytes = sum(s.size for s in self.slabs)
+
     @property
     def slab_bytes(self) -> int:
-        return sum(s.size for s in self.slabs)
+        """Bytes of the model's slabs (still reported after close(), for logs and EVICTED)."""
+        return self._slab_bytes
 
     def close(self) -> None:
         for s in self.slabs:

@@ -1,0 +1,134 @@
+"""Several models per daemon: PRELOAD/EVICT, the memory budget, LRU eviction that spares leased models."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
+from wcache.errors import InUseError, NotFoundError, OutOfMemoryError
+from wcache.nn import load_from_disk
+from wcache.synthetic import LlamaShape, make_llama_checkpoint
+
+SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    base = tmp_path_factory.mktemp("models")
+    # different vocabularies: same-shaped checkpoints share a header fingerprint (see docs/protocol.md §4.3)
+    shapes = [dataclasses.replace(SMALL, vocab=512 + 64 * i) for i in range(3)]
+    return [make_llama_checkpoint(base / f"m{i}", shape, seed=10 + i) for i, shape in enumerate(shapes)]
+
+
+def _slab(model: Path) -> int:
+    from wcache.server.store import planned_bytes
+
+    return planned_bytes(model)[1]
+
+
+async def test_preload_fetch_evict(daemon_factory: Callable[..., DaemonProc], small_models: list[Path]) -> None:
+    a, b, _ = small_models
+    d = daemon_factory(a)
+    client = WCacheClient(d.socket)
+    r = await client.preload(b)
+    assert r.tensors == 21 and r.load_seconds > 0 and r.evicted == ()
+    again = await client.preload(b)  # already resident: nothing loaded
+    assert again.load_seconds == 0
+    for m in (a, b):
+        async with await client.fetch(WeightCacheKey.from_checkpoint(m)) as w:
+            ref = load_from_disk(m)
+            assert all(torch.equal(w[k], v) for k, v in ref.items())
+    st = await client.status()
+    assert len(st.models) == 2
+    ev = await client.evict(WeightCacheKey.from_checkpoint(b))
+    assert ev.bytes == _slab(b)
+    with pytest.raises(KeyMismatchError):
+        await client.fetch(WeightCacheKey.from_checkpoint(b))
+    with pytest.raises(NotFoundError):
+        await client.evict(WeightCacheKey.from_checkpoint(b))
+
+
+async def test_budget_evicts_lru_but_never_a_leased_model(
+    daemon_factory: Callable[..., DaemonProc], small_models: list[Path]
+) -> None:
+    a, b, c = small_models
+    budget = _slab(a) + _slab(b) + _slab(c) // 2  # room for two models, not three
+    d = daemon_factory(a, "--memory-budget", str(budget))
+    client = WCacheClient(d.socket)
+    await client.preload(b)
+    held = await client.fetch(WeightCacheKey.from_checkpoint(a))  # a: leased (and most recently used)
+    r = await client.preload(c)  # must evict b (unleased), not a
+    assert [k["fingerprint"] for k in r.evicted] == [WeightCacheKey.from_checkpoint(b).fingerprint]
+    keys = {m.key["fingerprint"] for m in (await client.status()).models}
+    assert keys == {WeightCacheKey.from_checkpoint(m).fingerprint for m in (a, c)}
+    held_c = await client.fetch(WeightCacheKey.from_checkpoint(c))
+    with pytest.raises(OutOfMemoryError) as info:  # a and c leased: nothing may go
+        await client.preload(b)
+    assert len(info.value.details["pinned"]) == 2
+    with pytest.raises(InUseError):
+        await client.evict(WeightCacheKey.from_checkpoint(a))
+    await held.release()
+    await held_c.release()
+    await client.preload(b)  # now a (least recently used, unleased) goes
+    assert WeightCacheKey.from_checkpoint(a).fingerprint not in {
+        m.key["fingerprint"] for m in (await client.status()).models
+    }
+
+
+async def test_empty_daemon_and_cli(small_models: list[Path], socket_dir: Path) -> None:
+    from wcache.server.process import spawn_daemon
+
+    d = spawn_daemon(small_models[0], socket_dir)  # placeholder start, then an empty one on another socket
+    d.stop()
+    empty = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "wcache.server.cli",
+            "--socket-dir",
+            str(socket_dir),
+            "--ready-file",
+            str(socket_dir.parent / "r.json"),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        import asyncio
+        import time
+
+        deadline = time.monotonic() + 60
+        while not (socket_dir.parent / "r.json").exists():
+            assert time.monotonic() < deadline and empty.poll() is None
+            await asyncio.sleep(0.05)
+        sock = socket_dir / "wcache-rank0.sock"
+        with pytest.raises(NotFoundError):
+            await WCacheClient(sock).fetch(WeightCacheKey.from_checkpoint(small_models[0]))
+
+        def cli(*a: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "wcache.cli", *a, "--socket-path", str(sock)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+
+        out = await asyncio.to_thread(cli, "preload", str(small_models[1]))
+        assert out.returncode == 0 and "resident: 21 tensors" in out.stdout, out.stderr
+        async with await WCacheClient(sock).fetch(WeightCacheKey.from_checkpoint(small_models[1])) as w:
+            assert len(w) == 21
+        out = await asyncio.to_thread(cli, "evict", str(small_models[1]))
+        assert out.returncode == 0 and "evicted" in out.stdout
+        out = await asyncio.to_thread(cli, "evict", str(small_models[1]))
+        assert out.returncode == 1 and "NotFoundError" in out.stderr
+    finally:
+        empty.terminate()
+        empty.wait(30)
