@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
-from typing import Any, ClassVar, NamedTuple, Union
+from typing import Any, ClassVar, NamedTuple, Union, get_args
 
 from wcache.errors import ErrorCode, ProtocolError, WCacheError
 from wcache.proto.codec import Preencoded
@@ -928,24 +928,7 @@ Frame = Union[
     Evict,
     Evicted,
 ]
-FRAME_TYPES: dict[str, Any] = {
-    c.TYPE: c
-    for c in (
-        Hello,
-        HelloOk,
-        GetState,
-        State,
-        Release,
-        Released,
-        Status,
-        StatusReply,
-        ErrorFrame,
-        Preload,
-        Preloaded,
-        Evict,
-        Evicted,
-    )
-}
+FRAME_TYPES: dict[str, Any] = {c.TYPE: c for c in get_args(Frame)}
 
 
 def decode_frame(m: Mapping[str, Any]) -> Frame:
