@@ -132,3 +132,20 @@ async def test_empty_daemon_and_cli(small_models: list[Path], socket_dir: Path) 
     finally:
         empty.terminate()
         empty.wait(30)
+
+
+async def test_load_on_demand(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
+    d = daemon_factory(ckpt, "--load-on-demand")
+    client = WCacheClient(d.socket)
+    # another rank of the same checkpoint, then another dtype: loaded on demand from the known directory
+    async with await client.fetch(WeightCacheKey.from_checkpoint(ckpt, tp_rank=1, tp_size=2)) as w:
+        ref = load_from_disk(ckpt, tp_rank=1, tp_size=2)
+        assert set(w) == set(ref) and all(torch.equal(w[k], v) for k, v in ref.items())
+    async with await client.fetch(WeightCacheKey.from_checkpoint(ckpt, dtype="float32")) as w:
+        assert w["model.norm.weight"].dtype == torch.float32
+    assert len((await client.status()).models) == 3
+    # a checkpoint the daemon never saw is still a mismatch
+    other = ckpt.parent.parent / "never-seen"
+    make_llama_checkpoint(other, dataclasses.replace(SMALL, vocab=768), seed=99)
+    with pytest.raises(KeyMismatchError):
+        await client.fetch(WeightCacheKey.from_checkpoint(other))

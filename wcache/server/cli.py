@@ -37,6 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint directory (safetensors + config.json); more with PRELOAD / wcache preload",
     )
     p.add_argument(
+        "--load-on-demand",
+        action="store_true",
+        help="serve a GET_STATE for another rank/dtype/transform of a checkpoint loaded before by loading it",
+    )
+    p.add_argument(
         "--memory-budget",
         type=int,
         default=0,
@@ -184,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
                 frame_timeout=args.frame_timeout,
                 metrics_port=args.metrics_port,
                 loader=loader,
+                load_on_demand=args.load_on_demand,
             )
 
             def ready() -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from wcache.channel import Channel, peer_credentials
 from wcache.errors import (
     InternalError,
+    KeyMismatchError,
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
@@ -66,6 +67,7 @@ class Daemon:
         shutdown_grace: float = 5.0,
         metrics_port: int = 0,
         loader: Callable[[Preload], ServedModel] | None = None,
+        load_on_demand: bool = False,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -79,6 +81,7 @@ class Daemon:
         self.metrics_port = metrics_port
         self.metrics = Metrics()
         self.loader = loader
+        self.load_on_demand = load_on_demand
         self._preload_lock = asyncio.Lock()
         self.started = time.monotonic()
         self._stop = asyncio.Event()
@@ -241,7 +244,12 @@ class Daemon:
         try:
             if isinstance(frame, GetState):
                 t0 = time.perf_counter()
-                state, fds, model = self.store.acquire(conn_id, pid, frame)
+                try:
+                    state, fds, model = self.store.acquire(conn_id, pid, frame)
+                except (KeyMismatchError, NotFoundError):
+                    if not await self._load_on_demand(frame, pid):
+                        raise
+                    state, fds, model = self.store.acquire(conn_id, pid, frame)
                 await ch.send(state, fds)
                 self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)
                 log.info(
@@ -295,6 +303,36 @@ class Daemon:
             log.exception("request failed %s pid=%d", self._tag, pid)
             self.metrics.errors["INTERNAL"] += 1
             await ch.send(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
+
+    async def _load_on_demand(self, req: GetState, pid: int) -> bool:
+        """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the
+        daemon loaded before. True if a model now matches the request."""
+        if not self.load_on_demand:
+            return False
+        source = self.store.source_for(req.key)
+        k = req.key
+        if source is None or not isinstance(k.get("tp_rank"), int) or not isinstance(k.get("tp_size"), int):
+            return False
+        dtype, transform = k.get("dtype", "auto"), k.get("transform", "")
+        preload = Preload(
+            id=req.id,
+            model=str(source),
+            tp_rank=int(k["tp_rank"]),
+            tp_size=int(k["tp_size"]),
+            dtype=str(dtype),
+            transform=str(transform),
+        )
+        log.info(
+            "load on demand %s pid=%d source=%s tp=%s/%s dtype=%s",
+            self._tag,
+            pid,
+            source,
+            k["tp_rank"],
+            k["tp_size"],
+            dtype,
+        )
+        await self._preload(preload, pid)
+        return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
 
     async def _preload(self, req: Preload, pid: int) -> Preloaded:
         """Load a model in a worker thread (the daemon keeps serving), after making room for it."""

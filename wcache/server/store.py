@@ -64,6 +64,7 @@ class ServedModel:
     payload_bytes: int
     stats: LoadStats
     last_use: float = 0.0
+    source: Path | None = None  # the checkpoint directory it was loaded from
 
     def __post_init__(self) -> None:
         self._slab_bytes = sum(s.size for s in self.slabs)
@@ -123,7 +124,7 @@ def load_model(
         slab.close()
         raise
     table.encoded()  # encode the tensor table once; every STATE reuses it
-    return ServedModel(key, table, aliases, [slab], backend, payload, stats)
+    return ServedModel(key, table, aliases, [slab], backend, payload, stats, source=Path(os.path.abspath(model_dir)))
 
 
 def _transformed(
@@ -227,6 +228,10 @@ class Store:
             self.models[m.key] = m
         self.leases: dict[int, Lease] = {}
         self.max_leases_per_connection = max_leases_per_connection
+        #: (fingerprint, fingerprint_kind) -> checkpoint directory, for every model ever loaded (load-on-demand)
+        self.sources: dict[tuple[str, str], Path] = {}
+        for m in models or []:
+            self._remember(m)
         self._next_lease = secrets.randbits(31) + 1  # not reused across daemon restarts
 
     @property
@@ -280,6 +285,22 @@ class Store:
 
     def add(self, model: ServedModel) -> None:
         self.models[model.key] = model
+        self._remember(model)
+
+    def _remember(self, model: ServedModel) -> None:
+        if model.source is not None:
+            self.sources[(model.key.fingerprint, model.key.fingerprint_kind)] = model.source
+
+    def source_for(self, requested: dict[str, str | int]) -> Path | None:
+        """The directory of a checkpoint loaded before with this fingerprint, if the requested key's plan is
+        one the daemon can rebuild (none or built-in); None otherwise."""
+        plan = requested.get("plan", "none")
+        if not isinstance(plan, str) or not (plan == "none" or plan.startswith("builtin:")):
+            return None
+        fp, kind = requested.get("fingerprint"), requested.get("fingerprint_kind", "headers")
+        if not isinstance(fp, str) or not isinstance(kind, str):
+            return None
+        return self.sources.get((fp, kind))
 
     def evict(self, requested: dict[str, str | int]) -> ServedModel:
         m = next((m for m in self.models.values() if not m.key.diff_wire(requested)), None)
