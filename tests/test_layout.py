@@ -241,3 +241,20 @@ def test_moe_plans(arch: str, names: dict[str, int | None]) -> None:
     assert plan is not None
     for name, dim in names.items():
         assert plan.dim_for(name) == dim, name
+
+
+def test_sampled_fingerprint_tells_same_shaped_checkpoints_apart(tmp_path: Path) -> None:
+    """Fine-tunes of one base have identical headers; the data sample tells them apart (protocol.md §4.3)."""
+    import shutil
+
+    from wcache.synthetic import LlamaShape, make_llama_checkpoint
+
+    shape = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
+    a = make_llama_checkpoint(tmp_path / "a", shape, seed=1)
+    b = make_llama_checkpoint(tmp_path / "b", shape, seed=2)
+    assert Checkpoint.open(a).headers == Checkpoint.open(b).headers
+    ka, kb = WeightCacheKey.from_checkpoint(a), WeightCacheKey.from_checkpoint(b)
+    assert ka.fingerprint_kind == "sampled"
+    assert ka.fingerprint != kb.fingerprint
+    shutil.copytree(a, tmp_path / "copy")  # the same bytes elsewhere: the same key
+    assert WeightCacheKey.from_checkpoint(tmp_path / "copy") == ka

@@ -1,6 +1,6 @@
 """The cache key: which bytes a daemon serves, computed the same way by daemon and engine.
 
-A key names a checkpoint (fingerprint of its file names and headers), the rank's
+A key names a checkpoint (fingerprint of its file names, headers and a data sample), the rank's
 sharding and dtype, and the slab layout version. The daemon refuses a GET_STATE whose
 key differs in any field and names those fields (``KEY_MISMATCH``).
 """
@@ -31,7 +31,7 @@ class WeightCacheKey:
     dtype: str
     plan: str = "none"
     layout: int = LAYOUT_VERSION
-    fingerprint_kind: str = "headers"  # "headers" | "content"
+    fingerprint_kind: str = "sampled"  # "sampled" (names, headers, 16 data blocks per file) | "content"
     transform: str = ""  # load-time transform spec (wcache.transforms), "" for none
 
     @classmethod
@@ -47,8 +47,8 @@ class WeightCacheKey:
         checkpoint: Checkpoint | None = None,
         transform: str = "",
     ) -> WeightCacheKey:
-        """The key a daemon started with the same arguments serves. Reads headers only
-        (all data too with ``verify_content``)."""
+        """The key a daemon started with the same arguments serves. Reads headers and 64 KiB of
+        data per file (all data with ``verify_content``)."""
         ckpt = checkpoint or Checkpoint.open(path)
         plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
         return cls(
@@ -59,7 +59,7 @@ class WeightCacheKey:
             dtype=resolve_dtype(ckpt, dtype),
             plan=plan.id if plan is not None else "none",
             layout=LAYOUT_VERSION,
-            fingerprint_kind="content" if verify_content else "headers",
+            fingerprint_kind="content" if verify_content else "sampled",
             transform=transform,
         )
 

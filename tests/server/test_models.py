@@ -23,7 +23,6 @@ SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, v
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     base = tmp_path_factory.mktemp("models")
-    # different vocabularies: same-shaped checkpoints share a header fingerprint (see docs/protocol.md §4.3)
     shapes = [dataclasses.replace(SMALL, vocab=512 + 64 * i) for i in range(3)]
     return [make_llama_checkpoint(base / f"m{i}", shape, seed=10 + i) for i, shape in enumerate(shapes)]
 

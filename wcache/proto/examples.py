@@ -37,7 +37,7 @@ _KEY: dict[str, str | int] = {
     "dtype": "bfloat16",
     "plan": "builtin:llama/1",
     "layout": 1,
-    "fingerprint_kind": "headers",
+    "fingerprint_kind": "sampled",
 }
 
 EXAMPLES: dict[str, Frame] = {

@@ -297,7 +297,7 @@ class Store:
         plan = requested.get("plan", "none")
         if not isinstance(plan, str) or not (plan == "none" or plan.startswith("builtin:")):
             return None
-        fp, kind = requested.get("fingerprint"), requested.get("fingerprint_kind", "headers")
+        fp, kind = requested.get("fingerprint"), requested.get("fingerprint_kind", "sampled")
         if not isinstance(fp, str) or not isinstance(kind, str):
             return None
         return self.sources.get((fp, kind))
