@@ -24,11 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import WCacheError
 from wcache.key import WeightCacheKey
-from wcache.layout import plan_layout
-from wcache.sharding import resolve_plan
+from wcache.rank import plan_rank
 
 __all__ = ["AttachReport", "LoadedWeights", "attach", "empty_parameters", "load_from_disk", "load_weights"]
 
@@ -148,12 +146,8 @@ def load_from_disk(
     """The same tensors a daemon would serve (same plan, slices, cast, aliases, transform), read from disk."""
     from safetensors import safe_open
 
-    ckpt = Checkpoint.open(model_dir)
-    plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
-    key = WeightCacheKey.from_checkpoint(
-        model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file, checkpoint=ckpt
-    )
-    layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
+    rp = plan_rank(model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file)
+    ckpt, layout = rp.checkpoint, rp.layout
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[Any]] = {}
     for p in layout.placements:

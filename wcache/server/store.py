@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import (
     DeviceMismatchError,
     InUseError,
@@ -31,7 +30,7 @@ from wcache.errors import (
     WCacheError,
 )
 from wcache.key import WeightCacheKey
-from wcache.layout import ALIGN, Layout, plan_layout
+from wcache.layout import ALIGN, Layout
 from wcache.proto import (
     DTYPE_SIZES,
     GetState,
@@ -44,9 +43,9 @@ from wcache.proto import (
     TensorEntry,
     TensorTable,
 )
+from wcache.rank import plan_rank
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_into, torch_dtype
-from wcache.sharding import resolve_plan
 from wcache.transforms import Transform, load_transform
 
 __all__ = ["Lease", "ServedModel", "Store", "load_model"]
@@ -95,20 +94,17 @@ def load_model(
     transform: str = "",
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read."""
-    ckpt = Checkpoint.open(model_dir)
-    plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
-    key = WeightCacheKey.from_checkpoint(
-        Path(model_dir),
+    rp = plan_rank(
+        model_dir,
         tp_rank=tp_rank,
         tp_size=tp_size,
         dtype=dtype,
         plan_file=plan_file,
-        verify_content=verify_content,
-        checkpoint=ckpt,
         transform=transform,
+        verify_content=verify_content,
     )
+    ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
     fn = load_transform(transform) if transform else None
-    layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
     started = time.perf_counter()
     slab = backend.allocate(layout.total_bytes)
     try:
@@ -197,13 +193,8 @@ def planned_bytes(
     plan_file: str | os.PathLike[str] | None = None,
 ) -> tuple[WeightCacheKey, int]:
     """The key and slab size a load would have, from headers alone (for budget checks)."""
-    ckpt = Checkpoint.open(model_dir)
-    plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
-    key = WeightCacheKey.from_checkpoint(
-        Path(model_dir), tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file, checkpoint=ckpt
-    )
-    layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
-    return key, layout.total_bytes
+    rp = plan_rank(model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file)
+    return rp.key, rp.layout.total_bytes
 
 
 class Store:
