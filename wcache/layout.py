@@ -16,7 +16,17 @@ from wcache.errors import CheckpointError
 from wcache.proto.frames import DTYPE_SIZES, TensorEntry, TensorTable
 from wcache.sharding import Shard, ShardPlan, shard_tensors
 
-__all__ = ["ALIGN", "FLOATING", "LAYOUT_VERSION", "Layout", "Placement", "plan_layout", "resolve_dtype"]
+__all__ = [
+    "ALIGN",
+    "FLOATING",
+    "LAYOUT_VERSION",
+    "Layout",
+    "Placement",
+    "align_up",
+    "contiguous_strides",
+    "plan_layout",
+    "resolve_dtype",
+]
 
 #: Bump when placement rules change: a cached slab of another layout is another key.
 LAYOUT_VERSION = 1
@@ -71,11 +81,15 @@ class Layout:
     def table(self) -> TensorTable:
         """The STATE frame's tensor table for this layout (slab 0)."""
         return TensorTable.from_entries(
-            [TensorEntry(p.source.name, p.dtype, p.shape, _contiguous(p.shape), 0, p.offset) for p in self.placements]
+            [
+                TensorEntry(p.source.name, p.dtype, p.shape, contiguous_strides(p.shape), 0, p.offset)
+                for p in self.placements
+            ]
         )
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """C-order strides in elements (a zero-sized dimension counts as 1, as in torch)."""
     stride = []
     acc = 1
     for s in reversed(shape):
@@ -84,7 +98,8 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
+    """``n`` rounded up to the slab alignment."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -102,7 +117,7 @@ def plan_layout(ckpt: Checkpoint, *, tp_rank: int, tp_size: int, dtype: str, pla
         out_dtype = dtype if t.dtype in FLOATING else t.dtype
         p = Placement(t, shard, out_dtype, tuple(shape), offset)
         placements.append(p)
-        offset = _align(offset + p.nbytes)
+        offset = align_up(offset + p.nbytes)
     aliases: dict[str, str] = {}
     tie = ckpt.config.get("tie_word_embeddings")
     if tie is True and "lm_head.weight" not in ckpt.tensors and "model.embed_tokens.weight" in ckpt.tensors:

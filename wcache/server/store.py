@@ -30,7 +30,7 @@ from wcache.errors import (
     WCacheError,
 )
 from wcache.key import WeightCacheKey
-from wcache.layout import ALIGN, Layout
+from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.proto import (
     DTYPE_SIZES,
     GetState,
@@ -154,10 +154,9 @@ def _transformed(
             raise WCacheError(f"transform {spec!r} returned {name!r} of unsupported dtype {dtype}")
         names[id(t)] = name
         shape = tuple(t.shape)
-        stride = tuple(int(x) for x in torch.empty(shape, device="meta").stride())
-        entries.append(TensorEntry(name, dtype, shape, stride, 0, offset))
+        entries.append(TensorEntry(name, dtype, shape, contiguous_strides(shape), 0, offset))
         placed.append((offset, t))
-        offset = (offset + t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+        offset = align_up(offset + t.numel() * t.element_size())
     out = backend.allocate(max(offset, ALIGN))
     try:
         dest = out.tensor()
