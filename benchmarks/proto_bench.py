@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.proto import (
+    PROTOCOL_VERSION,
     Connection,
     DeviceInfo,
     GetState,
@@ -115,10 +116,12 @@ def bench(entries: list[TensorEntry], repeat: int) -> dict[str, float]:
 
 def handshake(server: Connection, client: Connection) -> None:
     """Handshake both connection objects and leave a GET_STATE pending so STATE is legal."""
-    server.receive_data(client.send(Hello(versions=(1,))))
+    server.receive_data(client.send(Hello(versions=(PROTOCOL_VERSION,))))
     list(server.events())
     out = server.send(
-        HelloOk(version=1, software="bench", backend="host", device=DeviceInfo("cpu"), max_frame_size=1 << 30)
+        HelloOk(
+            version=PROTOCOL_VERSION, software="bench", backend="host", device=DeviceInfo("cpu"), max_frame_size=1 << 30
+        )
     )
     client.receive_data(out)
     list(client.events())

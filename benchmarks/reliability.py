@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache import CacheUnavailableError, WCacheClient, WCacheError, WeightCacheKey
-from wcache.proto import GetState, Hello, Release, Status, pack_frame
+from wcache.proto import PROTOCOL_VERSION, GetState, Hello, Release, Status, pack_frame
 from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint
 
@@ -131,19 +131,19 @@ def hostile_bytes(kind: str, rnd: random.Random) -> bytes:
     if kind == "huge_length":
         return struct.pack(">I", rnd.randint(64 * 2**20 + 1, 2**32 - 1)) + rnd.randbytes(8)
     if kind == "truncated":
-        f = pack_frame(Hello(versions=(1,)).to_wire())
+        f = pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire())
         return f[: rnd.randint(1, len(f) - 1)]
     if kind == "wrong_types":
         return pack_frame({"type": "HELLO", "versions": rnd.choice(["1", -1, [0], None, 3.5, {"a": 1}])})
     if kind == "unknown_type":
         return pack_frame({"type": rnd.choice(["REBOOT", "SHUTDOWN", "EVICT_ALL", ""]), "id": 1})
     if kind == "version_skew":
-        return pack_frame(Hello(versions=(rnd.randint(2, 1000),)).to_wire())
+        return pack_frame(Hello(versions=(rnd.randint(3, 1000),)).to_wire())
     if kind == "before_hello":
         return pack_frame(GetState(id=1, key={}).to_wire())
     if kind == "ext_type":
         return struct.pack(">I", 4) + b"\x81\xa1x\xd4"  # a map whose value is an ext type
-    hello = pack_frame(Hello(versions=(1,)).to_wire())
+    hello = pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire())
     return hello + struct.pack(">I", 16) + rnd.randbytes(16)
 
 
@@ -359,7 +359,7 @@ asyncio.run(main())
 async def load(sock: Path, model: Path, clients: int, seconds: float, procs: int = 4) -> dict[str, Any]:
     per = clients // procs
     slow_r, slow_w = await asyncio.open_unix_connection(str(sock))
-    slow_w.write(pack_frame(Hello(versions=(1,)).to_wire()))
+    slow_w.write(pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire()))
     half = pack_frame({"type": "STATUS", "id": 1})
     slow_w.write(half[: len(half) // 2])  # a slow client holding a half-sent frame during the load
     await slow_w.drain()

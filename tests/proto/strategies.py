@@ -47,21 +47,29 @@ plain = st.recursive(
 
 @st.composite
 def tables(draw: st.DrawFn, slab_sizes: list[int]) -> TensorTable:
+    """Random tensors, some in runs of equal shape at a constant spacing (groups on the wire)."""
     n = draw(st.integers(0, 12))
     names = draw(st.lists(st.text(min_size=1, max_size=30), min_size=n, max_size=n, unique=True))
     entries = []
-    for name in names:
+    i = 0
+    while i < len(names):
         dtype = draw(st.sampled_from(sorted(DTYPE_SIZES)))
+        size = DTYPE_SIZES[dtype]
         rank = draw(st.integers(0, 4))
         shape = tuple(draw(st.lists(st.integers(0, 6), min_size=rank, max_size=rank)))
         stride = tuple(draw(st.lists(st.integers(0, 40), min_size=rank, max_size=rank)))
         slab = draw(st.integers(0, len(slab_sizes) - 1))
+        run = draw(st.integers(1, len(names) - i))
+        step = size * draw(st.integers(1, 64))
         ext = tensor_extent(dtype, shape, stride)
-        room = slab_sizes[slab] - ext
+        room = slab_sizes[slab] - ext - step * (run - 1)
         if room < 0:
-            shape, stride, ext, room = (), (), DTYPE_SIZES[dtype], slab_sizes[slab] - DTYPE_SIZES[dtype]
-        offset = draw(st.integers(0, max(room, 0)))
-        entries.append(TensorEntry(name, dtype, shape, stride, slab, offset))
+            shape, stride, ext, run = (), (), size, 1
+            room = slab_sizes[slab] - size
+        offset = size * draw(st.integers(0, max(room, 0) // size))
+        for j in range(run):
+            entries.append(TensorEntry(names[i + j], dtype, shape, stride, slab, offset + j * step))
+        i += run
     return TensorTable.from_entries(entries)
 
 

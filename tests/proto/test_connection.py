@@ -6,6 +6,7 @@ import pytest
 
 from wcache.errors import LocalProtocolError, ProtocolError, UnexpectedFrameError, UnsupportedVersionError
 from wcache.proto import (
+    PROTOCOL_VERSION,
     Connection,
     DeviceInfo,
     ErrorFrame,
@@ -22,19 +23,19 @@ from wcache.proto import (
 from wcache.proto.examples import EXAMPLES
 
 
-def _ok(version: int = 1) -> HelloOk:
+def _ok(version: int = PROTOCOL_VERSION) -> HelloOk:
     return HelloOk(version=version, software="t", backend="host", device=DeviceInfo("cpu"), max_frame_size=1 << 20)
 
 
 def _open_pair() -> tuple[Connection, Connection]:
     c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
-    s.receive_data(c.send(Hello(versions=(1,))))
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
     (hello,) = s.events()
     assert isinstance(hello, Hello)
     c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
     assert [f.TYPE for f in c.events()] == ["HELLO_OK"]
     assert c.phase is s.phase is Phase.OPEN
-    assert c.version == s.version == 1
+    assert c.version == s.version == PROTOCOL_VERSION
     return c, s
 
 
@@ -62,7 +63,7 @@ def test_unsupported_version() -> None:
     s = Connection(Role.SERVER)
     with pytest.raises(UnsupportedVersionError) as info:
         s.hello_reply(Hello(versions=(7, 8)), software="", backend="host", device=DeviceInfo("cpu"))
-    assert info.value.details == {"offered": [7, 8], "supported": [1]}
+    assert info.value.details == {"offered": [7, 8], "supported": [PROTOCOL_VERSION]}
     s.receive_data(Connection(Role.CLIENT).send(Hello(versions=(7,))))
     list(s.events())
     data = s.fatal_error(info.value)
@@ -78,7 +79,7 @@ def test_unsupported_version() -> None:
 def test_client_rejects_version_it_did_not_offer() -> None:
     raw = pack_frame(_ok(5).to_wire())
     c = Connection(Role.CLIENT)
-    c.send(Hello(versions=(1,)))
+    c.send(Hello(versions=(PROTOCOL_VERSION,)))
     c.receive_data(raw)
     with pytest.raises(UnexpectedFrameError, match="version 5"):
         list(c.events())
@@ -151,7 +152,7 @@ def test_error_answers_pending_request_and_connection_stays_open() -> None:
 
 def test_eof_inside_frame() -> None:
     s = Connection(Role.SERVER)
-    data = Connection(Role.CLIENT).send(Hello(versions=(1,)))
+    data = Connection(Role.CLIENT).send(Hello(versions=(PROTOCOL_VERSION,)))
     s.receive_data(data[:-3])
     s.receive_data(b"")
     with pytest.raises(ProtocolError, match="stream ended inside a frame"):

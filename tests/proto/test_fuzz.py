@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wcache.errors import ProtocolError
-from wcache.proto import Connection, Frame, Role, pack_frame
+from wcache.proto import PROTOCOL_VERSION, Connection, Frame, Role, pack_frame
 from wcache.proto.frames import FRAME_TYPES
 
 from .strategies import frames
@@ -101,7 +101,7 @@ def test_mutated_valid_frames(frame: Frame, data: st.DataObject) -> None:
 
 def test_msgpack_ext_and_timestamp_rejected() -> None:
     for value in (msgpack.ExtType(5, b"x"), msgpack.Timestamp(1, 0)):
-        body = msgpack.packb({"type": "HELLO", "versions": [1], "x": value})
+        body = msgpack.packb({"type": "HELLO", "versions": [PROTOCOL_VERSION], "x": value})
         conn = Connection(Role.SERVER)
         conn.receive_data(struct.pack(">I", len(body)) + body)
         try:

@@ -16,10 +16,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 # sha256 of each example's bytes (length prefix included). Changing one is a wire-format change:
 # it needs a protocol version bump or a compatible, defaulted new field (docs/protocol.md §2.1).
 GOLDEN_SHA256 = {
-    "HELLO": "73bd1402a2635a45a880bc036854d49aae631d646ceef95a9fc0449fe6b83c41",
-    "HELLO_OK": "1b8f6cf642d8710f9889104cc0ec0f1b16bc1043c541371217e355da090ce3ef",
+    "HELLO": "c52f8fef8d24494c8be667d1aaf619302a3e0c1512f484c17f6f736e755b710c",
+    "HELLO_OK": "2f6dda78aed93b4b1f7cf64529935ab8733e6222dc50533310b1532d38337627",
     "GET_STATE": "5a781b608da3a648bbfacaeeaef89ba3bdd654f16233aec5f48ee954f917186c",
-    "STATE": "4af25e29aa820abcae7e7cc3d6670881f6b391f7d16e5062027840085bb9d1ea",
+    "STATE": "f1f00be002c8cd41c9ce9db964ddd8f31e0e1f454cc59dc634684a3e35790f76",
     "RELEASE": "4ea87e2d6977136feca27491ddbfa70d3b558d43d8899566d110df85e439fdb8",
     "RELEASED": "74090ef68c2f761c9be1e44eb771c01cc2ab6621e2c10b4923557f28d28d19de",
     "STATUS": "5b8b33533ee8d6b02521a3f8df27b4b83c21c0da4d9988e35af6ce976e92f2f0",
@@ -32,7 +32,7 @@ GOLDEN_SHA256 = {
 }
 
 HELLO_BYTES = bytes.fromhex(
-    "0000003b84a474797065a548454c4c4fa876657273696f6e739101a8736f6674"
+    "0000003b84a474797065a548454c4c4fa876657273696f6e739102a8736f6674"
     "77617265ac7763616368652f302e312e30a46e616d65a8656e67696e652d30"
 )
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import DaemonProc, server_cmd
 from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
-from wcache.proto import Hello, pack_frame
+from wcache.proto import PROTOCOL_VERSION, Hello, pack_frame
 
 
 async def _leases(d: DaemonProc) -> int:
@@ -142,7 +142,7 @@ async def test_hostile_input_gets_error_and_daemon_serves_on(daemon: DaemonProc,
                 assert reply["code"] == 2
             if name == "future version only":
                 assert reply["code"] == 3
-                assert reply["details"] == {"offered": [99], "supported": [1]}
+                assert reply["details"] == {"offered": [99], "supported": [PROTOCOL_VERSION]}
             if name == "request before hello":
                 assert reply["code"] == 4
         assert await asyncio.to_thread(s.recv, 1) == b""  # and the connection is closed
@@ -158,7 +158,8 @@ async def test_client_sending_fds_is_refused(daemon: DaemonProc) -> None:
     r, w = os.pipe()
     try:
         s.sendmsg(
-            [pack_frame(Hello(versions=(1,)).to_wire())], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))]
+            [pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire())],
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))],
         )
         reply = await asyncio.to_thread(_read_reply, s)
         assert reply is not None and reply["code"] == 1 and "descriptors" in str(reply["message"])
@@ -273,7 +274,7 @@ async def test_half_sent_frame_times_out_without_delaying_others(
     s = _raw(d.socket)
     s.settimeout(20)
     try:
-        s.sendall(pack_frame(Hello(versions=(1,)).to_wire()))
+        s.sendall(pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire()))
         assert (await asyncio.to_thread(_read_reply, s) or {}).get("type") == "HELLO_OK"
         whole = pack_frame({"type": "STATUS", "id": 1})
         s.sendall(whole[: len(whole) // 2])  # and stall

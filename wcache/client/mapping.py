@@ -87,55 +87,29 @@ def map_slabs(
 
 
 def build_views(state: State, bases: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One strided view per tensor entry (offsets validated by the decoder), plus aliases.
+    """One strided view per tensor (extents and alignment validated by the decoder), plus aliases.
 
-    Runs of equally shaped tensors at a constant spacing (MoE experts, layer stacks) are
-    cut from one stacked view with ``unbind`` — one C++ call instead of one ``as_strided``
-    per tensor, which matters at 10^4-10^5 tensors.
+    A group of several equally shaped tensors (MoE experts, layer stacks) is cut from one
+    stacked view with ``unbind``: one C++ call instead of one ``as_strided`` per tensor,
+    which matters at 10^4-10^5 tensors.
     """
     typed: dict[tuple[int, str], torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
-    t = state.tensors
-    names, dtypes, shapes, strides, slabs, offsets = t.names, t.dtypes, t.shapes, t.strides, t.slabs, t.offsets
-    n = len(names)
-    i = 0
-    while i < n:
-        dtype, shape, stride, slab, offset = dtypes[i], shapes[i], strides[i], slabs[i], offsets[i]
+    names = state.tensors.names
+    pos = 0
+    for dtype, shape, stride, slab, offset, step, count in state.tensors.groups:
         size = DTYPE_SIZES[dtype]
-        if offset % size:
-            raise ProtocolError(f"tensor {names[i]!r} offset {offset} is not aligned to its {size}-byte dtype")
         base = typed.get((slab, dtype))
         if base is None:
             raw = bases[slab]
             raw = raw[: raw.numel() - raw.numel() % size]
             base = typed[(slab, dtype)] = raw.view(_DTYPES[dtype])
-        j = i + 1
-        if j < n and shapes[j] == shape and strides[j] == stride and dtypes[j] == dtype and slabs[j] == slab:
-            step = offsets[j] - offset
-            if step > 0 and step % size == 0:
-                j += 1
-                while (
-                    j < n
-                    and offsets[j] - offsets[j - 1] == step
-                    and shapes[j] == shape
-                    and strides[j] == stride
-                    and dtypes[j] == dtype
-                    and slabs[j] == slab
-                ):
-                    j += 1
-        if j - i >= _MIN_RUN:
-            stacked = base.as_strided((j - i, *shape), (step // size, *stride), offset // size)
-            out.update(zip(names[i:j], stacked.unbind(0)))
-            i = j
-            continue
-        for k in range(i, j):
-            if offsets[k] % size:
-                raise ProtocolError(f"tensor {names[k]!r} offset {offsets[k]} is not aligned to its dtype")
-            out[names[k]] = base.as_strided(shapes[k], strides[k], offsets[k] // size)
-        i = j
+        if count == 1:
+            out[names[pos]] = base.as_strided(shape, stride, offset // size)
+        else:
+            stacked = base.as_strided((count, *shape), (step // size, *stride), offset // size)
+            out.update(zip(names[pos : pos + count], stacked.unbind(0)))
+        pos += count
     for alias, target in state.aliases.items():
         out[alias] = out[target]
     return out
-
-
-_MIN_RUN = 8

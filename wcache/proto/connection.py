@@ -46,8 +46,8 @@ from wcache.proto.frames import (
 __all__ = ["PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "Connection", "Role", "Phase", "TRANSITIONS"]
 
 #: The protocol version this implementation speaks (docs/protocol.md §3).
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
 
 
 class Role(enum.Enum):
@@ -110,7 +110,7 @@ class Connection:
     """Protocol state of one connection, for either role.
 
     >>> conn = Connection(Role.CLIENT)
-    >>> data = conn.send(Hello(versions=(1,)))   # bytes for the socket
+    >>> data = conn.send(Hello(versions=(2,)))   # bytes for the socket
     >>> conn.receive_data(chunk)                 # bytes from the socket; b"" = EOF
     >>> for frame in conn.events(): ...          # typed frames, validated
     """

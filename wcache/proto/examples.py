@@ -41,9 +41,9 @@ _KEY: dict[str, str | int] = {
 }
 
 EXAMPLES: dict[str, Frame] = {
-    "HELLO": Hello(versions=(1,), software="wcache/0.1.0", name="engine-0"),
+    "HELLO": Hello(versions=(2,), software="wcache/0.1.0", name="engine-0"),
     "HELLO_OK": HelloOk(
-        version=1,
+        version=2,
         software="wcache/0.1.0",
         backend="host",
         device=DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory"),
@@ -56,11 +56,13 @@ EXAMPLES: dict[str, Frame] = {
         lease=1001,
         key=_KEY,
         mode="zero_copy",
-        slabs=(SlabDescriptor(size=768, kind="memfd", fd=0, handle=b"", offset=0, device_uuid=""),),
+        slabs=(SlabDescriptor(size=1280, kind="memfd", fd=0, handle=b"", offset=0, device_uuid=""),),
         tensors=TensorTable.from_entries(
             [
                 TensorEntry("model.embed_tokens.weight", "bfloat16", (4, 64), (64, 1), 0, 0),
                 TensorEntry("model.norm.weight", "bfloat16", (64,), (1,), 0, 512),
+                TensorEntry("experts.0.w1", "bfloat16", (2, 32), (32, 1), 0, 768),
+                TensorEntry("experts.1.w1", "bfloat16", (2, 32), (32, 1), 0, 1024),
             ]
         ),
         aliases={"lm_head.weight": "model.embed_tokens.weight"},

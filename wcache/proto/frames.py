@@ -1,4 +1,4 @@
-"""Typed frames of protocol version 1 (docs/protocol.md §4) and their one encoder/decoder.
+"""Typed frames of protocol version 2 (docs/protocol.md §4) and their one encoder/decoder.
 
 Each frame is a frozen dataclass with ``TYPE`` (the wire value of the ``type`` field),
 ``to_wire()`` -> map and ``from_wire(map)`` -> frame. ``from_wire`` validates every field's
@@ -44,6 +44,7 @@ __all__ = [
     "Status",
     "StatusReply",
     "TensorEntry",
+    "TensorGroup",
     "TensorTable",
     "decode_frame",
     "tensor_extent",
@@ -288,6 +289,23 @@ def _from_le(code: str, data: bytes, what: str) -> array[int]:
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+class TensorGroup(NamedTuple):
+    """``length`` tensors of one dtype, shape and stride, ``step`` bytes apart in one slab.
+
+    Tensor ``j`` of the group (0-based) starts at byte ``offset + j * step``. MoE experts and
+    layer stacks form long groups, so a client builds them with one stacked view instead of
+    one view per tensor; ``step`` is 0 when ``length`` is 1. On the wire: ``counts``.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    slab: int
+    offset: int
+    step: int
+    length: int
+
+
 def _spans(
     flat_shape: array[int],
     flat_stride: array[int],
@@ -296,7 +314,7 @@ def _spans(
     strides: tuple[tuple[int, ...], ...],
     dtypes: tuple[str, ...],
 ) -> Iterable[int]:
-    """Bytes each view spans (``tensor_extent``), computed column-wise where possible."""
+    """Bytes each group's view spans (``tensor_extent``), computed column-wise where possible."""
     itemsizes = map(DTYPE_SIZES.__getitem__, dtypes)
     r = ranks[0]
     if r and ranks.count(r) == len(ranks) and min(flat_shape) > 0:
@@ -313,9 +331,9 @@ def _spans(
 
 
 def _split(flat: list[int], ranks: bytes) -> tuple[tuple[int, ...], ...]:
-    """Cut a flat dimension list into one tuple per tensor."""
+    """Cut a flat dimension list into one tuple per group."""
     r = ranks[0]
-    if ranks.count(r) == len(ranks):  # one rank for all tensors: the common, fast case
+    if ranks.count(r) == len(ranks):  # one rank for all groups: the common, fast case
         if r == 0:
             return ((),) * len(ranks)
         return tuple(zip(*[iter(flat)] * r))
@@ -323,30 +341,75 @@ def _split(flat: list[int], ranks: bytes) -> tuple[tuple[int, ...], ...]:
     return tuple(map(tuple, map(flat.__getitem__, map(slice, bounds[:-1], bounds[1:]))))
 
 
+def _chains(offsets: list[int], step: int) -> list[list[int]]:
+    """Cut sorted offsets into arithmetic progressions of ``step`` (each offset joins the chain
+    ending ``step`` below it, if any)."""
+    runs: list[list[int]] = []
+    tail: dict[int, list[int]] = {}
+    for o in offsets:
+        run = tail.pop(o - step, None)
+        if run is None:
+            run = []
+            runs.append(run)
+        run.append(o)
+        tail.setdefault(o, run)
+    return runs
+
+
+def _group(entries: Iterable[TensorEntry]) -> tuple[tuple[str, ...], tuple[TensorGroup, ...]]:
+    """Tensors of one (slab, dtype, shape, stride) at a constant spacing become one group.
+
+    Per class, the offsets are cut into arithmetic progressions for a few candidate steps
+    (the distances from the first offset to the next four) and the cut with the fewest
+    chains wins: MoE experts whose gate and up projections alternate form two groups, not
+    one per expert. Groups are listed by (slab, offset), so a dense checkpoint's table
+    keeps its layout order.
+    """
+    classes: dict[tuple[int, str, tuple[int, ...], tuple[int, ...]], dict[int, list[str]]] = {}
+    for e in entries:
+        at = classes.setdefault((e.slab, e.dtype, tuple(e.shape), tuple(e.stride)), {})
+        at.setdefault(e.offset, []).append(e.name)
+    runs: list[tuple[TensorGroup, list[str]]] = []
+    for (slab, dtype, shape, stride), at in classes.items():
+        offsets = sorted(at)
+        size = DTYPE_SIZES[dtype]
+        steps = {o - offsets[0] for o in offsets[1:5] if (o - offsets[0]) % size == 0}
+        best = min((_chains(offsets, st) for st in sorted(steps)), key=len, default=[[o] for o in offsets])
+        names = {o: iter(ns) for o, ns in at.items()}
+        for run in best:
+            step = run[1] - run[0] if len(run) > 1 else 0
+            runs.append(
+                (TensorGroup(dtype, shape, stride, slab, run[0], step, len(run)), [next(names[o]) for o in run])
+            )
+        # tensors sharing an offset (and shape) beyond the first: one group each
+        for o, it in names.items():
+            runs.extend((TensorGroup(dtype, shape, stride, slab, o, 0, 1), [n]) for n in it)
+    runs.sort(key=lambda r: (r[0].slab, r[0].offset, r[1][0]))
+    return tuple(chain.from_iterable(r[1] for r in runs)), tuple(r[0] for r in runs)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorTable:
-    """The tensors of a STATE frame, stored column-wise.
+    """The tensors of a STATE frame: names plus column-wise groups (``TensorGroup``).
 
-    On the wire (docs/protocol.md §4.5) the numeric columns are packed little-endian
-    integer arrays in msgpack bin fields, so 50,000 entries encode, decode and validate
-    in milliseconds::
+    On the wire (docs/protocol.md §4.6) the numeric columns are packed little-endian
+    integer arrays in msgpack bin fields, one entry per group, so a 50,000-tensor MoE
+    table decodes and validates in a few milliseconds::
 
-        names        array of str            n tensor names
+        names        array of str            n tensor names, group after group
         dtypes       array of str            the dtype table (distinct dtype names)
-        dtype_index  bin, uint8 x n          index into dtypes
-        ranks        bin, uint8 x n          number of dimensions
-        shapes       bin, uint64 x sum(ranks) all dimensions, tensor after tensor
+        dtype_index  bin, uint8 x g          index into dtypes
+        ranks        bin, uint8 x g          number of dimensions
+        shapes       bin, uint64 x sum(ranks) all dimensions, group after group
         strides      bin, uint64 x sum(ranks) all strides (in elements), same order
-        slabs        bin, uint32 x n         slab index
-        offsets      bin, uint64 x n         byte offset of element 0 in the slab
+        slabs        bin, uint32 x g         slab index
+        offsets      bin, uint64 x g         byte offset of the group's first tensor in the slab
+        steps        bin, uint64 x g         bytes from one tensor of the group to the next
+        counts       bin, uint32 x g         tensors in the group (>= 1, summing to n)
     """
 
     names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    strides: tuple[tuple[int, ...], ...]
-    slabs: tuple[int, ...]
-    offsets: tuple[int, ...]
+    groups: tuple[TensorGroup, ...]
     _encoded: list[Preencoded] = field(default_factory=list, compare=False, repr=False)
 
     def encoded(self) -> Preencoded:
@@ -356,49 +419,43 @@ class TensorTable:
         return self._encoded[0]
 
     @classmethod
-    def from_entries(cls, entries: Sequence[TensorEntry]) -> TensorTable:
-        if not entries:
-            return cls((), (), (), (), (), ())
-        cols = list(zip(*entries))
-        return cls(
-            tuple(cols[0]),
-            tuple(cols[1]),
-            tuple(tuple(s) for s in cols[2]),
-            tuple(tuple(s) for s in cols[3]),
-            tuple(cols[4]),
-            tuple(cols[5]),
-        )
+    def from_entries(cls, entries: Iterable[TensorEntry]) -> TensorTable:
+        return cls(*_group(entries))
 
     def __len__(self) -> int:
         return len(self.names)
 
     def __iter__(self) -> Iterator[TensorEntry]:
-        return map(
-            TensorEntry._make,
-            zip(self.names, self.dtypes, self.shapes, self.strides, self.slabs, self.offsets),
-        )
+        names = iter(self.names)
+        for g in self.groups:
+            for j in range(g.length):
+                yield TensorEntry(next(names), g.dtype, g.shape, g.stride, g.slab, g.offset + j * g.step)
 
     def to_wire(self) -> dict[str, Any]:
-        table = sorted(set(self.dtypes))
+        groups = self.groups
+        table = sorted({g.dtype for g in groups})
         index = {d: i for i, d in enumerate(table)}
         return {
             "names": self.names,
             "dtypes": tuple(table),
-            "dtype_index": bytes(map(index.__getitem__, self.dtypes)),
-            "ranks": bytes(map(len, self.shapes)),
-            "shapes": _le_array("Q", chain.from_iterable(self.shapes)),
-            "strides": _le_array("Q", chain.from_iterable(self.strides)),
-            "slabs": _le_array("I", self.slabs),
-            "offsets": _le_array("Q", self.offsets),
+            "dtype_index": bytes(index[g.dtype] for g in groups),
+            "ranks": bytes(len(g.shape) for g in groups),
+            "shapes": _le_array("Q", chain.from_iterable(g.shape for g in groups)),
+            "strides": _le_array("Q", chain.from_iterable(g.stride for g in groups)),
+            "slabs": _le_array("I", (g.slab for g in groups)),
+            "offsets": _le_array("Q", (g.offset for g in groups)),
+            "steps": _le_array("Q", (g.step for g in groups)),
+            "counts": _le_array("I", (g.length for g in groups)),
         }
 
     @classmethod
     def from_wire(cls, m: Any, slab_sizes: Sequence[int]) -> TensorTable:
-        """Validate column-wise with C-level builtins (50,000 entries in a few ms).
+        """Validate column-wise with C-level builtins (a few ms for 50,000 names).
 
-        Checks: consistent column lengths; unique names of 1..1024 characters; known
-        dtypes; rank <= 16; dimensions and strides in [0, 2**48); slab indices in range;
-        every non-empty tensor's extent inside its slab.
+        Checks: consistent column lengths; unique names of 1..1024 characters; group counts
+        >= 1 summing to the number of names; known dtypes; rank <= 16; dimensions and strides
+        in [0, 2**48); slab indices in range; offsets and steps multiples of the element size,
+        steps > 0 in groups of several; every non-empty tensor's extent inside its slab.
         """
         f = _Fields("TensorTable", m)
         names = tuple(f.array("names"))
@@ -406,11 +463,15 @@ class TensorTable:
         limit = 1 << 31
         dix = f.binary("dtype_index", max_len=limit)
         ranks = f.binary("ranks", max_len=limit)
-        n = len(names)
-        if not (len(dix) == len(ranks) == n):
-            raise _fail("TensorTable", "names", "column lengths differ")
+        raw_counts = f.binary("counts", max_len=limit)
+        n, g = len(names), len(dix)
+        if len(ranks) != g or len(raw_counts) != 4 * g:
+            raise _fail("TensorTable", "dtype_index", "group column lengths differ")
+        counts = _from_le("I", raw_counts, "counts")
+        if (g and min(counts) == 0) or sum(counts) != n:
+            raise _fail("TensorTable", "counts", f"group counts must be >= 1 and sum to the {n} names")
         if n == 0:
-            return cls((), (), (), (), (), ())
+            return cls((), ())
         lengths = set(map(len, names)) if set(map(type, names)) == {str} else {0}
         if min(lengths) == 0 or max(lengths) > MAX_NAME:
             raise _fail("TensorTable", "names", f"tensor names must be strings of 1..{MAX_NAME} characters")
@@ -425,34 +486,42 @@ class TensorTable:
         total = sum(ranks)
         raw_shape, raw_stride = f.binary("shapes", max_len=limit), f.binary("strides", max_len=limit)
         raw_slabs, raw_offsets = f.binary("slabs", max_len=limit), f.binary("offsets", max_len=limit)
+        raw_steps = f.binary("steps", max_len=limit)
         if (
             len(raw_shape) != 8 * total
             or len(raw_stride) != 8 * total
-            or len(raw_slabs) != 4 * n
-            or len(raw_offsets) != 8 * n
+            or len(raw_slabs) != 4 * g
+            or len(raw_offsets) != 8 * g
+            or len(raw_steps) != 8 * g
         ):
-            raise _fail("TensorTable", "shapes", "column lengths differ from names/ranks")
+            raise _fail("TensorTable", "shapes", "column lengths differ from the groups/ranks")
         for raw, what in ((raw_shape, "shapes"), (raw_stride, "strides")):
             # < 2**48 <=> the two high bytes of every little-endian uint64 are zero (C-speed count)
             if raw[6::8].count(0) != total or raw[7::8].count(0) != total:
                 raise _fail("TensorTable", what, "entries must be below 2**48")
-        if raw_slabs.count(0) != len(raw_slabs) and max(_from_le("I", raw_slabs, "slabs")) >= len(slab_sizes):
+        slabs = _from_le("I", raw_slabs, "slabs")
+        if max(slabs) >= len(slab_sizes):
             raise _fail("TensorTable", "slabs", f"slab index past the {len(slab_sizes)} slab(s)")
         flat_shape = _from_le("Q", raw_shape, "shapes")
         flat_stride = _from_le("Q", raw_stride, "strides")
-        slabs = _from_le("I", raw_slabs, "slabs")
         offsets = _from_le("Q", raw_offsets, "offsets")
+        steps = _from_le("Q", raw_steps, "steps")
         dtypes = tuple(map(table.__getitem__, dix))
+        sizes = tuple(map(DTYPE_SIZES.__getitem__, dtypes))
+        if any(map(operator.mod, offsets, sizes)) or any(map(operator.mod, steps, sizes)):
+            raise _fail("TensorTable", "offsets", "an offset or step is not a multiple of its element size")
+        if any(c > 1 and s == 0 for c, s in zip(counts, steps)):
+            raise _fail("TensorTable", "steps", "a group of several tensors needs a step > 0")
         shapes = _split(flat_shape.tolist(), ranks)
         strides = _split(flat_stride.tolist(), ranks)
-        ends = map(operator.add, offsets, _spans(flat_shape, flat_stride, ranks, shapes, strides, dtypes))
-        if len(slab_sizes) == 1:
-            ok = max(ends) <= slab_sizes[0]
-        else:
-            ok = all(map(operator.le, ends, map(slab_sizes.__getitem__, slabs)))
-        if not ok:
+        spans = _spans(flat_shape, flat_stride, ranks, shapes, strides, dtypes)
+        # a group's last tensor ends at offset + (count - 1) * step + span (empty tensors span 0)
+        lasts = map(operator.add, offsets, map(operator.mul, steps, map(operator.sub, counts, repeat(1))))
+        ends = map(lambda e, s: e + s if s else 0, lasts, spans)
+        if not all(map(operator.le, ends, map(slab_sizes.__getitem__, slabs))):
             raise _fail("TensorTable", "offsets", "a tensor runs past the end of its slab")
-        return cls(names, dtypes, shapes, strides, tuple(slabs), tuple(offsets))
+        groups = tuple(map(TensorGroup._make, zip(dtypes, shapes, strides, slabs, offsets, steps, counts)))
+        return cls(names, groups)
 
 
 @dataclass(frozen=True, slots=True)
