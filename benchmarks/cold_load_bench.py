@@ -12,6 +12,7 @@ synchronising; not the Python start-up), the others are timed inside their proce
 after ``import torch`` and CUDA initialisation, so both exclude interpreter start-up.
 
     python benchmarks/cold_load_bench.py --device cuda:0 --out $OUT/cold_load.json
+    python benchmarks/cold_load_bench.py --device cpu --repeats 3      # CPU ratio, medians of 3
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="checkpoint (default: generate one)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-bench"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--repeats", type=int, default=1, help="cold and warm runs per loader (the median is reported)")
+    ap.add_argument("--only", nargs="*", help="loaders to run (default: all)")
+    ap.add_argument("--threads", type=int, help="wcache-server --threads")
     args = ap.parse_args()
     os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
     from wcache.synthetic import LLAMA3_8B, LlamaShape, make_llama_checkpoint
@@ -152,8 +156,9 @@ def main() -> None:
         "cpus": os.cpu_count(),
     }
     runs: dict[str, dict[str, Any]] = {}
+    wextra = ["--threads", str(args.threads)] if args.threads else []
     loaders: list[tuple[str, Any]] = [
-        ("wcache", lambda: daemon_load(model, args.device, work)),
+        ("wcache", lambda: daemon_load(model, args.device, work, *wextra)),
         ("safetensors", lambda: child(SAFETENSORS, str(model), args.device)),
     ]
     if gpu:
@@ -163,15 +168,26 @@ def main() -> None:
             ("runai_model_streamer", lambda: child(RUNAI, str(model), args.device)),
         ]
     for name, fn in loaders:
-        dropped = drop_caches()
-        cold = fn()
-        warm = fn()
-        runs[name] = {"cold": cold, "warm": warm, "page_cache_dropped": dropped}
+        if args.only and name not in args.only:
+            continue
+        colds, warms, dropped = [], [], True
+        for _ in range(max(1, args.repeats)):
+            dropped = drop_caches() and dropped
+            colds.append(fn())
+        for _ in range(max(1, args.repeats)):
+            warms.append(fn())
+        runs[name] = {
+            "cold": _median_run(colds),
+            "warm": _median_run(warms),
+            "cold_all_s": [r.get("seconds") for r in colds],
+            "warm_all_s": [r.get("seconds") for r in warms],
+            "page_cache_dropped": dropped,
+        }
         print(name, json.dumps(runs[name]), flush=True)
     res["runs"] = runs
     tp = daemon_load(model, args.device, work, "--tp-size", "2", "--tp-rank", "1")
     res["tp2_rank1_warm"] = tp
-    w, s = runs["wcache"], runs["safetensors"]
+    w, s = runs.get("wcache", {"cold": {}, "warm": {}}), runs.get("safetensors", {"cold": {}, "warm": {}})
     res["summary"] = {
         "wcache_cold_s": w["cold"].get("seconds"),
         "wcache_warm_s": w["warm"].get("seconds"),
@@ -186,6 +202,12 @@ def main() -> None:
     dest = args.out or REPO / "benchmarks" / "results" / f"cold_load-{args.device.replace(':', '')}-{res['date']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def _median_run(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median time (the lower middle one for an even count)."""
+    ok = sorted((r for r in rs if "seconds" in r), key=lambda r: float(r["seconds"]))
+    return ok[(len(ok) - 1) // 2] if ok else rs[0]
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:

@@ -8,7 +8,8 @@ Extents are grouped into jobs of at most ``chunk`` bytes with a contiguous desti
 
 Reader threads (``os.preadv`` releases the GIL) run the jobs:
 
-- host slab (memfd): read straight into the slab's memory — no staging, no second copy;
+- host slab (memfd): ``sendfile`` from the checkpoint into the memfd at the slab offset — one
+  in-kernel copy, no staging, and shared-memory pages are allocated as they are written;
 - device slab: each thread owns two pinned staging buffers and a CUDA stream; it reads
   into one buffer while the previous one is copied to the slab (double buffering), so
   reads and host-to-device copies overlap and pinned memory stays bounded by
@@ -22,6 +23,7 @@ and tensor. A progress bar is drawn on a TTY; a summary line is logged otherwise
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import sys
@@ -227,6 +229,28 @@ def _read(files: _Files, job: _Job, view: memoryview) -> None:
         pos += n
 
 
+def _send(files: _Files, job: _Job, out_fd: int) -> None:
+    """Copy the job's extents into the memfd ``out_fd`` from slab offset ``job.dest`` on, in the kernel."""
+    os.lseek(out_fd, job.dest, os.SEEK_SET)
+    for f, off, n in job.extents:
+        fd = files.fd(f)
+        done = 0
+        while done < n:
+            try:
+                got = os.sendfile(out_fd, fd, off + done, n - done)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise CheckpointError(
+                        f"shared memory is full while loading {f}: tensor {job.placement.source.name!r} ({exc})"
+                    ) from exc
+                raise
+            if got == 0:
+                raise CheckpointError(
+                    f"{f}: tensor {job.placement.source.name!r}: file ended early (truncated while loading?)"
+                )
+            done += got
+
+
 def _read_direct(fd: int, view: memoryview, off: int, n: int, where: str) -> int:
     """O_DIRECT read of [off, off+n) into ``view`` (page-aligned, >= n + 2*ALIGN_IO bytes).
 
@@ -343,7 +367,7 @@ def load_into(
         stream = progress  # type: ignore[assignment]
     bar = _Progress(total, stream)
     files = _Files()
-    host = slab.host_buffer()
+    host = slab.host_fd()
     direct: set[Path] = set()
     if on_device and io != "buffered" and hasattr(os, "O_DIRECT"):
         for f in {p.source.file for p in layout.placements}:
@@ -351,7 +375,17 @@ def load_into(
                 direct.add(f)
     local = threading.local()
     workers: list[_DeviceWorker] = []
+    out_fds: list[int] = []
     workers_lock = threading.Lock()
+
+    def out_fd(fd: int) -> int:
+        """This thread's own open file of the memfd (its own file position for sendfile)."""
+        mine = getattr(local, "out", None)
+        if mine is None:
+            mine = local.out = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
+            with workers_lock:
+                out_fds.append(mine)
+        return mine
 
     def worker() -> _DeviceWorker:
         w = getattr(local, "w", None)
@@ -366,7 +400,7 @@ def load_into(
         if job.cast:
             _cast_job(files, job, target)
         elif host is not None:
-            _read(files, job, host[job.dest : job.dest + n])
+            _send(files, job, out_fd(host))
         else:
             w = worker()
             i = w.slot()
@@ -394,8 +428,8 @@ def load_into(
             torch.cuda.synchronize(target.device)
     finally:
         bar.close()
-        if host is not None:
-            host.release()
+        for fd in out_fds:
+            os.close(fd)
         files.close()
         workers.clear()
     seconds = time.perf_counter() - t0

