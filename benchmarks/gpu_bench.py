@@ -92,6 +92,15 @@ def run_py(code: str, *args: str, timeout: float = 300, env: dict[str, str] | No
 
 # ---------------------------------------------------------------------------------------------- children
 
+CONTEXT_ONLY = r"""
+import json, os, subprocess, torch
+torch.empty(1, device="cuda:0"); torch.cuda.synchronize()
+q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                   capture_output=True, text=True, timeout=30).stdout
+mine = [int(m) for p, m in (l.split(",") for l in q.strip().splitlines()) if int(p) == os.getpid()]
+print(json.dumps({"cuda_context_only_mib": mine[0] if mine else None}))
+"""
+
 SAFETENSORS_LOAD = r"""
 import glob, json, sys, time, torch
 from safetensors.torch import load_file
@@ -235,6 +244,10 @@ class Daemon:
         m = re.search(r" loaded .*?seconds=([\d.]+)", self.log.read_text())
         return float(m.group(1)) if m else None
 
+    def slab_bytes(self) -> int | None:
+        m = re.search(r" loaded .*?bytes_stored=(\d+)", self.log.read_text())
+        return int(m.group(1)) if m else None
+
     def gpu_mib(self) -> int | None:
         q = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
@@ -321,6 +334,14 @@ def main() -> None:
             r["vmm_daemon_gpu_mib"] = vmm.gpu_mib()
             r["ipc_daemon_gpu_mib"] = ipc.gpu_mib()
             r["device_bytes_used_by_both_daemons"] = free0 - torch.cuda.mem_get_info(0)[0]
+            # a process that only started its CUDA context (torch): what every daemon pays besides the slab
+            r.update(run_py(CONTEXT_ONLY, timeout=120))
+            ctx = r.get("cuda_context_only_mib")
+            if ctx is not None and r["vmm_daemon_gpu_mib"] is not None:
+                slab_mib = (vmm.slab_bytes() or slab) / 2**20
+                r["vmm_daemon_overhead_beyond_context_pct"] = (
+                    100 * (r["vmm_daemon_gpu_mib"] - ctx - slab_mib) / slab_mib
+                )
 
         for name in ("vmm", "ipc"):
             with step(f"fetch_{name}") as r:

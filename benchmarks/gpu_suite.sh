@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Everything GPU in one call: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
+# Everything GPU in one script: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
 # (or the folder given as $1). On the lent H200:  bash benchmarks/gpu_suite.sh
+# PARTS picks steps (default: all, about 15 min): bench tests sweep cold first_token kills.
+# The lent machine caps one call at 10 min, so it is run there in two calls, e.g.
+#   PARTS="bench tests" bash benchmarks/gpu_suite.sh   then   PARTS="sweep cold first_token kills" ...
 # Carried wheels in .whl/ (pytest-asyncio, pytest; fastsafetensors and runai-model-streamer for the
-# cold-load comparison) are installed to /tmp/site first. Set SKIP_BENCH=1 to skip gpu_bench.py.
+# cold-load comparison) are installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
+PARTS="${PARTS:-bench tests sweep cold first_token kills}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -16,21 +20,42 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 {
   date -u; nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,memory.used --format=csv
   python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])'
-  python3 -c 'import cuda.bindings, pytest, pytest_asyncio; print("cuda-bindings", cuda.bindings.__version__, "pytest", pytest.__version__, "pytest-asyncio", pytest_asyncio.__version__)'
+  python3 -c 'import cuda.bindings, pytest, pytest_asyncio, transformers; print("cuda-bindings", cuda.bindings.__version__, "pytest", pytest.__version__, "pytest-asyncio", pytest_asyncio.__version__, "transformers", transformers.__version__)'
   nproc; free -g; df -h /tmp | tail -1
 } 2>&1 | tee "$OUT/env.txt"
 
 status=0
-echo "== benchmarks/gpu_bench.py" | tee "$OUT/gpu_bench.log"
-[ "${SKIP_BENCH:-0}" = 1 ] || timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" --work /tmp/wcache-bench 2>&1 \
-  | tee -a "$OUT/gpu_bench.log" || status=1
-tail -n 40 /tmp/wcache-bench/logs/*.log > "$OUT/daemons.log" 2>&1
-
-echo "== benchmarks/cold_load_bench.py" | tee "$OUT/cold_load.log"
-timeout "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_load_bench.py --device cuda:0 --out "$OUT/cold_load.json" \
-  --work /tmp/wcache-bench 2>&1 | tee -a "$OUT/cold_load.log" || status=1
-
-echo "== tests/gpu" | tee "$OUT/gpu_tests.log"
-timeout "${TESTS_TIMEOUT:-190}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra -W default \
-  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+step() {  # step NAME TIMEOUT_S COMMAND... : log into $OUT/NAME.log, never longer than TIMEOUT_S
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date -u +%T), limit ${limit}s)" | tee "$OUT/$name.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" || { echo "== $name FAILED or timed out" | tee -a "$OUT/$name.log"; status=1; }
+}
+W=/tmp/wcache-bench
+if want bench; then
+  step gpu_bench "${BENCH_TIMEOUT:-400}" python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench.json" --work $W
+  tail -n 40 $W/logs/*.log > "$OUT/daemons.log" 2>&1
+fi
+if want tests; then
+  step gpu_tests "${TESTS_TIMEOUT:-190}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra \
+    -W default --junitxml="$OUT/gpu_tests.xml"
+fi
+if want sweep; then
+  step load_sweep "${SWEEP_TIMEOUT:-200}" python3 benchmarks/load_sweep.py --device cuda:0 --model $W/llama3-8b --out "$OUT/load_sweep.json"
+fi
+if want cold; then
+  # the daemon's --threads: the sweep's fastest cold setting when the sweep ran
+  T=$(python3 -c 'import json,sys; print(min(json.load(open(sys.argv[1]))["cold"], key=lambda r: r["seconds"])["threads"])' \
+      "$OUT/load_sweep.json" 2>/dev/null)
+  step cold_load "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_load_bench.py --device cuda:0 --work $W --out "$OUT/cold_load.json" \
+    ${T:+--threads $T} ${COLD_ARGS:-}
+fi
+if want first_token; then
+  step first_token "${FIRST_TOKEN_TIMEOUT:-150}" python3 benchmarks/first_token_bench.py --device cuda:0 --model $W/llama3-8b \
+    --out "$OUT/first_token.json"
+fi
+if want kills; then
+  step kills "${KILLS_TIMEOUT:-150}" python3 benchmarks/reliability.py --device cuda:0 --only kills --kills 100 \
+    --out "$OUT/reliability_kills.json"
+fi
 exit $status

@@ -50,16 +50,36 @@ DEVICE = "cpu"
 
 
 def gpu_used_mib() -> int | None:
+    """Device memory in use, MiB: the sum over compute processes (``memory.used`` reads 0 in some VMs)."""
+    apps = gpu_apps_mib()
+    return None if apps is None else sum(apps.values())
+
+
+def gpu_apps_mib() -> dict[int, int] | None:
+    """pid -> MiB of every process holding memory on DEVICE (nvidia-smi --query-compute-apps)."""
     if DEVICE == "cpu":
         return None
     q = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", DEVICE.split(":")[1]],
+        [
+            "nvidia-smi",
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+            "-i",
+            DEVICE.split(":")[1],
+        ],
         capture_output=True,
         text=True,
         check=False,
         timeout=30,
     )
-    return int(q.stdout.strip()) if q.returncode == 0 else None
+    if q.returncode != 0:
+        return None
+    out: dict[int, int] = {}
+    for line in q.stdout.strip().splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            out[int(pid)] = int(mib)
+    return out
 
 
 def start_daemon(model: Path, sock_dir: Path, *extra: str) -> DaemonProcess:
@@ -243,11 +263,18 @@ asyncio.run(main())
 """
 
 
-async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10) -> dict[str, Any]:
+async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10, daemon_pid: int = 0) -> dict[str, Any]:
+    """Start ``n`` clients ``batch`` at a time, each in a fetch/release loop, and SIGKILL them mid-loop.
+
+    On a GPU, per-process device memory comes from ``nvidia-smi --query-compute-apps``: the
+    daemon's own figure must not change, and no killed client may still hold memory.
+    """
     rnd = random.Random(0)
     killed = 0
     t0 = time.perf_counter()
-    gpu_before = gpu_used_mib()
+    apps_before = gpu_apps_mib()
+    gpu_before = None if apps_before is None else sum(apps_before.values())
+    peak_procs = 0
     for start in range(0, n, batch):
         procs = [
             subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, str(sock), str(model)], stdout=subprocess.PIPE)
@@ -257,6 +284,8 @@ async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10) -> dict
             assert p.stdout is not None
             await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 120)
         await asyncio.sleep(0.2)
+        apps = gpu_apps_mib()
+        peak_procs = max(peak_procs, len(apps) if apps else 0)
         for p in procs:
             await asyncio.sleep(rnd.random() * 0.01)  # at a random point of a fetch/release loop
             p.kill()
@@ -268,14 +297,23 @@ async def kill_clients(sock: Path, model: Path, n: int, batch: int = 10) -> dict
     deadline = time.monotonic() + 10
     while (left := await leases(sock)) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await asyncio.sleep(1.0)  # let the driver reclaim the killed processes' contexts
+    for _ in range(20):  # let the driver reclaim the killed processes' contexts (up to 10 s)
+        await asyncio.sleep(0.5)
+        apps = gpu_apps_mib()
+        if apps is None or set(apps) <= {daemon_pid}:
+            break
+    apps_after = gpu_apps_mib()
     return {
         "clients_killed": killed,
         "leases_after": left,
         "seconds": time.perf_counter() - t0,
         "device": DEVICE,
         "gpu_used_mib_before": gpu_before,
-        "gpu_used_mib_after": gpu_used_mib(),
+        "gpu_used_mib_after": None if apps_after is None else sum(apps_after.values()),
+        "daemon_gpu_mib_before": None if apps_before is None else apps_before.get(daemon_pid),
+        "daemon_gpu_mib_after": None if apps_after is None else apps_after.get(daemon_pid),
+        "peak_gpu_processes": peak_procs,
+        "gpu_processes_after": None if apps_after is None else sorted(apps_after),
     }
 
 
@@ -422,7 +460,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         try:
             async with await WCacheClient(d.socket).fetch(key):
                 pass
-            res["killed_clients"] = await kill_clients(d.socket, model, args.kills)
+            res["killed_clients"] = await kill_clients(d.socket, model, args.kills, daemon_pid=d.proc.pid)
             res["daemon_gpu_mib"] = gpu_used_mib()
         finally:
             d.stop()
@@ -441,7 +479,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print("== hostile", flush=True)
         res["hostile_frames"] = await hostile(d.socket, key, args.hostile)
         print("== kill clients", flush=True)
-        res["killed_clients"] = await kill_clients(d.socket, model, args.kills)
+        res["killed_clients"] = await kill_clients(d.socket, model, args.kills, daemon_pid=d.proc.pid)
         print("== load", flush=True)
         res["load"] = await load(d.socket, model, args.load_clients, args.load_seconds)
         await asyncio.sleep(0.5)

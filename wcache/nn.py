@@ -105,6 +105,8 @@ def attach(module: nn.Module, weights: Mapping[str, torch.Tensor], *, strict: bo
         owner, leaf = _owner(module, name)
         owner._parameters[leaf] = p
         report.parameters += 1
+    devices = {t.device for t in weights.values()}
+    device = devices.pop() if len(devices) == 1 else None
     for name in buffers:
         owner, leaf = _owner(module, name)
         if name in weights:
@@ -112,9 +114,15 @@ def attach(module: nn.Module, weights: Mapping[str, torch.Tensor], *, strict: bo
             report.buffers += 1
         else:
             report.kept_buffers.append(name)
+            buf = owner._buffers[leaf]
+            if device is not None and buf is not None and buf.device != device:
+                owner._buffers[leaf] = buf.to(device)  # e.g. rotary inv_freq built on the CPU at init
     if report.kept_buffers:
         log.info(
-            "attach kept %d buffer(s) computed at init: %s", len(report.kept_buffers), ", ".join(report.kept_buffers)
+            "attach kept %d buffer(s) computed at init (on %s): %s",
+            len(report.kept_buffers),
+            device,
+            ", ".join(report.kept_buffers),
         )
     return report
 

@@ -41,6 +41,7 @@ class _CudaSlab:
 
     def seal(self) -> None:
         torch.cuda.synchronize(self.index)
+        torch.cuda.empty_cache()  # cast/transform scratch: the daemon keeps only the slab (+ its context)
 
 
 class CudaIpcSlab(_CudaSlab):
