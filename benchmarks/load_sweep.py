@@ -183,7 +183,7 @@ def host_copy(layout: Any, backend: Any, index: int, threads: int) -> dict[str, 
     tier = Path(f"/proc/self/fd/{fd}")
 
     def via_staging(th: int) -> float:
-        from wcache.server.loader import _DeviceWorker
+        from wcache.server.loader import _DeviceWorker, _Staging
 
         t0 = time.perf_counter()
         dst = backend.allocate(nbytes)
@@ -191,12 +191,13 @@ def host_copy(layout: Any, backend: Any, index: int, threads: int) -> dict[str, 
         local = threading.local()
         workers: list[Any] = []
         ck = 64 << 20
+        stg = _Staging(2 * th, ck)
         rfd = os.open(tier, os.O_RDONLY)
 
         def job(off: int) -> None:
             w = getattr(local, "w", None)
             if w is None:
-                w = local.w = _DeviceWorker(t.device, ck)
+                w = local.w = _DeviceWorker(t.device, stg)
                 workers.append(w)
             n = min(ck, nbytes - off)
             i = w.slot()
@@ -216,6 +217,8 @@ def host_copy(layout: Any, backend: Any, index: int, threads: int) -> dict[str, 
         torch.cuda.synchronize(t.device)
         secs = time.perf_counter() - t0
         os.close(rfd)
+        workers.clear()
+        stg.close()
         assert torch.equal(t[: 64 << 20], ref)
         dst.close()
         return secs

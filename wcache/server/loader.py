@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -311,16 +312,61 @@ class _Progress:
             self.stream.flush()
 
 
-class _DeviceWorker:
-    """Per-thread pinned double buffer and CUDA stream."""
+class _Staging:
+    """All reader threads' pinned buffers in one anonymous mapping, page-locked with one
+    ``cudaHostRegister`` call: a fresh daemon pays one registration instead of one
+    ``cudaHostAlloc`` per buffer (measured on the H200: 2 GiB of cudaHostAlloc ~0.85 s,
+    registering 16 GB of populated memory 0.67 s). Falls back to torch's pinned allocator."""
 
-    def __init__(self, device: torch.device, chunk: int) -> None:
+    def __init__(self, slots: int, size: int) -> None:
+        self.size = size
+        self.mm: mmap.mmap | None = None
+        self.registered = 0
+        total = slots * size
+        try:
+            mm = mmap.mmap(-1, total, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                mm.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault in and pin, where THP allows
+            base = torch.frombuffer(mm, dtype=torch.uint8)
+            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), total, 0)  # type: ignore[no-untyped-call]
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister: {err}")
+            self.mm, self.registered = mm, base.data_ptr()
+            self.bufs = [base[i * size : (i + 1) * size] for i in range(slots)]
+        except (RuntimeError, OSError, ValueError, AttributeError) as exc:
+            log.debug("staging: cudaHostRegister unavailable (%s); using cudaHostAlloc", exc)
+            self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> list[torch.Tensor]:
+        with self.lock:
+            got = self.bufs[self.next : self.next + n]
+            self.next += n
+        return got
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)  # type: ignore[no-untyped-call]
+            self.registered = 0
+        self.bufs = []
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
+                pass
+            self.mm = None
+
+
+class _DeviceWorker:
+    """Per-thread pinned double buffer (from the shared staging) and CUDA stream."""
+
+    def __init__(self, device: torch.device, staging: _Staging) -> None:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        size = chunk + 2 * ALIGN_IO  # room to read an aligned superset with O_DIRECT
-        self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        if any(b.data_ptr() % ALIGN_IO for b in self.bufs):  # cudaHostAlloc is page-aligned; be sure
-            self.bufs = [torch.empty(size + ALIGN_IO, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            self.bufs = [b[(-b.data_ptr()) % ALIGN_IO :][:size] for b in self.bufs]
+        size = staging.size
+        self.bufs = staging.take(2)
+        if any(b.data_ptr() % ALIGN_IO for b in self.bufs):  # page-aligned in practice; be sure
+            raise RuntimeError("staging buffers are not page-aligned")
         self.views = [memoryview((ctypes.c_char * size).from_address(b.data_ptr())).cast("B") for b in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
@@ -387,10 +433,14 @@ def load_into(
                 out_fds.append(mine)
         return mine
 
+    # chunk + 2 pages: room to read an aligned superset with O_DIRECT; 2 buffers per thread
+    staging = _Staging(2 * threads, chunk + 2 * ALIGN_IO) if on_device else None
+
     def worker() -> _DeviceWorker:
         w = getattr(local, "w", None)
         if w is None:
-            w = local.w = _DeviceWorker(target.device, chunk)
+            assert staging is not None
+            w = local.w = _DeviceWorker(target.device, staging)
             with workers_lock:
                 workers.append(w)
         return w
@@ -432,6 +482,8 @@ def load_into(
             os.close(fd)
         files.close()
         workers.clear()
+        if staging is not None:
+            staging.close()
     seconds = time.perf_counter() - t0
     ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
     stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
