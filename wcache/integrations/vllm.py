@@ -149,7 +149,9 @@ def _loader_class() -> type:
             weights = self._fetch(model_config, mode, device)
             try:
                 with set_default_torch_dtype(model_config.dtype), device, empty_parameters():
-                    model: nn.Module = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                    model: nn.Module = initialize_model(
+                        vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                    )
                 report = attach(model, weights, strict=False)
                 with weights_already_processed():
                     process_weights_after_loading(model, model_config, device)

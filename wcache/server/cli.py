@@ -47,6 +47,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="most slab bytes held at once; PRELOAD evicts unleased models, least recently used first (0: none)",
     )
+    p.add_argument(
+        "--host-tier",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="keep a copy of every loaded model in shared memory (up to BYTES, least recently used out) and reload "
+        "from it on restart, PRELOAD or load-on-demand instead of the checkpoint (0: off)",
+    )
+    p.add_argument(
+        "--host-tier-dir", type=Path, help="private directory for the host tier (default /dev/shm/wcache-UID)"
+    )
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
@@ -147,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         backend = make_backend(args.device, args.cuda_export)
         backend.check_platform()
+        tier = None
+        if args.host_tier > 0:
+            from wcache.server.tier import HostTier, default_tier_dir
+
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier)
 
         def loader(req: Preload) -> ServedModel:
             return load_model(
@@ -161,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
                 staging_bytes=args.staging_bytes,
                 io=args.io,
                 transform=req.transform,
+                tier=tier,
             )
 
         store = Store(backend, budget=args.memory_budget or None)

@@ -42,7 +42,7 @@ from wcache.errors import CheckpointError
 from wcache.layout import Layout, Placement
 from wcache.server.backends.base import Slab
 
-__all__ = ["DEFAULT_STAGING", "LoadStats", "load_into", "placement_extents", "torch_dtype"]
+__all__ = ["DEFAULT_STAGING", "LoadStats", "load_file_into", "load_into", "placement_extents", "torch_dtype"]
 
 log = logging.getLogger("wcache.loader")
 
@@ -102,7 +102,7 @@ def placement_extents(p: Placement) -> list[Extent]:
 
 @dataclass
 class _Job:
-    placement: Placement
+    placement: Placement | None  # None: a flat copy of a file (the host tier)
     dest: int  # slab offset where the first extent lands
     extents: list[Extent] = field(default_factory=list)
     cast: bool = False
@@ -110,6 +110,10 @@ class _Job:
     @property
     def nbytes(self) -> int:
         return sum(e[2] for e in self.extents)
+
+    @property
+    def label(self) -> str:
+        return f"tensor {self.placement.source.name!r}" if self.placement is not None else "slab copy"
 
 
 def _jobs(layout: Layout, chunk: int) -> list[_Job]:
@@ -223,9 +227,7 @@ def _read(files: _Files, job: _Job, view: memoryview) -> None:
         while done < n:
             got = os.preadv(fd, [view[pos + done : pos + n]], off + done)
             if got == 0:
-                raise CheckpointError(
-                    f"{f}: tensor {job.placement.source.name!r}: file ended early (truncated while loading?)"
-                )
+                raise CheckpointError(f"{f}: {job.label}: file ended early (truncated while loading?)")
             done += got
         pos += n
 
@@ -241,14 +243,10 @@ def _send(files: _Files, job: _Job, out_fd: int) -> None:
                 got = os.sendfile(out_fd, fd, off + done, n - done)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise CheckpointError(
-                        f"shared memory is full while loading {f}: tensor {job.placement.source.name!r} ({exc})"
-                    ) from exc
+                    raise CheckpointError(f"shared memory is full while loading {f}: {job.label} ({exc})") from exc
                 raise
             if got == 0:
-                raise CheckpointError(
-                    f"{f}: tensor {job.placement.source.name!r}: file ended early (truncated while loading?)"
-                )
+                raise CheckpointError(f"{f}: {job.label}: file ended early (truncated while loading?)")
             done += got
 
 
@@ -403,10 +401,61 @@ def load_into(
         raise ValueError(f"io must be auto, direct or buffered, got {io!r}")
     t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
+    chunk = _chunk(threads, staging_bytes)
+    jobs = _jobs(layout, chunk)
+    direct: set[Path] = set()
+    if slab.host_fd() is None and io != "buffered" and hasattr(os, "O_DIRECT"):
+        for f in {p.source.file for p in layout.placements}:
+            if io == "direct" or page_cache_fraction(f) < 0.5:
+                direct.add(f)
+    total = _execute(jobs, slab, threads, chunk, direct, progress)
+    seconds = time.perf_counter() - t0
+    ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
+    stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
+    log.info(
+        "loaded bytes_read=%d bytes_stored=%d seconds=%.2f read_gb_s=%.2f read_fraction=%.3f threads=%d chunk=%d "
+        "direct_files=%d",
+        stats.bytes_read,
+        stats.bytes_stored,
+        seconds,
+        stats.gb_per_s,
+        stats.read_fraction,
+        threads,
+        chunk,
+        len(direct),
+    )
+    return stats
+
+
+def load_file_into(
+    path: Path,
+    slab: Slab,
+    *,
+    threads: int = 8,
+    staging_bytes: int = DEFAULT_STAGING,
+    progress: TextIO | bool | None = None,
+    started: float | None = None,
+) -> LoadStats:
+    """Fill ``slab`` with the first ``slab.size`` bytes of ``path`` (a host-tier copy), with the
+    same readers, staging and host-to-device pipeline as ``load_into``."""
+    t0 = time.perf_counter() if started is None else started
+    threads = max(1, threads)
+    chunk = _chunk(threads, staging_bytes)
+    jobs = [_Job(None, off, [(path, off, min(chunk, slab.size - off))]) for off in range(0, slab.size, chunk)]
+    total = _execute(jobs, slab, threads, chunk, set(), progress)
+    return LoadStats(total, total, time.perf_counter() - t0, total)
+
+
+def _chunk(threads: int, staging_bytes: int) -> int:
+    return max(1 << 20, min(MAX_CHUNK, staging_bytes // (2 * threads)))
+
+
+def _execute(
+    jobs: list[_Job], slab: Slab, threads: int, chunk: int, direct: set[Path], progress: TextIO | bool | None
+) -> int:
+    """Run the jobs on ``threads`` readers; returns the bytes read."""
     target = slab.tensor()
     on_device = target.is_cuda
-    chunk = max(1 << 20, min(MAX_CHUNK, staging_bytes // (2 * threads)))
-    jobs = _jobs(layout, chunk)
     total = sum(j.nbytes for j in jobs)
     stream: TextIO | None = sys.stderr if progress is None and sys.stderr.isatty() else None
     if progress not in (None, False, True):
@@ -414,11 +463,6 @@ def load_into(
     bar = _Progress(total, stream)
     files = _Files()
     host = slab.host_fd()
-    direct: set[Path] = set()
-    if on_device and io != "buffered" and hasattr(os, "O_DIRECT"):
-        for f in {p.source.file for p in layout.placements}:
-            if io == "direct" or page_cache_fraction(f) < 0.5:
-                direct.add(f)
     local = threading.local()
     workers: list[_DeviceWorker] = []
     out_fds: list[int] = []
@@ -458,7 +502,7 @@ def load_into(
             f, off, _ = job.extents[0]
             dfd = files.direct_fd(f) if f in direct and len(job.extents) == 1 else -1
             if dfd >= 0:
-                start = _read_direct(dfd, w.views[i], off, n, f"{f}: tensor {job.placement.source.name!r}")
+                start = _read_direct(dfd, w.views[i], off, n, f"{f}: {job.label}")
             else:
                 _read(files, job, w.views[i][:n])
             with torch.cuda.stream(w.stream):
@@ -484,22 +528,7 @@ def load_into(
         workers.clear()
         if staging is not None:
             staging.close()
-    seconds = time.perf_counter() - t0
-    ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
-    stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
-    log.info(
-        "loaded bytes_read=%d bytes_stored=%d seconds=%.2f read_gb_s=%.2f read_fraction=%.3f threads=%d chunk=%d "
-        "direct_files=%d",
-        stats.bytes_read,
-        stats.bytes_stored,
-        seconds,
-        stats.gb_per_s,
-        stats.read_fraction,
-        threads,
-        chunk,
-        len(direct),
-    )
-    return stats
+    return total
 
 
 def _ordered(jobs: list[_Job]) -> Iterator[_Job]:
@@ -509,6 +538,7 @@ def _ordered(jobs: list[_Job]) -> Iterator[_Job]:
 
 def _cast_job(files: _Files, job: _Job, target: torch.Tensor) -> None:
     p = job.placement
+    assert p is not None
     raw = bytearray(job.nbytes)
     _read(files, job, memoryview(raw))
     shape = list(p.source.shape)

@@ -19,29 +19,27 @@ from wcache.errors import InsecurePathError
 __all__ = ["DaemonLock", "check_private_dir", "ensure_socket_dir"]
 
 
-def check_private_dir(path: Path) -> None:
+def check_private_dir(path: Path, what: str = "socket directory") -> None:
     """Raise InsecurePathError unless ``path`` is a directory we own with mode 0700 or stricter."""
     try:
         st = os.lstat(path)
     except FileNotFoundError as exc:
-        raise InsecurePathError(f"socket directory {path} does not exist") from exc
+        raise InsecurePathError(f"{what} {path} does not exist") from exc
     uid = os.geteuid()
     if stat.S_ISLNK(st.st_mode):
         raise InsecurePathError(
-            f"socket directory {path} is a symlink; use the real directory path (refusing: "
-            "another user could redirect it)"
+            f"{what} {path} is a symlink; use the real directory path (refusing: another user could redirect it)"
         )
     if not stat.S_ISDIR(st.st_mode):
-        raise InsecurePathError(f"socket directory {path} is not a directory")
+        raise InsecurePathError(f"{what} {path} is not a directory")
     if st.st_uid != uid:
         raise InsecurePathError(
-            f"socket directory {path} is owned by uid {st.st_uid}, not by this daemon's uid {uid}; "
+            f"{what} {path} is owned by uid {st.st_uid}, not by this daemon's uid {uid}; "
             f"fix: chown {uid} {path} (or choose a directory you own)"
         )
     if st.st_mode & 0o077:
         raise InsecurePathError(
-            f"socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}, open to other users; "
-            f"fix: chmod 700 {path}"
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}, open to other users; fix: chmod 700 {path}"
         )
 
 

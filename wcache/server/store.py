@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from wcache.errors import (
+    CheckpointError,
     DeviceMismatchError,
     InUseError,
     KeyMismatchError,
@@ -45,7 +46,8 @@ from wcache.proto import (
 )
 from wcache.rank import plan_rank
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_into, torch_dtype
+from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
+from wcache.server.tier import HostTier, TierEntry
 from wcache.transforms import Transform, load_transform
 
 __all__ = ["Lease", "ServedModel", "Store", "load_model"]
@@ -92,8 +94,12 @@ def load_model(
     staging_bytes: int = DEFAULT_STAGING,
     io: str = "buffered",
     transform: str = "",
+    tier: HostTier | None = None,
 ) -> ServedModel:
-    """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read."""
+    """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read.
+
+    With a host ``tier``: a valid entry for the key fills the slab instead of the checkpoint, and a
+    model loaded from the checkpoint is copied into the tier."""
     rp = plan_rank(
         model_dir,
         tp_rank=tp_rank,
@@ -104,6 +110,13 @@ def load_model(
         verify_content=verify_content,
     )
     ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
+    source = Path(os.path.abspath(model_dir))
+    if tier is not None:
+        entry = tier.lookup(key)
+        if entry is not None:
+            served = _load_from_tier(entry, key, backend, threads, staging_bytes, source)
+            if served is not None:
+                return served
     fn = load_transform(transform) if transform else None
     started = time.perf_counter()
     slab = backend.allocate(layout.total_bytes)
@@ -120,7 +133,40 @@ def load_model(
         slab.close()
         raise
     table.encoded()  # encode the tensor table once; every STATE reuses it
-    return ServedModel(key, table, aliases, [slab], backend, payload, stats, source=Path(os.path.abspath(model_dir)))
+    model = ServedModel(key, table, aliases, [slab], backend, payload, stats, source=source)
+    if tier is not None:
+        try:
+            tier.save(key, slab, table, aliases, payload)
+        except (OSError, RuntimeError) as exc:  # the tier is an optimisation: serving goes on without it
+            log.warning("host tier save failed key=%s: %s", key.short(), exc)
+    return model
+
+
+def _load_from_tier(
+    entry: TierEntry, key: WeightCacheKey, backend: Backend, threads: int, staging_bytes: int, source: Path
+) -> ServedModel | None:
+    started = time.perf_counter()
+    slab = backend.allocate(entry.size)
+    try:
+        stats = load_file_into(entry.slab_path, slab, threads=threads, staging_bytes=staging_bytes, started=started)
+        slab.seal()
+    except CheckpointError as exc:  # the entry vanished or shrank under us: load from the checkpoint
+        slab.close()
+        log.warning("host tier read failed key=%s (%s); loading from disk", key.short(), exc)
+        return None
+    except BaseException:
+        slab.close()
+        raise
+    log.info(
+        "loaded from_host_tier bytes_read=%d seconds=%.2f read_gb_s=%.2f key=%s entry=%s",
+        stats.bytes_read,
+        stats.seconds,
+        stats.gb_per_s,
+        key.short(),
+        entry.meta_path.stem,
+    )
+    entry.table.encoded()
+    return ServedModel(key, entry.table, entry.aliases, [slab], backend, entry.payload, stats, source=source)
 
 
 def _transformed(

@@ -32,6 +32,10 @@ class Slab(Protocol):
         """Loading is done: drop writable access the daemon no longer needs."""
         ...
 
+    def save_to(self, fd: int) -> None:
+        """Write the slab's ``size`` bytes to the file ``fd`` from offset 0 (the host tier)."""
+        ...
+
     def export(self) -> tuple[SlabDescriptor, list[int]]:
         """The descriptor for STATE (its ``fd`` is 0 when a descriptor travels) and the fds to
         send. The daemon keeps owning those fds; the kernel duplicates them into the peer."""

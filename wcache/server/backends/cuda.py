@@ -9,6 +9,7 @@ STATE frame. Either way: one handle per rank, never one per tensor.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import sys
@@ -42,6 +43,35 @@ class _CudaSlab:
     def seal(self) -> None:
         torch.cuda.synchronize(self.index)
         torch.cuda.empty_cache()  # cast/transform scratch: the daemon keeps only the slab (+ its context)
+
+    def save_to(self, fd: int, chunk: int = 256 << 20) -> None:
+        """Device -> two pinned buffers (copy of chunk i+1 overlaps the write of chunk i) -> file."""
+        src = self.tensor()
+        size = src.numel()
+        bufs = [torch.empty(min(chunk, size), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        views = [memoryview((ctypes.c_char * b.numel()).from_address(b.data_ptr())).cast("B") for b in bufs]
+        stream = torch.cuda.Stream(self.index)  # type: ignore[no-untyped-call]
+        pending: list[tuple[int, int, int, torch.cuda.Event]] = []  # offset, length, buffer, copy done
+
+        def flush() -> None:
+            off, n, k, ev = pending.pop(0)
+            ev.synchronize()
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, views[k][done:n], off + done)
+
+        for i, off in enumerate(range(0, size, chunk)):
+            n = min(chunk, size - off)
+            k = i % 2
+            if len(pending) == 2:
+                flush()  # frees buffer k (the older of the two)
+            with torch.cuda.stream(stream):
+                bufs[k][:n].copy_(src[off : off + n], non_blocking=True)
+                ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ev.record(stream)
+            pending.append((off, n, k, ev))
+        while pending:
+            flush()
 
 
 class CudaIpcSlab(_CudaSlab):

@@ -67,6 +67,14 @@ class HostSlab:
     def export(self) -> tuple[SlabDescriptor, list[int]]:
         return SlabDescriptor(size=self.size, kind="memfd", fd=0), [self.fd]
 
+    def save_to(self, fd: int) -> None:
+        done = 0
+        while done < self.size:  # in-kernel copy, memfd -> file
+            got = os.sendfile(fd, self.fd, done, min(self.size - done, 1 << 30))
+            if got == 0:
+                raise OSError(f"slab copy stopped at {done} of {self.size} bytes")
+            done += got
+
     def close(self) -> None:
         self._tensor = None
         if self._mm is not None:

@@ -1,0 +1,100 @@
+"""The host-memory tier (--host-tier): reload on restart and after eviction, verification, budget."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from wcache import WCacheClient, WeightCacheKey
+from wcache.nn import load_from_disk
+
+
+def _tier_args(tier: Path, budget: int = 1 << 30) -> tuple[str, ...]:
+    return ("--host-tier", str(budget), "--host-tier-dir", str(tier))
+
+
+async def _identical(d: DaemonProc, ckpt: Path) -> bool:
+    ref = load_from_disk(ckpt)
+    async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+        return all(torch.equal(w[k], v) for k, v in ref.items())
+
+
+def _restart(d: DaemonProc, factory: Callable[..., DaemonProc], ckpt: Path, *extra: str) -> DaemonProc:
+    d.stop()
+    return factory(ckpt, *extra)
+
+
+async def test_restart_reloads_from_the_tier(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    d = daemon_factory(ckpt, *_tier_args(tier))
+    assert "host tier saved" in d.log_text()
+    assert await _identical(d, ckpt)
+    (meta,) = tier.glob("*.meta")
+    assert os.stat(tier).st_mode & 0o777 == 0o700 and meta.stat().st_mode & 0o777 == 0o600
+    d2 = _restart(d, daemon_factory, ckpt, *_tier_args(tier))
+    assert "loaded from_host_tier" in d2.log_text()
+    assert await _identical(d2, ckpt)
+
+
+async def test_corrupted_entry_is_rejected_and_the_checkpoint_loaded(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    d = daemon_factory(ckpt, *_tier_args(tier))
+    (slab,) = tier.glob("*.slab")
+    data = bytearray(slab.read_bytes())  # the first 4 KiB block is always among the sampled ones
+    data[0] ^= 0xFF
+    slab.write_bytes(bytes(data))
+    d2 = _restart(d, daemon_factory, ckpt, *_tier_args(tier))
+    log = d2.log_text()
+    assert "rejected (sampled digest" in log and "loaded from_host_tier" not in log
+    assert await _identical(d2, ckpt)
+    assert "host tier saved" in log  # a fresh entry replaces the bad one
+
+
+async def test_entry_for_another_checkpoint_is_not_used(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tied_ckpt: Path, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    daemon_factory(ckpt, *_tier_args(tier)).stop()
+    d = daemon_factory(tied_ckpt, *_tier_args(tier))
+    assert "loaded from_host_tier" not in d.log_text()
+    assert await _identical(d, tied_ckpt)
+    assert len(list(tier.glob("*.meta"))) == 2
+
+
+async def test_evicted_model_comes_back_from_the_tier(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    d = daemon_factory(ckpt, *_tier_args(tmp_path / "tier"))
+    client = WCacheClient(d.socket)
+    await client.evict(WeightCacheKey.from_checkpoint(ckpt))
+    r = await client.preload(ckpt)
+    assert r.load_seconds > 0
+    assert d.log_text().count("loaded from_host_tier") == 1
+    assert await _identical(d, ckpt)
+
+
+async def test_budget_smaller_than_the_model_skips_the_tier(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    tier = tmp_path / "tier"
+    d = daemon_factory(ckpt, *_tier_args(tier, budget=4096))
+    assert "host tier skip" in d.log_text()
+    assert not list(tier.glob("*.slab"))
+    assert await _identical(d, ckpt)
+
+
+def test_tier_dir_must_be_private(daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+    tier.mkdir(mode=0o755)
+    os.chmod(tier, 0o755)
+    with pytest.raises(RuntimeError, match=r"host tier directory .* open to other users"):
+        daemon_factory(ckpt, *_tier_args(tier))
