@@ -216,6 +216,29 @@ class VmmAllocation:
             raise
         self.buffer = DeviceBuffer(self.ptr, self.size, index, None)
 
+    @classmethod
+    def adopt(cls, fd: int, nbytes: int, index: int) -> VmmAllocation:
+        """Take over an allocation another process exported as ``fd`` (daemon hand-off): import it,
+        map it here, and keep ``fd`` to export it again."""
+        driver = _bindings()
+        _make_current(index)
+        self = cls.__new__(cls)
+        self.index = index
+        gran = _granularity(driver, index)
+        self.size = max(gran, -(-nbytes // gran) * gran)
+        err, self.handle = driver.cuMemImportFromShareableHandle(
+            fd, driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+        _check(err, "cuMemImportFromShareableHandle")
+        try:
+            self.ptr, _ = _map(driver, self.handle, self.size, index, read_only=False)
+        except BaseException:
+            driver.cuMemRelease(self.handle)
+            raise
+        self.fd = fd
+        self.buffer = DeviceBuffer(self.ptr, self.size, index, None)
+        return self
+
     def close(self) -> None:
         driver = _bindings()
         if self.fd >= 0:

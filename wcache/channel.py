@@ -16,7 +16,7 @@ import socket
 import struct
 
 from wcache.errors import CacheUnavailableError, ProtocolError
-from wcache.proto import Connection, Frame, State
+from wcache.proto import Connection, Frame, State, TakeoverState
 
 __all__ = ["Channel", "PeerCredentials", "peer_credentials"]
 
@@ -177,8 +177,8 @@ class Channel:
             for frame in self.conn.events():
                 self._frames.append(frame)
         frame = self._frames.popleft()
-        want = frame.fd_count if isinstance(frame, State) else 0
+        want = frame.fd_count if isinstance(frame, (State, TakeoverState)) else 0
         if want > len(self._fds):
-            raise ProtocolError(f"STATE announces {want} file descriptor(s), {len(self._fds)} arrived")
+            raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
         fds, self._fds = self._fds[:want], self._fds[want:]
         return frame, fds

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from wcache.proto import (
@@ -11,6 +13,7 @@ from wcache.proto import (
     Evict,
     Evicted,
     GetState,
+    HandedModel,
     Hello,
     HelloOk,
     LeaseInfo,
@@ -23,6 +26,8 @@ from wcache.proto import (
     State,
     Status,
     StatusReply,
+    Takeover,
+    TakeoverState,
     TensorEntry,
     TensorTable,
     tensor_extent,
@@ -109,6 +114,31 @@ def states(draw: st.DrawFn) -> State:
     )
 
 
+@st.composite
+def takeover_states(draw: st.DrawFn) -> TakeoverState:
+    """Models whose slabs may travel as fds; the listener takes the last fd position."""
+    models = []
+    nfd = 0
+    for _ in range(draw(st.integers(0, 3))):
+        st_ = draw(states())
+        slabs = []
+        for s in st_.slabs:
+            fd = nfd if s.fd >= 0 else -1
+            nfd += s.fd >= 0
+            slabs.append(dataclasses.replace(s, fd=fd))
+        models.append(
+            HandedModel(
+                key=st_.key,
+                slabs=tuple(slabs),
+                tensors=st_.tensors,
+                aliases=st_.aliases,
+                payload=draw(uints),
+                load_seconds=draw(floats),
+            )
+        )
+    return TakeoverState(id=draw(ids), models=tuple(models), listener_fd=nfd, pid=draw(st.integers(0, 2**31)))
+
+
 frames = st.one_of(
     st.builds(
         Hello,
@@ -179,6 +209,8 @@ frames = st.one_of(
     ),
     st.builds(Evict, id=ids, key=keys),
     st.builds(Evicted, id=ids, key=keys, bytes=uints),
+    st.builds(Takeover, id=ids, backend=text, device_uuid=text, pid=st.integers(0, 2**31)),
+    takeover_states(),
     st.builds(
         ErrorFrame,
         id=uints,

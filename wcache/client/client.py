@@ -47,6 +47,8 @@ from wcache.proto import (
     State,
     Status,
     StatusReply,
+    Takeover,
+    TakeoverState,
 )
 from wcache.proto.codec import gc_paused
 
@@ -384,6 +386,26 @@ class _Session:
     def close(self) -> None:
         if self.ch is not None:
             self.ch.close()
+
+
+async def take_over(
+    socket_path: str | os.PathLike[str], *, backend: str, device_uuid: str, timeout: float = 60.0
+) -> tuple[TakeoverState, list[int]]:
+    """TAKEOVER (wcache-server --takeover): the running daemon's models and listening socket, as a
+    frame and the fds it announces (slabs by their ``fd`` positions, then ``listener_fd``)."""
+    client = WCacheClient(socket_path, timeout=timeout, name="wcache-server --takeover")
+    path = Path(socket_path)
+    async with asyncio.timeout(timeout):
+        ch, _ = await client._connect(path)
+        try:
+            await ch.send(
+                Takeover(id=ch.conn.next_request_id(), backend=backend, device_uuid=device_uuid, pid=os.getpid())
+            )
+            frame, fds = await _expect(ch)
+        finally:
+            ch.close()
+    assert isinstance(frame, TakeoverState)
+    return frame, fds
 
 
 async def _expect(ch: Channel) -> tuple[Frame, list[int]]:

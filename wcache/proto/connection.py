@@ -74,6 +74,8 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.OPEN, SEND, "STATUS"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "PRELOAD"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "EVICT"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "TAKEOVER"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "TAKEOVER_STATE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "PRELOADED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "EVICTED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "STATE"): Phase.OPEN,
@@ -87,6 +89,8 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, RECV, "STATUS"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "PRELOAD"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "EVICT"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "TAKEOVER"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "TAKEOVER_STATE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "PRELOADED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "EVICTED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "STATE"): Phase.OPEN,
@@ -101,6 +105,7 @@ REPLY_TO = {
     "STATUS": "STATUS_REPLY",
     "PRELOAD": "PRELOADED",
     "EVICT": "EVICTED",
+    "TAKEOVER": "TAKEOVER_STATE",
 }
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64

@@ -11,6 +11,7 @@ from wcache.proto.frames import (
     Evicted,
     Frame,
     GetState,
+    HandedModel,
     Hello,
     HelloOk,
     LeaseInfo,
@@ -23,6 +24,8 @@ from wcache.proto.frames import (
     State,
     Status,
     StatusReply,
+    Takeover,
+    TakeoverState,
     TensorEntry,
     TensorTable,
 )
@@ -88,6 +91,27 @@ EXAMPLES: dict[str, Frame] = {
     "PRELOADED": Preloaded(id=4, key=_KEY, bytes=8032837632, tensors=291, load_seconds=4.5, evicted=()),
     "EVICT": Evict(id=5, key=_KEY),
     "EVICTED": Evicted(id=5, key=_KEY, bytes=8032837632),
+    "TAKEOVER": Takeover(id=1, backend="host", device_uuid="", pid=4343),
+    "TAKEOVER_STATE": TakeoverState(
+        id=1,
+        models=(
+            HandedModel(
+                key=_KEY,
+                slabs=(SlabDescriptor(size=768, kind="memfd", fd=0),),
+                tensors=TensorTable.from_entries(
+                    [
+                        TensorEntry("model.embed_tokens.weight", "bfloat16", (4, 64), (64, 1), 0, 0),
+                        TensorEntry("model.norm.weight", "bfloat16", (64,), (1,), 0, 512),
+                    ]
+                ),
+                aliases={"lm_head.weight": "model.embed_tokens.weight"},
+                payload=640,
+                load_seconds=0.25,
+            ),
+        ),
+        listener_fd=1,
+        pid=4242,
+    ),
     "ERROR": ErrorFrame(
         id=1,
         code=21,

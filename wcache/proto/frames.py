@@ -43,6 +43,9 @@ __all__ = [
     "State",
     "Status",
     "StatusReply",
+    "TakeoverState",
+    "Takeover",
+    "HandedModel",
     "TensorEntry",
     "TensorGroup",
     "TensorTable",
@@ -982,6 +985,116 @@ class Evicted:
         return cls(id=f.integer("id", lo=1), key=f.key("key"), bytes=f.integer("bytes"))
 
 
+@dataclass(frozen=True, slots=True)
+class HandedModel:
+    """One model in a TAKEOVER_STATE: everything a new daemon needs to serve it."""
+
+    key: KeyMap
+    slabs: tuple[SlabDescriptor, ...]
+    tensors: TensorTable
+    aliases: dict[str, str] = field(default_factory=dict)
+    payload: int = 0
+    load_seconds: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "key": dict(self.key),
+            "slabs": [s.to_wire() for s in self.slabs],
+            "tensors": self.tensors.to_wire(),
+            "aliases": dict(self.aliases),
+            "payload": self.payload,
+            "load_seconds": self.load_seconds,
+        }
+
+    @classmethod
+    def from_wire(cls, m: Any) -> HandedModel:
+        f = _Fields("HandedModel", m)
+        slabs = tuple(SlabDescriptor.from_wire(s) for s in f.array("slabs"))
+        if not 1 <= len(slabs) <= MAX_HANDOFF_FDS:
+            raise _fail("HandedModel", "slabs", f"expected 1..{MAX_HANDOFF_FDS} slabs")
+        tensors = TensorTable.from_wire(f.mapping("tensors"), [s.size for s in slabs])
+        aliases = f.str_map("aliases", {})
+        known = set(tensors.names)
+        if any(a in known or t not in known for a, t in aliases.items()):
+            raise _fail("HandedModel", "aliases", "an alias must be a new name for a tensor")
+        return cls(
+            key=f.key("key"),
+            slabs=slabs,
+            tensors=tensors,
+            aliases=aliases,
+            payload=f.integer("payload", 0),
+            load_seconds=f.number("load_seconds", 0.0),
+        )
+
+
+#: File descriptors one TAKEOVER_STATE may carry (slabs + the listening socket): one recvmsg's worth.
+MAX_HANDOFF_FDS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """New daemon -> running daemon: hand over your models and your listening socket, then exit."""
+
+    TYPE: ClassVar[str] = "TAKEOVER"
+    id: int
+    backend: str  # the new daemon's backend ("host" | "cuda"): must be the running one's
+    device_uuid: str = ""  # the new daemon's GPU: must be the running one's
+    pid: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE,
+            "id": self.id,
+            "backend": self.backend,
+            "device_uuid": self.device_uuid,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Takeover:
+        f = _Fields(cls.TYPE, m)
+        return cls(
+            id=f.integer("id", lo=1),
+            backend=f.string("backend"),
+            device_uuid=f.string("device_uuid", ""),
+            pid=f.integer("pid", 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TakeoverState:
+    """Running daemon -> new daemon: its models (slabs travel as fds) and its listening socket (an fd)."""
+
+    TYPE: ClassVar[str] = "TAKEOVER_STATE"
+    id: int
+    models: tuple[HandedModel, ...]
+    listener_fd: int
+    pid: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE,
+            "id": self.id,
+            "models": [m.to_wire() for m in self.models],
+            "listener_fd": self.listener_fd,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> TakeoverState:
+        f = _Fields(cls.TYPE, m)
+        models = tuple(HandedModel.from_wire(x) for x in f.array("models"))
+        listener = f.integer("listener_fd", lo=0, hi=MAX_HANDOFF_FDS - 1)
+        fds = [s.fd for x in models for s in x.slabs if s.fd >= 0] + [listener]
+        if len(fds) > MAX_HANDOFF_FDS or sorted(fds) != list(range(len(fds))):
+            raise _fail(cls.TYPE, "listener_fd", f"fd positions must be 0..n-1, each once, n <= {MAX_HANDOFF_FDS}")
+        return cls(id=f.integer("id", lo=1), models=models, listener_fd=listener, pid=f.integer("pid", 0))
+
+    @property
+    def fd_count(self) -> int:
+        return 1 + sum(1 for x in self.models for s in x.slabs if s.fd >= 0)
+
+
 Frame = Union[
     Hello,
     HelloOk,
@@ -996,6 +1109,8 @@ Frame = Union[
     Preloaded,
     Evict,
     Evicted,
+    Takeover,
+    TakeoverState,
 ]
 FRAME_TYPES: dict[str, Any] = {c.TYPE: c for c in get_args(Frame)}
 

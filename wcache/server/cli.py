@@ -11,14 +11,21 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.paths import default_socket_dir, socket_name
 from wcache.server.backends.base import Backend
 from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
+
+if TYPE_CHECKING:
+    from wcache.server.backends.base import Slab
+    from wcache.server.store import ServedModel
 
 __all__ = ["main", "make_backend", "parse_args"]
 
@@ -57,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--host-tier-dir", type=Path, help="private directory for the host tier (default /dev/shm/wcache-UID)"
+    )
+    p.add_argument(
+        "--takeover",
+        type=Path,
+        metavar="SOCKET",
+        help="take over the daemon serving SOCKET (e.g. an upgrade): receive its models' memory (VMM or memfd "
+        "fds) and its listening socket, then serve them there; it exits. No disk read; engines keep their mappings",
     )
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
@@ -110,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frame-timeout", type=float, default=10.0, help="max seconds to finish sending a started frame")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.takeover is not None and (args.model is not None or args.socket_path or args.socket_dir):
+        p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
     if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
         p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
     return args
@@ -141,6 +157,56 @@ def resolve_socket(args: argparse.Namespace) -> Path:
     return Path(os.path.abspath(d)) / socket_name(args.tp_rank)
 
 
+def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list[ServedModel], socket.socket]:
+    """--takeover: the running daemon's models (adopted slabs) and its listening socket; then its lock."""
+    import asyncio
+
+    from wcache.client.client import take_over as request
+    from wcache.key import WeightCacheKey
+    from wcache.server.loader import LoadStats
+    from wcache.server.store import ServedModel
+
+    t0 = time.perf_counter()
+    state, fds = asyncio.run(request(sock_path, backend=backend.name, device_uuid=backend.device.uuid))
+    models: list[ServedModel] = []
+    adopted: list[Slab] = []  # each owns its fd from here on
+    used: set[int] = set()
+    listener: socket.socket | None = None
+    try:
+        listener = socket.socket(fileno=fds[state.listener_fd])
+        used.add(state.listener_fd)
+        for hm in state.models:
+            slabs = []
+            for desc in hm.slabs:
+                slab = backend.adopt(desc, fds[desc.fd])
+                used.add(desc.fd)
+                adopted.append(slab)
+                slabs.append(slab)
+            stats = LoadStats(0, hm.payload, hm.load_seconds)
+            key = WeightCacheKey.from_wire(dict(hm.key))
+            models.append(ServedModel(key, hm.tensors, dict(hm.aliases), slabs, backend, hm.payload, stats))
+            hm.tensors.encoded()
+        lock.acquire(wait=10.0)  # the old daemon releases it right after sending
+    except BaseException:
+        for i, fd in enumerate(fds):
+            if i not in used:
+                os.close(fd)
+        for s in adopted:
+            s.close()
+        if listener is not None:
+            listener.close()
+        raise
+    log.info(
+        "took over socket=%s from pid=%d models=%d bytes=%d seconds=%.3f",
+        sock_path,
+        state.pid,
+        len(models),
+        sum(m.slab_bytes for m in models),
+        time.perf_counter() - t0,
+    )
+    return models, listener
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -150,14 +216,23 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 def run(args: argparse.Namespace) -> int:
     from wcache.proto import Preload
     from wcache.server.daemon import Daemon
-    from wcache.server.store import ServedModel, Store, load_model
+    from wcache.server.store import Store, load_model
 
-    sock_path = resolve_socket(args)
+    if args.takeover is not None:
+        sock_path = Path(os.path.abspath(args.takeover))
+        check_private_dir(sock_path.parent)
+    else:
+        sock_path = resolve_socket(args)
     lock = DaemonLock(sock_path)
-    lock.acquire()
+    if args.takeover is None:
+        lock.acquire()
     try:
         backend = make_backend(args.device, args.cuda_export)
         backend.check_platform()
+        handed: list[ServedModel] = []
+        listener = None
+        if args.takeover is not None:
+            handed, listener = take_over(sock_path, backend, lock)
         tier = None
         if args.host_tier > 0:
             from wcache.server.tier import HostTier, default_tier_dir
@@ -180,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                 tier=tier,
             )
 
-        store = Store(backend, budget=args.memory_budget or None)
+        store = Store(backend, handed, budget=args.memory_budget or None)
         try:
             if args.model is not None:
                 first = Preload(
@@ -207,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 loader=loader,
                 load_on_demand=args.load_on_demand,
+                listener=listener,
+                on_handover=lock.release,
             )
 
             def ready() -> None:

@@ -36,6 +36,7 @@ from wcache.proto import (
     Evict,
     Evicted,
     GetState,
+    HandedModel,
     Hello,
     Preload,
     Preloaded,
@@ -43,7 +44,10 @@ from wcache.proto import (
     Role,
     Status,
     StatusReply,
+    Takeover,
+    TakeoverState,
 )
+from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.store import ServedModel, Store, planned_bytes
 
@@ -68,6 +72,8 @@ class Daemon:
         metrics_port: int = 0,
         loader: Callable[[Preload], ServedModel] | None = None,
         load_on_demand: bool = False,
+        listener: socket.socket | None = None,
+        on_handover: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -90,6 +96,11 @@ class Daemon:
         self._next_conn = 1
         self._uid = os.geteuid()
         self._tag = f"socket={self.socket_path}"
+        #: a listening socket handed over by the previous daemon (--takeover), used instead of binding
+        self._listener: socket.socket | None = listener
+        self._on_handover = on_handover
+        self._handed_over = False
+        self._accept_task: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self) -> None:
@@ -116,11 +127,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
-        listener = self._bind()
+        listener = self._listener if self._listener is not None else self._bind()
+        listener.setblocking(False)
+        self._listener = listener
         http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
         if callable(on_ready):
             on_ready()
-        accept = asyncio.ensure_future(self._accept_loop(listener))
+        accept = self._accept_task = asyncio.ensure_future(self._accept_loop(listener))
         try:
             await self._stop.wait()
         finally:
@@ -130,8 +143,9 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await accept
             listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
+            if not self._handed_over:  # after a hand-off the socket file is the new daemon's
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
             await self._drain()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -278,6 +292,8 @@ class Daemon:
                 await ch.send(self.status_reply(frame.id))
             elif isinstance(frame, Preload):
                 await ch.send(await self._preload(frame, pid))
+            elif isinstance(frame, Takeover):
+                await self._hand_over(ch, frame, pid)
             elif isinstance(frame, Evict):
                 gone = self.store.evict(frame.key)
                 await ch.send(Evicted(id=frame.id, key=gone.key.to_wire(), bytes=gone.slab_bytes))
@@ -303,6 +319,54 @@ class Daemon:
             log.exception("request failed %s pid=%d", self._tag, pid)
             self.metrics.errors["INTERNAL"] += 1
             await ch.send(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
+
+    async def _hand_over(self, ch: Channel, req: Takeover, pid: int) -> None:
+        """TAKEOVER: give a new daemon (same uid, same device) every model's slabs and the listening
+        socket, stop accepting, release the lock, and stop. Engines' mappings stay valid: they
+        reference the memory, not this process."""
+        backend = self.store.backend
+        if self._handed_over:
+            raise WCacheError("this daemon is already handing over")
+        if req.backend != backend.name or (backend.device.uuid and req.device_uuid != backend.device.uuid):
+            raise WCacheError(
+                f"the new daemon serves {req.backend} {req.device_uuid or '-'}, this one "
+                f"{backend.name} {backend.device.uuid or '-'}: nothing handed over",
+                details={"backend": backend.name, "device_uuid": backend.device.uuid},
+            )
+        models: list[HandedModel] = []
+        fds: list[int] = []
+        for m in self.store.models.values():
+            descs = []
+            for slab in m.slabs:
+                desc, slab_fds = slab.export()
+                if not slab_fds:
+                    raise WCacheError(
+                        f"{m.key.short()}: a {desc.kind} slab cannot be handed over (use --cuda-export vmm)"
+                    )
+                descs.append(dataclasses.replace(desc, fd=len(fds)))
+                fds.extend(slab_fds)
+            models.append(
+                HandedModel(m.key.to_wire(), tuple(descs), m.table, m.aliases, m.payload_bytes, m.stats.seconds)
+            )
+        if len(fds) + 1 > MAX_HANDOFF_FDS:
+            raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
+        assert self._listener is not None
+        if self._accept_task is not None:  # no new connection lands here from now on: they queue for the new daemon
+            self._accept_task.cancel()
+        self._handed_over = True
+        reply = TakeoverState(id=req.id, models=tuple(models), listener_fd=len(fds), pid=os.getpid())
+        await ch.send(reply, [*fds, self._listener.fileno()])
+        log.info(
+            "handed over %s to pid=%d models=%d bytes=%d leases_dropped=%d",
+            self._tag,
+            pid,
+            len(models),
+            self.store.resident_bytes,
+            len(self.store.leases),
+        )
+        if self._on_handover is not None:
+            self._on_handover()  # releases the one-daemon lock for the new daemon
+        self.stop()
 
     async def _load_on_demand(self, req: GetState, pid: int) -> bool:
         """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the

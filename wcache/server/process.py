@@ -65,34 +65,28 @@ class DaemonProcess:
 
 
 def spawn_daemon(
-    model: str | os.PathLike[str],
+    model: str | os.PathLike[str] | None,
     socket_dir: str | os.PathLike[str],
     *extra: str,
     log: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = 120.0,
+    takeover: str | os.PathLike[str] | None = None,
 ) -> DaemonProcess:
-    """Start ``wcache-server --model M --socket-dir D --ready-file ... *extra``; wait for it unless
-    ``timeout`` is None (then call ``wait_ready`` yourself)."""
+    """Start ``wcache-server --model M --socket-dir D --ready-file ... *extra`` (or, with ``takeover``,
+    ``wcache-server --takeover SOCKET ...``; ready and log files then go beside ``socket_dir``); wait
+    for it unless ``timeout`` is None (then call ``wait_ready`` yourself)."""
     sdir = Path(socket_dir)
     tag = time.time_ns()
     ready = sdir.parent / f".wcache-ready-{tag}.json"
     log_path = Path(log) if log is not None else sdir.parent / f"wcache-server-{tag}.log"
+    where = (
+        ["--takeover", str(takeover)] if takeover is not None else ["--model", str(model), "--socket-dir", str(sdir)]
+    )
     started = time.perf_counter()
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "wcache.server.cli",
-                "--model",
-                str(model),
-                "--socket-dir",
-                str(sdir),
-                "--ready-file",
-                str(ready),
-                *extra,
-            ],
+            [sys.executable, "-m", "wcache.server.cli", *where, "--ready-file", str(ready), *extra],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,

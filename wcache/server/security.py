@@ -12,7 +12,9 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
+from typing import NoReturn
 
 from wcache.errors import InsecurePathError
 
@@ -61,23 +63,33 @@ class DaemonLock:
         self.path = Path(str(socket_path) + ".lock")
         self.fd = -1
 
-    def acquire(self) -> None:
+    def acquire(self, wait: float = 0.0) -> None:
+        """Take the lock; with ``wait``, retry that many seconds (a hand-off: the old daemon releases it)."""
+        deadline = time.monotonic() + wait
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise InsecurePathError(
-                    f"another wcache-server (pid {holder}) already serves {self.path.name[:-5]}: "
-                    f"lock {self.path} is held; stop it first or choose another --socket-path",
-                    details={"holder_pid": holder},
-                ) from exc
-            raise
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                self._refuse(fd, exc)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
+
+    def _refuse(self, fd: int, exc: OSError) -> NoReturn:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise InsecurePathError(
+                f"another wcache-server (pid {holder}) already serves {self.path.name[:-5]}: "
+                f"lock {self.path} is held; stop it first or choose another --socket-path",
+                details={"holder_pid": holder},
+            ) from exc
+        raise exc
 
     def release(self) -> None:
         # The lock file stays: unlinking it would let two daemons lock two different inodes.

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from wcache import _cuda
-from wcache.errors import UnsupportedPlatformError
+from wcache.errors import UnsupportedPlatformError, WCacheError
 from wcache.proto import DeviceInfo, SlabDescriptor
 
 __all__ = ["CudaBackend", "CudaIpcSlab", "CudaVmmSlab"]
@@ -98,10 +98,12 @@ class CudaIpcSlab(_CudaSlab):
 class CudaVmmSlab(_CudaSlab):
     """A cuMemCreate'd slab shared as a POSIX fd (SCM_RIGHTS)."""
 
-    def __init__(self, nbytes: int, index: int) -> None:
+    def __init__(self, nbytes: int, index: int, adopt_fd: int = -1) -> None:
         self.size = nbytes
         self.index = index
-        self.alloc = _cuda.vmm_allocate(nbytes, index)
+        self.alloc = (
+            _cuda.VmmAllocation.adopt(adopt_fd, nbytes, index) if adopt_fd >= 0 else _cuda.vmm_allocate(nbytes, index)
+        )
         self._t = self.alloc.buffer.tensor()[:nbytes]
         self.uuid = _cuda.device_uuid(index)
 
@@ -156,6 +158,14 @@ class CudaBackend:
             ) from exc
         finally:
             probe.close()
+
+    def adopt(self, desc: SlabDescriptor, fd: int) -> CudaVmmSlab:
+        """A slab handed over by another daemon (its VMM fd); legacy IPC slabs cannot be re-exported."""
+        if desc.kind != "cuda_vmm":
+            raise WCacheError(f"a {desc.kind} slab cannot be handed over (only cuda_vmm; start with --cuda-export vmm)")
+        if desc.device_uuid != self.device.uuid:
+            raise WCacheError(f"the slab is on GPU {desc.device_uuid}, this daemon serves {self.device.uuid}")
+        return CudaVmmSlab(desc.size, self.index, adopt_fd=fd)
 
     def allocate(self, nbytes: int) -> CudaIpcSlab | CudaVmmSlab:
         if self.export == "ipc":

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from wcache.errors import UnsupportedPlatformError
+from wcache.errors import UnsupportedPlatformError, WCacheError
 from wcache.proto import DeviceInfo, SlabDescriptor
 
 __all__ = ["HostBackend", "HostSlab"]
@@ -25,8 +25,14 @@ _SEALS = (
 
 
 class HostSlab:
-    def __init__(self, nbytes: int, name: str = "wcache-slab") -> None:
+    def __init__(self, nbytes: int, name: str = "wcache-slab", adopt_fd: int = -1) -> None:
         self.size = nbytes
+        if adopt_fd >= 0:  # handed over by another daemon: already loaded and sealed
+            self.fd = adopt_fd
+            self._mm: mmap.mmap | None = None
+            self._tensor: torch.Tensor | None = None
+            self.sealed = True
+            return
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             # No fallocate and no mapping up front: the loader copies file bytes in with sendfile, which
@@ -36,8 +42,8 @@ class HostSlab:
         except BaseException:
             os.close(self.fd)
             raise
-        self._mm: mmap.mmap | None = None
-        self._tensor: torch.Tensor | None = None
+        self._mm = None
+        self._tensor = None
         self.sealed = False
 
     def tensor(self) -> torch.Tensor:
@@ -104,3 +110,11 @@ class HostBackend:
 
     def allocate(self, nbytes: int) -> HostSlab:
         return HostSlab(nbytes)
+
+    def adopt(self, desc: SlabDescriptor, fd: int) -> HostSlab:
+        """A sealed memfd handed over by another daemon."""
+        if desc.kind != "memfd":
+            raise WCacheError(f"a {desc.kind} slab cannot be served by the host backend")
+        if os.fstat(fd).st_size < desc.size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+            raise WCacheError("the handed-over memfd is smaller than its slab or not sealed")
+        return HostSlab(desc.size, adopt_fd=fd)
