@@ -21,12 +21,14 @@ from pathlib import Path
 
 from wcache.channel import Channel, peer_credentials
 from wcache.errors import (
+    DeviceMismatchError,
     InternalError,
     KeyMismatchError,
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
     ProtocolError,
+    UnsupportedPlatformError,
     WCacheError,
 )
 from wcache.proto import (
@@ -328,7 +330,7 @@ class Daemon:
         if self._handed_over:
             raise WCacheError("this daemon is already handing over")
         if req.backend != backend.name or (backend.device.uuid and req.device_uuid != backend.device.uuid):
-            raise WCacheError(
+            raise DeviceMismatchError(
                 f"the new daemon serves {req.backend} {req.device_uuid or '-'}, this one "
                 f"{backend.name} {backend.device.uuid or '-'}: nothing handed over",
                 details={"backend": backend.name, "device_uuid": backend.device.uuid},
@@ -340,7 +342,7 @@ class Daemon:
             for slab in m.slabs:
                 desc, slab_fds = slab.export()
                 if not slab_fds:
-                    raise WCacheError(
+                    raise UnsupportedPlatformError(
                         f"{m.key.short()}: a {desc.kind} slab cannot be handed over (use --cuda-export vmm)"
                     )
                 descs.append(dataclasses.replace(desc, fd=len(fds)))
