@@ -147,3 +147,55 @@ def test_platform_check_names_alternatives() -> None:
 
     with pytest.raises(UnsupportedPlatformError, match="--device cpu"):
         CudaBackend(index=torch.cuda.device_count() + 5).check_platform()
+
+
+async def test_takeover_on_gpu_keeps_engine_mappings(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    from wcache.server.process import spawn_daemon
+
+    old = daemon_factory(ckpt, "--device", "cuda:0")
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    engine = await WCacheClient(old.socket).fetch(key)
+    new = spawn_daemon(None, socket_dir, "--device", "cuda:0", takeover=old.socket, timeout=120)
+    try:
+        assert old.proc.wait(60) == 0
+        assert "loaded bytes_read" not in new.log_text()
+        ref = reference(ckpt)
+        for name, t in ref.items():  # the old daemon is gone; the engine's VMM mappings still hold the weights
+            assert torch.equal(engine[name].cpu().view(torch.int16), t.view(torch.int16)), name
+        async with await WCacheClient(new.socket).fetch(key) as w:
+            assert w.server.server_pid == new.pid
+            assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
+        await engine.release()
+    finally:
+        new.stop()
+
+
+async def test_takeover_refused_for_ipc_slabs(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    old = daemon_factory(ckpt, "--device", "cuda:0", "--cuda-export", "ipc")
+    r = subprocess.run(
+        [sys.executable, "-m", "wcache.server.cli", "--takeover", str(old.socket), "--device", "cuda:0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode != 0 and "cannot be handed over" in r.stderr + r.stdout
+    assert old.proc.poll() is None  # nothing changed: the old daemon still serves
+    async with await WCacheClient(old.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+        assert len(w) > 0
+
+
+async def test_host_tier_reload_on_gpu(daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path) -> None:
+    args = ("--device", "cuda:0", "--host-tier", str(1 << 30), "--host-tier-dir", str(tmp_path / "tier"))
+    first = daemon_factory(ckpt, *args)
+    assert "host tier saved" in first.log_text()
+    first.stop()
+    second = daemon_factory(ckpt, *args)
+    assert "loaded from_host_tier" in second.log_text()
+    ref = reference(ckpt)
+    async with await WCacheClient(second.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+        assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
