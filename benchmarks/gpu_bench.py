@@ -64,6 +64,30 @@ def step(name: str) -> Iterator[dict[str, Any]]:
         save()
 
 
+def gpu_apps_mib(index: int | None = None) -> dict[int, int] | None:
+    """pid -> MiB of every process holding GPU memory (on GPU ``index``, or any), from
+    ``nvidia-smi --query-compute-apps`` (``memory.used`` reads 0 in the lent VM); None without nvidia-smi."""
+    cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    try:
+        q = subprocess.run(
+            [*cmd, *(["-i", str(index)] if index is not None else [])],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if q.returncode != 0:
+        return None
+    out: dict[int, int] = {}
+    for line in q.stdout.strip().splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            out[int(pid)] = int(mib)
+    return out
+
+
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -249,18 +273,7 @@ class Daemon:
         return int(m.group(1)) if m else None
 
     def gpu_mib(self) -> int | None:
-        q = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
-        )
-        for line in q.stdout.splitlines():
-            pid, mib = (x.strip() for x in line.split(","))
-            if int(pid) == self.proc.pid:
-                return int(mib)
-        return None
+        return (gpu_apps_mib() or {}).get(self.proc.pid)
 
     def stop(self) -> None:
         self.d.stop()

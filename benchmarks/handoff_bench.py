@@ -22,7 +22,6 @@ import datetime
 import json
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,22 +30,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-
-def gpu_apps() -> dict[int, int]:
-    q = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    out = {}
-    for line in q.stdout.strip().splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit():
-            out[int(pid)] = int(mib)
-    return out
+from gpu_bench import gpu_apps_mib  # noqa: E402
 
 
 def grab(pattern: str, text: str) -> float | None:
@@ -86,7 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         res["a_tier_save_s"] = grab(r"host tier saved .*? seconds=([\d.]+)", la)
         engine = await WCacheClient(a.socket).fetch(key)
         res["engine_views_ok_before"] = all(torch.equal(engine[n], ref[n]) for n in ref)
-        apps_before = gpu_apps()
+        apps_before = gpu_apps_mib() or {}
         res["gpu_mib_before_takeover"] = {"daemon_a": apps_before.get(a.pid), "all": sum(apps_before.values())}
 
         t0 = time.perf_counter()
@@ -100,7 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         res["engine_views_ok_after"] = all(torch.equal(engine[n], ref[n]) for n in ref)
         async with await WCacheClient(b.socket).fetch(key) as w:
             res["b_fetch_ok"] = w.server.server_pid == b.pid and all(torch.equal(w[n], ref[n]) for n in ref)
-        apps = gpu_apps()
+        apps = gpu_apps_mib() or {}
         res["gpu_mib_after_takeover"] = {"daemon_b": apps.get(b.pid), "all": sum(apps.values())}
         await engine.release()
         b.stop()

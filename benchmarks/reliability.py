@@ -56,30 +56,12 @@ def gpu_used_mib() -> int | None:
 
 
 def gpu_apps_mib() -> dict[int, int] | None:
-    """pid -> MiB of every process holding memory on DEVICE (nvidia-smi --query-compute-apps)."""
+    """pid -> MiB of every process holding memory on DEVICE."""
     if DEVICE == "cpu":
         return None
-    q = subprocess.run(
-        [
-            "nvidia-smi",
-            "--query-compute-apps=pid,used_memory",
-            "--format=csv,noheader,nounits",
-            "-i",
-            DEVICE.split(":")[1],
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    if q.returncode != 0:
-        return None
-    out: dict[int, int] = {}
-    for line in q.stdout.strip().splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit() and mib.strip().isdigit():
-            out[int(pid)] = int(mib)
-    return out
+    from gpu_bench import gpu_apps_mib as apps
+
+    return apps(int(DEVICE.split(":")[1]))
 
 
 def start_daemon(model: Path, sock_dir: Path, *extra: str) -> DaemonProcess:
