@@ -195,7 +195,17 @@ async def test_host_tier_reload_on_gpu(daemon_factory: Callable[..., DaemonProc]
     assert "host tier saved" in first.log_text()
     first.stop()
     second = daemon_factory(ckpt, *args)
-    assert "loaded from_host_tier" in second.log_text()
+    assert "loaded from_host_tier" in second.log_text() and "copy=staged" in second.log_text()
     ref = reference(ckpt)
-    async with await WCacheClient(second.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    client = WCacheClient(second.socket)
+    async with await client.fetch(key) as w:
+        assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
+    deadline = time.monotonic() + 60
+    while "host tier pinned" not in second.log_text() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await client.evict(key)
+    await client.preload(ckpt)  # refilled from the page-locked tier entry: one DMA copy
+    assert "copy=pinned" in second.log_text()
+    async with await client.fetch(key) as w:
         assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())

@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         if args.host_tier > 0:
             from wcache.server.tier import HostTier, default_tier_dir
 
-            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier)
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.name == "cuda")
 
         def loader(req: Preload) -> ServedModel:
             return load_model(
@@ -314,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
             uvloop.run(daemon.serve(ready))
         finally:
             store.close()
+            if tier is not None:
+                tier.close()
     finally:
         lock.release()
     return 0

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import torch
 
 from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import ProtocolError, WCacheError
@@ -54,6 +57,35 @@ class TierEntry:
     table: TensorTable
     aliases: dict[str, str]
     payload: int
+    pinned: torch.Tensor | None = None  # the slab file mapped and page-locked in this daemon (CUDA)
+
+
+class _Pinned:
+    """A tier file mapped and registered with the CUDA driver (page-locked): a device slab refills
+    from it with one host-to-device copy at DMA speed (16 GB: 0.29 s on the H200) instead of
+    going through staging buffers. Registration costs 0.67 s per 16 GB, paid in the background."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)  # type: ignore[no-untyped-call]
+        if int(err) != 0:
+            self.tensor = None  # type: ignore[assignment]
+            self.mm.close()
+            raise OSError(f"cudaHostRegister: {err}")
+
+    def close(self) -> None:
+        if self.tensor is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
+            self.tensor = None  # type: ignore[assignment]
+            try:
+                self.mm.close()
+            except BufferError:  # a copy in flight still references it: the mapping goes with it
+                pass
 
 
 def _digest(path: Path, size: int) -> str:
@@ -65,9 +97,14 @@ def _digest(path: Path, size: int) -> str:
 
 
 class HostTier:
-    def __init__(self, directory: Path, budget: int) -> None:
+    """``pin``: keep entries page-locked in this process (CUDA backends) for DMA-speed refills."""
+
+    def __init__(self, directory: Path, budget: int, *, pin: bool = False) -> None:
         self.dir = Path(os.path.abspath(directory))
         self.budget = budget
+        self.pin = pin
+        self._pinned: dict[Path, _Pinned] = {}
+        self._lock = threading.Lock()
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
         except FileExistsError:
@@ -98,7 +135,36 @@ class HostTier:
     def used_bytes(self) -> int:
         return sum(n for _, _, n in self.entries())
 
+    def _pin_in_background(self, slab: Path, size: int) -> None:
+        def pin() -> None:
+            t0 = time.perf_counter()
+            try:
+                p = _Pinned(slab, size)
+            except (OSError, RuntimeError) as exc:
+                log.warning("host tier pin failed entry=%s: %s", slab.stem, exc)
+                return
+            with self._lock:
+                old = self._pinned.pop(slab, None)
+                self._pinned[slab] = p
+            if old is not None:
+                old.close()
+            log.info("host tier pinned entry=%s bytes=%d seconds=%.2f", slab.stem, size, time.perf_counter() - t0)
+
+        if self.pin:
+            threading.Thread(target=pin, name="wcache-tier-pin", daemon=True).start()
+
+    def _unpin(self, slab: Path) -> None:
+        with self._lock:
+            p = self._pinned.pop(slab, None)
+        if p is not None:
+            p.close()
+
+    def close(self) -> None:
+        for slab in list(self._pinned):
+            self._unpin(slab)
+
     def remove(self, slab: Path, meta: Path) -> None:
+        self._unpin(slab)
         for p in (meta, slab):  # meta first: the entry stops existing before its bytes go
             try:
                 p.unlink()
@@ -122,7 +188,13 @@ class HostTier:
                 raise WCacheError("sampled digest of the slab file differs (corrupted or rewritten)")
             table = TensorTable.from_wire(m["tensors"], [size])
             aliases = {str(a): str(t) for a, t in dict(m.get("aliases", {})).items()}
-            entry = TierEntry(slab, meta, size, table, aliases, int(m["payload"]))
+            with self._lock:
+                pinned = self._pinned.get(slab)
+            entry = TierEntry(
+                slab, meta, size, table, aliases, int(m["payload"]), pinned.tensor if pinned is not None else None
+            )
+            if pinned is None:
+                self._pin_in_background(slab, size)  # the next refill (after an eviction) is a DMA copy
         except (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             log.warning("host tier entry %s rejected (%s); removed, loading from disk", meta.name, exc)
             self.remove(slab, meta)
@@ -165,6 +237,7 @@ class HostTier:
             tmp_meta = tmp.with_suffix(".metatmp")
             tmp_meta.write_bytes(msgpack.packb(meta, use_bin_type=True))
             os.chmod(tmp_meta, 0o600)
+            self._unpin(slab_path)  # a pinned mapping of an older file with this name
             os.replace(tmp, slab_path)
             os.replace(tmp_meta, meta_path)
         except BaseException:
@@ -175,6 +248,7 @@ class HostTier:
                     pass
             raise
         secs = time.perf_counter() - t0
+        self._pin_in_background(slab_path, size)
         log.info(
             "host tier saved key=%s bytes=%d seconds=%.2f gb_s=%.2f dir=%s used=%d budget=%d",
             key.short(),
