@@ -114,7 +114,7 @@ def load_model(
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:
-            served = _load_from_tier(entry, key, backend, threads, staging_bytes, source)
+            served = _load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
             if served is not None:
                 return served
     fn = load_transform(transform) if transform else None
@@ -143,7 +143,13 @@ def load_model(
 
 
 def _load_from_tier(
-    entry: TierEntry, key: WeightCacheKey, backend: Backend, threads: int, staging_bytes: int, source: Path
+    tier: HostTier,
+    entry: TierEntry,
+    key: WeightCacheKey,
+    backend: Backend,
+    threads: int,
+    staging_bytes: int,
+    source: Path,
 ) -> ServedModel | None:
     started = time.perf_counter()
     slab = backend.allocate(entry.size)
@@ -174,6 +180,7 @@ def _load_from_tier(
         entry.meta_path.stem,
         how,
     )
+    tier.pin_later(entry)
     entry.table.encoded()
     return ServedModel(key, entry.table, entry.aliases, [slab], backend, entry.payload, stats, source=source)
 

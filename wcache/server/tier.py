@@ -153,6 +153,12 @@ class HostTier:
         if self.pin:
             threading.Thread(target=pin, name="wcache-tier-pin", daemon=True).start()
 
+    def pin_later(self, entry: TierEntry) -> None:
+        """After a refill from ``entry`` through staging: page-lock it now, so that the next refill (after
+        an eviction) is one DMA copy. Not during the refill: both would compete for the driver and memory."""
+        if entry.pinned is None:
+            self._pin_in_background(entry.slab_path, entry.size)
+
     def _unpin(self, slab: Path) -> None:
         with self._lock:
             p = self._pinned.pop(slab, None)
@@ -193,8 +199,7 @@ class HostTier:
             entry = TierEntry(
                 slab, meta, size, table, aliases, int(m["payload"]), pinned.tensor if pinned is not None else None
             )
-            if pinned is None:
-                self._pin_in_background(slab, size)  # the next refill (after an eviction) is a DMA copy
+
         except (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             log.warning("host tier entry %s rejected (%s); removed, loading from disk", meta.name, exc)
             self.remove(slab, meta)
