@@ -4,8 +4,9 @@
     wcache preload DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--socket-path P | --socket-dir D]
     wcache evict DIR [same options]
 
-``status`` prints one row per model of each daemon socket found (model, rank, device, bytes,
-leases, connections, uptime), or the STATUS_REPLY frames as JSON; exit 1 if no daemon answered.
+``status`` prints one row per model of each daemon socket found (model, rank, tier, device,
+bytes, leases, last use, connections, uptime) and a line of device memory and host-tier use,
+or the STATUS_REPLY frames as JSON; exit 1 if no daemon answered.
 ``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased
 models, least recently used first, under its --memory-budget); ``evict`` drops it.
 """
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +46,14 @@ async def _status(paths: list[Path], timeout: float) -> list[tuple[Path, StatusR
     return list(await asyncio.gather(*(one(p) for p in paths)))
 
 
-def _rows(path: Path, r: StatusReply | str) -> list[list[str]]:
+HEADER = ["SOCKET", "MODEL", "RANK", "TIER", "DEVICE", "SLAB", "LEASES", "LAST USE", "CONNS", "UPTIME"]
+
+
+def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
     if isinstance(r, str):
-        return [[str(path), "-", "-", "-", "-", "-", "-", r]]
+        return [[str(path), *["-"] * (len(HEADER) - 2), r]]
     rows = []
+    tier = "device" if r.backend == "cuda" else "host"
     for m in r.models or (None,):
         key = m.key if m else {}
         rows.append(
@@ -55,14 +61,25 @@ def _rows(path: Path, r: StatusReply | str) -> list[list[str]]:
                 str(path),
                 f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}" if m else "(none)",
                 f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}" if m else "-",
+                tier if m else "-",
                 f"{r.backend}:{r.device.uuid or r.device.kind}",
                 f"{(m.bytes if m else 0) / 1e9:.2f} GB",
                 str(m.leases if m else 0),
+                f"{now - m.last_use:.0f}s ago" if m and m.last_use else "never",
                 str(r.connections),
                 f"up {r.uptime_seconds:.0f}s",
             ]
         )
     return rows
+
+
+def _summary(path: Path, r: StatusReply) -> str:
+    parts = []
+    if r.device_total_bytes:
+        parts.append(f"device memory {r.device_free_bytes / 1e9:.1f} of {r.device_total_bytes / 1e9:.1f} GB free")
+    if r.tier_budget:
+        parts.append(f"host tier {r.tier_bytes / 1e9:.2f} of {r.tier_budget / 1e9:.2f} GB in {r.tier_entries} entries")
+    return f"{path}: " + "; ".join(parts) if parts else ""
 
 
 def _to_json(r: StatusReply) -> dict[str, Any]:
@@ -146,12 +163,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        rows = [["SOCKET", "MODEL", "RANK", "DEVICE", "SLAB", "LEASES", "CONNS", "UPTIME"]]
+        now = time.time()
+        rows = [HEADER]
         for p, r in results:
-            rows += _rows(p, r)
+            rows += _rows(p, r, now)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for p, r in results:
+            line = _summary(p, r) if isinstance(r, StatusReply) else ""
+            if line:
+                print(line)
     return 0 if any(isinstance(r, StatusReply) for _, r in results) else 1
 
 

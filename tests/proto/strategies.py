@@ -187,6 +187,11 @@ frames = st.one_of(
             ),
             max_size=3,
         ).map(tuple),
+        device_free_bytes=uints,
+        device_total_bytes=uints,
+        tier_bytes=uints,
+        tier_budget=uints,
+        tier_entries=uints,
     ),
     st.builds(
         Preload,

@@ -98,3 +98,23 @@ def test_tier_dir_must_be_private(daemon_factory: Callable[..., DaemonProc], ckp
     os.chmod(tier, 0o755)
     with pytest.raises(RuntimeError, match=r"host tier directory .* open to other users"):
         daemon_factory(ckpt, *_tier_args(tier))
+
+
+def test_status_shows_tier_and_last_use(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path, socket_dir: Path
+) -> None:
+    import subprocess
+    import sys
+
+    daemon_factory(ckpt, *_tier_args(tmp_path / "tier"))
+    out = subprocess.run(
+        [sys.executable, "-m", "wcache.cli", "status", "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    head, row = out.stdout.splitlines()[:2]
+    assert head.split()[:4] == ["SOCKET", "MODEL", "RANK", "TIER"] and " host " in row and "never" in row
+    assert "host tier 0.01 of 1.07 GB in 1 entries" in out.stdout

@@ -796,6 +796,11 @@ class StatusReply:
     connections: int
     models: tuple[ModelInfo, ...] = ()
     leases: tuple[LeaseInfo, ...] = ()
+    device_free_bytes: int = 0  # free memory of the daemon's GPU (0 for the host backend)
+    device_total_bytes: int = 0
+    tier_bytes: int = 0  # bytes in the host-memory tier (--host-tier), 0 when off
+    tier_budget: int = 0
+    tier_entries: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -808,6 +813,11 @@ class StatusReply:
             "connections": self.connections,
             "models": [x.to_wire() for x in self.models],
             "leases": [x.to_wire() for x in self.leases],
+            "device_free_bytes": self.device_free_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "tier_bytes": self.tier_bytes,
+            "tier_budget": self.tier_budget,
+            "tier_entries": self.tier_entries,
         }
 
     @classmethod
@@ -822,6 +832,11 @@ class StatusReply:
             connections=f.integer("connections"),
             models=tuple(ModelInfo.from_wire(x) for x in f.array("models", [])),
             leases=tuple(LeaseInfo.from_wire(x) for x in f.array("leases", [])),
+            device_free_bytes=f.integer("device_free_bytes", 0),
+            device_total_bytes=f.integer("device_total_bytes", 0),
+            tier_bytes=f.integer("tier_bytes", 0),
+            tier_budget=f.integer("tier_budget", 0),
+            tier_entries=f.integer("tier_entries", 0),
         )
 
 

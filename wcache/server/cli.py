@@ -284,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
                 load_on_demand=args.load_on_demand,
                 listener=listener,
                 on_handover=lock.release,
+                tier=tier,
             )
 
             def ready() -> None:

@@ -52,6 +52,7 @@ from wcache.proto import (
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.store import ServedModel, Store, planned_bytes
+from wcache.server.tier import HostTier
 
 __all__ = ["Daemon"]
 
@@ -76,6 +77,7 @@ class Daemon:
         load_on_demand: bool = False,
         listener: socket.socket | None = None,
         on_handover: Callable[[], None] | None = None,
+        tier: HostTier | None = None,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -101,6 +103,7 @@ class Daemon:
         #: a listening socket handed over by the previous daemon (--takeover), used instead of binding
         self._listener: socket.socket | None = listener
         self._on_handover = on_handover
+        self.tier = tier
         self._handed_over = False
         self._accept_task: asyncio.Future[None] | None = None
 
@@ -443,7 +446,8 @@ class Daemon:
         tier = "device" if self.store.backend.name == "cuda" else "host"
         models = list(self.store.models.values())
         return self.metrics.render(
-            resident=[(tier, m.key.short(), m.slab_bytes) for m in models],
+            resident=[(tier, m.key.short(), m.slab_bytes) for m in models]
+            + [("host_tier", meta.stem, n) for _, meta, n in (self.tier.entries() if self.tier is not None else [])],
             leases=len(self.store.leases),
             connections=len(self._tasks),
             uptime=time.monotonic() - self.started,
@@ -452,6 +456,12 @@ class Daemon:
 
     def status_reply(self, rid: int) -> StatusReply:
         backend = self.store.backend
+        free = total = 0
+        if backend.device.kind == "cuda":
+            import torch
+
+            free, total = torch.cuda.mem_get_info(backend.device.index)
+        entries = self.tier.entries() if self.tier is not None else []
         return StatusReply(
             id=rid,
             software=self.software,
@@ -461,4 +471,9 @@ class Daemon:
             connections=len(self._tasks),
             models=self.store.model_infos(),
             leases=self.store.lease_infos(),
+            device_free_bytes=free,
+            device_total_bytes=total,
+            tier_bytes=sum(n for _, _, n in entries),
+            tier_budget=self.tier.budget if self.tier is not None else 0,
+            tier_entries=len(entries),
         )
