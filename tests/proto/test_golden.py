@@ -85,3 +85,18 @@ def test_example_state_maps_through_a_connection() -> None:
     client.receive_data(server.send(EXAMPLES["STATE"]))
     assert list(client.events()) == [EXAMPLES["STATE"]]
     assert client.leases == {1001}
+
+
+def test_example_takeover_pairs_through_a_connection() -> None:
+    """TAKEOVER is a request like the others: TAKEOVER_STATE answers it, and carries fd_count descriptors."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    server.receive_data(client.send(EXAMPLES["HELLO"]))
+    list(server.events())
+    client.receive_data(server.send(EXAMPLES["HELLO_OK"]))
+    list(client.events())
+    server.receive_data(client.send(EXAMPLES["TAKEOVER"]))
+    assert list(server.events()) == [EXAMPLES["TAKEOVER"]]
+    client.receive_data(server.send(EXAMPLES["TAKEOVER_STATE"]))
+    (reply,) = client.events()
+    assert reply == EXAMPLES["TAKEOVER_STATE"] and reply.fd_count == 2  # one memfd slab + the listener
+    assert not client.pending
