@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from wcache.proto import Connection, Role, decode_body, decode_frame, pack_frame
+from wcache.proto import Connection, Role, TakeoverState, decode_body, decode_frame, pack_frame
 from wcache.proto.examples import EXAMPLES, hexdump
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
@@ -98,5 +98,6 @@ def test_example_takeover_pairs_through_a_connection() -> None:
     assert list(server.events()) == [EXAMPLES["TAKEOVER"]]
     client.receive_data(server.send(EXAMPLES["TAKEOVER_STATE"]))
     (reply,) = client.events()
-    assert reply == EXAMPLES["TAKEOVER_STATE"] and reply.fd_count == 2  # one memfd slab + the listener
+    assert isinstance(reply, TakeoverState) and reply == EXAMPLES["TAKEOVER_STATE"]
+    assert reply.fd_count == 2  # one memfd slab + the listener
     assert not client.pending
