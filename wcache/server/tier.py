@@ -68,6 +68,7 @@ class _Pinned:
     def __init__(self, path: Path, size: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
+            self.inode = os.fstat(fd).st_ino  # the file pinned: a rewritten entry is another inode
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -131,10 +132,6 @@ class HostTier:
                 continue
         return [(s, m, n) for _, s, m, n in sorted(out)]
 
-    @property
-    def used_bytes(self) -> int:
-        return sum(n for _, _, n in self.entries())
-
     def _pin_in_background(self, slab: Path, size: int) -> None:
         def pin() -> None:
             t0 = time.perf_counter()
@@ -148,6 +145,13 @@ class HostTier:
                 self._pinned[slab] = p
             if old is not None:
                 old.close()
+            try:
+                gone = os.stat(slab).st_ino != p.inode
+            except FileNotFoundError:
+                gone = True
+            if gone:  # removed or rewritten while we pinned it
+                self._unpin(slab)
+                return
             log.info("host tier pinned entry=%s bytes=%d seconds=%.2f", slab.stem, size, time.perf_counter() - t0)
 
         if self.pin:
@@ -196,6 +200,9 @@ class HostTier:
             aliases = {str(a): str(t) for a, t in dict(m.get("aliases", {})).items()}
             with self._lock:
                 pinned = self._pinned.get(slab)
+            if pinned is not None and pinned.inode != slab.stat().st_ino:  # rewritten by another daemon
+                self._unpin(slab)
+                pinned = None
             entry = TierEntry(
                 slab, meta, size, table, aliases, int(m["payload"]), pinned.tensor if pinned is not None else None
             )
