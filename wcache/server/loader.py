@@ -333,7 +333,9 @@ class _Staging:
             self.bufs = [base[i * size : (i + 1) * size] for i in range(slots)]
         except (RuntimeError, OSError, ValueError, AttributeError) as exc:
             log.debug("staging: cudaHostRegister unavailable (%s); using cudaHostAlloc", exc)
-            self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+            # cudaHostAlloc is page-aligned in practice; over-allocate a page to be sure (O_DIRECT needs it)
+            raw = [torch.empty(size + ALIGN_IO, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+            self.bufs = [b[(-b.data_ptr()) % ALIGN_IO :][:size] for b in raw]
         self.next = 0
         self.lock = threading.Lock()
 
@@ -341,6 +343,8 @@ class _Staging:
         with self.lock:
             got = self.bufs[self.next : self.next + n]
             self.next += n
+        if len(got) != n:
+            raise RuntimeError(f"staging has {len(self.bufs)} buffers, all taken")
         return got
 
     def close(self) -> None:
@@ -362,9 +366,7 @@ class _DeviceWorker:
     def __init__(self, device: torch.device, staging: _Staging) -> None:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         size = staging.size
-        self.bufs = staging.take(2)
-        if any(b.data_ptr() % ALIGN_IO for b in self.bufs):  # page-aligned in practice; be sure
-            raise RuntimeError("staging buffers are not page-aligned")
+        self.bufs = staging.take(2)  # page-aligned (the mapping's slices are multiples of pages)
         self.views = [memoryview((ctypes.c_char * size).from_address(b.data_ptr())).cast("B") for b in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
@@ -477,8 +479,13 @@ def _execute(
                 out_fds.append(mine)
         return mine
 
-    # chunk + 2 pages: room to read an aligned superset with O_DIRECT; 2 buffers per thread
-    staging = _Staging(2 * threads, chunk + 2 * ALIGN_IO) if on_device else None
+    # 2 buffers per thread that can run a copy job, each as large as the largest job (<= chunk) + 2 pages:
+    # room to read an aligned superset with O_DIRECT. A small model does not pin the whole staging budget.
+    copies = [j.nbytes for j in jobs if not j.cast]
+    staging = None
+    if on_device and copies:
+        size = -(-max(copies) // ALIGN_IO) * ALIGN_IO + 2 * ALIGN_IO
+        staging = _Staging(2 * min(threads, len(copies)), size)
 
     def worker() -> _DeviceWorker:
         w = getattr(local, "w", None)
