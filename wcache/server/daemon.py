@@ -341,18 +341,13 @@ class Daemon:
         models: list[HandedModel] = []
         fds: list[int] = []
         for m in self.store.models.values():
-            descs = []
-            for slab in m.slabs:
-                desc, slab_fds = slab.export()
-                if not slab_fds:
-                    raise UnsupportedPlatformError(
-                        f"{m.key.short()}: a {desc.kind} slab cannot be handed over (use --cuda-export vmm)"
-                    )
-                descs.append(dataclasses.replace(desc, fd=len(fds)))
-                fds.extend(slab_fds)
-            models.append(
-                HandedModel(m.key.to_wire(), tuple(descs), m.table, m.aliases, m.payload_bytes, m.stats.seconds)
-            )
+            descs = m.export(fds)
+            by_handle = [d.kind for d in descs if d.fd < 0]
+            if by_handle:  # (the fds listed so far are the slabs' own: nothing to close)
+                raise UnsupportedPlatformError(
+                    f"{m.key.short()}: a {by_handle[0]} slab cannot be handed over (use --cuda-export vmm)"
+                )
+            models.append(HandedModel(m.key.to_wire(), descs, m.table, m.aliases, m.payload_bytes, m.stats.seconds))
         if len(fds) + 1 > MAX_HANDOFF_FDS:
             raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
         assert self._listener is not None

@@ -75,6 +75,18 @@ class ServedModel:
         """Bytes of the model's slabs (still reported after close(), for logs and EVICTED)."""
         return self._slab_bytes
 
+    def export(self, fds: list[int]) -> tuple[SlabDescriptor, ...]:
+        """The slab descriptors for a frame; descriptors that travel are appended to ``fds`` and
+        each descriptor's ``fd`` is its position there (-1 for slabs shared by handle)."""
+        descs: list[SlabDescriptor] = []
+        for slab in self.slabs:
+            desc, slab_fds = slab.export()
+            if slab_fds:
+                desc = dataclasses.replace(desc, fd=len(fds))
+                fds.extend(slab_fds)
+            descs.append(desc)
+        return tuple(descs)
+
     def close(self) -> None:
         for s in self.slabs:
             s.close()
@@ -385,20 +397,13 @@ class Store:
         self.leases[lease.id] = lease
         m.last_use = time.time()
         self.models.move_to_end(m.key)
-        descs: list[SlabDescriptor] = []
         fds: list[int] = []
-        for slab in m.slabs:
-            desc, slab_fds = slab.export()
-            if slab_fds:
-                desc = dataclasses.replace(desc, fd=len(fds))
-                fds.extend(slab_fds)
-            descs.append(desc)
         state = State(
             id=req.id,
             lease=lease.id,
             key=m.key.to_wire(),
             mode=req.mode,
-            slabs=tuple(descs),
+            slabs=m.export(fds),
             tensors=m.table,
             aliases=m.aliases,
         )
