@@ -677,6 +677,16 @@ class GetState:
         )
 
 
+def _aliases(f: _Fields, frame: str, tensors: TensorTable) -> dict[str, str]:
+    """The optional ``aliases`` map: each a new name (not a tensor's) for an existing tensor."""
+    aliases = f.str_map("aliases", {})
+    known = set(tensors.names) if aliases else set()
+    for a, t in aliases.items():
+        if a in known or t not in known:
+            raise _fail(frame, "aliases", f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
+    return aliases
+
+
 @dataclass(frozen=True, slots=True)
 class State:
     """Daemon -> client: a lease and everything needed to map the weights."""
@@ -712,11 +722,7 @@ class State:
         if sorted(fds) != list(range(len(fds))):
             raise _fail(cls.TYPE, "slabs", "fd positions must be 0..n-1, each once")
         tensors = TensorTable.from_wire(f.mapping("tensors"), [s.size for s in slabs])
-        aliases = f.str_map("aliases", {})
-        known = set(tensors.names) if aliases else set()
-        for a, t in aliases.items():
-            if a in known or t not in known:
-                raise _fail(cls.TYPE, "aliases", f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
+        aliases = _aliases(f, cls.TYPE, tensors)
         return cls(
             id=f.integer("id", lo=1),
             lease=f.integer("lease", lo=1),
@@ -1028,10 +1034,7 @@ class HandedModel:
         if not 1 <= len(slabs) <= MAX_HANDOFF_FDS:
             raise _fail("HandedModel", "slabs", f"expected 1..{MAX_HANDOFF_FDS} slabs")
         tensors = TensorTable.from_wire(f.mapping("tensors"), [s.size for s in slabs])
-        aliases = f.str_map("aliases", {})
-        known = set(tensors.names)
-        if any(a in known or t not in known for a, t in aliases.items()):
-            raise _fail("HandedModel", "aliases", "an alias must be a new name for a tensor")
+        aliases = _aliases(f, "HandedModel", tensors)
         return cls(
             key=f.key("key"),
             slabs=slabs,
