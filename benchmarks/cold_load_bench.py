@@ -3,7 +3,9 @@
 On a GPU (``--device cuda:0``), same 16 GB Llama-3-8B-shaped checkpoint:
 wcache-server load cold (page cache dropped) and warm, a TP=2 rank's read fraction,
 ``safetensors.torch.load_file(device=...)`` cold/warm, fastsafetensors and
-runai-model-streamer cold/warm when they import. On the CPU (``--device cpu``): the
+runai-model-streamer cold/warm when they import, and the disk's own ceiling that day (the
+same files read cold by as many threads in 64 MiB preads into nothing, O_DIRECT and buffered:
+no loader can beat it). On the CPU (``--device cpu``): the
 host backend's load against ``safetensors.torch.load_file`` + materialising the tensors
 in memory, as a ratio.
 
@@ -79,6 +81,28 @@ with SafetensorsStreamer() as s:
             t.to(dev); n += 1
 torch.cuda.synchronize()
 print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
+"""
+
+
+DISK = r"""
+import glob, json, mmap, os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+files, direct, threads, chunk = sorted(glob.glob(sys.argv[1] + "/*.safetensors")), sys.argv[2] == "direct", int(sys.argv[3]), 64 << 20
+jobs = [(f, off) for f in files for off in range(0, os.path.getsize(f), chunk)]
+flag = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+fds = {f: os.open(f, flag) for f in files}
+def run(j):
+    buf = getattr(tl, "buf", None)
+    if buf is None:
+        buf = tl.buf = mmap.mmap(-1, chunk)
+    f, off = j
+    return os.preadv(fds[f], [buf], off)
+import threading; tl = threading.local()
+t0 = time.perf_counter()
+with ThreadPoolExecutor(threads) as ex:
+    n = sum(ex.map(run, jobs))
+s = time.perf_counter() - t0
+print(json.dumps({"seconds": s, "bytes": n, "gb_s": n / s / 1e9, "threads": threads}))
 """
 
 
@@ -162,6 +186,11 @@ def main() -> None:
         ("safetensors", lambda: child(SAFETENSORS, str(model), args.device)),
     ]
     if gpu:
+        t = str(args.threads or 16)
+        loaders += [  # the disk's own ceiling: the same reads with no copy at all (64 MiB preads, threads)
+            ("disk_direct", lambda: child(DISK, str(model), "direct", t)),
+            ("disk_buffered", lambda: child(DISK, str(model), "buffered", t)),
+        ]
         loaders += [
             ("wcache_buffered_io", lambda: daemon_load(model, args.device, work, "--io", "buffered")),
             ("fastsafetensors", lambda: child(FASTSAFETENSORS, str(model), args.device)),
@@ -174,11 +203,11 @@ def main() -> None:
         for _ in range(max(1, args.repeats)):
             dropped = drop_caches() and dropped
             colds.append(fn())
-        for _ in range(max(1, args.repeats)):
+        for _ in range(max(1, args.repeats) if not name.startswith("disk_") else 0):
             warms.append(fn())
         runs[name] = {
             "cold": _median_run(colds),
-            "warm": _median_run(warms),
+            "warm": _median_run(warms) if warms else {},
             "cold_all_s": [r.get("seconds") for r in colds],
             "warm_all_s": [r.get("seconds") for r in warms],
             "page_cache_dropped": dropped,
@@ -194,6 +223,9 @@ def main() -> None:
         "safetensors_cold_s": s["cold"].get("seconds"),
         "safetensors_warm_s": s["warm"].get("seconds"),
         "tp2_rank_read_fraction": tp.get("read_fraction"),
+        "fastsafetensors_cold_s": runs.get("fastsafetensors", {}).get("cold", {}).get("seconds"),
+        "disk_direct_read_s": runs.get("disk_direct", {}).get("cold", {}).get("seconds"),
+        "disk_buffered_read_s": runs.get("disk_buffered", {}).get("cold", {}).get("seconds"),
         "wcache_over_safetensors_cold": _ratio(w["cold"], s["cold"]),
         "wcache_over_safetensors_warm": _ratio(w["warm"], s["warm"]),
         "targets": {"cold_s": 7.0, "warm_s": 1.0, "tp2_read_fraction": 0.55} if gpu else {"ratio_max": 1.0},

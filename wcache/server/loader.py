@@ -8,8 +8,10 @@ Extents are grouped into jobs of at most ``chunk`` bytes with a contiguous desti
 
 Reader threads (``os.preadv`` releases the GIL) run the jobs:
 
-- host slab (memfd): ``sendfile`` from the checkpoint into the memfd at the slab offset — one
-  in-kernel copy, no staging, and shared-memory pages are allocated as they are written;
+- host slab (memfd): one thread ``sendfile``s from the checkpoint into the memfd at the slab
+  offset (an in-kernel copy; shared-memory pages are allocated as they are written, unzeroed);
+  writes to one file serialise on its inode lock, so the other threads ``preadv`` into the
+  slab's shared mapping, whose page faults run in parallel;
 - device slab: each thread owns two pinned staging buffers and a CUDA stream; it reads
   into one buffer while the previous one is copied to the slab (double buffering), so
   reads and host-to-device copies overlap and pinned memory stays bounded by
@@ -496,12 +498,31 @@ def _execute(
                 workers.append(w)
         return w
 
+    # Host slab: writes into one shmem file serialise on its inode lock, so one thread copies with
+    # sendfile (no page zeroing) and the others read into the slab's mapping, whose page faults run in
+    # parallel (measured on 2 cores: 2.1-2.3 GB/s with any number of sendfile threads, 2.7 GB/s mixed).
+    host_view = None
+    sender: list[int] = []
+    if host is not None and threads > 1 and target.numel():
+        host_view = memoryview((ctypes.c_char * target.numel()).from_address(target.data_ptr())).cast("B")
+
+    def sends() -> bool:
+        role = getattr(local, "sends", None)
+        if role is None:
+            with workers_lock:
+                role = local.sends = not sender
+                sender.append(threading.get_ident())
+        return bool(role)
+
     def run(job: _Job) -> None:
         n = job.nbytes
         if job.cast:
             _cast_job(files, job, target)
         elif host is not None:
-            _send(files, job, out_fd(host))
+            if host_view is None or sends():
+                _send(files, job, out_fd(host))
+            else:
+                _read(files, job, host_view[job.dest : job.dest + n])
         else:
             w = worker()
             i = w.slot()
@@ -528,6 +549,8 @@ def _execute(
         if on_device:
             torch.cuda.synchronize(target.device)
     finally:
+        if host_view is not None:
+            host_view.release()
         bar.close()
         for fd in out_fds:
             os.close(fd)

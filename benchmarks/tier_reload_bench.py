@@ -1,0 +1,125 @@
+"""What a host-tier reload costs in a *fresh* daemon process, by reader threads and staging size (issue 7).
+
+A restarted daemon finds its slab in the host tier (a file in shared memory) and copies it to a new GPU
+slab with the loader's pinned staging pipeline (``load_file_into``). The staging is new in a new
+process: it is mapped and page-locked before the first copy, so its size is part of the restart time.
+Each configuration runs in its own process (torch and the CUDA context started first, not timed):
+
+- ``seconds``: slab allocation + staging setup + the copy (what the daemon logs as ``load_s``);
+- ``staging_s``: the part spent mapping and page-locking the staging.
+
+    python benchmarks/tier_reload_bench.py --device cuda:0 --model /tmp/wcache-bench/llama3-8b --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from wcache.server import loader
+from wcache.server.backends.cuda import CudaBackend
+path, dev, threads, staging = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+torch.empty(1, device=dev); torch.cuda.synchronize()
+spent = []
+init = loader._Staging.__init__
+def timed_init(self, *a, **k):
+    t = time.perf_counter(); init(self, *a, **k); spent.append(time.perf_counter() - t)
+loader._Staging.__init__ = timed_init
+backend = CudaBackend(torch.device(dev).index or 0)
+size = path.stat().st_size
+t0 = time.perf_counter()
+slab = backend.allocate(size)
+stats = loader.load_file_into(path, slab, threads=threads, staging_bytes=staging, started=t0)
+seconds = time.perf_counter() - t0
+ok = bool(slab.tensor()[-4096:].cpu().numpy().tobytes() == open(path, "rb").read()[-4096:]) if size >= 4096 else True
+print(json.dumps({"seconds": seconds, "staging_s": sum(spent), "gb_s": size / seconds / 1e9, "tail_ok": ok}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--model", type=Path, default=Path("/tmp/wcache-bench/llama3-8b"))
+    ap.add_argument("--tier-file", type=Path, default=Path("/dev/shm/wcache-tier-bench.slab"))
+    ap.add_argument("--threads", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--staging-mib", type=int, nargs="*", default=[256, 512, 1024, 2048])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    # the tier file: the checkpoint's bytes back to back in shared memory, as a tier entry holds a slab
+    files = sorted(args.model.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"no checkpoint in {args.model}")
+    t = time.perf_counter()
+    with open(args.tier_file, "wb") as out:
+        for f in files:
+            with open(f, "rb") as src:
+                size = os.fstat(src.fileno()).st_size
+                done = 0
+                while done < size:
+                    done += os.sendfile(out.fileno(), src.fileno(), done, size - done)
+        out.truncate(-(-out.tell() // (64 << 20)) * (64 << 20))  # a whole number of slab granules
+    size = args.tier_file.stat().st_size
+    res: dict[str, Any] = {
+        "benchmark": "tier_reload_bench",
+        "date": datetime.date.today().isoformat(),
+        "device": args.device,
+        "bytes": size,
+        "write_tier_file_s": round(time.perf_counter() - t, 2),
+        "runs": [],
+    }
+    try:
+        for threads in args.threads:
+            for mib in args.staging_mib:
+                for _ in range(args.repeats):
+                    p = subprocess.run(
+                        [
+                            sys.executable,
+                            "-c",
+                            CHILD,
+                            str(REPO),
+                            str(args.tier_file),
+                            args.device,
+                            str(threads),
+                            str(mib << 20),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
+                        check=False,
+                    )
+                    r: dict[str, Any] = {"threads": threads, "staging_mib": mib}
+                    if p.returncode == 0:
+                        r.update(json.loads(p.stdout.strip().splitlines()[-1]))
+                    else:
+                        r["error"] = (p.stderr.strip().splitlines() or [f"rc {p.returncode}"])[-1][:300]
+                    res["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+                    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    finally:
+        args.tier_file.unlink(missing_ok=True)
+    ok = [r for r in res["runs"] if "seconds" in r]
+    if ok:
+        res["best"] = min(ok, key=lambda r: r["seconds"])
+    res["targets"] = {"tier_reload_s": 0.5}
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res.get("best")), flush=True)
+
+
+if __name__ == "__main__":
+    main()
