@@ -202,10 +202,11 @@ async def test_host_tier_reload_on_gpu(daemon_factory: Callable[..., DaemonProc]
     async with await client.fetch(key) as w:
         assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
     deadline = time.monotonic() + 60
-    while "host tier pinned" not in second.log_text() and time.monotonic() < deadline:
+    while not any(s in second.log_text() for s in ("host tier pin", "Traceback")) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    assert "host tier pinned" in second.log_text(), second.log_text()[-4000:]
     await client.evict(key)
     await client.preload(ckpt)  # refilled from the page-locked tier entry: one DMA copy
-    assert "copy=pinned" in second.log_text()
+    assert "copy=pinned" in second.log_text(), second.log_text()[-4000:]
     async with await client.fetch(key) as w:
         assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())

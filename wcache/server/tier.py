@@ -137,8 +137,8 @@ class HostTier:
             t0 = time.perf_counter()
             try:
                 p = _Pinned(slab, size)
-            except (OSError, RuntimeError) as exc:
-                log.warning("host tier pin failed entry=%s: %s", slab.stem, exc)
+            except Exception as exc:  # a thread of its own: whatever goes wrong is logged, serving goes on
+                log.warning("host tier pin failed entry=%s: %s: %s", slab.stem, type(exc).__name__, exc)
                 return
             with self._lock:
                 old = self._pinned.pop(slab, None)
@@ -151,6 +151,7 @@ class HostTier:
                 gone = True
             if gone:  # removed or rewritten while we pinned it
                 self._unpin(slab)
+                log.info("host tier pin dropped entry=%s (the file was removed or replaced meanwhile)", slab.stem)
                 return
             log.info("host tier pinned entry=%s bytes=%d seconds=%.2f", slab.stem, size, time.perf_counter() - t0)
 
