@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -189,8 +191,16 @@ async def test_takeover_refused_for_ipc_slabs(
         assert len(w) > 0
 
 
-async def test_host_tier_reload_on_gpu(daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path) -> None:
-    args = ("--device", "cuda:0", "--host-tier", str(1 << 30), "--host-tier-dir", str(tmp_path / "tier"))
+@pytest.mark.parametrize("where", ["shm", "disk"])
+async def test_host_tier_reload_on_gpu(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path, where: str
+) -> None:
+    """Restart from the tier (staged copy), then refill after eviction from the page-locked entry. The
+    entry is pinned read-only, which Linux allows outside tmpfs too (a --host-tier-dir on disk)."""
+    if where == "shm" and not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    base = Path(tempfile.mkdtemp(dir="/dev/shm")) if where == "shm" else tmp_path
+    args = ("--device", "cuda:0", "--host-tier", str(1 << 30), "--host-tier-dir", str(base / "tier"))
     first = daemon_factory(ckpt, *args)
     assert "host tier saved" in first.log_text()
     first.stop()
@@ -199,6 +209,17 @@ async def test_host_tier_reload_on_gpu(daemon_factory: Callable[..., DaemonProc]
     ref = reference(ckpt)
     key = WeightCacheKey.from_checkpoint(ckpt)
     client = WCacheClient(second.socket)
+    try:
+        await _tier_refills(second, client, key, ckpt, ref)
+    finally:
+        second.stop()
+        if where == "shm":
+            shutil.rmtree(base, ignore_errors=True)
+
+
+async def _tier_refills(
+    second: DaemonProc, client: WCacheClient, key: WeightCacheKey, ckpt: Path, ref: dict[str, torch.Tensor]
+) -> None:
     async with await client.fetch(key) as w:
         assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
     deadline = time.monotonic() + 60

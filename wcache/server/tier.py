@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from wcache.errors import ProtocolError, WCacheError
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import Slab
+from wcache.server.loader import CUDA_HOST_REGISTER_READ_ONLY
 from wcache.server.security import check_private_dir
 
 __all__ = ["FORMAT", "HostTier", "TierEntry", "default_tier_dir"]
@@ -66,18 +68,22 @@ class _Pinned:
     going through staging buffers. Registration costs 0.67 s per 16 GB, paid in the background."""
 
     def __init__(self, path: Path, size: int) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self.inode = os.fstat(fd).st_ino  # the file pinned: a rewritten entry is another inode
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # read-only: the device only reads it, and Linux refuses to page-lock writable shared
+            # mappings of files outside tmpfs (a --host-tier-dir on disk)
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, CUDA_HOST_REGISTER_READ_ONLY)  # type: ignore[no-untyped-call]
         if int(err) != 0:
             self.tensor = None  # type: ignore[assignment]
             self.mm.close()
-            raise OSError(f"cudaHostRegister: {err}")
+            raise OSError(f"cudaHostRegister: error {int(err)} ({err})")
 
     def close(self) -> None:
         if self.tensor is not None:
