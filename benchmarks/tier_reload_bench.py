@@ -112,6 +112,7 @@ def main() -> None:
                             args.device,
                             str(threads),
                             str(mib << 20),
+                            str(pin),
                         ],
                         capture_output=True,
                         text=True,
