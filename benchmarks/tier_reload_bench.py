@@ -5,8 +5,6 @@ slab with the loader's pinned staging pipeline (``load_file_into``). The staging
 process: it is mapped and page-locked before the first copy, so its size is part of the restart time.
 Each configuration runs in its own process (torch and the CUDA context started first, not timed):
 
-- ``pin_threads``: readers that page-lock chunks of the tier file in place and copy from there
-  (CPU work) while the others copy through staging (memory bandwidth);
 - ``seconds``: slab allocation + staging setup + the copy (what the daemon logs as ``load_s``);
 - ``staging_map_s``: mapping the staging; ``register_s_max`` / ``_sum``: page-locking it, which each
   reader thread does for its own buffers (the longest one, and all of them added up).
@@ -35,7 +33,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from wcache.server import loader
 from wcache.server.backends.cuda import CudaBackend
-path, dev, threads, staging, pin = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+path, dev, threads, staging = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.empty(1, device=dev); torch.cuda.synchronize()
 spent, took = [], []
 init, take = loader._Staging.__init__, loader._Staging.take
@@ -48,7 +46,7 @@ backend = CudaBackend(torch.device(dev).index or 0)
 size = path.stat().st_size
 t0 = time.perf_counter()
 slab = backend.allocate(size)
-stats = loader.load_file_into(path, slab, threads=threads, staging_bytes=staging, started=t0, pin_threads=pin)
+stats = loader.load_file_into(path, slab, threads=threads, staging_bytes=staging, started=t0)
 seconds = time.perf_counter() - t0
 with open(path, "rb") as fh:
     fh.seek(size - 4096)
@@ -63,15 +61,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--model", type=Path, default=Path("/tmp/wcache-bench/llama3-8b"))
     ap.add_argument("--tier-file", type=Path, default=Path("/dev/shm/wcache-tier-bench.slab"))
-    ap.add_argument("--threads", type=int, nargs="*", default=[16])
-    ap.add_argument("--staging-mib", type=int, nargs="*", default=[512])
-    ap.add_argument(
-        "--pin-threads",
-        type=int,
-        nargs="*",
-        default=[0, 2, 4, 8],
-        help="readers that page-lock the tier file in place instead of staging",
-    )
+    ap.add_argument("--threads", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--staging-mib", type=int, nargs="*", default=[256, 512])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -100,7 +91,7 @@ def main() -> None:
     }
     try:
         for threads in args.threads:
-            for mib, pin in [(m, p) for m in args.staging_mib for p in args.pin_threads]:
+            for mib in args.staging_mib:
                 for _ in range(args.repeats):
                     p = subprocess.run(
                         [
@@ -112,14 +103,13 @@ def main() -> None:
                             args.device,
                             str(threads),
                             str(mib << 20),
-                            str(pin),
                         ],
                         capture_output=True,
                         text=True,
                         timeout=120,
                         check=False,
                     )
-                    r: dict[str, Any] = {"threads": threads, "staging_mib": mib, "pin_threads": pin}
+                    r: dict[str, Any] = {"threads": threads, "staging_mib": mib}
                     if p.returncode == 0:
                         r.update(json.loads(p.stdout.strip().splitlines()[-1]))
                     else:

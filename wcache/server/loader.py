@@ -32,7 +32,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +50,9 @@ log = logging.getLogger("wcache.loader")
 
 DEFAULT_STAGING = 2 << 30  # bytes of pinned host memory for device loads
 MAX_CHUNK = 64 << 20
+# Host-tier copies (memory to device, no disk): 16 MiB jobs. H200, 16 GB, fresh process, 16 threads
+# (benchmarks/results/tier_reload-*.json): 0.61 s with 16 MiB jobs, 0.71-0.78 s with 32 MiB, ~1.0 s with 64 MiB.
+FLAT_CHUNK = 16 << 20
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -446,85 +448,19 @@ def load_file_into(
     staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
     started: float | None = None,
-    pin_threads: int = 0,
 ) -> LoadStats:
     """Fill ``slab`` with the first ``slab.size`` bytes of ``path`` (a host-tier copy), with the
-    same readers, staging and host-to-device pipeline as ``load_into``. ``pin_threads`` (device
-    slabs): that many readers page-lock chunks of the file in place and copy from there instead."""
+    same readers, staging and host-to-device pipeline as ``load_into``, in jobs of at most
+    ``FLAT_CHUNK``: a restarted daemon page-locks less staging before its first copy."""
     t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
-    chunk = _chunk(threads, staging_bytes)
+    chunk = min(FLAT_CHUNK, _chunk(threads, staging_bytes))
     jobs = [_Job(None, off, [(path, off, min(chunk, slab.size - off))]) for off in range(0, slab.size, chunk)]
-    source = None
-    if pin_threads > 0 and slab.host_fd() is None and slab.size > 0:
-        source = _PinnedSource(path, slab.size, min(pin_threads, threads - 1))
-    try:
-        total = _execute(jobs, slab, threads, chunk, set(), progress, source)
-    finally:
-        if source is not None:
-            source.close()
+    total = _execute(jobs, slab, threads, chunk, set(), progress)
     return LoadStats(total, total, time.perf_counter() - t0, total)
 
 
 CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads (H2D copies)
-
-
-class _PinnedSource:
-    """The source file mapped read-only; ``threads`` of the readers page-lock a chunk of it in place and
-    copy it to the device straight from there (no memcpy into staging), while the others go through
-    staging. Page-locking is CPU work (page tables), staging is memory bandwidth: the two overlap."""
-
-    def __init__(self, path: Path, size: int, threads: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size < size:
-                raise CheckpointError(f"{path}: slab copy: file ended early (truncated while loading?)")
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.threads = threads
-        self.members: list[int] = []
-        self.registered: list[int] = []
-        self.lock = threading.Lock()
-        self.refused = False
-
-    def joins(self) -> bool:
-        """Whether the calling reader thread copies from the pinned source (the first ``threads`` to ask)."""
-        with self.lock:
-            me = threading.get_ident()
-            if me in self.members:
-                return not self.refused
-            if len(self.members) < self.threads and not self.refused:
-                self.members.append(me)
-                return True
-            return False
-
-    def register(self, off: int, n: int) -> torch.Tensor | None:
-        """The pinned view of [off, off+n), or None where the driver refuses (then staging is used)."""
-        view = self.base[off : off + n]
-        err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), n, CUDA_HOST_REGISTER_READ_ONLY)  # type: ignore[no-untyped-call]
-        if int(err) != 0:
-            with self.lock:
-                self.refused = True
-            log.debug("pinned source refused (%s); staging only", err)
-            return None
-        with self.lock:
-            self.registered.append(view.data_ptr())
-        return view
-
-    def close(self) -> None:
-        with self.lock:
-            ptrs, self.registered = self.registered, []
-        for ptr in ptrs:
-            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
-        del self.base
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
 
 
 def _chunk(threads: int, staging_bytes: int) -> int:
@@ -538,7 +474,6 @@ def _execute(
     chunk: int,
     direct: set[Path],
     progress: TextIO | bool | None,
-    source: _PinnedSource | None = None,
 ) -> int:
     """Run the jobs on ``threads`` readers; returns the bytes read."""
     target = slab.tensor()
@@ -608,13 +543,6 @@ def _execute(
                 _read(files, job, host_view[job.dest : job.dest + n])
         else:
             w = worker()
-            if source is not None and source.joins():
-                pinned = source.register(job.extents[0][1], n)
-                if pinned is not None:
-                    with torch.cuda.stream(w.stream):
-                        target[job.dest : job.dest + n].copy_(pinned, non_blocking=True)
-                    bar.add(n)
-                    return
             i = w.slot()
             start = 0
             f, off, _ = job.extents[0]
