@@ -253,3 +253,31 @@ async def test_prometheus_metrics(daemon_factory: Callable[..., DaemonProc], ckp
     resident = [k for k in lines if k.startswith("wcache_resident_bytes")]
     assert len(resident) == 1 and 'tier="host"' in resident[0] and int(float(lines[resident[0]])) > 9_000_000
     assert (await asyncio.to_thread(get, "/other"))[0] == 404
+
+
+async def test_moe_layout_groups_and_names(daemon_factory: Callable[..., DaemonProc], tmp_path: Path) -> None:
+    """Experts come back as a few stacked group views; per-name tensors equal them and safetensors."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    g = torch.Generator().manual_seed(1)
+    ref = {
+        f"model.layers.{i // 60}.mlp.experts.{(i % 60) // 3}.w{i % 3}.weight": torch.randn(16, 32, generator=g).to(
+            torch.bfloat16
+        )
+        for i in range(600)
+    }
+    ref["model.norm.weight"] = torch.randn(32, generator=g).to(torch.bfloat16)
+    save_file(ref, str(model / "model.safetensors"))
+    (model / "config.json").write_text('{"architectures": ["MoeLikeForCausalLM"]}')
+    d = daemon_factory(model)
+    async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
+        groups = w.groups()
+        assert sum(len(gr.names) for gr in groups) == len(ref) and len(groups) < 10
+        for gr in groups:
+            for j, name in enumerate(gr.names):
+                assert torch.equal(gr.tensor[j].view(torch.int16), ref[name].view(torch.int16)), name
+        assert set(w) == set(ref)
+        for name, t in ref.items():
+            assert torch.equal(w[name].view(torch.int16), t.view(torch.int16)), name

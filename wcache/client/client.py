@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +50,9 @@ from wcache.proto import (
     Takeover,
     TakeoverState,
 )
-from wcache.proto.codec import gc_paused
+
+if TYPE_CHECKING:
+    from wcache.client.mapping import GroupView, TensorViews
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -60,6 +62,9 @@ MODES = ("zero_copy", "copy")
 class CachedWeights(Mapping[str, torch.Tensor]):
     """A read-only name -> tensor mapping backed by a daemon lease (aliases included).
 
+    Tensors are cut from their group's stacked view on first look-up (``groups()`` gives the
+    stacked views themselves, ``materialize()`` builds every name at once).
+
     ``await weights.release()`` (or ``async with``) ends the lease. In zero_copy mode
     the tensors are views of the daemon's memory: do not write to them, and on CUDA do
     not use them after release(). Copy-mode tensors are the engine's own.
@@ -67,7 +72,7 @@ class CachedWeights(Mapping[str, torch.Tensor]):
 
     def __init__(
         self,
-        tensors: dict[str, torch.Tensor],
+        tensors: TensorViews,
         *,
         key: WeightCacheKey,
         lease: int,
@@ -88,11 +93,25 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self._channel = channel
         self._keepalive = keepalive
         #: where the fetch spent its time, in ms: connect (incl. HELLO), state (GET_STATE -> STATE decoded),
-        #: map (slab mappings), views (tensor views built), copy (copy mode only)
+        #: map (slab mappings), views (the name -> view mapping set up; per-name views are cut from their
+        #: group's stacked view on first look-up), copy (copy mode only)
         self.timings: dict[str, float] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def groups(self) -> list[GroupView]:
+        """Every STATE group as one stacked view ``(names, tensor)``, ``tensor[j]`` being ``self[names[j]]``:
+        MoE experts and layer stacks in the shape fused kernels take, without a tensor object per name."""
+        return self._tensors.groups()
+
+    def materialize(self) -> CachedWeights:
+        """Build every per-name tensor now (look-ups otherwise build them one group at a time)."""
+        self._tensors.materialize()
+        return self
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -295,8 +314,7 @@ class WCacheClient:
             keepalive = []
             timings["copy"] = (time.perf_counter() - t1) * 1e3
         t2 = time.perf_counter()
-        with gc_paused(len(state.tensors) * 64):  # 10^4+ tensor objects: skip the GC passes meanwhile
-            tensors = build_views(state, bases)
+        tensors = build_views(state, bases)
         timings["views"] = (time.perf_counter() - t2) * 1e3
         weights = CachedWeights(
             tensors,

@@ -1,7 +1,7 @@
 """Turning a STATE frame and its file descriptors into torch tensors (client side).
 
-Each slab is mapped once; every tensor is an ``as_strided`` view of its slab, so the
-cost is one mapping per slab plus a few microseconds per tensor. Host slabs (memfd) are
+Each slab is mapped once; every tensor is a view of its slab, cut from its group's stacked
+view when first looked up, so the cost is one mapping per slab plus ~1 µs per tensor used. Host slabs (memfd) are
 mapped read-only: a write to a zero_copy tensor faults instead of corrupting the
 weights other engines share. CUDA slabs are mapped by wcache.client.cuda.
 """
@@ -11,16 +11,18 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from collections.abc import Callable
-from typing import Any
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from wcache.channel import close_fds
 from wcache.errors import ProtocolError, UnsupportedPlatformError
-from wcache.proto import DTYPE_SIZES, SlabDescriptor, State
+from wcache.proto import DTYPE_SIZES, SlabDescriptor, State, TensorTable
+from wcache.proto.codec import gc_paused
 
-__all__ = ["MappedSlab", "build_views", "map_slabs"]
+__all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs"]
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -86,30 +88,108 @@ def map_slabs(
     return slabs
 
 
-def build_views(state: State, bases: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One strided view per tensor (extents and alignment validated by the decoder), plus aliases.
+class GroupView(NamedTuple):
+    """One STATE group as a stacked view: ``tensor[j]`` is the tensor named ``names[j]``."""
 
-    A group of several equally shaped tensors (MoE experts, layer stacks) is cut from one
-    stacked view with ``unbind``: one C++ call instead of one ``as_strided`` per tensor,
-    which matters at 10^4-10^5 tensors.
+    names: tuple[str, ...]
+    tensor: torch.Tensor  # shape (len(names), *shape): the group's tensors, stacked in place
+
+
+class TensorViews(Mapping[str, torch.Tensor]):
+    """Name -> view of the mapped slabs (aliases included), cut one group at a time on first use.
+
+    A STATE group (MoE experts, layer stacks) is one stacked ``as_strided`` view; its per-name
+    tensors come from one ``unbind`` when a name of the group is first looked up. Building 50,000
+    tensor objects costs torch ~1 µs each (56 ms of CUDA views on the H200's host), so a fetch
+    builds none: engines that want stacked weights use :meth:`groups` and never pay for names,
+    the others pay per group as they go; :meth:`materialize` builds everything at once. The
+    decoder has validated every extent, so no view can reach outside its slab.
     """
-    typed: dict[tuple[int, str], torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    names = state.tensors.names
-    pos = 0
-    for dtype, shape, stride, slab, offset, step, count in state.tensors.groups:
-        size = DTYPE_SIZES[dtype]
-        base = typed.get((slab, dtype))
+
+    def __init__(self, table: TensorTable, aliases: dict[str, str], bases: list[torch.Tensor]) -> None:
+        self._names = table.names
+        self._groups = table.groups
+        self._aliases = aliases
+        self._bases = bases
+        starts, at = [], 0
+        for g in self._groups:
+            starts.append(at)
+            at += g.length
+        self._starts = starts
+        self._typed: dict[tuple[int, str], torch.Tensor] = {}
+        self._stacked: list[torch.Tensor | None] = [None] * len(self._groups)
+        self._views: list[tuple[torch.Tensor, ...] | None] = [None] * len(self._groups)
+        self._index: dict[str, int] | None = None
+
+    def _typed_base(self, slab: int, dtype: str) -> torch.Tensor:
+        base = self._typed.get((slab, dtype))
         if base is None:
-            raw = bases[slab]
+            size = DTYPE_SIZES[dtype]
+            raw = self._bases[slab]
             raw = raw[: raw.numel() - raw.numel() % size]
-            base = typed[(slab, dtype)] = raw.view(_DTYPES[dtype])
-        if count == 1:
-            out[names[pos]] = base.as_strided(shape, stride, offset // size)
-        else:
-            stacked = base.as_strided((count, *shape), (step // size, *stride), offset // size)
-            out.update(zip(names[pos : pos + count], stacked.unbind(0)))
-        pos += count
-    for alias, target in state.aliases.items():
-        out[alias] = out[target]
-    return out
+            base = self._typed[(slab, dtype)] = raw.view(_DTYPES[dtype])
+        return base
+
+    def stacked(self, i: int) -> torch.Tensor:
+        """Group ``i`` as one view of shape ``(length, *shape)``."""
+        t = self._stacked[i]
+        if t is None:
+            dtype, shape, stride, slab, offset, step, count = self._groups[i]
+            size = DTYPE_SIZES[dtype]
+            t = self._typed_base(slab, dtype).as_strided((count, *shape), (step // size, *stride), offset // size)
+            self._stacked[i] = t
+        return t
+
+    def _group_views(self, i: int) -> tuple[torch.Tensor, ...]:
+        views = self._views[i]
+        if views is None:
+            with gc_paused(self._groups[i].length * 64):  # 10^4+ tensor objects: no GC passes meanwhile
+                views = self._views[i] = self.stacked(i).unbind(0)
+        return views
+
+    def groups(self) -> list[GroupView]:
+        """Every group as a stacked view, in table order (one view per group, no per-name tensors)."""
+        return [
+            GroupView(self._names[start : start + g.length], self.stacked(i))
+            for i, (start, g) in enumerate(zip(self._starts, self._groups, strict=True))
+        ]
+
+    def materialize(self) -> None:
+        """Build every per-name tensor now (what the first look-up of each group would do)."""
+        for i in range(len(self._groups)):
+            self._group_views(i)
+
+    def _position(self, name: str) -> int:
+        index = self._index
+        if index is None:
+            index = dict(zip(self._names, range(len(self._names)), strict=True))
+            for alias, target in self._aliases.items():
+                index[alias] = index[target]
+            self._index = index
+        return index[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        pos = self._position(name)
+        i = bisect_right(self._starts, pos) - 1
+        return self._group_views(i)[pos - self._starts[i]]
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        try:
+            self._position(name)
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._names
+        yield from self._aliases
+
+    def __len__(self) -> int:
+        return len(self._names) + len(self._aliases)
+
+
+def build_views(state: State, bases: list[torch.Tensor]) -> TensorViews:
+    """The name -> tensor mapping of ``state`` over the mapped ``bases`` (one per slab)."""
+    return TensorViews(state.tensors, state.aliases, bases)
