@@ -258,3 +258,51 @@ def test_sampled_fingerprint_tells_same_shaped_checkpoints_apart(tmp_path: Path)
     assert ka.fingerprint != kb.fingerprint
     shutil.copytree(a, tmp_path / "copy")  # the same bytes elsewhere: the same key
     assert WeightCacheKey.from_checkpoint(tmp_path / "copy") == ka
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("chunk", [4096, 64 << 10, 1 << 20])
+def test_jobs_merge_neighbouring_tensors_and_place_every_byte(tmp_path: Path, ckpt: Path, tp: int, chunk: int) -> None:
+    """Small tensors that follow each other in the slab share a job; replaying the jobs' reads gives the
+    same slab as reading every placement on its own (with TP row pieces and chunk splits)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from wcache.server.loader import _jobs, placement_extents
+
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file(
+        {
+            f"model.layers.0.mlp.experts.{i}.w1.weight": torch.randn(16, 32, generator=g).to(torch.bfloat16)
+            for i in range(300)
+        }
+        | {"model.norm.weight": torch.randn(33, generator=g).to(torch.bfloat16)},
+        str(moe / "model.safetensors"),
+    )
+    (moe / "config.json").write_text('{"architectures": ["MoeLikeForCausalLM"]}')
+    for model in (moe, ckpt):
+        c = Checkpoint.open(model)
+        if tp > 1 and model is moe:
+            continue  # no plan for the made-up architecture
+        plan = resolve_plan(c.architecture, tp)
+        lay = plan_layout(c, tp_rank=tp - 1, tp_size=tp, dtype=resolve_dtype(c, None), plan=plan)
+        data = {f: f.read_bytes() for f in c.files}
+        want = bytearray(lay.total_bytes)
+        for p in lay.placements:
+            pos = p.offset
+            for f, off, n in placement_extents(p):
+                want[pos : pos + n] = data[f][off : off + n]
+                pos += n
+        got = bytearray(lay.total_bytes)
+        jobs = _jobs(lay, chunk)
+        for j in jobs:
+            assert j.nbytes <= chunk or j.cast
+            pos = j.dest
+            for f, off, n in j.extents:
+                got[pos : pos + n] = data[f][off : off + n]
+                pos += n
+        assert got == want
+        if model is moe and tp == 1:
+            assert len(jobs) <= lay.payload_bytes // chunk + 3  # 301 tensors, a handful of jobs

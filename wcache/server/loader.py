@@ -107,10 +107,11 @@ def placement_extents(p: Placement) -> list[Extent]:
 
 @dataclass
 class _Job:
-    placement: Placement | None  # None: a flat copy of a file (the host tier)
+    placement: Placement | None  # the first placement; None: a flat copy of a file (the host tier)
     dest: int  # slab offset where the first extent lands
     extents: list[Extent] = field(default_factory=list)
     cast: bool = False
+    more: list[Placement] = field(default_factory=list)  # further placements continuing in the slab
 
     @property
     def nbytes(self) -> int:
@@ -118,32 +119,54 @@ class _Job:
 
     @property
     def label(self) -> str:
-        return f"tensor {self.placement.source.name!r}" if self.placement is not None else "slab copy"
+        if self.placement is None:
+            return "slab copy"
+        if not self.more:
+            return f"tensor {self.placement.source.name!r}"
+        return f"tensors {self.placement.source.name!r} .. {self.more[-1].source.name!r}"
+
+    def add(self, f: Path, off: int, n: int) -> None:
+        last = self.extents[-1] if self.extents else None
+        if last is not None and last[0] == f and last[1] + last[2] == off:
+            self.extents[-1] = (f, last[1], last[2] + n)  # contiguous in the file: one read
+        else:
+            self.extents.append((f, off, n))
 
 
 def _jobs(layout: Layout, chunk: int) -> list[_Job]:
+    """Jobs of at most ``chunk`` bytes, each landing contiguously in the slab. Small tensors that
+    follow each other in the slab share a job (a 50,000-tensor MoE checkpoint is a few hundred
+    jobs, not 50,000), and reads contiguous in the file are merged into one."""
     jobs: list[_Job] = []
+    job: _Job | None = None  # the open job
+    filled = 0  # bytes in it
     for p in layout.placements:
         extents = placement_extents(p)
         if not extents:
             continue
         if p.dtype != p.source.dtype:
-            jobs.append(_Job(p, p.offset, extents, cast=True))
+            jobs.append(_Job(p, p.offset, list(extents), cast=True))
             continue
-        job = _Job(p, p.offset)
-        filled = 0  # bytes in the current job
+        if job is not None and job.dest + filled == p.offset:
+            if not job.extents:  # a job just opened after a full one: it starts with this tensor
+                job.placement, job.more = p, []
+            elif job.placement is not p:
+                job.more.append(p)
+        else:
+            if job is not None:
+                jobs.append(job)
+            job, filled = _Job(p, p.offset), 0
         for f, start, length in extents:
             off, left = start, length
             while left:
                 take = min(left, chunk - filled)
-                job.extents.append((f, off, take))
+                job.add(f, off, take)
                 off, left, filled = off + take, left - take, filled + take
                 if filled == chunk:
                     jobs.append(job)
-                    job = _Job(p, job.dest + filled)
-                    filled = 0
-        if job.extents:
-            jobs.append(job)
+                    job, filled = _Job(p, job.dest + filled), 0
+    if job is not None and job.extents:
+        jobs.append(job)
     return jobs
 
 
