@@ -299,6 +299,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--only-moe", action="store_true", help="only the 50,000-tensor fetch")
+    ap.add_argument("--only-fetch", action="store_true", help="only the 16 GB checkpoint's VMM fetch")
     args = ap.parse_args()
     OUT = args.out
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -325,11 +326,11 @@ def main() -> None:
     try:
         with step("generate_checkpoints") as r:
             t0 = time.perf_counter()
-            if not args.only_moe and not (model / "config.json").exists():
+            if not args.only_moe and not (model / "config.json").exists():  # noqa: SIM102
                 make_llama_checkpoint(model, LLAMA3_8B, shards=4, seed=0, device="cuda:0")
             r["llama_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
             r["llama_seconds"] = time.perf_counter() - t0
-            if not args.skip_moe and not (moe / "config.json").exists():
+            if not (args.skip_moe or args.only_fetch) and not (moe / "config.json").exists():
                 make_moe(moe)
             r["moe_tensors"] = 50_000
 
@@ -340,6 +341,14 @@ def main() -> None:
                 msock = d.wait(900)
                 r["load_s"] = d.load_seconds()
                 r.update(run_py(ENGINE, str(msock), str(moe), "20", "1", "0", "1", timeout=600))
+            return
+
+        if args.only_fetch:
+            with step("fetch_vmm") as r:
+                d = Daemon(model, work / "sock" / "vmm", "--device", "cuda:0", name="vmm")
+                daemons.append(d)
+                path = d.wait(600)
+                r.update(run_py(ENGINE, str(path), str(model), str(args.repeats), "1", "0", "1", timeout=300))
             return
 
         with step("safetensors_load_file_cuda") as r:
