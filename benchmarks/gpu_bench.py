@@ -326,7 +326,7 @@ def main() -> None:
     try:
         with step("generate_checkpoints") as r:
             t0 = time.perf_counter()
-            if not args.only_moe and not (model / "config.json").exists():  # noqa: SIM102
+            if not args.only_moe and not (model / "config.json").exists():
                 make_llama_checkpoint(model, LLAMA3_8B, shards=4, seed=0, device="cuda:0")
             r["llama_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
             r["llama_seconds"] = time.perf_counter() - t0
