@@ -306,3 +306,25 @@ def test_jobs_merge_neighbouring_tensors_and_place_every_byte(tmp_path: Path, ck
         assert got == want
         if model is moe and tp == 1:
             assert len(jobs) <= lay.payload_bytes // chunk + 3  # 301 tensors, a handful of jobs
+
+
+def test_populate_reports_pages_it_cannot_allocate() -> None:
+    """A host-slab range that cannot be backed is a CheckpointError (here: no mapping at all), not a SIGBUS."""
+    import ctypes
+    import mmap
+
+    from wcache.server.loader import MADV_POPULATE_WRITE, _populate
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    buf = mmap.mmap(-1, 1 << 20)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    try:
+        if libc.madvise(base, 1 << 20, MADV_POPULATE_WRITE) != 0:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+        _populate(base, 100, 300_000, "ok")  # a mapped range: allocated, no error
+    finally:
+        del base
+        buf.close()
+    with pytest.raises(CheckpointError, match="shared memory is full"):
+        _populate(0, 0, 1 << 20, "x.safetensors: tensor 'w'")  # page 0 is never mapped: ENOMEM

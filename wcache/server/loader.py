@@ -563,6 +563,7 @@ def _execute(
             if host_view is None or sends():
                 _send(files, job, out_fd(host))
             else:
+                _populate(target.data_ptr(), job.dest, n, f"{job.extents[0][0]}: {job.label}")
                 _read(files, job, host_view[job.dest : job.dest + n])
         else:
             w = worker()
@@ -600,6 +601,28 @@ def _execute(
         if staging is not None:
             staging.close()
     return total
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: allocate the pages of a range now, failing with an errno
+_libc: Any = None
+
+
+def _populate(base: int, off: int, n: int, where: str) -> None:
+    """Allocate the shared-memory pages of slab bytes [off, off+n) before writing them through the
+    mapping: a page that cannot be allocated is then a clear error here, not a SIGBUS in a write.
+    Costs what the write's page faults would have (the pages are zeroed either way)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    start = (base + off) // page * page
+    end = -(-(base + off + n) // page) * page
+    if _libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOMEM, errno.ENOSPC, errno.EFAULT):
+            raise CheckpointError(f"shared memory is full while loading {where} ({os.strerror(err)})")
+        # EINVAL: an older kernel; the writes fault the pages in as before
 
 
 def _ordered(jobs: list[_Job]) -> Iterator[_Job]:
