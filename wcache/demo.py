@@ -36,8 +36,8 @@ key = WeightCacheKey.from_checkpoint(model)
 
 async def main():
     client = WCacheClient(sock)
-    t0 = time.perf_counter(); w = await client.fetch(key); zc = time.perf_counter() - t0
-    t0 = time.perf_counter(); c = await client.fetch(key, mode="copy"); cp = time.perf_counter() - t0
+    t0 = time.perf_counter(); w = (await client.fetch(key)).materialize(); zc = time.perf_counter() - t0
+    t0 = time.perf_counter(); c = (await client.fetch(key, mode="copy")).materialize(); cp = time.perf_counter() - t0
     t0 = time.perf_counter(); ref = {}
     for f in sorted(glob.glob(model + "/*.safetensors")):
         ref.update({k: v.clone() for k, v in load_file(f).items()})  # into the engine's own memory

@@ -300,7 +300,7 @@ class WCacheClient:
         from wcache.client.mapping import build_views, map_slabs
 
         t0 = time.perf_counter()
-        slabs = map_slabs(state, fds, self.device, populate=mode == "copy")
+        slabs = map_slabs(state, fds, self.device)
         timings = {"map": (time.perf_counter() - t0) * 1e3}
         keepalive: list[Any] = list(slabs)
         bases = [s.base for s in slabs]
