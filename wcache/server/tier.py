@@ -37,7 +37,6 @@ from wcache.errors import ProtocolError, WCacheError
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import Slab
-from wcache.server.loader import CUDA_HOST_REGISTER_READ_ONLY
 from wcache.server.security import check_private_dir
 
 __all__ = ["FORMAT", "HostTier", "TierEntry", "default_tier_dir"]
@@ -60,6 +59,9 @@ class TierEntry:
     aliases: dict[str, str]
     payload: int
     pinned: torch.Tensor | None = None  # the slab file mapped and page-locked in this daemon (CUDA)
+
+
+CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads (H2D copies)
 
 
 class _Pinned:
