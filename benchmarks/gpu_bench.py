@@ -335,12 +335,7 @@ def main() -> None:
             r["moe_tensors"] = 50_000
 
         if args.only_moe:
-            with step("fetch_moe_50k") as r:
-                d = Daemon(moe, work / "sock" / "moe", "--device", "cuda:0", name="moe")
-                daemons.append(d)
-                msock = d.wait(900)
-                r["load_s"] = d.load_seconds()
-                r.update(run_py(ENGINE, str(msock), str(moe), "20", "1", "0", "1", timeout=600))
+            fetch_moe_step(moe, work / "sock" / "moe", daemons)
             return
 
         if args.only_fetch:
@@ -425,17 +420,22 @@ def main() -> None:
                 d.stop()
 
         if not args.skip_moe:
-            with step("fetch_moe_50k") as r:
-                d = Daemon(moe, sock / "moe", "--device", "cuda:0", name="moe")
-                daemons.append(d)
-                msock = d.wait(900)
-                r["load_s"] = d.load_seconds()
-                r.update(run_py(ENGINE, str(msock), str(moe), "20", "1", "0", "1", timeout=600))
+            fetch_moe_step(moe, sock / "moe", daemons)
     finally:
         for d in daemons:
             d.stop()
         summarise()
         save()
+
+
+def fetch_moe_step(moe: Path, sock_dir: Path, daemons: list[Daemon]) -> None:
+    """A daemon on the 50,000-tensor checkpoint, then 20 fetches from a fresh engine process."""
+    with step("fetch_moe_50k") as r:
+        d = Daemon(moe, sock_dir, "--device", "cuda:0", name="moe")
+        daemons.append(d)
+        msock = d.wait(900)
+        r["load_s"] = d.load_seconds()
+        r.update(run_py(ENGINE, str(msock), str(moe), "20", "1", "0", "1", timeout=600))
 
 
 def make_moe(path: Path, n: int = 50_000) -> None:
