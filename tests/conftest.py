@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +41,13 @@ DaemonProc = DaemonProcess
 
 def server_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "wcache.server.cli", *args]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -m wcache.cli ARGS`` (the operator CLI), output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "wcache.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def start_daemon(model: Path, socket_dir: Path, *extra: str) -> DaemonProcess:

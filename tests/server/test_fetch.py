@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, run_cli
 from wcache import KeyMismatchError, UnknownLeaseError, WCacheClient, WeightCacheKey
 from wcache.sharding import LLAMA_PLAN
 
@@ -186,34 +186,14 @@ async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
 
 def test_wcache_status_cli(daemon: DaemonProc, socket_dir: Path) -> None:
     import json
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "wcache.cli", "status", "--socket-dir", str(socket_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 0, out.stderr
     assert "LlamaForCausalLM@" in out.stdout and "tp0/1 bfloat16" in out.stdout and "host:cpu" in out.stdout
-    js = subprocess.run(
-        [sys.executable, "-m", "wcache.cli", "status", "--socket-path", str(daemon.socket), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    js = run_cli("status", "--socket-path", str(daemon.socket), "--json")
     doc = json.loads(js.stdout)[str(daemon.socket)]
     assert doc["type"] == "STATUS_REPLY" and doc["models"][0]["tensors"] == 39
-    none = subprocess.run(
-        [sys.executable, "-m", "wcache.cli", "status", "--socket-path", str(socket_dir / "nope.sock")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    none = run_cli("status", "--socket-path", str(socket_dir / "nope.sock"))
     assert none.returncode == 1 and "CacheUnavailableError" in none.stdout
 
 

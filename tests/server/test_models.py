@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, run_cli
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
 from wcache.errors import InUseError, NotFoundError, OutOfMemoryError
 from wcache.nn import load_from_disk
@@ -112,13 +112,7 @@ async def test_empty_daemon_and_cli(small_models: list[Path], socket_dir: Path) 
             await WCacheClient(sock).fetch(WeightCacheKey.from_checkpoint(small_models[0]))
 
         def cli(*a: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [sys.executable, "-m", "wcache.cli", *a, "--socket-path", str(sock)],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
+            return run_cli(*a, "--socket-path", str(sock), timeout=120)
 
         out = await asyncio.to_thread(cli, "preload", str(small_models[1]))
         assert out.returncode == 0 and "resident: 21 tensors" in out.stdout, out.stderr

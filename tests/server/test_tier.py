@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, run_cli
 from wcache import WCacheClient, WeightCacheKey
 from wcache.nn import load_from_disk
 
@@ -103,17 +103,8 @@ def test_tier_dir_must_be_private(daemon_factory: Callable[..., DaemonProc], ckp
 def test_status_shows_tier_and_last_use(
     daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path, socket_dir: Path
 ) -> None:
-    import subprocess
-    import sys
-
     daemon_factory(ckpt, *_tier_args(tmp_path / "tier"))
-    out = subprocess.run(
-        [sys.executable, "-m", "wcache.cli", "status", "--socket-dir", str(socket_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 0, out.stderr
     head, row = out.stdout.splitlines()[:2]
     assert head.split()[:4] == ["SOCKET", "MODEL", "RANK", "TIER"] and " host " in row and "never" in row
