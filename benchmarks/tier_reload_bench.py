@@ -64,15 +64,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="*", default=[8, 16])
     ap.add_argument("--staging-mib", type=int, nargs="*", default=[256, 512])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--synthetic-gib", type=float, help="a tier file of random bytes instead of the checkpoint's")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
     # the tier file: the checkpoint's bytes back to back in shared memory, as a tier entry holds a slab
-    files = sorted(args.model.glob("*.safetensors"))
-    if not files:
+    files = [] if args.synthetic_gib else sorted(args.model.glob("*.safetensors"))
+    if not files and not args.synthetic_gib:
         raise SystemExit(f"no checkpoint in {args.model}")
     t = time.perf_counter()
     with open(args.tier_file, "wb") as out:
+        if args.synthetic_gib:
+            block = os.urandom(1 << 20) * 64  # non-zero pages (a fallocated tmpfs page reads as the zero page)
+            left = int(args.synthetic_gib * (1 << 30))
+            while left:
+                left -= out.write(block[: min(left, len(block))])
         for f in files:
             with open(f, "rb") as src:
                 size = os.fstat(src.fileno()).st_size

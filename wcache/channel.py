@@ -14,11 +14,24 @@ import collections
 import os
 import socket
 import struct
+from pathlib import Path
 
-from wcache.errors import CacheUnavailableError, ProtocolError
-from wcache.proto import Connection, Frame, State, TakeoverState
+from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
+from wcache.proto import (
+    PROTOCOL_VERSION,
+    Connection,
+    ErrorFrame,
+    Frame,
+    Hello,
+    HelloOk,
+    Keep,
+    Reclaimed,
+    Role,
+    State,
+    TakeoverState,
+)
 
-__all__ = ["Channel", "PeerCredentials", "peer_credentials"]
+__all__ = ["Channel", "PeerCredentials", "connect", "expect", "peer_credentials"]
 
 RECV_SIZE = 1 << 18
 MAX_FDS_PER_RECV = 16
@@ -177,8 +190,43 @@ class Channel:
             for frame in self.conn.events():
                 self._frames.append(frame)
         frame = self._frames.popleft()
-        want = frame.fd_count if isinstance(frame, (State, TakeoverState)) else 0
+        want = frame.fd_count if isinstance(frame, (State, TakeoverState, Keep, Reclaimed)) else 0
         if want > len(self._fds):
             raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
         fds, self._fds = self._fds[:want], self._fds[want:]
         return frame, fds
+
+
+async def connect(path: Path, *, software: str, name: str) -> tuple[Channel, HelloOk]:
+    """Connect to the wcache socket at ``path`` (a daemon or a keeper), check that it runs as this
+    user (or root), and shake hands. CacheUnavailableError when nothing answers there."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, str(path))
+    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+        sock.close()
+        raise CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}") from exc
+    creds = peer_credentials(sock)
+    if creds.uid not in (os.geteuid(), 0):
+        sock.close()
+        raise CacheUnavailableError(f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it")
+    ch = Channel(sock, Connection(Role.CLIENT), accept_fds=True)
+    try:
+        await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
+        frame, _ = await expect(ch)
+        assert isinstance(frame, HelloOk)
+    except BaseException:
+        ch.close()
+        raise
+    return ch, frame
+
+
+async def expect(ch: Channel) -> tuple[Frame, list[int]]:
+    """The next frame; an ERROR frame becomes its exception class."""
+    frame, fds = await ch.receive()
+    if isinstance(frame, ErrorFrame):
+        close_fds(fds)
+        raise error_from_frame(frame.code, frame.message, frame.details)
+    return frame, fds

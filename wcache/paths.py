@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["default_socket_dir", "socket_name"]
+__all__ = ["KEEPER_SOCKET", "default_socket_dir", "socket_name"]
+
+#: The keeper's socket file inside a socket directory (wcache-keeper, docs/protocol.md §4.11).
+KEEPER_SOCKET = "wcache-keeper.sock"
 
 
 def default_socket_dir() -> Path:

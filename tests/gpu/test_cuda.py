@@ -111,7 +111,7 @@ async def test_daemon_killed(gpu_daemon: DaemonProc, ckpt: Path) -> None:
 
 
 async def test_device_mismatch_by_uuid(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
-    from wcache.client.client import _expect
+    from wcache.channel import expect
     from wcache.proto import GetState
 
     d = daemon_factory(ckpt, "--device", "cuda:0")
@@ -122,7 +122,7 @@ async def test_device_mismatch_by_uuid(daemon_factory: Callable[..., DaemonProc]
         key = WeightCacheKey.from_checkpoint(ckpt)
         await ch.send(GetState(id=1, key=key.to_wire(), device_uuid="GPU-00000000-0000-0000-0000-000000000000"))
         with pytest.raises(DeviceMismatchError):
-            await _expect(ch)
+            await expect(ch)
     finally:
         ch.close()
 

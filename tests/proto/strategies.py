@@ -16,10 +16,14 @@ from wcache.proto import (
     HandedModel,
     Hello,
     HelloOk,
+    Keep,
+    Kept,
     LeaseInfo,
     ModelInfo,
     Preload,
     Preloaded,
+    Reclaim,
+    Reclaimed,
     Release,
     Released,
     SlabDescriptor,
@@ -30,6 +34,7 @@ from wcache.proto import (
     TakeoverState,
     TensorEntry,
     TensorTable,
+    Unkeep,
     tensor_extent,
 )
 
@@ -114,29 +119,52 @@ def states(draw: st.DrawFn) -> State:
     )
 
 
+def _handed(draw: st.DrawFn, nfd: int, every_slab: bool) -> tuple[HandedModel, int]:
+    """A model whose fd-carrying slabs take positions from ``nfd`` on (all of them if ``every_slab``)."""
+    st_ = draw(states())
+    slabs = []
+    for s in st_.slabs:
+        by_fd = every_slab or s.fd >= 0
+        slabs.append(dataclasses.replace(s, fd=nfd if by_fd else -1))
+        nfd += by_fd
+    model = HandedModel(
+        key=st_.key,
+        slabs=tuple(slabs),
+        tensors=st_.tensors,
+        aliases=st_.aliases,
+        payload=draw(uints),
+        load_seconds=draw(floats),
+    )
+    return model, nfd
+
+
 @st.composite
 def takeover_states(draw: st.DrawFn) -> TakeoverState:
     """Models whose slabs may travel as fds; the listener takes the last fd position."""
     models = []
     nfd = 0
     for _ in range(draw(st.integers(0, 3))):
-        st_ = draw(states())
-        slabs = []
-        for s in st_.slabs:
-            fd = nfd if s.fd >= 0 else -1
-            nfd += s.fd >= 0
-            slabs.append(dataclasses.replace(s, fd=fd))
-        models.append(
-            HandedModel(
-                key=st_.key,
-                slabs=tuple(slabs),
-                tensors=st_.tensors,
-                aliases=st_.aliases,
-                payload=draw(uints),
-                load_seconds=draw(floats),
-            )
-        )
+        model, nfd = _handed(draw, nfd, every_slab=False)
+        models.append(model)
     return TakeoverState(id=draw(ids), models=tuple(models), listener_fd=nfd, pid=draw(st.integers(0, 2**31)))
+
+
+@st.composite
+def keeps(draw: st.DrawFn) -> Keep:
+    model, _ = _handed(draw, 0, every_slab=True)
+    return Keep(
+        id=draw(ids), owner=draw(text), backend=draw(text), device_uuid=draw(text), model=model, pid=draw(uints)
+    )
+
+
+@st.composite
+def reclaimeds(draw: st.DrawFn) -> Reclaimed:
+    models = []
+    nfd = 0
+    for _ in range(draw(st.integers(0, 3))):
+        model, nfd = _handed(draw, nfd, every_slab=True)
+        models.append(model)
+    return Reclaimed(id=draw(ids), models=tuple(models), dropped=draw(uints))
 
 
 frames = st.one_of(
@@ -216,6 +244,11 @@ frames = st.one_of(
     st.builds(Evicted, id=ids, key=keys, bytes=uints),
     st.builds(Takeover, id=ids, backend=text, device_uuid=text, pid=st.integers(0, 2**31)),
     takeover_states(),
+    keeps(),
+    st.builds(Kept, id=ids, models=uints, bytes=uints),
+    st.builds(Unkeep, id=ids, owner=text, key=keys),
+    st.builds(Reclaim, id=ids, owner=text, backend=text, device_uuid=text, pid=uints),
+    reclaimeds(),
     st.builds(
         ErrorFrame,
         id=uints,

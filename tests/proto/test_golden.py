@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from wcache.proto import Connection, Role, TakeoverState, decode_body, decode_frame, pack_frame
+from wcache.errors import ProtocolError
+from wcache.proto import Connection, Keep, Kept, Reclaimed, Role, TakeoverState, decode_body, decode_frame, pack_frame
 from wcache.proto.examples import EXAMPLES, hexdump
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
@@ -30,6 +31,11 @@ GOLDEN_SHA256 = {
     "EVICTED": "8c0a3aa840e16c3b5b70562fd811ffe1e9597d944bfc5e2559c1510acfd2f8e3",
     "TAKEOVER": "bb2aba7c57fcc59016fc87ecc45d27c7169a5749b457734bc7d07bc3e9d4c140",
     "TAKEOVER_STATE": "c005fd4860e9ba1550452017c00851d5593d1c1c068b153bcceaacd6b453cdca",
+    "KEEP": "117beb8645575daa9b921f648a61ab15b77486f11a95e54ae1e8e7503a3fb4a5",
+    "KEPT": "61a8afc94775e8ddd904c189cb59d54593c9e9528d2097223d9378f4c201c0c6",
+    "UNKEEP": "325922262b5d0d833f2b8d874d638a3acffaee59cac4c20bd17d233f26943ffb",
+    "RECLAIM": "ee07cffa27351ffc299670153bf11724ee5335ca208765a46c53f10780677092",
+    "RECLAIMED": "0816f7501a1712545259dffa6f83b3a4b00d170898b917f17b32db8fdeca0225",
     "ERROR": "5d423e9a76b338e72a46284d2176781959dbd8a023962e2f696f096f5643578c",
 }
 
@@ -101,3 +107,36 @@ def test_example_takeover_pairs_through_a_connection() -> None:
     assert isinstance(reply, TakeoverState) and reply == EXAMPLES["TAKEOVER_STATE"]
     assert reply.fd_count == 2  # one memfd slab + the listener
     assert not client.pending
+
+
+def test_example_keeper_frames_pair_through_a_connection() -> None:
+    """KEEP and UNKEEP are answered by KEPT, RECLAIM by RECLAIMED; KEEP and RECLAIMED carry one fd per slab."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
+    server.receive_data(client.send(EXAMPLES["HELLO"]))
+    list(server.events())
+    client.receive_data(server.send(EXAMPLES["HELLO_OK"]))
+    list(client.events())
+    unkept = Kept(id=3, models=0, bytes=0)  # UNKEEP is answered by KEPT too
+    for request, reply in (
+        (EXAMPLES["KEEP"], EXAMPLES["KEPT"]),
+        (EXAMPLES["UNKEEP"], unkept),
+        (EXAMPLES["RECLAIM"], EXAMPLES["RECLAIMED"]),
+    ):
+        server.receive_data(client.send(request))
+        assert list(server.events()) == [request]
+        client.receive_data(server.send(reply))
+        assert list(client.events()) == [reply]
+    assert not client.pending and not server.pending
+    keep, reclaimed = EXAMPLES["KEEP"], EXAMPLES["RECLAIMED"]
+    assert isinstance(keep, Keep) and isinstance(reclaimed, Reclaimed)
+    assert keep.fd_count == 1 and reclaimed.fd_count == 1
+
+
+def test_keep_refuses_a_slab_without_an_fd() -> None:
+    """A kept slab must travel as an fd (a legacy CUDA IPC handle cannot outlive its process)."""
+    keep = EXAMPLES["KEEP"]
+    assert isinstance(keep, Keep)
+    wire = keep.to_wire()
+    wire["model"]["slabs"][0]["fd"] = -1
+    with pytest.raises(ProtocolError, match=r"KEEP\.models"):
+        decode_frame(wire)

@@ -293,14 +293,14 @@ async def test_memfd_slab_cannot_be_written_by_a_client(daemon: DaemonProc, ckpt
     """The host slab is a sealed memfd: a client holding the fd cannot change the weights."""
     import mmap
 
-    from wcache.client.client import _expect
+    from wcache.channel import expect
     from wcache.proto import GetState
 
     client = WCacheClient(daemon.socket)
     ch, _ = await client._connect(daemon.socket)
     try:
         await ch.send(GetState(id=1, key=WeightCacheKey.from_checkpoint(ckpt).to_wire()))
-        state, fds = await _expect(ch)
+        state, fds = await expect(ch)
         (fd,) = fds
         size = os.fstat(fd).st_size
         with pytest.raises(PermissionError):

@@ -166,7 +166,7 @@ async def test_cancel_mid_fetch_then_next_works(daemon: DaemonProc, ckpt: Path) 
 
 async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
     """Another connection's lease, or a made-up one: the same UNKNOWN_LEASE answer."""
-    from wcache.client.client import _expect
+    from wcache.channel import expect
     from wcache.proto import Release
 
     client = WCacheClient(daemon.socket)
@@ -177,7 +177,7 @@ async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
             ch.conn.leases.add(lease)  # convince our own connection object, to reach the daemon's check
             await ch.send(Release(id=ch.conn.next_request_id(), lease=lease))
             with pytest.raises(UnknownLeaseError):
-                await _expect(ch)
+                await expect(ch)
     finally:
         ch.close()
     assert (await client.status()).models[0].leases == 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -26,24 +25,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wcache import __version__
-from wcache.channel import Channel, close_fds, peer_credentials
+from wcache.channel import Channel, close_fds, connect, expect
 from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto import (
-    PROTOCOL_VERSION,
-    Connection,
     ErrorFrame,
     Evict,
     Evicted,
-    Frame,
     GetState,
-    Hello,
     HelloOk,
     Preload,
     Preloaded,
     Release,
-    Role,
     State,
     Status,
     StatusReply,
@@ -215,29 +209,7 @@ class WCacheClient:
 
     # ------------------------------------------------------------------ connection
     async def _connect(self, path: Path) -> tuple[Channel, HelloOk]:
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, str(path))
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
-            sock.close()
-            raise CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}") from exc
-        creds = peer_credentials(sock)
-        if creds.uid not in (os.geteuid(), 0):
-            sock.close()
-            raise CacheUnavailableError(
-                f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it"
-            )
-        ch = Channel(sock, Connection(Role.CLIENT), accept_fds=True)
-        try:
-            await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=f"wcache/{__version__}", name=self.name))
-            frame, _ = await _expect(ch)
-            assert isinstance(frame, HelloOk)
-        except BaseException:
-            ch.close()
-            raise
-        return ch, frame
+        return await connect(path, software=f"wcache/{__version__}", name=self.name)
 
     async def fetch(
         self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
@@ -256,7 +228,7 @@ class WCacheClient:
 
                 device_uuid = cuda.local_uuid(self.device, hello.device.uuid)
             await ch.send(GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid))
-            frame, fds = await _expect(ch)
+            frame, fds = await expect(ch)
             if not isinstance(frame, State):
                 close_fds(fds)
                 raise ProtocolError(f"expected STATE, got {frame.TYPE}")
@@ -338,7 +310,7 @@ class WCacheClient:
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path)
             await session.ch.send(Status(id=session.ch.conn.next_request_id()))
-            frame, _ = await _expect(session.ch)
+            frame, _ = await expect(session.ch)
             assert isinstance(frame, StatusReply)
             return frame
 
@@ -370,7 +342,7 @@ class WCacheClient:
                 transform=transform,
             )
             await session.ch.send(req)
-            frame, _ = await _expect(session.ch)
+            frame, _ = await expect(session.ch)
             assert isinstance(frame, Preloaded)
             return frame
 
@@ -380,7 +352,7 @@ class WCacheClient:
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path)
             await session.ch.send(Evict(id=session.ch.conn.next_request_id(), key=key.to_wire()))
-            frame, _ = await _expect(session.ch)
+            frame, _ = await expect(session.ch)
             assert isinstance(frame, Evicted)
             return frame
 
@@ -419,17 +391,8 @@ async def take_over(
             await ch.send(
                 Takeover(id=ch.conn.next_request_id(), backend=backend, device_uuid=device_uuid, pid=os.getpid())
             )
-            frame, fds = await _expect(ch)
+            frame, fds = await expect(ch)
         finally:
             ch.close()
     assert isinstance(frame, TakeoverState)
-    return frame, fds
-
-
-async def _expect(ch: Channel) -> tuple[Frame, list[int]]:
-    """The next frame; an ERROR frame becomes its exception class."""
-    frame, fds = await ch.receive()
-    if isinstance(frame, ErrorFrame):
-        close_fds(fds)
-        raise error_from_frame(frame.code, frame.message, frame.details)
     return frame, fds

@@ -82,6 +82,11 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.OPEN, RECV, "RELEASED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "STATUS_REPLY"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "ERROR"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "KEEP"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "UNKEEP"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "RECLAIM"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "KEPT"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "RECLAIMED"): Phase.OPEN,
     (Role.SERVER, Phase.START, RECV, "HELLO"): Phase.HELLO_RECEIVED,
     (Role.SERVER, Phase.HELLO_RECEIVED, SEND, "HELLO_OK"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "GET_STATE"): Phase.OPEN,
@@ -97,6 +102,11 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, SEND, "RELEASED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "STATUS_REPLY"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "ERROR"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "KEEP"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "UNKEEP"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "RECLAIM"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "KEPT"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "RECLAIMED"): Phase.OPEN,
 }
 #: Request type -> the reply type that answers it (ERROR answers any request).
 REPLY_TO = {
@@ -106,6 +116,9 @@ REPLY_TO = {
     "PRELOAD": "PRELOADED",
     "EVICT": "EVICTED",
     "TAKEOVER": "TAKEOVER_STATE",
+    "KEEP": "KEPT",
+    "UNKEEP": "KEPT",
+    "RECLAIM": "RECLAIMED",
 }
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64

@@ -14,10 +14,14 @@ from wcache.proto.frames import (
     HandedModel,
     Hello,
     HelloOk,
+    Keep,
+    Kept,
     LeaseInfo,
     ModelInfo,
     Preload,
     Preloaded,
+    Reclaim,
+    Reclaimed,
     Release,
     Released,
     SlabDescriptor,
@@ -28,6 +32,7 @@ from wcache.proto.frames import (
     TakeoverState,
     TensorEntry,
     TensorTable,
+    Unkeep,
 )
 
 __all__ = ["EXAMPLES", "hexdump"]
@@ -42,6 +47,21 @@ _KEY: dict[str, str | int] = {
     "layout": 1,
     "fingerprint_kind": "sampled",
 }
+
+_HANDED = HandedModel(
+    key=_KEY,
+    slabs=(SlabDescriptor(size=768, kind="memfd", fd=0),),
+    tensors=TensorTable.from_entries(
+        [
+            TensorEntry("model.embed_tokens.weight", "bfloat16", (4, 64), (64, 1), 0, 0),
+            TensorEntry("model.norm.weight", "bfloat16", (64,), (1,), 0, 512),
+        ]
+    ),
+    aliases={"lm_head.weight": "model.embed_tokens.weight"},
+    payload=640,
+    load_seconds=0.25,
+)
+_OWNER = "/run/user/1000/wcache/wcache-rank0.sock"
 
 EXAMPLES: dict[str, Frame] = {
     "HELLO": Hello(versions=(2,), software="wcache/0.1.0", name="engine-0"),
@@ -95,26 +115,12 @@ EXAMPLES: dict[str, Frame] = {
     "EVICT": Evict(id=5, key=_KEY),
     "EVICTED": Evicted(id=5, key=_KEY, bytes=8032837632),
     "TAKEOVER": Takeover(id=1, backend="host", device_uuid="", pid=4343),
-    "TAKEOVER_STATE": TakeoverState(
-        id=1,
-        models=(
-            HandedModel(
-                key=_KEY,
-                slabs=(SlabDescriptor(size=768, kind="memfd", fd=0),),
-                tensors=TensorTable.from_entries(
-                    [
-                        TensorEntry("model.embed_tokens.weight", "bfloat16", (4, 64), (64, 1), 0, 0),
-                        TensorEntry("model.norm.weight", "bfloat16", (64,), (1,), 0, 512),
-                    ]
-                ),
-                aliases={"lm_head.weight": "model.embed_tokens.weight"},
-                payload=640,
-                load_seconds=0.25,
-            ),
-        ),
-        listener_fd=1,
-        pid=4242,
-    ),
+    "TAKEOVER_STATE": TakeoverState(id=1, models=(_HANDED,), listener_fd=1, pid=4242),
+    "KEEP": Keep(id=2, owner=_OWNER, backend="host", device_uuid="", model=_HANDED, pid=4242),
+    "KEPT": Kept(id=2, models=1, bytes=768),
+    "UNKEEP": Unkeep(id=3, owner=_OWNER, key=_KEY),
+    "RECLAIM": Reclaim(id=1, owner=_OWNER, backend="host", device_uuid="", pid=4343),
+    "RECLAIMED": Reclaimed(id=1, models=(_HANDED,), dropped=0),
     "ERROR": ErrorFrame(
         id=1,
         code=21,

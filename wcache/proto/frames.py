@@ -46,6 +46,12 @@ __all__ = [
     "TakeoverState",
     "Takeover",
     "HandedModel",
+    "Keep",
+    "Kept",
+    "MAX_KEPT_FDS",
+    "Reclaim",
+    "Reclaimed",
+    "Unkeep",
     "TensorEntry",
     "TensorGroup",
     "TensorTable",
@@ -73,6 +79,7 @@ MODES = ("zero_copy", "copy")
 SLAB_KINDS = ("memfd", "cuda_ipc", "cuda_vmm")
 
 MAX_NAME = 1024  # bytes of a tensor name or key string
+MAX_PATH = 4096  # bytes of a file system path
 MAX_DIMS = 16
 MAX_VERSIONS = 16
 KeyMap = dict[str, Union[str, int]]
@@ -925,11 +932,11 @@ class Preload:
         tp_size = f.integer("tp_size", 1, lo=1, hi=1 << 16)
         return cls(
             id=f.integer("id", lo=1),
-            model=f.string("model", max_len=4096),
+            model=f.string("model", max_len=MAX_PATH),
             tp_rank=f.integer("tp_rank", 0, hi=tp_size - 1),
             tp_size=tp_size,
             dtype=f.string("dtype", "auto"),
-            plan_file=f.string("plan_file", "", max_len=4096),
+            plan_file=f.string("plan_file", "", max_len=MAX_PATH),
             transform=f.string("transform", ""),
         )
 
@@ -1113,6 +1120,154 @@ class TakeoverState:
         return 1 + sum(1 for x in self.models for s in x.slabs if s.fd >= 0)
 
 
+#: Slabs one KEEP or RECLAIMED may carry: one recvmsg's worth of descriptors.
+MAX_KEPT_FDS = 16
+
+
+def _kept_fds(frame: str, models: Sequence[HandedModel]) -> int:
+    """Check that the slabs' fd positions are 0..n-1, each once, n <= MAX_KEPT_FDS; return n."""
+    fds = [s.fd for x in models for s in x.slabs]
+    if len(fds) > MAX_KEPT_FDS or sorted(fds) != list(range(len(fds))):
+        raise _fail(frame, "models", f"slab fd positions must be 0..n-1, each once, n <= {MAX_KEPT_FDS}")
+    return len(fds)
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Daemon -> keeper: hold this model's slabs (they travel as fds) for the daemon serving ``owner``."""
+
+    TYPE: ClassVar[str] = "KEEP"
+    id: int
+    owner: str  # the depositing daemon's socket path: who may RECLAIM it
+    backend: str
+    device_uuid: str
+    model: HandedModel
+    pid: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE,
+            "id": self.id,
+            "owner": self.owner,
+            "backend": self.backend,
+            "device_uuid": self.device_uuid,
+            "model": self.model.to_wire(),
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Keep:
+        f = _Fields(cls.TYPE, m)
+        model = HandedModel.from_wire(f.mapping("model"))
+        _kept_fds(cls.TYPE, [model])
+        return cls(
+            id=f.integer("id", lo=1),
+            owner=f.string("owner", max_len=MAX_PATH),
+            backend=f.string("backend"),
+            device_uuid=f.string("device_uuid", ""),
+            model=model,
+            pid=f.integer("pid", 0),
+        )
+
+    @property
+    def fd_count(self) -> int:
+        return len(self.model.slabs)
+
+
+@dataclass(frozen=True, slots=True)
+class Unkeep:
+    """Daemon -> keeper: stop holding the model ``key`` of ``owner`` (evicted: its memory is freed)."""
+
+    TYPE: ClassVar[str] = "UNKEEP"
+    id: int
+    owner: str
+    key: KeyMap
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "owner": self.owner, "key": dict(self.key)}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Unkeep:
+        f = _Fields(cls.TYPE, m)
+        return cls(id=f.integer("id", lo=1), owner=f.string("owner", max_len=MAX_PATH), key=f.key("key"))
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """Keeper -> daemon: the answer to KEEP and UNKEEP: what it now holds for ``owner``."""
+
+    TYPE: ClassVar[str] = "KEPT"
+    id: int
+    models: int
+    bytes: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "models": self.models, "bytes": self.bytes}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Kept:
+        f = _Fields(cls.TYPE, m)
+        return cls(id=f.integer("id", lo=1), models=f.integer("models"), bytes=f.integer("bytes"))
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """Daemon -> keeper, at start: the models kept for ``owner`` on this backend and device."""
+
+    TYPE: ClassVar[str] = "RECLAIM"
+    id: int
+    owner: str
+    backend: str
+    device_uuid: str = ""
+    pid: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.TYPE,
+            "id": self.id,
+            "owner": self.owner,
+            "backend": self.backend,
+            "device_uuid": self.device_uuid,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Reclaim:
+        f = _Fields(cls.TYPE, m)
+        return cls(
+            id=f.integer("id", lo=1),
+            owner=f.string("owner", max_len=MAX_PATH),
+            backend=f.string("backend"),
+            device_uuid=f.string("device_uuid", ""),
+            pid=f.integer("pid", 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaimed:
+    """Keeper -> daemon: the kept models (their slabs travel as fds; the keeper keeps holding them)
+    and how many entries of ``owner`` it dropped because they were on another backend or device."""
+
+    TYPE: ClassVar[str] = "RECLAIMED"
+    id: int
+    models: tuple[HandedModel, ...] = ()
+    dropped: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "models": [x.to_wire() for x in self.models], "dropped": self.dropped}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Reclaimed:
+        f = _Fields(cls.TYPE, m)
+        models = tuple(HandedModel.from_wire(x) for x in f.array("models", []))
+        _kept_fds(cls.TYPE, models)
+        return cls(id=f.integer("id", lo=1), models=models, dropped=f.integer("dropped", 0))
+
+    @property
+    def fd_count(self) -> int:
+        return sum(len(x.slabs) for x in self.models)
+
+
 Frame = Union[
     Hello,
     HelloOk,
@@ -1129,6 +1284,11 @@ Frame = Union[
     Evicted,
     Takeover,
     TakeoverState,
+    Keep,
+    Unkeep,
+    Kept,
+    Reclaim,
+    Reclaimed,
 ]
 FRAME_TYPES: dict[str, Any] = {c.TYPE: c for c in get_args(Frame)}
 

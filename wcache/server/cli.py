@@ -24,7 +24,9 @@ from wcache.server.backends.base import Backend
 from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
 
 if TYPE_CHECKING:
+    from wcache.proto import HandedModel
     from wcache.server.backends.base import Slab
+    from wcache.server.keeper import KeeperLink
     from wcache.server.store import ServedModel
 
 __all__ = ["main", "make_backend", "parse_args"]
@@ -71,6 +73,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SOCKET",
         help="take over the daemon serving SOCKET (e.g. an upgrade): receive its models' memory (VMM or memfd "
         "fds) and its listening socket, then serve them there; it exits. No disk read; engines keep their mappings",
+    )
+    p.add_argument(
+        "--keeper",
+        nargs="?",
+        const="",
+        metavar="SOCKET",
+        help="a wcache-keeper (its socket; default: wcache-keeper.sock beside this daemon's socket) holds this "
+        "daemon's models across restarts: they are reclaimed at start instead of loaded, and kept or dropped as "
+        "the daemon loads or evicts them",
     )
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
@@ -157,25 +168,18 @@ def resolve_socket(args: argparse.Namespace) -> Path:
     return Path(os.path.abspath(d)) / socket_name(args.tp_rank)
 
 
-def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list[ServedModel], socket.socket]:
-    """--takeover: the running daemon's models (adopted slabs) and its listening socket; then its lock."""
-    import asyncio
-
-    from wcache.client.client import take_over as request
+def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> list[ServedModel]:
+    """Serve models whose slabs another process handed over (their fd fields index ``fds``). Every fd in
+    ``fds`` is consumed: adopted by a slab, or closed (on failure too)."""
     from wcache.key import WeightCacheKey
     from wcache.server.loader import LoadStats
     from wcache.server.store import ServedModel
 
-    t0 = time.perf_counter()
-    state, fds = asyncio.run(request(sock_path, backend=backend.name, device_uuid=backend.device.uuid))
-    models: list[ServedModel] = []
+    served: list[ServedModel] = []
     adopted: list[Slab] = []  # each owns its fd from here on
     used: set[int] = set()
-    listener: socket.socket | None = None
     try:
-        listener = socket.socket(fileno=fds[state.listener_fd])
-        used.add(state.listener_fd)
-        for hm in state.models:
+        for hm in models:
             slabs = []
             for desc in hm.slabs:
                 slab = backend.adopt(desc, fds[desc.fd])
@@ -184,17 +188,36 @@ def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list
                 slabs.append(slab)
             stats = LoadStats(0, hm.payload, hm.load_seconds)
             key = WeightCacheKey.from_wire(dict(hm.key))
-            models.append(ServedModel(key, hm.tensors, dict(hm.aliases), slabs, backend, hm.payload, stats))
+            served.append(ServedModel(key, hm.tensors, dict(hm.aliases), slabs, backend, hm.payload, stats))
             hm.tensors.encoded()
-        lock.acquire(wait=10.0)  # the old daemon releases it right after sending
     except BaseException:
+        for s in adopted:
+            s.close()
+        raise
+    finally:
         for i, fd in enumerate(fds):
             if i not in used:
                 os.close(fd)
-        for s in adopted:
-            s.close()
-        if listener is not None:
-            listener.close()
+    return served
+
+
+def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list[ServedModel], socket.socket]:
+    """--takeover: the running daemon's models (adopted slabs) and its listening socket; then its lock."""
+    import asyncio
+
+    from wcache.client.client import take_over as request
+
+    t0 = time.perf_counter()
+    state, fds = asyncio.run(request(sock_path, backend=backend.name, device_uuid=backend.device.uuid))
+    listener = socket.socket(fileno=os.dup(fds[state.listener_fd]))
+    models: list[ServedModel] = []
+    try:
+        models = adopt(state.models, fds, backend)  # closes the listener's original fd with the unused ones
+        lock.acquire(wait=10.0)  # the old daemon releases it right after sending
+    except BaseException:
+        for m in models:
+            m.close()
+        listener.close()
         raise
     log.info(
         "took over socket=%s from pid=%d models=%d bytes=%d seconds=%.3f",
@@ -207,6 +230,47 @@ def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list
     return models, listener
 
 
+def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
+    """--keeper: the models the keeper holds for this daemon's socket, adopted (none if it is not running)."""
+    import asyncio
+
+    from wcache.server.keeper import reclaim as request
+
+    t0 = time.perf_counter()
+    try:
+        state, fds = asyncio.run(
+            request(link.path, owner=link.owner, backend=backend.name, device_uuid=backend.device.uuid)
+        )
+    except (WCacheError, OSError, TimeoutError) as exc:
+        log.warning("keeper %s: nothing reclaimed (%s); loading as usual", link.path, exc)
+        return []
+    try:
+        models = adopt(state.models, fds, backend)
+    except Exception as exc:  # a slab that cannot be imported here: load as usual
+        log.warning("keeper %s: could not adopt the reclaimed slabs (%s); loading as usual", link.path, exc)
+        return []
+    log.info(
+        "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d seconds=%.3f",
+        link.path,
+        link.owner,
+        len(models),
+        sum(m.slab_bytes for m in models),
+        state.dropped,
+        time.perf_counter() - t0,
+    )
+    return models
+
+
+def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> None:
+    """Log models evicted at start (already closed) and tell the keeper to drop them."""
+    import asyncio
+
+    for m in evicted:
+        log.info("evicted key=%s bytes=%d reason=%s", m.key.short(), m.slab_bytes, reason)
+        if link is not None:
+            asyncio.run(link.unkeep(m))
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -216,7 +280,7 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 def run(args: argparse.Namespace) -> int:
     from wcache.proto import Preload
     from wcache.server.daemon import Daemon
-    from wcache.server.store import Store, load_model
+    from wcache.server.store import Store, load_model, preload_key
 
     if args.takeover is not None:
         sock_path = Path(os.path.abspath(args.takeover))
@@ -255,8 +319,22 @@ def run(args: argparse.Namespace) -> int:
                 tier=tier,
             )
 
+        link: KeeperLink | None = None
+        reclaimed: list[ServedModel] = []
+        if args.keeper is not None:
+            from wcache.paths import KEEPER_SOCKET
+            from wcache.server.keeper import KeeperLink
+
+            kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
+            link = KeeperLink(
+                Path(os.path.abspath(kpath)), owner=sock_path, backend=backend.name, device_uuid=backend.device.uuid
+            )
+            if args.takeover is None:  # after a takeover the keeper already holds what was handed over
+                reclaimed = handed = reclaim(link, backend)
         store = Store(backend, handed, budget=args.memory_budget or None)
         try:
+            if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
+                drop(store.make_room(0), link, "budget")
             if args.model is not None:
                 first = Preload(
                     id=1,
@@ -267,11 +345,21 @@ def run(args: argparse.Namespace) -> int:
                     plan_file=str(args.shard_plan or ""),
                     transform=args.transform,
                 )
-                model = loader(first)
-                if store.budget is not None and model.slab_bytes > store.budget:
-                    model.close()
-                    raise WCacheError(f"the model needs {model.slab_bytes} bytes, over --memory-budget {store.budget}")
-                store.add(model)
+                key, nbytes = preload_key(first)
+                held = store.models.get(key)
+                if held is not None:
+                    store.remember_source(held, Path(first.model))
+                    log.info("serving key=%s bytes=%d from the keeper: nothing loaded", key.short(), held.slab_bytes)
+                else:
+                    drop(store.make_room(nbytes), link, "load")
+                    store.add(loader(first))
+            if link is not None:
+                import asyncio
+
+                have = {id(m) for m in reclaimed}
+                for m in list(store.models.values()):
+                    if id(m) not in have:
+                        asyncio.run(link.keep(m))
             daemon = Daemon(
                 store,
                 sock_path,
@@ -285,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
                 listener=listener,
                 on_handover=lock.release,
                 tier=tier,
+                keeper=link,
             )
 
             def ready() -> None:

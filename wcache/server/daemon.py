@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -50,8 +49,10 @@ from wcache.proto import (
     TakeoverState,
 )
 from wcache.proto.frames import MAX_HANDOFF_FDS
+from wcache.server.keeper import KeeperLink
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.store import ServedModel, Store, planned_bytes
+from wcache.server.security import bind_private_socket
+from wcache.server.store import ServedModel, Store, preload_key
 from wcache.server.tier import HostTier
 
 __all__ = ["Daemon"]
@@ -78,6 +79,7 @@ class Daemon:
         listener: socket.socket | None = None,
         on_handover: Callable[[], None] | None = None,
         tier: HostTier | None = None,
+        keeper: KeeperLink | None = None,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -104,6 +106,8 @@ class Daemon:
         self._listener: socket.socket | None = listener
         self._on_handover = on_handover
         self.tier = tier
+        #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
+        self.keeper = keeper
         self._handed_over = False
         self._accept_task: asyncio.Future[None] | None = None
 
@@ -111,28 +115,13 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
-    def _bind(self) -> socket.socket:
-        # Only the lock holder gets here (cli.py), so a leftover socket file is stale.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
-        try:
-            sock.bind(str(self.socket_path))
-        finally:
-            os.umask(old)
-        os.chmod(self.socket_path, 0o600)
-        sock.listen(512)
-        sock.setblocking(False)
-        return sock
-
     async def serve(self, on_ready: object | None = None) -> None:
         """Serve until stop() or SIGTERM/SIGINT; then drain and unlink the socket."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
-        listener = self._listener if self._listener is not None else self._bind()
+        listener = self._listener if self._listener is not None else bind_private_socket(self.socket_path)
         listener.setblocking(False)
         self._listener = listener
         http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
@@ -301,6 +290,8 @@ class Daemon:
                 await self._hand_over(ch, frame, pid)
             elif isinstance(frame, Evict):
                 gone = self.store.evict(frame.key)
+                if self.keeper is not None:
+                    await self.keeper.unkeep(gone)
                 await ch.send(Evicted(id=frame.id, key=gone.key.to_wire(), bytes=gone.slab_bytes))
                 log.info(
                     "evicted %s pid=%d key=%s bytes=%d resident=%d",
@@ -403,20 +394,20 @@ class Daemon:
         if self.loader is None:
             raise NotFoundError("this daemon was started without a loader for PRELOAD")
         async with self._preload_lock:
-            dtype = None if req.dtype == "auto" else req.dtype
-            plan = req.plan_file or None
-            key, nbytes = await asyncio.to_thread(
-                planned_bytes, req.model, tp_rank=req.tp_rank, tp_size=req.tp_size, dtype=dtype, plan_file=plan
-            )
-            key = dataclasses.replace(key, transform=req.transform)
+            key, nbytes = await asyncio.to_thread(preload_key, req)
             held = self.store.models.get(key)
             if held is not None:
+                self.store.remember_source(held, Path(req.model))
                 return Preloaded(id=req.id, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
             evicted = self.store.make_room(nbytes)
             for m in evicted:
                 log.info("evicted %s key=%s bytes=%d reason=preload", self._tag, m.key.short(), m.slab_bytes)
+                if self.keeper is not None:
+                    await self.keeper.unkeep(m)
             model = await asyncio.to_thread(self.loader, req)
             self.store.add(model)
+            if self.keeper is not None:
+                await self.keeper.keep(model)
         log.info(
             "preloaded %s pid=%d key=%s tensors=%d bytes=%d load_s=%.2f resident=%d models=%d",
             self._tag,

@@ -17,12 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DaemonProcess", "spawn_daemon"]
+__all__ = ["DaemonProcess", "spawn_daemon", "spawn_keeper"]
 
 
 class DaemonProcess:
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path, ready: Path, started: float) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], log: Path, ready: Path, started: float, name: str = "wcache-server"
+    ) -> None:
         self.proc = proc
+        self.name = name
         self.log = log
         self.ready_file = ready
         self.started = started
@@ -44,10 +47,10 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout
         while not self.ready_file.exists():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"wcache-server exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
             if time.monotonic() > deadline:
                 self.proc.kill()
-                raise TimeoutError(f"wcache-server not ready after {timeout} s:\n{self.log_text()[-3000:]}")
+                raise TimeoutError(f"{self.name} not ready after {timeout} s:\n{self.log_text()[-3000:]}")
             time.sleep(0.02)
         self.info = json.loads(self.ready_file.read_text())
         self.ready_seconds = time.perf_counter() - self.started
@@ -83,13 +86,41 @@ def spawn_daemon(
     where = (
         ["--takeover", str(takeover)] if takeover is not None else ["--model", str(model), "--socket-dir", str(sdir)]
     )
+    return _spawn("wcache.server.cli", [*where, *extra], ready, log_path, env, timeout)
+
+
+def spawn_keeper(
+    socket_dir: str | os.PathLike[str],
+    *extra: str,
+    log: str | os.PathLike[str] | None = None,
+    timeout: float | None = 60.0,
+) -> DaemonProcess:
+    """Start ``wcache-keeper --socket-dir D --ready-file ... *extra`` and wait for it (see spawn_daemon)."""
+    sdir = Path(socket_dir)
+    tag = time.time_ns()
+    ready = sdir.parent / f".wcache-keeper-ready-{tag}.json"
+    log_path = Path(log) if log is not None else sdir.parent / f"wcache-keeper-{tag}.log"
+    return _spawn(
+        "wcache.server.keeper", ["--socket-dir", str(sdir), *extra], ready, log_path, None, timeout, "wcache-keeper"
+    )
+
+
+def _spawn(
+    module: str,
+    args: list[str],
+    ready: Path,
+    log_path: Path,
+    env: Mapping[str, str] | None,
+    timeout: float | None,
+    name: str = "wcache-server",
+) -> DaemonProcess:
     started = time.perf_counter()
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "wcache.server.cli", *where, "--ready-file", str(ready), *extra],
+            [sys.executable, "-m", module, *args, "--ready-file", str(ready)],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
         )
-    d = DaemonProcess(proc, log_path, ready, started)
+    d = DaemonProcess(proc, log_path, ready, started, name)
     return d.wait_ready(timeout) if timeout is not None else d

@@ -8,9 +8,11 @@ connection (daemon.py) is the second layer.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import socket
 import stat
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import NoReturn
 
 from wcache.errors import InsecurePathError
 
-__all__ = ["DaemonLock", "check_private_dir", "ensure_socket_dir"]
+__all__ = ["DaemonLock", "bind_private_socket", "check_private_dir", "ensure_socket_dir"]
 
 
 def check_private_dir(path: Path, what: str = "socket directory") -> None:
@@ -53,6 +55,23 @@ def ensure_socket_dir(path: Path) -> Path:
         pass
     check_private_dir(path)
     return path
+
+
+def bind_private_socket(path: Path) -> socket.socket:
+    """Listen on ``path`` (a non-blocking socket, mode 0600 from birth). Only the holder of the
+    path's DaemonLock may call this: a leftover socket file is then stale and is replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
 
 
 class DaemonLock:

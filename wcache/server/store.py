@@ -37,6 +37,7 @@ from wcache.proto import (
     GetState,
     LeaseInfo,
     ModelInfo,
+    Preload,
     Release,
     Released,
     SlabDescriptor,
@@ -270,6 +271,18 @@ def planned_bytes(
     return rp.key, rp.layout.total_bytes
 
 
+def preload_key(req: Preload) -> tuple[WeightCacheKey, int]:
+    """The key a PRELOAD's model would be served under and its slab bytes, from headers alone."""
+    key, nbytes = planned_bytes(
+        req.model,
+        tp_rank=req.tp_rank,
+        tp_size=req.tp_size,
+        dtype=None if req.dtype == "auto" else req.dtype,
+        plan_file=req.plan_file or None,
+    )
+    return dataclasses.replace(key, transform=req.transform), nbytes
+
+
 class Store:
     """The models a daemon holds (least recently used first) and their leases.
 
@@ -350,6 +363,13 @@ class Store:
     def add(self, model: ServedModel) -> None:
         self.models[model.key] = model
         self._remember(model)
+
+    def remember_source(self, model: ServedModel, source: Path) -> None:
+        """``model`` (adopted from a keeper or a previous daemon) was loaded from ``source``: load-on-demand
+        may load other variants of that checkpoint."""
+        if model.source is None:
+            model.source = source
+            self._remember(model)
 
     def _remember(self, model: ServedModel) -> None:
         if model.source is not None:

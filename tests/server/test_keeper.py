@@ -1,0 +1,182 @@
+"""wcache-keeper: a daemon restarted after a crash gets its models back from the keeper, loading nothing.
+
+Real subprocesses: a keeper, daemons started with ``--keeper``, SIGKILL for the crash. The checkpoint
+is changed between the crash and the restart in a byte its fingerprint does not sample: a daemon that
+reloaded from disk would serve that byte, one that reclaimed its slab serves the original.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from wcache import WCacheClient, WeightCacheKey
+from wcache.checkpoint import SAMPLE_BLOCK
+from wcache.errors import CacheUnavailableError, LimitExceededError, NotFoundError
+from wcache.nn import load_from_disk
+from wcache.paths import KEEPER_SOCKET
+from wcache.proto import HandedModel, Keep, SlabDescriptor
+from wcache.proto.examples import EXAMPLES
+from wcache.proto.frames import MAX_KEPT_FDS
+from wcache.server import keeper as kp
+from wcache.server.process import DaemonProcess, spawn_keeper
+
+
+@pytest.fixture
+def keeper(socket_dir: Path) -> Iterator[DaemonProcess]:
+    k = spawn_keeper(socket_dir)
+    try:
+        yield k
+    finally:
+        k.stop()
+
+
+@pytest.fixture
+def model(ckpt: Path, tmp_path: Path) -> Path:
+    """A private copy of the checkpoint (the test changes it)."""
+    return Path(shutil.copytree(ckpt, tmp_path / "model"))
+
+
+def _flip_unsampled_byte(model: Path) -> None:
+    """Change one data byte right after the first block the fingerprint samples (the key stays the same)."""
+    f = sorted(model.glob("*.safetensors"))[0]
+    with open(f, "r+b") as fh:
+        (hlen,) = struct.unpack("<Q", fh.read(8))
+        off = 8 + hlen + SAMPLE_BLOCK + 100
+        fh.seek(off)
+        b = fh.read(1)
+        fh.seek(off)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    ref = {k: v.clone() for k, v in load_from_disk(model).items()}  # not views of the file we change
+    key = WeightCacheKey.from_checkpoint(model)
+    first = daemon_factory(model, "--keeper")
+    assert "kept in keeper" in first.log_text()
+    engine = await WCacheClient(first.socket).fetch(key)
+    first.stop(signal.SIGKILL)  # a crash: nothing is cleaned up
+
+    _flip_unsampled_byte(model)
+    assert WeightCacheKey.from_checkpoint(model) == key
+    assert any(not torch.equal(ref[k], v) for k, v in load_from_disk(model).items())  # disk now differs
+
+    second = daemon_factory(model, "--keeper")
+    log = second.log_text()
+    assert "reclaimed from keeper" in log and "models=1" in log
+    assert "nothing loaded" in log and "loaded bytes_read" not in log
+    async with await WCacheClient(second.socket).fetch(key) as w:
+        assert w.server.server_pid == second.pid
+        assert all(torch.equal(w[k], v) for k, v in ref.items())  # the kept bytes, not the changed file
+    assert all(torch.equal(engine[k], v) for k, v in ref.items())  # the engine's mapping outlived the crash
+    await engine.release()  # its daemon is gone: not an error
+
+    kept = await WCacheClient(keeper.socket).status()
+    assert [m.key for m in kept.models] == [key.to_wire()] and kept.software.startswith("wcache-keeper/")
+
+    await WCacheClient(second.socket).evict(key)  # an eviction frees the memory in the keeper too
+    assert (await WCacheClient(keeper.socket).status()).models == ()
+    assert "unkept" in keeper.log_text()
+
+
+async def test_restart_with_another_model_keeps_the_old_one_under_the_budget(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, tied_ckpt: Path
+) -> None:
+    """Reclaimed models are held like loaded ones: a budget too small for both evicts the old one
+    (least recently used) to load the new one, and the keeper drops it."""
+    old = daemon_factory(model, "--keeper")
+    old_bytes = (await WCacheClient(old.socket).status()).models[0].bytes
+    old.stop(signal.SIGKILL)
+    new = daemon_factory(tied_ckpt, "--keeper", "--memory-budget", str(old_bytes))
+    log = new.log_text()
+    assert "reclaimed from keeper" in log and "reason=load" in log
+    st = await WCacheClient(new.socket).status()
+    assert [m.key for m in st.models] == [WeightCacheKey.from_checkpoint(tied_ckpt).to_wire()]
+    kept = await WCacheClient(keeper.socket).status()
+    assert [m.key for m in kept.models] == [WeightCacheKey.from_checkpoint(tied_ckpt).to_wire()]
+
+
+async def test_without_a_running_keeper_the_daemon_loads_and_serves(
+    daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    d = daemon_factory(model, "--keeper")
+    log = d.log_text()
+    assert f"keeper {socket_dir / KEEPER_SOCKET}: nothing reclaimed" in log
+    assert "did not keep" in log and "loaded bytes_read" in log
+    async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
+        assert len(w) > 0
+
+
+def _memfd_model(tp_rank: int) -> tuple[HandedModel, int]:
+    keep = EXAMPLES["KEEP"]
+    assert isinstance(keep, Keep)
+    example = keep.model
+    fd = os.memfd_create("wcache-test-slab")
+    os.ftruncate(fd, example.slabs[0].size)
+    key = dict(example.key, tp_rank=tp_rank, tp_size=MAX_KEPT_FDS + 1)
+    return HandedModel(key, (SlabDescriptor(size=example.slabs[0].size, kind="memfd", fd=0),), example.tensors), fd
+
+
+async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hold(keeper: DaemonProcess) -> None:
+    path, owner = keeper.socket, "/run/wcache/rank0.sock"
+    for rank in range(MAX_KEPT_FDS):
+        m, fd = _memfd_model(rank)
+        try:
+            kept = await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+        finally:
+            os.close(fd)  # the keeper holds its own copy
+        assert (kept.models, kept.bytes) == (rank + 1, (rank + 1) * m.slabs[0].size)
+    m, fd = _memfd_model(MAX_KEPT_FDS)
+    with pytest.raises(LimitExceededError, match="one RECLAIM carries at most"):
+        await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+    os.close(fd)
+
+    state, fds = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
+    try:
+        assert len(state.models) == MAX_KEPT_FDS and state.dropped == 0 and len(fds) == MAX_KEPT_FDS
+        assert sorted(s.fd for m in state.models for s in m.slabs) == list(range(MAX_KEPT_FDS))
+        assert all(os.fstat(fd).st_size == state.models[0].slabs[0].size for fd in fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    other, _ = await kp.reclaim(path, owner="/elsewhere.sock", backend="host", device_uuid="")
+    assert other.models == () and other.dropped == 0
+
+    kept = await kp.unkeep(path, owner=owner, key=state.models[0].key)
+    assert kept.models == MAX_KEPT_FDS - 1
+    with pytest.raises(NotFoundError, match="holds no model"):
+        await kp.unkeep(path, owner=owner, key=state.models[0].key)
+
+    # the owner now runs on another backend: what it kept there cannot be served, and is freed
+    moved, fds = await kp.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
+    assert moved.models == () and moved.dropped == MAX_KEPT_FDS - 1 and fds == []
+    assert (await WCacheClient(path).status()).models == ()
+
+    with pytest.raises(NotFoundError, match="is a wcache keeper"):
+        await WCacheClient(path).fetch(WeightCacheKey.from_wire(dict(state.models[0].key)))
+
+
+def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonProcess, socket_dir: Path) -> None:
+    second = spawn_keeper(socket_dir, timeout=None)
+    assert second.proc.wait(30) != 0
+    assert f"pid {keeper.pid}" in second.log_text()  # names the holder of the lock
+    m, fd = _memfd_model(0)
+    import asyncio
+
+    asyncio.run(kp.keep(keeper.socket, owner="/o.sock", backend="host", device_uuid="", model=m, fds=[fd]))
+    os.close(fd)
+    assert keeper.stop() == 0
+    assert "models_freed=1" in keeper.log_text()
+    assert not keeper.socket.exists()
+    with pytest.raises(CacheUnavailableError):
+        asyncio.run(kp.reclaim(keeper.socket, owner="/o.sock", backend="host", device_uuid=""))
