@@ -10,7 +10,11 @@ On ``--device cuda:K`` with the 16 GB Llama-3-8B-shaped checkpoint:
 4. B stops; daemon C starts with ``--host-tier``: the slab comes back from shared memory
    (target: 16 GB on the GPU in <= 0.5 s);
 5. C evicts the model and PRELOADs it again: from the tier inside a running daemon, which keeps
-   the entry page-locked (one DMA copy; target <= 0.5 s).
+   the entry page-locked (one DMA copy; target <= 0.5 s);
+6. a wcache-keeper runs; daemon D (``--keeper``) serves the model, the engine fetches, D is
+   SIGKILLed (a crash); the GPU memory stays allocated (nvidia-smi), daemon E (``--keeper``)
+   reclaims the slab instead of loading it (its log's reclaim time), the engine's views still
+   hold the weights, E's fetch is identical; stopping the keeper frees the memory.
 
     python benchmarks/handoff_bench.py --device cuda:0 --out $OUT/handoff.json
 """
@@ -20,9 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,9 +97,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         apps = gpu_apps_mib() or {}
         res["gpu_mib_after_takeover"] = {"daemon_b": apps.get(b.pid), "all": sum(apps.values())}
         await engine.release()
+        del engine  # its mappings would keep A's slab allocated on the GPU for the rest of the run
         b.stop()
 
+        t0 = time.perf_counter()
         c = spawn_daemon(args.model, sock, *tier_args, log=work / "c.log", timeout=300)
+        res["tier_restart_spawn_to_ready_s"] = time.perf_counter() - t0
         lc = c.log_text()
         res["c_from_tier"] = "loaded from_host_tier" in lc
         res["tier_reload_restart_s"] = grab(r"loaded from_host_tier bytes_read=\d+ seconds=([\d.]+)", lc)
@@ -108,13 +118,76 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async with await client.fetch(key) as w:
             res["c_fetch_ok"] = all(torch.equal(w[n], ref[n]) for n in ref)
         c.stop()
+        del w
+        gc.collect()
+        shutil.rmtree(tier, ignore_errors=True)  # D and E below have no tier: only the keeper can help them
+        res.update(await keeper_restart(args, sock, work, key, ref))
         res["targets"] = {"tier_reload_s": 0.5}
     finally:
         shutil.rmtree(tier, ignore_errors=True)
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "d", "e", "k"):
             p = work / f"{name}.log"
             if p.exists():
                 res.setdefault("logs_tail", {})[name] = p.read_text()[-1500:]
+    return res
+
+
+def gpu_used_mib() -> int | None:
+    try:
+        q = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(q.stdout.split()[0]) if q.returncode == 0 and q.stdout.strip().isdigit() else None
+
+
+async def keeper_restart(
+    args: argparse.Namespace, sock: Path, work: Path, key: Any, ref: dict[str, Any]
+) -> dict[str, Any]:
+    import torch
+
+    from wcache import WCacheClient
+    from wcache.server.process import spawn_daemon, spawn_keeper
+
+    res: dict[str, Any] = {}
+    k = spawn_keeper(sock, log=work / "k.log")
+    try:
+        d = spawn_daemon(args.model, sock, "--device", args.device, "--keeper", log=work / "d.log", timeout=300)
+        res["keeper_d_load_s"] = grab(r"loaded bytes_read=\d+ bytes_stored=\d+ seconds=([\d.]+)", d.log_text())
+        engine = await WCacheClient(d.socket).fetch(key)
+        res["keeper_gpu_used_mib_daemon_alive"] = gpu_used_mib()
+        d.stop(signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        res["keeper_gpu_used_mib_after_crash"] = gpu_used_mib()
+        t0 = time.perf_counter()
+        e = spawn_daemon(args.model, sock, "--device", args.device, "--keeper", log=work / "e.log", timeout=300)
+        res["keeper_restart_spawn_to_ready_s"] = time.perf_counter() - t0
+        le = e.log_text()
+        res["keeper_reclaim_s"] = grab(r"reclaimed from keeper=.*? seconds=([\d.]+)", le)
+        res["keeper_restart_loaded"] = "loaded bytes_read" in le or "from_host_tier" in le
+        res["keeper_engine_views_ok_after_crash"] = all(torch.equal(engine[n], ref[n]) for n in ref)
+        t1 = time.perf_counter()
+        async with await WCacheClient(e.socket).fetch(key) as w:
+            res["keeper_e_first_fetch_s"] = time.perf_counter() - t1
+            res["keeper_e_fetch_ok"] = w.server.server_pid == e.pid and all(torch.equal(w[n], ref[n]) for n in ref)
+        await engine.release()
+        del engine, w  # the engine's mappings hold the memory too: without them only the keeper does
+        gc.collect()
+        torch.cuda.synchronize()
+        await asyncio.sleep(1.0)
+        res["keeper_gpu_used_mib_engine_unmapped"] = gpu_used_mib()
+        e.stop()
+        await asyncio.sleep(1.0)
+        res["keeper_gpu_used_mib_daemon_stopped"] = gpu_used_mib()  # still allocated: the keeper holds it
+    finally:
+        k.stop()
+    await asyncio.sleep(1.0)
+    res["keeper_gpu_used_mib_after_keeper_stop"] = gpu_used_mib()
     return res
 
 

@@ -191,6 +191,34 @@ async def test_takeover_refused_for_ipc_slabs(
         assert len(w) > 0
 
 
+async def test_keeper_holds_gpu_slabs_across_a_daemon_crash(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    """The keeper has no CUDA context, yet its VMM fds keep the slab's GPU memory alive after the daemon
+    is SIGKILLed; the restarted daemon imports it (no load), and the engine's mapping stays valid."""
+    from wcache.server.process import spawn_keeper
+
+    keeper = spawn_keeper(socket_dir)
+    try:
+        first = daemon_factory(ckpt, "--device", "cuda:0", "--keeper")
+        assert "kept in keeper" in first.log_text()
+        key = WeightCacheKey.from_checkpoint(ckpt)
+        engine = await WCacheClient(first.socket).fetch(key)
+        first.stop(signal.SIGKILL)
+        second = daemon_factory(ckpt, "--device", "cuda:0", "--keeper")
+        log = second.log_text()
+        assert "reclaimed from keeper" in log and "nothing loaded" in log and "loaded bytes_read" not in log
+        ref = reference(ckpt)
+        async with await WCacheClient(second.socket).fetch(key) as w:
+            assert w.server.server_pid == second.pid
+            assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
+        assert all(torch.equal(engine[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())
+        await engine.release()
+    finally:
+        keeper.stop()
+    assert "models_freed=1" in keeper.log_text()
+
+
 @pytest.mark.parametrize("where", ["shm", "disk"])
 async def test_host_tier_reload_on_gpu(
     daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path, where: str
