@@ -117,6 +117,12 @@ async def test_without_a_running_keeper_the_daemon_loads_and_serves(
         assert len(w) > 0
 
 
+async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:
+    with pytest.raises(NotFoundError, match="is a wcache daemon: RECLAIM goes to a wcache-keeper"):
+        await kp.reclaim(daemon.socket, owner=str(daemon.socket), backend="host", device_uuid="")
+    assert (await WCacheClient(daemon.socket).status()).models  # the daemon serves on
+
+
 def _memfd_model(tp_rank: int) -> tuple[HandedModel, int]:
     keep = EXAMPLES["KEEP"]
     assert isinstance(keep, Keep)

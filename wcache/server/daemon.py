@@ -39,14 +39,17 @@ from wcache.proto import (
     GetState,
     HandedModel,
     Hello,
+    Keep,
     Preload,
     Preloaded,
+    Reclaim,
     Release,
     Role,
     Status,
     StatusReply,
     Takeover,
     TakeoverState,
+    Unkeep,
 )
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.server.keeper import KeeperLink
@@ -300,6 +303,10 @@ class Daemon:
                     gone.key.short(),
                     gone.slab_bytes,
                     self.store.resident_bytes,
+                )
+            elif isinstance(frame, (Keep, Unkeep, Reclaim)):
+                raise NotFoundError(
+                    f"{self.socket_path} is a wcache daemon: {frame.TYPE} goes to a wcache-keeper socket"
                 )
             else:  # the transition table admits no other frame here
                 raise ProtocolError(f"unexpected {type(frame).__name__}")
