@@ -193,6 +193,15 @@ def main() -> None:
         ]
         loaders += [
             ("wcache_buffered_io", lambda: daemon_load(model, args.device, work, "--io", "buffered")),
+            # smaller pinned staging: less to page-lock in a fresh daemon, 8-16 MiB reads
+            (
+                "wcache_staging_512m",
+                lambda: daemon_load(model, args.device, work, *wextra, "--staging-bytes", "536870912"),
+            ),
+            (
+                "wcache_staging_1g",
+                lambda: daemon_load(model, args.device, work, *wextra, "--staging-bytes", "1073741824"),
+            ),
             ("fastsafetensors", lambda: child(FASTSAFETENSORS, str(model), args.device)),
             ("runai_model_streamer", lambda: child(RUNAI, str(model), args.device)),
         ]

@@ -122,8 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--staging-bytes",
         type=int,
-        default=2 << 30,
-        help="pinned host staging for GPU loads, split across reader threads (default 2 GiB)",
+        help="pinned host staging for GPU loads, split across reader threads (default 512 MiB)",
     )
     p.add_argument("--max-frame-size", type=int, default=64 * 1024 * 1024)
     p.add_argument(
@@ -280,6 +279,7 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 def run(args: argparse.Namespace) -> int:
     from wcache.proto import Preload
     from wcache.server.daemon import Daemon
+    from wcache.server.loader import DEFAULT_STAGING
     from wcache.server.store import Store, load_model, preload_key
 
     if args.takeover is not None:
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
                 plan_file=req.plan_file or None,
                 verify_content=args.verify_content,
                 threads=args.threads,
-                staging_bytes=args.staging_bytes,
+                staging_bytes=args.staging_bytes or DEFAULT_STAGING,
                 io=args.io,
                 transform=req.transform,
                 tier=tier,
