@@ -194,6 +194,12 @@ class Channel:
         if want > len(self._fds):
             raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
         fds, self._fds = self._fds[:want], self._fds[want:]
+        if self._fds and not self._frames and not self.conn.buffered:
+            # descriptors travel with the first byte of the frame that announces them: these came with none
+            n = len(self._fds)
+            close_fds(fds)
+            close_fds(self._fds)
+            raise ProtocolError(f"{n} file descriptor(s) arrived that no frame announced")
         return frame, fds
 
 

@@ -7,9 +7,11 @@ reloaded from disk would serve that byte, one that reclaimed its slab serves the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
+import socket
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from wcache.checkpoint import SAMPLE_BLOCK
 from wcache.errors import CacheUnavailableError, LimitExceededError, NotFoundError
 from wcache.nn import load_from_disk
 from wcache.paths import KEEPER_SOCKET
-from wcache.proto import HandedModel, Keep, SlabDescriptor
+from wcache.proto import PROTOCOL_VERSION, HandedModel, Hello, Keep, SlabDescriptor, Status, pack_frame
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server import keeper as kp
@@ -172,13 +174,31 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
         await WCacheClient(path).fetch(WeightCacheKey.from_wire(dict(state.models[0].key)))
 
 
+async def test_keeper_refuses_descriptors_no_frame_announces(keeper: DaemonProcess) -> None:
+    """A keeper accepts descriptors, but only those a KEEP announces: a STATUS carrying one ends the connection
+    (it would otherwise pile up in the keeper), and the keeper serves on."""
+    from tests.server.test_faults import _raw, _read_reply
+
+    s = _raw(keeper.socket)
+    r, w = os.pipe()
+    try:
+        s.sendall(pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire()))
+        assert (await asyncio.to_thread(_read_reply, s) or {}).get("type") == "HELLO_OK"
+        s.sendmsg([pack_frame(Status(id=1).to_wire())], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))])
+        reply = await asyncio.to_thread(_read_reply, s)
+        assert reply is not None and reply["code"] == 1 and "no frame announced" in str(reply["message"])
+    finally:
+        s.close()
+        os.close(r)
+        os.close(w)
+    assert (await WCacheClient(keeper.socket).status()).models == ()
+
+
 def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonProcess, socket_dir: Path) -> None:
     second = spawn_keeper(socket_dir, timeout=None)
     assert second.proc.wait(30) != 0
     assert f"pid {keeper.pid}" in second.log_text()  # names the holder of the lock
     m, fd = _memfd_model(0)
-    import asyncio
-
     asyncio.run(kp.keep(keeper.socket, owner="/o.sock", backend="host", device_uuid="", model=m, fds=[fd]))
     os.close(fd)
     assert keeper.stop() == 0
