@@ -53,7 +53,8 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
     if isinstance(r, str):
         return [[str(path), *["-"] * (len(HEADER) - 2), r]]
     rows = []
-    tier = "device" if r.backend == "cuda" else "host"
+    keeper = r.software.startswith("wcache-keeper/")  # holds daemons' slabs across their restarts
+    tier = "keeper" if keeper else "device" if r.backend == "cuda" else "host"
     for m in r.models or (None,):
         key = m.key if m else {}
         rows.append(
@@ -62,7 +63,7 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
                 f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}" if m else "(none)",
                 f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}" if m else "-",
                 tier if m else "-",
-                f"{r.backend}:{r.device.uuid or r.device.kind}",
+                f"{m.backend} (kept)" if keeper and m else f"{r.backend}:{r.device.uuid or r.device.kind}",
                 f"{(m.bytes if m else 0) / 1e9:.2f} GB",
                 str(m.leases if m else 0),
                 f"{now - m.last_use:.0f}s ago" if m and m.last_use else "never",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DaemonProc
+from tests.conftest import DaemonProc, run_cli
 from wcache import WCacheClient, WeightCacheKey
 from wcache.checkpoint import SAMPLE_BLOCK
 from wcache.errors import CacheUnavailableError, LimitExceededError, NotFoundError
@@ -85,6 +85,11 @@ async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
 
     kept = await WCacheClient(keeper.socket).status()
     assert [m.key for m in kept.models] == [key.to_wire()] and kept.software.startswith("wcache-keeper/")
+
+    table = run_cli("status", "--socket-dir", str(second.socket.parent))
+    assert table.returncode == 0
+    (row,) = [line for line in table.stdout.splitlines() if "wcache-keeper.sock" in line]
+    assert " keeper " in row and "host (kept)" in row and key.fingerprint[:12] in row
 
     await WCacheClient(second.socket).evict(key)  # an eviction frees the memory in the keeper too
     assert (await WCacheClient(keeper.socket).status()).models == ()
