@@ -50,8 +50,8 @@ log = logging.getLogger("wcache.loader")
 
 # Bytes of pinned host memory for device loads, split into two buffers per reader thread (16 threads:
 # 16 MiB reads). A fresh daemon page-locks it before its first copies: H200, 16 GB from the page cache
-# (benchmarks/results/cold_load-cuda0-2026-11-29-run6-staging.json): 0.62-0.74 s with 512 MiB,
-# 0.70-0.76 s with 1 GiB, 0.87-0.92 s with 2 GiB; cold (disk-bound) 8.1-8.4 s either way.
+# (benchmarks/results/cold_load-cuda0-2026-11-29-run6-staging.json, run7): 0.59-0.79 s with 512 MiB,
+# 0.70-0.76 s with 1 GiB, 0.87-0.92 s with 2 GiB; cold (disk-bound) 7.8-8.7 s with 512 MiB, 8.4 with 2 GiB.
 DEFAULT_STAGING = 512 << 20
 MAX_CHUNK = 64 << 20
 # Host-tier copies (memory to device, no disk): 16 MiB jobs. H200, 16 GB, fresh process, 16 threads
