@@ -113,6 +113,51 @@ async def test_restart_with_another_model_keeps_the_old_one_under_the_budget(
     assert [m.key for m in kept.models] == [WeightCacheKey.from_checkpoint(tied_ckpt).to_wire()]
 
 
+async def _kept_models(path: Path, deadline_s: float = 20.0) -> list[dict[str, str | int]]:
+    """The keys a keeper holds, once it holds any (polling: the daemon deposits on its own schedule)."""
+    t_end = asyncio.get_running_loop().time() + deadline_s
+    while True:
+        models = [m.key for m in (await WCacheClient(path).status()).models]
+        if models or asyncio.get_running_loop().time() > t_end:
+            return models
+        await asyncio.sleep(0.1)
+
+
+async def test_a_restarted_keeper_gets_the_models_again(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    """A keeper that restarts holds nothing: the daemon notices (a new keeper pid) and deposits its models again,
+    so the next daemon crash still loads nothing."""
+    d = daemon_factory(model, "--keeper", "--keeper-check", "0.2")
+    key = WeightCacheKey.from_checkpoint(model).to_wire()
+    assert await _kept_models(keeper.socket) == [key]
+    keeper.stop()
+    again = spawn_keeper(socket_dir)
+    try:
+        assert await _kept_models(again.socket) == [key]
+        assert "does not hold 1 model(s) of this daemon: keeping them" in d.log_text()
+        d.stop(signal.SIGKILL)
+        after = daemon_factory(model, "--keeper")
+        assert "reclaimed from keeper" in after.log_text() and "loaded bytes_read" not in after.log_text()
+    finally:
+        again.stop()
+
+
+async def test_a_keeper_started_after_the_daemon_gets_its_models(
+    daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    d = daemon_factory(model, "--keeper", "--keeper-check", "0.2")
+    assert "did not keep" in d.log_text()
+    k = spawn_keeper(socket_dir)
+    try:
+        assert await _kept_models(k.socket) == [WeightCacheKey.from_checkpoint(model).to_wire()]
+    finally:
+        k.stop()
+    await asyncio.sleep(1.5)  # ~7 checks with the keeper gone
+    # one line each time the keeper goes away (before it first started, if a check ran then), not one per check
+    assert 1 <= d.log_text().count("unreachable") <= 2
+
+
 async def test_without_a_running_keeper_the_daemon_loads_and_serves(
     daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:

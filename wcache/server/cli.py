@@ -83,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "daemon's models across restarts: they are reclaimed at start instead of loaded, and kept or dropped as "
         "the daemon loads or evicts them",
     )
+    p.add_argument(
+        "--keeper-check",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="with --keeper: how often to check that the keeper still holds every model (a restarted keeper "
+        "holds nothing; they are kept there again)",
+    )
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
@@ -233,13 +241,9 @@ def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
     """--keeper: the models the keeper holds for this daemon's socket, adopted (none if it is not running)."""
     import asyncio
 
-    from wcache.server.keeper import reclaim as request
-
     t0 = time.perf_counter()
     try:
-        state, fds = asyncio.run(
-            request(link.path, owner=link.owner, backend=backend.name, device_uuid=backend.device.uuid)
-        )
+        state, fds = asyncio.run(link.reclaim())
     except (WCacheError, OSError, TimeoutError) as exc:
         log.warning("keeper %s: nothing reclaimed (%s); loading as usual", link.path, exc)
         return []
@@ -248,6 +252,7 @@ def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
     except Exception as exc:  # a slab that cannot be imported here: load as usual
         log.warning("keeper %s: could not adopt the reclaimed slabs (%s); loading as usual", link.path, exc)
         return []
+    link.reclaimed(models)
     log.info(
         "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d seconds=%.3f",
         link.path,
@@ -374,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
                 on_handover=lock.release,
                 tier=tier,
                 keeper=link,
+                keeper_check=args.keeper_check,
             )
 
             def ready() -> None:

@@ -83,6 +83,7 @@ class Daemon:
         on_handover: Callable[[], None] | None = None,
         tier: HostTier | None = None,
         keeper: KeeperLink | None = None,
+        keeper_check: float = 5.0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -111,6 +112,7 @@ class Daemon:
         self.tier = tier
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
+        self.keeper_check = keeper_check
         self._handed_over = False
         self._accept_task: asyncio.Future[None] | None = None
 
@@ -131,14 +133,17 @@ class Daemon:
         if callable(on_ready):
             on_ready()
         accept = self._accept_task = asyncio.ensure_future(self._accept_loop(listener))
+        watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
         try:
             await self._stop.wait()
         finally:
             if http is not None:
                 http.close()
-            accept.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await accept
+            for task in (accept, watch):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             listener.close()
             if not self._handed_over:  # after a hand-off the socket file is the new daemon's
                 with contextlib.suppress(FileNotFoundError):
@@ -148,6 +153,13 @@ class Daemon:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
             log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
+
+    async def _watch_keeper(self) -> None:
+        """Every ``keeper_check`` seconds: a keeper that restarted holds nothing; deposit the models again."""
+        assert self.keeper is not None
+        while True:
+            await asyncio.sleep(self.keeper_check)
+            await self.keeper.check(lambda: list(self.store.models.values()))
 
     async def _drain(self) -> None:
         """Let requests being answered finish (up to shutdown_grace), then close every connection."""

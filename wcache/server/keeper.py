@@ -31,10 +31,10 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import msgpack
 
@@ -52,6 +52,7 @@ from wcache.proto import (
     Connection,
     DeviceInfo,
     ErrorFrame,
+    Frame,
     HandedModel,
     Hello,
     Keep,
@@ -73,6 +74,8 @@ if TYPE_CHECKING:
 __all__ = ["Keeper", "KeeperLink", "keep", "keeper_socket", "main", "reclaim", "unkeep"]
 
 log = logging.getLogger("wcache.keeper")
+
+_F = TypeVar("_F", Kept, Reclaimed)
 
 SOFTWARE = f"wcache-keeper/{__version__}"
 
@@ -347,68 +350,81 @@ class Keeper:
 # ---------------------------------------------------------------------- the daemon's side
 
 
+async def call(
+    path: Path, frame: Frame, fds: Sequence[int] = (), timeout: float = 10.0
+) -> tuple[Frame, list[int], int]:
+    """One request to the keeper at ``path`` on a connection of its own: (reply, its fds, the keeper's pid).
+    ``fds`` stay the caller's. An ERROR reply raises its exception class."""
+    async with asyncio.timeout(timeout):
+        ch, hello = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
+        try:
+            await ch.send(frame, list(fds))
+            reply, got = await expect(ch)
+        finally:
+            ch.close()
+    return reply, got, hello.server_pid
+
+
 async def keep(
     path: Path, *, owner: str, backend: str, device_uuid: str, model: HandedModel, fds: list[int], timeout: float = 10.0
 ) -> Kept:
     """KEEP ``model`` (its slabs' fd fields index ``fds``, which stay the caller's) in the keeper at ``path``."""
-    async with asyncio.timeout(timeout):
-        ch, _ = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
-        try:
-            req = Keep(
-                id=ch.conn.next_request_id(),
-                owner=owner,
-                backend=backend,
-                device_uuid=device_uuid,
-                model=model,
-                pid=os.getpid(),
-            )
-            await ch.send(req, fds)
-            frame, _ = await expect(ch)
-        finally:
-            ch.close()
-    assert isinstance(frame, Kept)
-    return frame
+    req = Keep(id=1, owner=owner, backend=backend, device_uuid=device_uuid, model=model, pid=os.getpid())
+    reply, _, _ = await call(path, req, fds, timeout)
+    return _reply(reply, Kept)
 
 
 async def unkeep(path: Path, *, owner: str, key: dict[str, str | int], timeout: float = 10.0) -> Kept:
-    async with asyncio.timeout(timeout):
-        ch, _ = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
-        try:
-            await ch.send(Unkeep(id=ch.conn.next_request_id(), owner=owner, key=key))
-            frame, _ = await expect(ch)
-        finally:
-            ch.close()
-    assert isinstance(frame, Kept)
-    return frame
+    reply, _, _ = await call(path, Unkeep(id=1, owner=owner, key=key), [], timeout)
+    return _reply(reply, Kept)
 
 
 async def reclaim(
     path: Path, *, owner: str, backend: str, device_uuid: str, timeout: float = 10.0
 ) -> tuple[Reclaimed, list[int]]:
     """RECLAIM: the models kept for ``owner`` and their fds (the caller owns and must close them)."""
-    async with asyncio.timeout(timeout):
-        ch, _ = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
-        try:
-            req = Reclaim(
-                id=ch.conn.next_request_id(), owner=owner, backend=backend, device_uuid=device_uuid, pid=os.getpid()
-            )
-            await ch.send(req)
-            frame, fds = await expect(ch)
-        finally:
-            ch.close()
-    if not isinstance(frame, Reclaimed):
-        raise ProtocolError(f"expected RECLAIMED, got {frame.TYPE}")
-    return frame, fds
+    req = Reclaim(id=1, owner=owner, backend=backend, device_uuid=device_uuid, pid=os.getpid())
+    reply, fds, _ = await call(path, req, [], timeout)
+    return _reply(reply, Reclaimed, fds), fds
+
+
+def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
+    if not isinstance(frame, cls):
+        close_fds(fds or [])
+        raise ProtocolError(f"expected {cls.__name__}, got {frame.TYPE}")
+    return frame
 
 
 class KeeperLink:
-    """A daemon's side of its keeper: KEEP what it loads, UNKEEP what it evicts. The keeper is an
-    optimisation: when it is down or refuses, the daemon logs one line and serves on."""
+    """A daemon's side of its keeper: RECLAIM at start, KEEP what it loads, UNKEEP what it evicts, and
+    KEEP everything again when the keeper has restarted (``check``, run periodically: a restarted
+    keeper holds nothing). The keeper is an optimisation: when it is down or refuses, the daemon logs
+    one line and serves on."""
 
     def __init__(self, path: Path, *, owner: Path, backend: str, device_uuid: str) -> None:
         self.path, self.owner, self.backend, self.device_uuid = path, str(owner), backend, device_uuid
+        #: model key -> the keeper process that holds it (a restarted keeper holds nothing)
+        self.kept_in: dict[WeightCacheKey, int] = {}
+        self._unreachable = False
+        self._reclaimed_from = 0
+        # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
+        self._lock = asyncio.Lock()
+
+    async def reclaim(self) -> tuple[Reclaimed, list[int]]:
+        """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
+        req = Reclaim(id=1, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid, pid=os.getpid())
+        reply, fds, self._reclaimed_from = await call(self.path, req)
+        return _reply(reply, Reclaimed, fds), fds
+
+    def reclaimed(self, models: Sequence[ServedModel]) -> None:
+        for m in models:
+            self.kept_in[m.key] = self._reclaimed_from
 
     async def keep(self, model: ServedModel) -> None:
+        async with self._lock:
+            await self._keep(model)
+
+    async def _keep(self, model: ServedModel) -> None:
         fds: list[int] = []
         descs = model.export(fds)  # the slabs' own descriptors: nothing to close here
         if any(d.fd < 0 for d in descs):
@@ -419,13 +435,16 @@ class KeeperLink:
         handed = HandedModel(
             model.key.to_wire(), descs, model.table, model.aliases, model.payload_bytes, model.stats.seconds
         )
+        req = Keep(
+            id=1, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid, model=handed, pid=os.getpid()
+        )
         try:
-            kept = await keep(
-                self.path, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid, model=handed, fds=fds
-            )
+            reply, _, pid = await call(self.path, req, fds)
+            kept = _reply(reply, Kept)
         except (WCacheError, OSError, TimeoutError) as exc:
             log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
             return
+        self.kept_in[model.key] = pid
         log.info(
             "kept in keeper=%s key=%s bytes=%d keeper_models=%d keeper_bytes=%d",
             self.path,
@@ -436,8 +455,13 @@ class KeeperLink:
         )
 
     async def unkeep(self, model: ServedModel) -> None:
+        async with self._lock:
+            await self._unkeep(model)
+
+    async def _unkeep(self, model: ServedModel) -> None:
+        self.kept_in.pop(model.key, None)
         try:
-            await unkeep(self.path, owner=self.owner, key=model.key.to_wire())
+            _reply((await call(self.path, Unkeep(id=1, owner=self.owner, key=model.key.to_wire())))[0], Kept)
         except NotFoundError:
             pass  # never kept (an IPC slab, or the keeper restarted meanwhile)
         except (WCacheError, OSError, TimeoutError) as exc:
@@ -447,6 +471,34 @@ class KeeperLink:
                 model.key.short(),
                 exc,
             )
+
+    async def check(self, served: Callable[[], Sequence[ServedModel]]) -> None:
+        """KEEP again every model (``served()``: the daemon's models now) that the keeper process now
+        running does not hold (it restarted, or was not running when the model was loaded). One
+        handshake when nothing is missing."""
+        async with self._lock:
+            try:
+                async with asyncio.timeout(10.0):
+                    ch, hello = await connect(self.path, software=f"wcache/{__version__}", name="wcache-server")
+                    ch.close()
+            except (WCacheError, OSError, TimeoutError) as exc:
+                if not self._unreachable:
+                    log.warning("keeper %s unreachable (%s): a daemon crash now would mean reloading", self.path, exc)
+                self._unreachable = True
+                return
+            self._unreachable = False
+            missing = [m.key for m in served() if self.kept_in.get(m.key) != hello.server_pid]
+            if missing:
+                log.info(
+                    "keeper %s (pid %d) does not hold %d model(s) of this daemon: keeping them",
+                    self.path,
+                    hello.server_pid,
+                    len(missing),
+                )
+            for key in missing:
+                m = next((m for m in served() if m.key == key), None)  # evicted meanwhile: not kept
+                if m is not None:
+                    await self._keep(m)
 
 
 # ---------------------------------------------------------------------- CLI
