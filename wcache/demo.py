@@ -5,6 +5,8 @@
 3. Starts ``wcache-server`` on it (host shared-memory backend unless --device cuda:K).
 4. Restarts an engine process N times; each fetches the weights zero-copy and in copy
    mode, checks them bit for bit against the disk load, and reports the times.
+5. Kills the daemon (SIGKILL, a crash) and starts it again: ``wcache-keeper`` held its slab,
+   so the new daemon reclaims it instead of loading; one more engine run checks the bytes.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from wcache.server.process import DaemonProcess, spawn_daemon
+from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 #: ~270 MB: 8 layers, hidden 1024, vocab 32000 — big enough to show the gap, quick to build.
@@ -51,6 +55,22 @@ asyncio.run(main())
 """
 
 
+def engine_restart(label: str, model: Path, sock: str) -> bool:
+    """One engine process: fetch zero_copy and copy, load from disk, compare; print a table row."""
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(model), sock], capture_output=True, text=True, timeout=300, check=False
+    )
+    if out.returncode != 0:
+        print(out.stderr, file=sys.stderr)
+        return False
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"{label:>7}  {r['disk_ms']:>8.1f}ms  {r['zero_copy_ms']:>8.2f}ms  {r['copy_ms']:>7.1f}ms  "
+        f"{r['tensors']:>7}  {r['identical']}"
+    )
+    return bool(r["identical"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wcache-demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--restarts", type=int, default=3)
@@ -61,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="wcache-demo-"))
     os.chmod(work, 0o700)
     daemon: DaemonProcess | None = None
+    keeper: DaemonProcess | None = None
     try:
         model = args.model
         if model is None:
@@ -72,32 +93,45 @@ def main(argv: list[str] | None = None) -> int:
         sock_dir.mkdir(mode=0o700)
         t0 = time.perf_counter()
         try:
-            daemon = spawn_daemon(model, sock_dir, "--device", args.device, log=work / "daemon.log", timeout=300)
+            keeper = spawn_keeper(sock_dir, log=work / "keeper.log")
+            daemon = spawn_daemon(
+                model, sock_dir, "--device", args.device, "--keeper", log=work / "daemon.log", timeout=300
+            )
         except (RuntimeError, TimeoutError) as exc:
-            print(f"wcache-demo: the daemon did not start: {exc}", file=sys.stderr)
+            print(f"wcache-demo: the daemon or its keeper did not start: {exc}", file=sys.stderr)
             return 1
         sock = str(daemon.socket)
         print(f"wcache-server ready in {time.perf_counter() - t0:.1f} s (process start + load), socket {sock}")
         print()
         print(f"{'restart':>7}  {'disk load':>10}  {'zero_copy':>10}  {'copy':>9}  {'tensors':>7}  identical")
         for i in range(1, args.restarts + 1):
-            out = subprocess.run(
-                [sys.executable, "-c", ENGINE, str(model), sock],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
-            if out.returncode != 0:
-                print(out.stderr, file=sys.stderr)
+            if not engine_restart(str(i), model, sock):
                 return 1
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(
-                f"{i:>7}  {r['disk_ms']:>8.1f}ms  {r['zero_copy_ms']:>8.2f}ms  {r['copy_ms']:>7.1f}ms  "
-                f"{r['tensors']:>7}  {r['identical']}"
+        # a daemon crash: the keeper held the slab, so the new daemon loads nothing
+        loaded = re.search(r"loaded bytes_read=\d+ bytes_stored=\d+ seconds=([\d.]+)", daemon.log_text())
+        daemon.stop(signal.SIGKILL)
+        t0 = time.perf_counter()
+        try:
+            daemon = spawn_daemon(
+                model, sock_dir, "--device", args.device, "--keeper", log=work / "daemon2.log", timeout=300
             )
-            if not r["identical"]:
-                return 1
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"wcache-demo: the daemon did not restart: {exc}", file=sys.stderr)
+            return 1
+        ready = time.perf_counter() - t0
+        m = re.search(r"reclaimed from keeper=.*? seconds=([\d.]+)", daemon.log_text())
+        if m is None or "nothing loaded" not in daemon.log_text():
+            print(f"wcache-demo: the restarted daemon did not reclaim its slab:\n{daemon.log_text()[-2000:]}")
+            return 1
+        first = f" (the first start loaded it in {float(loaded.group(1)) * 1e3:.0f} ms)" if loaded else ""
+        print()
+        print(
+            f"daemon killed (SIGKILL) and restarted: its slab came back from wcache-keeper in "
+            f"{float(m.group(1)) * 1e3:.0f} ms, nothing loaded{first}; ready {ready:.1f} s after start "
+            "(Python and torch starting)"
+        )
+        if not engine_restart("after", model, str(daemon.socket)):
+            return 1
         print()
         print("disk load = safetensors.torch.load_file of every shard into the engine's memory (page cache warm);")
         print("zero_copy = connect + HELLO + GET_STATE + map + build every tensor view: no byte copied, and")
@@ -107,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if daemon is not None:
             daemon.stop()
+        if keeper is not None:
+            keeper.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
