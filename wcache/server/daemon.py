@@ -53,8 +53,8 @@ from wcache.proto import (
 )
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.server.keeper import KeeperLink
+from wcache.server.listen import accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.security import bind_private_socket
 from wcache.server.store import ServedModel, Store, preload_key
 from wcache.server.tier import HostTier
 
@@ -132,7 +132,7 @@ class Daemon:
         http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
         if callable(on_ready):
             on_ready()
-        accept = self._accept_task = asyncio.ensure_future(self._accept_loop(listener))
+        accept = self._accept_task = asyncio.ensure_future(accept_loop(listener, self._accepted, self._tag))
         watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
         try:
             await self._stop.wait()
@@ -172,21 +172,13 @@ class Daemon:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and friends: back off instead of spinning
-                log.warning("accept failed %s error=%s", self._tag, exc)
-                await asyncio.sleep(0.1)
-                continue
-            conn_id = self._next_conn
-            self._next_conn += 1
-            self.metrics.connections_total += 1
-            task = asyncio.ensure_future(self._serve_connection(sock, conn_id))
-            self._tasks[conn_id] = task
-            task.add_done_callback(self._forget(conn_id))
+    def _accepted(self, sock: socket.socket) -> None:
+        conn_id = self._next_conn
+        self._next_conn += 1
+        self.metrics.connections_total += 1
+        task = asyncio.ensure_future(self._serve_connection(sock, conn_id))
+        self._tasks[conn_id] = task
+        task.add_done_callback(self._forget(conn_id))
 
     def _forget(self, conn_id: int) -> Callable[[asyncio.Task[None]], None]:
         def done(_task: asyncio.Task[None]) -> None:

@@ -66,7 +66,8 @@ from wcache.proto import (
     Unkeep,
 )
 from wcache.proto.frames import MAX_KEPT_FDS
-from wcache.server.security import DaemonLock, bind_private_socket, check_private_dir, ensure_socket_dir
+from wcache.server.listen import accept_loop, bind_private_socket
+from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
 
 if TYPE_CHECKING:
     from wcache.server.store import ServedModel
@@ -143,7 +144,7 @@ class Keeper:
         listener = bind_private_socket(self.socket_path)
         if on_ready is not None:
             on_ready()
-        accept = asyncio.ensure_future(self._accept_loop(listener))
+        accept = asyncio.ensure_future(accept_loop(listener, self._accepted, self._tag))
         try:
             await self._stop.wait()
         finally:
@@ -163,18 +164,10 @@ class Keeper:
             self.entries.clear()
             log.info("stopped %s models_freed=%d bytes_freed=%d", self._tag, n, held)
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and friends: back off instead of spinning
-                log.warning("accept failed %s error=%s", self._tag, exc)
-                await asyncio.sleep(0.1)
-                continue
-            task = asyncio.ensure_future(self._serve_connection(sock))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _accepted(self, sock: socket.socket) -> None:
+        task = asyncio.ensure_future(self._serve_connection(sock))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _serve_connection(self, sock: socket.socket) -> None:
         conn = Connection(Role.SERVER)

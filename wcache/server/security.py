@@ -1,4 +1,4 @@
-"""Who may reach the daemon: a private socket directory, a 0600 socket, one daemon per socket.
+"""Who may reach the daemon: a private socket directory, a 0600 socket (made in listen.py), one daemon per socket.
 
 The system we are modelled on trusted any explicitly given socket path; we check every
 directory, default or given: owned by the daemon's uid, a real directory (not a
@@ -8,11 +8,9 @@ connection (daemon.py) is the second layer.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
-import socket
 import stat
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import NoReturn
 
 from wcache.errors import InsecurePathError
 
-__all__ = ["DaemonLock", "bind_private_socket", "check_private_dir", "ensure_socket_dir"]
+__all__ = ["DaemonLock", "check_private_dir", "ensure_socket_dir"]
 
 
 def check_private_dir(path: Path, what: str = "socket directory") -> None:
@@ -55,23 +53,6 @@ def ensure_socket_dir(path: Path) -> Path:
         pass
     check_private_dir(path)
     return path
-
-
-def bind_private_socket(path: Path) -> socket.socket:
-    """Listen on ``path`` (a non-blocking socket, mode 0600 from birth). Only the holder of the
-    path's DaemonLock may call this: a leftover socket file is then stale and is replaced."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
-    try:
-        sock.bind(str(path))
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(512)
-    sock.setblocking(False)
-    return sock
 
 
 class DaemonLock:
