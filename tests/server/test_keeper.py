@@ -13,6 +13,8 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -173,6 +175,18 @@ async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:
     with pytest.raises(NotFoundError, match="is a wcache daemon: RECLAIM goes to a wcache-keeper"):
         await kp.reclaim(daemon.socket, owner=str(daemon.socket), backend="host", device_uuid="")
     assert (await WCacheClient(daemon.socket).status()).models  # the daemon serves on
+
+
+def test_keeper_check_must_be_positive(model: Path, socket_dir: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "wcache.server.cli", "--model", str(model), "--socket-dir", str(socket_dir)]
+        + ["--keeper", "--keeper-check", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2 and "--keeper-check must be a positive number of seconds" in r.stderr
 
 
 def _memfd_model(tp_rank: int) -> tuple[HandedModel, int]:

@@ -144,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.takeover is not None and (args.model is not None or args.socket_path or args.socket_dir):
         p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
+    if not args.keeper_check > 0:
+        p.error(f"--keeper-check must be a positive number of seconds, got {args.keeper_check}")
     if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
         p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
     return args
