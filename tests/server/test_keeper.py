@@ -24,7 +24,7 @@ import torch
 from tests.conftest import DaemonProc, run_cli
 from wcache import WCacheClient, WeightCacheKey
 from wcache.checkpoint import SAMPLE_BLOCK
-from wcache.errors import CacheUnavailableError, LimitExceededError, NotFoundError
+from wcache.errors import CacheUnavailableError, LimitExceededError, NotFoundError, ProtocolError
 from wcache.nn import load_from_disk
 from wcache.paths import KEEPER_SOCKET
 from wcache.proto import PROTOCOL_VERSION, HandedModel, Hello, Keep, SlabDescriptor, Status, pack_frame
@@ -208,10 +208,15 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
         finally:
             os.close(fd)  # the keeper holds its own copy
         assert (kept.models, kept.bytes) == (rank + 1, (rank + 1) * m.slabs[0].size)
+    open_fds = len(os.listdir(f"/proc/{keeper.pid}/fd"))
     m, fd = _memfd_model(MAX_KEPT_FDS)
     with pytest.raises(LimitExceededError, match="one RECLAIM carries at most"):
         await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+    with pytest.raises(ProtocolError, match="owner"):  # fatal: the connection ends
+        await kp.keep(path, owner="", backend="host", device_uuid="", model=m, fds=[fd])
     os.close(fd)
+    await asyncio.sleep(0.2)
+    assert len(os.listdir(f"/proc/{keeper.pid}/fd")) == open_fds  # what it refused, it did not keep open
 
     state, fds = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
     try:

@@ -196,9 +196,10 @@ class Keeper:
                 except WCacheError as exc:
                     if isinstance(exc, ProtocolError):
                         raise
-                    close_fds(fds)  # a refused KEEP keeps nothing
                     log.info("request refused %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
                     await ch.send(ErrorFrame.from_exception(exc, getattr(frame, "id", 0)))
+                finally:
+                    close_fds(fds)  # what a KEEP brought and did not keep (a kept entry took them: empty)
         except ProtocolError as exc:
             log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
             with contextlib.suppress(Exception):
