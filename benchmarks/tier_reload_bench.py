@@ -10,6 +10,8 @@ Each configuration runs in its own process (torch and the CUDA context started f
   reader thread does for its own buffers (the longest one, and all of them added up).
 
     python benchmarks/tier_reload_bench.py --device cuda:0 --model /tmp/wcache-bench/llama3-8b --out F
+    python benchmarks/tier_reload_bench.py --synthetic-gib 15 --threads 12 16 --staging-mib 128 256 512 --out F
+(``--synthetic-gib``: a tier file of random bytes instead of the checkpoint's; no checkpoint needed.)
 """
 
 from __future__ import annotations
