@@ -230,6 +230,7 @@ async def test_prometheus_metrics(daemon_factory: Callable[..., DaemonProc], ckp
     assert lines['wcache_errors_total{code="KEY_MISMATCH"}'] == "1"
     assert lines['wcache_fetch_seconds_bucket{le="+Inf"}'] == "2"
     assert lines["wcache_leases"] == "0"
+    assert "wcache_kept_models" not in lines  # no --keeper
     resident = [k for k in lines if k.startswith("wcache_resident_bytes")]
     assert len(resident) == 1 and 'tier="host"' in resident[0] and int(float(lines[resident[0]])) > 9_000_000
     assert (await asyncio.to_thread(get, "/other"))[0] == 404

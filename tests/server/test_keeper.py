@@ -125,18 +125,45 @@ async def _kept_models(path: Path, deadline_s: float = 20.0) -> list[dict[str, s
         await asyncio.sleep(0.1)
 
 
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
+
+
+async def _kept_metric(port: int, want: str, deadline_s: float = 20.0) -> str:
+    """``wcache_kept_models`` from the daemon's metrics, once it reads ``want`` (or the deadline passes)."""
+    import urllib.request
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = str(r.read().decode())
+        return next(line.split()[1] for line in text.splitlines() if line.startswith("wcache_kept_models "))
+
+    t_end = asyncio.get_running_loop().time() + deadline_s
+    while (value := await asyncio.to_thread(get)) != want and asyncio.get_running_loop().time() < t_end:
+        await asyncio.sleep(0.1)
+    return value
+
+
 async def test_a_restarted_keeper_gets_the_models_again(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:
     """A keeper that restarts holds nothing: the daemon notices (a new keeper pid) and deposits its models again,
-    so the next daemon crash still loads nothing."""
-    d = daemon_factory(model, "--keeper", "--keeper-check", "0.2")
+    so the next daemon crash still loads nothing. ``wcache_kept_models`` follows."""
+    port = _free_port()
+    d = daemon_factory(model, "--keeper", "--keeper-check", "0.2", "--metrics-port", str(port))
     key = WeightCacheKey.from_checkpoint(model).to_wire()
     assert await _kept_models(keeper.socket) == [key]
+    assert await _kept_metric(port, "1") == "1"
     keeper.stop()
+    assert await _kept_metric(port, "0") == "0"  # the keeper is gone: a crash now would reload
     again = spawn_keeper(socket_dir)
     try:
         assert await _kept_models(again.socket) == [key]
+        assert await _kept_metric(port, "1") == "1"
         assert "does not hold 1 model(s) of this daemon: keeping them" in d.log_text()
         d.stop(signal.SIGKILL)
         after = daemon_factory(model, "--keeper")

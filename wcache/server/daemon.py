@@ -449,6 +449,7 @@ class Daemon:
             connections=len(self._tasks),
             uptime=time.monotonic() - self.started,
             load_seconds=sum(m.stats.seconds for m in models),
+            kept=self.keeper.kept(models) if self.keeper is not None else None,
         )
 
     def status_reply(self, rid: int) -> StatusReply:

@@ -401,6 +401,7 @@ class KeeperLink:
         self.kept_in: dict[WeightCacheKey, int] = {}
         self._unreachable = False
         self._reclaimed_from = 0
+        self._keeper_now = 0  # the keeper process last reached (0: unreachable or never)
         # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
         self._lock = asyncio.Lock()
 
@@ -408,6 +409,7 @@ class KeeperLink:
         """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
         req = Reclaim(id=1, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid, pid=os.getpid())
         reply, fds, self._reclaimed_from = await call(self.path, req)
+        self._keeper_now = self._reclaimed_from
         return _reply(reply, Reclaimed, fds), fds
 
     def reclaimed(self, models: Sequence[ServedModel]) -> None:
@@ -438,7 +440,7 @@ class KeeperLink:
         except (WCacheError, OSError, TimeoutError) as exc:
             log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
             return
-        self.kept_in[model.key] = pid
+        self.kept_in[model.key] = self._keeper_now = pid
         log.info(
             "kept in keeper=%s key=%s bytes=%d keeper_models=%d keeper_bytes=%d",
             self.path,
@@ -466,6 +468,10 @@ class KeeperLink:
                 exc,
             )
 
+    def kept(self, models: Sequence[ServedModel]) -> int:
+        """How many of ``models`` the keeper process last reached holds (as far as this daemon knows)."""
+        return sum(1 for m in models if self._keeper_now and self.kept_in.get(m.key) == self._keeper_now)
+
     async def check(self, served: Callable[[], Sequence[ServedModel]]) -> None:
         """KEEP again every model (``served()``: the daemon's models now) that the keeper process now
         running does not hold (it restarted, or was not running when the model was loaded). One
@@ -479,8 +485,10 @@ class KeeperLink:
                 if not self._unreachable:
                     log.warning("keeper %s unreachable (%s): a daemon crash now would mean reloading", self.path, exc)
                 self._unreachable = True
+                self._keeper_now = 0
                 return
             self._unreachable = False
+            self._keeper_now = hello.server_pid
             missing = [m.key for m in served() if self.kept_in.get(m.key) != hello.server_pid]
             if missing:
                 log.info(

@@ -47,6 +47,7 @@ class Metrics:
         connections: int,
         uptime: float,
         load_seconds: float,
+        kept: int | None = None,
     ) -> str:
         out: list[str] = []
 
@@ -65,6 +66,13 @@ class Metrics:
             [(f'{{tier="{t}",key="{_label(k)}"}}', float(b)) for t, k, b in resident],
         )
         metric("wcache_leases", "gauge", "Live leases.", [("", float(leases))])
+        if kept is not None:
+            metric(
+                "wcache_kept_models",
+                "gauge",
+                "Models of this daemon held by its wcache-keeper (--keeper): they survive a daemon crash.",
+                [("", float(kept))],
+            )
         metric("wcache_connections", "gauge", "Open client connections.", [("", float(connections))])
         metric("wcache_connections_total", "counter", "Connections accepted.", [("", float(self.connections_total))])
         metric(
