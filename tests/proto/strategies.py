@@ -134,6 +134,7 @@ def _handed(draw: st.DrawFn, nfd: int, every_slab: bool) -> tuple[HandedModel, i
         aliases=st_.aliases,
         payload=draw(uints),
         load_seconds=draw(floats),
+        source=draw(text),
     )
     return model, nfd
 

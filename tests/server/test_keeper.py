@@ -49,12 +49,13 @@ def model(ckpt: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(ckpt, tmp_path / "model"))
 
 
-def _flip_unsampled_byte(model: Path) -> None:
-    """Change one data byte right after the first block the fingerprint samples (the key stays the same)."""
+def _flip_byte(model: Path, *, sampled: bool) -> None:
+    """Change one data byte of the first shard: the first one (the fingerprint samples it: the key changes)
+    or one right after the first sampled block (the key stays the same)."""
     f = sorted(model.glob("*.safetensors"))[0]
     with open(f, "r+b") as fh:
         (hlen,) = struct.unpack("<Q", fh.read(8))
-        off = 8 + hlen + SAMPLE_BLOCK + 100
+        off = 8 + hlen + (0 if sampled else SAMPLE_BLOCK + 100)
         fh.seek(off)
         b = fh.read(1)
         fh.seek(off)
@@ -71,7 +72,7 @@ async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
     engine = await WCacheClient(first.socket).fetch(key)
     first.stop(signal.SIGKILL)  # a crash: nothing is cleaned up
 
-    _flip_unsampled_byte(model)
+    _flip_byte(model, sampled=False)
     assert WeightCacheKey.from_checkpoint(model) == key
     assert any(not torch.equal(ref[k], v) for k, v in load_from_disk(model).items())  # disk now differs
 
@@ -96,6 +97,30 @@ async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
     await WCacheClient(second.socket).evict(key)  # an eviction frees the memory in the keeper too
     assert (await WCacheClient(keeper.socket).status()).models == ()
     assert "unkept" in keeper.log_text()
+
+
+async def test_a_kept_model_whose_checkpoint_changed_is_dropped_and_others_stay(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, tied_ckpt: Path
+) -> None:
+    """Kept models carry their checkpoint directory. After a restart, one whose checkpoint now has another
+    fingerprint (a new version was copied in while no daemon ran) is dropped and loaded again; a PRELOADed
+    model from an unchanged checkpoint is served as kept — and load-on-demand still knows its directory."""
+    first = daemon_factory(model, "--keeper", "--load-on-demand")
+    client = WCacheClient(first.socket)
+    await client.preload(tied_ckpt)
+    first.stop(signal.SIGKILL)
+    _flip_byte(model, sampled=True)
+    new_key = WeightCacheKey.from_checkpoint(model)
+    second = daemon_factory(model, "--keeper", "--load-on-demand")
+    log = second.log_text()
+    assert "changed since" in log and "stale=1" in log and "loaded bytes_read" in log
+    held = {WeightCacheKey.from_wire(dict(m.key)) for m in (await WCacheClient(second.socket).status()).models}
+    assert held == {new_key, WeightCacheKey.from_checkpoint(tied_ckpt)}
+    kept = {WeightCacheKey.from_wire(dict(m.key)) for m in (await WCacheClient(keeper.socket).status()).models}
+    assert kept == held
+    # the kept tied model remembers where it came from: another dtype of it loads on demand
+    async with await WCacheClient(second.socket).fetch(WeightCacheKey.from_checkpoint(tied_ckpt, dtype="float32")) as w:
+        assert len(w) > 0
 
 
 async def test_restart_with_another_model_keeps_the_old_one_under_the_budget(

@@ -60,6 +60,7 @@ _HANDED = HandedModel(
     aliases={"lm_head.weight": "model.embed_tokens.weight"},
     payload=640,
     load_seconds=0.25,
+    source="/models/llama3-8b",
 )
 _OWNER = "/run/user/1000/wcache/wcache-rank0.sock"
 

@@ -1023,6 +1023,7 @@ class HandedModel:
     aliases: dict[str, str] = field(default_factory=dict)
     payload: int = 0
     load_seconds: float = 0.0
+    source: str = ""  # the checkpoint directory it was loaded from ("" unknown)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -1032,6 +1033,7 @@ class HandedModel:
             "aliases": dict(self.aliases),
             "payload": self.payload,
             "load_seconds": self.load_seconds,
+            "source": self.source,
         }
 
     @classmethod
@@ -1049,6 +1051,7 @@ class HandedModel:
             aliases=aliases,
             payload=f.integer("payload", 0),
             load_seconds=f.number("load_seconds", 0.0),
+            source=f.string("source", "", max_len=MAX_PATH),
         )
 
 

@@ -197,7 +197,10 @@ def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> 
                 slabs.append(slab)
             stats = LoadStats(0, hm.payload, hm.load_seconds)
             key = WeightCacheKey.from_wire(dict(hm.key))
-            served.append(ServedModel(key, hm.tensors, dict(hm.aliases), slabs, backend, hm.payload, stats))
+            source = Path(hm.source) if hm.source else None
+            served.append(
+                ServedModel(key, hm.tensors, dict(hm.aliases), slabs, backend, hm.payload, stats, 0.0, source)
+            )
             hm.tensors.encoded()
     except BaseException:
         for s in adopted:
@@ -255,16 +258,47 @@ def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
         log.warning("keeper %s: could not adopt the reclaimed slabs (%s); loading as usual", link.path, exc)
         return []
     link.reclaimed(models)
+    stale = [m for m in models if _changed_on_disk(m)]
+    for m in stale:
+        m.close()
+        asyncio.run(link.unkeep(m))
+    models = [m for m in models if all(m is not x for x in stale)]
     log.info(
-        "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d seconds=%.3f",
+        "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d stale=%d seconds=%.3f",
         link.path,
         link.owner,
         len(models),
         sum(m.slab_bytes for m in models),
         state.dropped,
+        len(stale),
         time.perf_counter() - t0,
     )
     return models
+
+
+def _changed_on_disk(model: ServedModel) -> bool:
+    """A kept model is stale if the checkpoint it was loaded from now has another (sampled) fingerprint:
+    the files were replaced while no daemon ran. A checkpoint that cannot be read leaves it served."""
+    from wcache.checkpoint import Checkpoint
+
+    if model.source is None or model.key.fingerprint_kind != "sampled":
+        return False
+    try:
+        now = Checkpoint.open(model.source).fingerprint()
+    except (WCacheError, OSError) as exc:
+        log.info("kept key=%s: its checkpoint %s cannot be read (%s); serving it", model.key.short(), model.source, exc)
+        return False
+    if now == model.key.fingerprint:
+        return False
+    log.info(
+        "dropping kept key=%s bytes=%d: its checkpoint %s changed since (fingerprint %s, now %s)",
+        model.key.short(),
+        model.slab_bytes,
+        model.source,
+        model.key.fingerprint[:12],
+        now[:12],
+    )
+    return True
 
 
 def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> None:
@@ -355,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
                 key, nbytes = preload_key(first)
                 held = store.models.get(key)
                 if held is not None:
-                    store.remember_source(held, Path(first.model))
+                    store.remember_source(held, Path(os.path.abspath(first.model)))
                     log.info("serving key=%s bytes=%d from the keeper: nothing loaded", key.short(), held.slab_bytes)
                 else:
                     drop(store.make_room(nbytes), link, "load")

@@ -349,7 +349,7 @@ class Daemon:
                 raise UnsupportedPlatformError(
                     f"{m.key.short()}: a {by_handle[0]} slab cannot be handed over (use --cuda-export vmm)"
                 )
-            models.append(HandedModel(m.key.to_wire(), descs, m.table, m.aliases, m.payload_bytes, m.stats.seconds))
+            models.append(m.handed(descs))
         if len(fds) + 1 > MAX_HANDOFF_FDS:
             raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
         assert self._listener is not None
@@ -408,7 +408,7 @@ class Daemon:
             key, nbytes = await asyncio.to_thread(preload_key, req)
             held = self.store.models.get(key)
             if held is not None:
-                self.store.remember_source(held, Path(req.model))
+                self.store.remember_source(held, Path(os.path.abspath(req.model)))
                 return Preloaded(id=req.id, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
             evicted = self.store.make_room(nbytes)
             for m in evicted:

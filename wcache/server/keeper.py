@@ -428,11 +428,13 @@ class KeeperLink:
                 "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)", model.key.short(), descs[0].kind
             )
             return
-        handed = HandedModel(
-            model.key.to_wire(), descs, model.table, model.aliases, model.payload_bytes, model.stats.seconds
-        )
         req = Keep(
-            id=1, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid, model=handed, pid=os.getpid()
+            id=1,
+            owner=self.owner,
+            backend=self.backend,
+            device_uuid=self.device_uuid,
+            model=model.handed(descs),
+            pid=os.getpid(),
         )
         try:
             reply, _, pid = await call(self.path, req, fds)

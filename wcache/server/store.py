@@ -35,6 +35,7 @@ from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.proto import (
     DTYPE_SIZES,
     GetState,
+    HandedModel,
     LeaseInfo,
     ModelInfo,
     Preload,
@@ -87,6 +88,18 @@ class ServedModel:
                 fds.extend(slab_fds)
             descs.append(desc)
         return tuple(descs)
+
+    def handed(self, descs: tuple[SlabDescriptor, ...]) -> HandedModel:
+        """This model as another process adopts it (TAKEOVER_STATE, KEEP), its slabs as ``descs``."""
+        return HandedModel(
+            self.key.to_wire(),
+            descs,
+            self.table,
+            self.aliases,
+            self.payload_bytes,
+            self.stats.seconds,
+            str(self.source) if self.source is not None else "",
+        )
 
     def close(self) -> None:
         for s in self.slabs:
