@@ -229,6 +229,26 @@ async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:
     assert (await WCacheClient(daemon.socket).status()).models  # the daemon serves on
 
 
+async def test_a_refused_model_is_not_offered_again_every_check(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    """The keeper already holds 16 slabs for this socket: the daemon's KEEP is refused (LIMIT_EXCEEDED) at start
+    and at most once more by the periodic check — one warning, not one every check — and it serves on."""
+    owner = str(socket_dir / "wcache-rank0.sock")
+    for rank in range(MAX_KEPT_FDS):
+        m, fd = _memfd_model(rank)
+        await kp.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+        os.close(fd)
+    d = daemon_factory(model, "--keeper", "--keeper-check", "0.1")
+    # the placeholders are unsealed memfds: the host backend refuses to serve them, and loads as usual
+    assert "could not adopt the reclaimed slabs" in d.log_text() and "not sealed" in d.log_text()
+    await asyncio.sleep(1.5)  # ~15 checks
+    log = d.log_text()
+    assert "one RECLAIM carries at most" in log and log.count("did not keep") <= 2
+    async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
+        assert len(w) > 0
+
+
 def test_keeper_check_must_be_positive(model: Path, socket_dir: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "wcache.server.cli", "--model", str(model), "--socket-dir", str(socket_dir)]

@@ -41,6 +41,7 @@ import msgpack
 from wcache import __version__
 from wcache.channel import Channel, close_fds, connect, expect, peer_credentials
 from wcache.errors import (
+    CacheUnavailableError,
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
@@ -402,6 +403,8 @@ class KeeperLink:
         self._unreachable = False
         self._reclaimed_from = 0
         self._keeper_now = 0  # the keeper process last reached (0: unreachable or never)
+        #: models not to offer again: key -> the keeper pid that refused it (0: no keeper can hold it, an IPC slab)
+        self._skip: dict[WeightCacheKey, int] = {}
         # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
         self._lock = asyncio.Lock()
 
@@ -420,14 +423,17 @@ class KeeperLink:
         async with self._lock:
             await self._keep(model)
 
-    async def _keep(self, model: ServedModel) -> None:
+    async def _keep(self, model: ServedModel) -> str:
+        """KEEP ``model``: "kept", "unkeepable" (a slab without an fd), "refused" (an ERROR from the keeper)
+        or "unreachable"."""
         fds: list[int] = []
         descs = model.export(fds)  # the slabs' own descriptors: nothing to close here
         if any(d.fd < 0 for d in descs):
             log.info(
                 "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)", model.key.short(), descs[0].kind
             )
-            return
+            self._skip[model.key] = 0
+            return "unkeepable"
         req = Keep(
             id=1,
             owner=self.owner,
@@ -441,7 +447,8 @@ class KeeperLink:
             kept = _reply(reply, Kept)
         except (WCacheError, OSError, TimeoutError) as exc:
             log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
-            return
+            unreachable = isinstance(exc, (CacheUnavailableError, OSError, TimeoutError))
+            return "unreachable" if unreachable else "refused"
         self.kept_in[model.key] = self._keeper_now = pid
         log.info(
             "kept in keeper=%s key=%s bytes=%d keeper_models=%d keeper_bytes=%d",
@@ -451,6 +458,7 @@ class KeeperLink:
             kept.models,
             kept.bytes,
         )
+        return "kept"
 
     async def unkeep(self, model: ServedModel) -> None:
         async with self._lock:
@@ -458,6 +466,7 @@ class KeeperLink:
 
     async def _unkeep(self, model: ServedModel) -> None:
         self.kept_in.pop(model.key, None)
+        self._skip.pop(model.key, None)
         try:
             _reply((await call(self.path, Unkeep(id=1, owner=self.owner, key=model.key.to_wire())))[0], Kept)
         except NotFoundError:
@@ -491,18 +500,21 @@ class KeeperLink:
                 return
             self._unreachable = False
             self._keeper_now = hello.server_pid
-            missing = [m.key for m in served() if self.kept_in.get(m.key) != hello.server_pid]
+            pid = hello.server_pid
+            missing = [
+                m.key for m in served() if self.kept_in.get(m.key) != pid and self._skip.get(m.key) not in (0, pid)
+            ]
             if missing:
                 log.info(
                     "keeper %s (pid %d) does not hold %d model(s) of this daemon: keeping them",
                     self.path,
-                    hello.server_pid,
+                    pid,
                     len(missing),
                 )
             for key in missing:
                 m = next((m for m in served() if m.key == key), None)  # evicted meanwhile: not kept
-                if m is not None:
-                    await self._keep(m)
+                if m is not None and await self._keep(m) == "refused":
+                    self._skip[key] = pid  # not offered to this keeper again (one warning, not one per check)
 
 
 # ---------------------------------------------------------------------- CLI
