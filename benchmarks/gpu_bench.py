@@ -69,28 +69,37 @@ def step(name: str) -> Iterator[dict[str, Any]]:
         save()
 
 
+def nvidia_smi(*args: str) -> str | None:
+    """``nvidia-smi ARGS`` output, or None where it is missing or fails."""
+    try:
+        q = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return q.stdout if q.returncode == 0 else None
+
+
 def gpu_apps_mib(index: int | None = None) -> dict[int, int] | None:
     """pid -> MiB of every process holding GPU memory (on GPU ``index``, or any), from
     ``nvidia-smi --query-compute-apps`` (``memory.used`` reads 0 in the lent VM); None without nvidia-smi."""
-    cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-    try:
-        q = subprocess.run(
-            [*cmd, *(["-i", str(index)] if index is not None else [])],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if q.returncode != 0:
+    text = nvidia_smi(
+        "--query-compute-apps=pid,used_memory",
+        "--format=csv,noheader,nounits",
+        *(["-i", str(index)] if index is not None else []),
+    )
+    if text is None:
         return None
     out: dict[int, int] = {}
-    for line in q.stdout.strip().splitlines():
+    for line in text.strip().splitlines():
         pid, _, mib = line.partition(",")
         if pid.strip().isdigit() and mib.strip().isdigit():
             out[int(pid)] = int(mib)
     return out
+
+
+def gpu_used_mib(index: int = 0) -> int | None:
+    """Memory used on GPU ``index`` (MiB), all processes: what the driver holds, a process or not."""
+    text = nvidia_smi("--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(index))
+    return int(text.split()[0]) if text is not None and text.strip().isdigit() else None
 
 
 def drop_caches() -> bool:

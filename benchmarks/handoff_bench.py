@@ -29,7 +29,6 @@ import json
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_bench import gpu_apps_mib  # noqa: E402
+from gpu_bench import gpu_apps_mib, gpu_used_mib  # noqa: E402
 
 
 def grab(pattern: str, text: str) -> float | None:
@@ -130,20 +129,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if p.exists():
                 res.setdefault("logs_tail", {})[name] = p.read_text()[-1500:]
     return res
-
-
-def gpu_used_mib() -> int | None:
-    try:
-        q = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return int(q.stdout.split()[0]) if q.returncode == 0 and q.stdout.strip().isdigit() else None
 
 
 async def keeper_restart(

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from gpu_bench import gpu_used_mib  # noqa: E402  (no torch, no CUDA: the parent here must hold no context)
 
 PRELUDE = r"""
 import json, os, socket, sys, time
@@ -145,13 +148,6 @@ print(json.dumps(out))
 def sh(cmd: str) -> str:
     p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30, check=False)
     return (p.stdout + p.stderr).strip()
-
-
-def gpu_used_mib() -> int:
-    try:
-        return int(sh("nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0").splitlines()[0])
-    except (ValueError, IndexError):
-        return -1
 
 
 def facts() -> dict[str, Any]:
