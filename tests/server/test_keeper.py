@@ -276,7 +276,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
     for rank in range(MAX_KEPT_FDS):
         m, fd = _memfd_model(rank)
         try:
-            kept = await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+            kept, _ = await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
         finally:
             os.close(fd)  # the keeper holds its own copy
         assert (kept.models, kept.bytes) == (rank + 1, (rank + 1) * m.slabs[0].size)
@@ -290,7 +290,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
     await asyncio.sleep(0.2)
     assert len(os.listdir(f"/proc/{keeper.pid}/fd")) == open_fds  # what it refused, it did not keep open
 
-    state, fds = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
+    state, fds, _ = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
     try:
         assert len(state.models) == MAX_KEPT_FDS and state.dropped == 0 and len(fds) == MAX_KEPT_FDS
         assert sorted(s.fd for m in state.models for s in m.slabs) == list(range(MAX_KEPT_FDS))
@@ -298,7 +298,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
     finally:
         for fd in fds:
             os.close(fd)
-    other, _ = await kp.reclaim(path, owner="/elsewhere.sock", backend="host", device_uuid="")
+    other, _, _ = await kp.reclaim(path, owner="/elsewhere.sock", backend="host", device_uuid="")
     assert other.models == () and other.dropped == 0
 
     kept = await kp.unkeep(path, owner=owner, key=state.models[0].key)
@@ -307,7 +307,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
         await kp.unkeep(path, owner=owner, key=state.models[0].key)
 
     # the owner now runs on another backend: what it kept there cannot be served, and is freed
-    moved, fds = await kp.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
+    moved, fds, _ = await kp.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
     assert moved.models == () and moved.dropped == MAX_KEPT_FDS - 1 and fds == []
     assert (await WCacheClient(path).status()).models == ()
 

@@ -362,11 +362,12 @@ async def call(
 
 async def keep(
     path: Path, *, owner: str, backend: str, device_uuid: str, model: HandedModel, fds: list[int], timeout: float = 10.0
-) -> Kept:
-    """KEEP ``model`` (its slabs' fd fields index ``fds``, which stay the caller's) in the keeper at ``path``."""
+) -> tuple[Kept, int]:
+    """KEEP ``model`` (its slabs' fd fields index ``fds``, which stay the caller's) in the keeper at ``path``;
+    returns the reply and the keeper's pid."""
     req = Keep(id=1, owner=owner, backend=backend, device_uuid=device_uuid, model=model, pid=os.getpid())
-    reply, _, _ = await call(path, req, fds, timeout)
-    return _reply(reply, Kept)
+    reply, _, pid = await call(path, req, fds, timeout)
+    return _reply(reply, Kept), pid
 
 
 async def unkeep(path: Path, *, owner: str, key: dict[str, str | int], timeout: float = 10.0) -> Kept:
@@ -376,11 +377,11 @@ async def unkeep(path: Path, *, owner: str, key: dict[str, str | int], timeout: 
 
 async def reclaim(
     path: Path, *, owner: str, backend: str, device_uuid: str, timeout: float = 10.0
-) -> tuple[Reclaimed, list[int]]:
-    """RECLAIM: the models kept for ``owner`` and their fds (the caller owns and must close them)."""
+) -> tuple[Reclaimed, list[int], int]:
+    """RECLAIM: the models kept for ``owner``, their fds (the caller owns and must close them), the keeper's pid."""
     req = Reclaim(id=1, owner=owner, backend=backend, device_uuid=device_uuid, pid=os.getpid())
-    reply, fds, _ = await call(path, req, [], timeout)
-    return _reply(reply, Reclaimed, fds), fds
+    reply, fds, pid = await call(path, req, [], timeout)
+    return _reply(reply, Reclaimed, fds), fds, pid
 
 
 def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
@@ -410,10 +411,11 @@ class KeeperLink:
 
     async def reclaim(self) -> tuple[Reclaimed, list[int]]:
         """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
-        req = Reclaim(id=1, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid, pid=os.getpid())
-        reply, fds, self._reclaimed_from = await call(self.path, req)
+        state, fds, self._reclaimed_from = await reclaim(
+            self.path, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid
+        )
         self._keeper_now = self._reclaimed_from
-        return _reply(reply, Reclaimed, fds), fds
+        return state, fds
 
     def reclaimed(self, models: Sequence[ServedModel]) -> None:
         for m in models:
@@ -434,17 +436,15 @@ class KeeperLink:
             )
             self._skip[model.key] = 0
             return "unkeepable"
-        req = Keep(
-            id=1,
-            owner=self.owner,
-            backend=self.backend,
-            device_uuid=self.device_uuid,
-            model=model.handed(descs),
-            pid=os.getpid(),
-        )
         try:
-            reply, _, pid = await call(self.path, req, fds)
-            kept = _reply(reply, Kept)
+            kept, pid = await keep(
+                self.path,
+                owner=self.owner,
+                backend=self.backend,
+                device_uuid=self.device_uuid,
+                model=model.handed(descs),
+                fds=fds,
+            )
         except (WCacheError, OSError, TimeoutError) as exc:
             log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
             unreachable = isinstance(exc, (CacheUnavailableError, OSError, TimeoutError))
@@ -468,7 +468,7 @@ class KeeperLink:
         self.kept_in.pop(model.key, None)
         self._skip.pop(model.key, None)
         try:
-            _reply((await call(self.path, Unkeep(id=1, owner=self.owner, key=model.key.to_wire())))[0], Kept)
+            await unkeep(self.path, owner=self.owner, key=model.key.to_wire())
         except NotFoundError:
             pass  # never kept (an IPC slab, or the keeper restarted meanwhile)
         except (WCacheError, OSError, TimeoutError) as exc:
