@@ -139,15 +139,21 @@ def _handed(draw: st.DrawFn, nfd: int, every_slab: bool) -> tuple[HandedModel, i
     return model, nfd
 
 
-@st.composite
-def takeover_states(draw: st.DrawFn) -> TakeoverState:
-    """Models whose slabs may travel as fds; the listener takes the last fd position."""
+def _handed_models(draw: st.DrawFn, *, every_slab: bool) -> tuple[tuple[HandedModel, ...], int]:
+    """0..3 models whose fd-carrying slabs take positions 0..n-1; returns them and n."""
     models = []
     nfd = 0
     for _ in range(draw(st.integers(0, 3))):
-        model, nfd = _handed(draw, nfd, every_slab=False)
+        model, nfd = _handed(draw, nfd, every_slab)
         models.append(model)
-    return TakeoverState(id=draw(ids), models=tuple(models), listener_fd=nfd, pid=draw(st.integers(0, 2**31)))
+    return tuple(models), nfd
+
+
+@st.composite
+def takeover_states(draw: st.DrawFn) -> TakeoverState:
+    """Models whose slabs may travel as fds; the listener takes the last fd position."""
+    models, nfd = _handed_models(draw, every_slab=False)
+    return TakeoverState(id=draw(ids), models=models, listener_fd=nfd, pid=draw(st.integers(0, 2**31)))
 
 
 @st.composite
@@ -160,12 +166,8 @@ def keeps(draw: st.DrawFn) -> Keep:
 
 @st.composite
 def reclaimeds(draw: st.DrawFn) -> Reclaimed:
-    models = []
-    nfd = 0
-    for _ in range(draw(st.integers(0, 3))):
-        model, nfd = _handed(draw, nfd, every_slab=True)
-        models.append(model)
-    return Reclaimed(id=draw(ids), models=tuple(models), dropped=draw(uints))
+    models, _ = _handed_models(draw, every_slab=True)
+    return Reclaimed(id=draw(ids), models=models, dropped=draw(uints))
 
 
 frames = st.one_of(

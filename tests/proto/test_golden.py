@@ -79,13 +79,19 @@ def test_examples_cover_every_frame_type() -> None:
     assert set(EXAMPLES) == set(FRAME_TYPES)
 
 
-def test_example_state_maps_through_a_connection() -> None:
-    """The STATE example is a legal reply: run it through client and server connections."""
+def _open() -> tuple[Connection, Connection]:
+    """A client and a server connection after the example HELLO / HELLO_OK."""
     client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
     server.receive_data(client.send(EXAMPLES["HELLO"]))
     assert list(server.events()) == [EXAMPLES["HELLO"]]
     client.receive_data(server.send(EXAMPLES["HELLO_OK"]))
     assert list(client.events()) == [EXAMPLES["HELLO_OK"]]
+    return client, server
+
+
+def test_example_state_maps_through_a_connection() -> None:
+    """The STATE example is a legal reply: run it through client and server connections."""
+    client, server = _open()
     server.receive_data(client.send(EXAMPLES["GET_STATE"]))
     list(server.events())
     client.receive_data(server.send(EXAMPLES["STATE"]))
@@ -95,11 +101,7 @@ def test_example_state_maps_through_a_connection() -> None:
 
 def test_example_takeover_pairs_through_a_connection() -> None:
     """TAKEOVER is a request like the others: TAKEOVER_STATE answers it, and carries fd_count descriptors."""
-    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
-    server.receive_data(client.send(EXAMPLES["HELLO"]))
-    list(server.events())
-    client.receive_data(server.send(EXAMPLES["HELLO_OK"]))
-    list(client.events())
+    client, server = _open()
     server.receive_data(client.send(EXAMPLES["TAKEOVER"]))
     assert list(server.events()) == [EXAMPLES["TAKEOVER"]]
     client.receive_data(server.send(EXAMPLES["TAKEOVER_STATE"]))
@@ -111,11 +113,7 @@ def test_example_takeover_pairs_through_a_connection() -> None:
 
 def test_example_keeper_frames_pair_through_a_connection() -> None:
     """KEEP and UNKEEP are answered by KEPT, RECLAIM by RECLAIMED; KEEP and RECLAIMED carry one fd per slab."""
-    client, server = Connection(Role.CLIENT), Connection(Role.SERVER)
-    server.receive_data(client.send(EXAMPLES["HELLO"]))
-    list(server.events())
-    client.receive_data(server.send(EXAMPLES["HELLO_OK"]))
-    list(client.events())
+    client, server = _open()
     unkept = Kept(id=3, models=0, bytes=0)  # UNKEEP is answered by KEPT too
     for request, reply in (
         (EXAMPLES["KEEP"], EXAMPLES["KEPT"]),
