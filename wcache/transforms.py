@@ -16,9 +16,16 @@ from typing import Any
 
 import torch
 
-from wcache.errors import WCacheError
+from wcache.errors import ShardingError, WCacheError
 
-__all__ = ["Transform", "fuse_llama_qkv_gate_up", "load_transform"]
+__all__ = [
+    "VLLM_VOCAB_PADDING",
+    "Transform",
+    "fuse_llama_qkv_gate_up",
+    "load_transform",
+    "stack_experts",
+    "vllm_layout",
+]
 
 Transform = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -60,4 +67,76 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
     for name, t in tensors.items():
         if name not in fused:
             out[name] = t
+    return out
+
+
+#: vLLM pads embedding and LM-head rows to a multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``).
+VLLM_VOCAB_PADDING = 64
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+_EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_W13 = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's FusedMoE layout: per-expert ``experts.J.{gate,up,down}_proj.weight`` (Qwen-MoE) or
+    ``experts.J.{w1,w3,w2}.weight`` (Mixtral) become ``experts.w13_weight`` [E, 2I, H] ([gate; up] per
+    expert) and ``experts.w2_weight`` [E, H, I]. A layer whose experts are incomplete is left as it is."""
+    layers: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m:
+            layers.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    out = dict(tensors)
+    for prefix, experts in layers.items():
+        ids = sorted(experts)
+        if ids != list(range(len(ids))) or any(len(experts[j]) != 3 for j in ids):
+            continue
+        w13, w2 = [], []
+        for j in ids:
+            parts = experts[j]
+            gate_up = sorted((k for k in parts if k in _W13), key=_W13.__getitem__)
+            (down,) = (k for k in parts if k not in _W13)
+            w13.append(torch.cat([parts[k] for k in gate_up], dim=0))
+            w2.append(parts[down])
+            for k in parts:
+                del out[f"{prefix}.{j}.{k}.weight"]
+        out[f"{prefix}.w13_weight"] = torch.stack(w13)
+        out[f"{prefix}.w2_weight"] = torch.stack(w2)
+    return out
+
+
+def vllm_layout(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """vLLM's parameter layout for the Llama family and Qwen/Mixtral MoE: :func:`fuse_llama_qkv_gate_up`,
+    MoE experts stacked as FusedMoE holds them (:func:`stack_experts`), and the embedding and LM
+    head padded with zero rows to vLLM's padded vocabulary (``VocabParallelEmbedding`` /
+    ``ParallelLMHead`` hold ``round_up(vocab, 64)`` rows and zero the padding).
+
+    Tied weights stay one tensor. At tensor-parallel size > 1 vLLM splits the *padded* vocabulary evenly,
+    which an even split of the checkpoint rows matches only when the vocabulary needs no padding: other
+    sizes are refused here (ShardingError) rather than served in the wrong layout.
+    """
+    out = fuse_llama_qkv_gate_up(stack_experts(tensors), config)
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ShardingError("vllm_layout: config.json has no positive integer vocab_size")
+    padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    done: dict[int, torch.Tensor] = {}
+    for name in _VOCAB_ROWS:
+        t = out.get(name)
+        if t is None or padded == vocab:
+            continue
+        if id(t) in done:  # tied: the same padded tensor
+            out[name] = done[id(t)]
+            continue
+        rows = t.shape[0]
+        if rows != vocab:
+            raise ShardingError(
+                f"vllm_layout: {name} has {rows} of {vocab} rows (a tensor-parallel shard); vLLM pads the vocabulary "
+                f"to {padded} before splitting it, which an even split of {vocab} rows does not match: serve this "
+                "model at tensor-parallel size 1 or load it with vLLM's default loader"
+            )
+        pad = torch.zeros((padded - rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        out[name] = done[id(t)] = torch.cat([t, pad], dim=0)
     return out
