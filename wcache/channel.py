@@ -32,6 +32,7 @@ from wcache.proto import (
     State,
     TakeoverState,
 )
+from wcache.proto.codec import MAX_HANDSHAKE_FRAME
 
 __all__ = ["Channel", "PeerCredentials", "ReadBudget", "connect", "expect", "peer_credentials"]
 
@@ -48,7 +49,10 @@ class ReadBudget:
     Each channel claims what its frame in progress will need as soon as the length prefix is in
     (``Connection.demand``), before the body is buffered; a claim that does not fit is a
     FrameTooLargeError for that connection only (the others keep their claims). Without a bound, a few
-    dozen peers each sending most of a 64 MiB frame took a daemon to an OOM kill.
+    dozen peers each sending most of a 64 MiB frame took a daemon to an OOM kill. Frames of at most
+    MAX_HANDSHAKE_FRAME (64 KiB: every HELLO and every request an engine sends) are counted but never
+    refused, so peers filling the budget cannot lock engines out; memory stays below ``limit`` plus 64 KiB
+    (and one read) per connection.
     """
 
     __slots__ = ("held", "limit", "peers")
@@ -63,7 +67,7 @@ class ReadBudget:
     def claim(self, old: int, new: int) -> int:
         """Move one channel's claim from ``old`` to ``new`` bytes; returns the claim now held.
         Raises FrameTooLargeError (leaving ``old`` claimed) when a larger claim does not fit."""
-        if new > old and self.held - old + new > self.limit:
+        if new > old and new > MAX_HANDSHAKE_FRAME and self.held - old + new > self.limit:
             raise FrameTooLargeError(
                 f"a frame needing {new} bytes does not fit: {self.held} of the {self.limit} bytes this process "
                 f"buffers for unfinished frames are held by {self.peers} connection(s); retry later",
