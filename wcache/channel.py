@@ -11,12 +11,14 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import fcntl
 import os
 import socket
 import struct
+import termios
 from pathlib import Path
 
-from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
+from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
 from wcache.proto import (
     PROTOCOL_VERSION,
     Connection,
@@ -30,11 +32,54 @@ from wcache.proto import (
     State,
     TakeoverState,
 )
+from wcache.proto.codec import MAX_HANDSHAKE_FRAME
 
-__all__ = ["Channel", "PeerCredentials", "connect", "expect", "peer_credentials"]
+__all__ = ["Channel", "PeerCredentials", "ReadBudget", "connect", "expect", "peer_credentials"]
 
 RECV_SIZE = 1 << 18
 MAX_FDS_PER_RECV = 16
+#: Default bound on the bytes all server-side channels of a process may hold in unfinished frames
+#: (docs/protocol.md §7); a daemon passes its own.
+DEFAULT_READ_BUDGET = 256 * 1024 * 1024
+
+
+class ReadBudget:
+    """The bytes that the channels sharing it may buffer in unfinished frames, all together.
+
+    Each channel claims what its frame in progress will need as soon as the length prefix is in
+    (``Connection.demand``), before the body is buffered; a claim that does not fit is a
+    FrameTooLargeError for that connection only (the others keep their claims). Without a bound, a few
+    dozen peers each sending most of a 64 MiB frame took a daemon to an OOM kill. Frames of at most
+    MAX_HANDSHAKE_FRAME (64 KiB: every HELLO and every request an engine sends) are counted but never
+    refused, so peers filling the budget cannot lock engines out; memory stays below ``limit`` plus 64 KiB
+    (and one read) per connection.
+    """
+
+    __slots__ = ("held", "limit", "peers")
+
+    def __init__(self, limit: int = DEFAULT_READ_BUDGET) -> None:
+        if limit < 1:
+            raise ValueError("a read budget must be at least 1 byte")
+        self.limit = limit
+        self.held = 0
+        self.peers = 0  # channels holding a claim, for the error message
+
+    def claim(self, old: int, new: int) -> int:
+        """Move one channel's claim from ``old`` to ``new`` bytes; returns the claim now held.
+        Raises FrameTooLargeError (leaving ``old`` claimed) when a larger claim does not fit."""
+        if new > old and new > MAX_HANDSHAKE_FRAME and self.held - old + new > self.limit:
+            raise FrameTooLargeError(
+                f"a frame needing {new} bytes does not fit: {self.held} of the {self.limit} bytes this process "
+                f"buffers for unfinished frames are held by {self.peers} connection(s); retry later",
+                details={"size": new, "max_size": max(0, self.limit - self.held + old)},
+            )
+        self.held += new - old
+        self.peers += (new > 0) - (old > 0)
+        return new
+
+
+#: The budget server-side channels share unless given one (a keeper; a daemon passes its own).
+SERVER_READ_BUDGET = ReadBudget()
 
 
 class PeerCredentials:
@@ -72,14 +117,39 @@ class Channel:
     leaves the socket unusable: the owner must ``close()`` it (the client does).
     """
 
-    def __init__(self, sock: socket.socket, conn: Connection, *, accept_fds: bool) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        conn: Connection,
+        *,
+        accept_fds: bool,
+        budget: ReadBudget | None = None,
+        send_timeout: float | None = None,
+        max_unread_fds: int | None = None,
+    ) -> None:
+        """``budget``: shared bound on unfinished-frame bytes (server-side channels share
+        SERVER_READ_BUDGET unless given one). ``send_timeout``: a frame must be taken by the peer within
+        this many seconds (TimeoutError otherwise: the peer does not read). ``max_unread_fds``: at most this
+        many descriptors sent and not yet read by the peer; a send that would pass it waits (within
+        ``send_timeout``) for the peer to read (descriptors queued in an unread socket count against the
+        sending uid's in-flight limit, RLIMIT_NOFILE: a peer that never reads would exhaust it for all)."""
         sock.setblocking(False)
         self.sock = sock
         self.conn = conn
         self.accept_fds = accept_fds
+        if budget is None and conn.role is Role.SERVER:
+            budget = SERVER_READ_BUDGET
+        self.budget = budget
+        self.send_timeout = send_timeout
+        self.max_unread_fds = max_unread_fds
+        self._claimed = 0
         self._frames: collections.deque[Frame] = collections.deque()
         self._fds: list[int] = []
         self._closed = False
+        #: bytes handed to the kernel so far, and (stream offset of a frame's first byte, its descriptors)
+        #: for frames whose descriptors the peer may not have read yet
+        self._sent = 0
+        self._unread: collections.deque[tuple[int, int]] = collections.deque()
 
     @property
     def closed(self) -> bool:
@@ -90,6 +160,8 @@ class Channel:
             return
         self._closed = True
         close_fds(self._fds)
+        if self.budget is not None:
+            self._claimed = self.budget.claim(self._claimed, 0)
         try:
             self.sock.close()
         except OSError:
@@ -124,6 +196,24 @@ class Channel:
         await self.send_bytes(self.conn.send(frame), fds)
 
     async def send_bytes(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Write one frame's bytes (with ``fds`` on its first byte). TimeoutError when the peer does not
+        take it within ``send_timeout``; the channel is then unusable (half a frame may be out)."""
+        if self.send_timeout is None:
+            await self._send_bytes(data, fds)
+            return
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await self._send_bytes(data, fds)
+        except TimeoutError:
+            raise TimeoutError(
+                f"peer did not read a {len(data)}-byte frame ({len(fds)} descriptor(s); "
+                f"{self.unread_fds()} sent before are unread) within {self.send_timeout} s"
+            ) from None
+
+    async def _send_bytes(self, data: bytes, fds: list[int] | tuple[int, ...]) -> None:
+        if fds and self.max_unread_fds is not None:
+            await self._room_for_fds(len(fds))
+        start = self._sent
         view = memoryview(data)
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         while view:
@@ -132,8 +222,38 @@ class Channel:
             except (BlockingIOError, InterruptedError):
                 await self._wait(writable=True)
                 continue
+            if anc:
+                self._unread.append((start, len(fds)))
             anc = []  # the descriptors went with the first byte sent
             view = view[n:]
+            self._sent += n
+
+    def unread_fds(self) -> int:
+        """Descriptors sent that the peer may not have read yet (an upper bound).
+
+        SIOCOUTQ on a Unix socket is the memory of what the peer has not consumed (at least its bytes),
+        so every byte before ``sent - outq`` has been read, and with a frame's first byte its descriptors."""
+        if not self._unread:
+            return 0
+        try:
+            raw = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            (outq,) = struct.unpack("i", raw)
+        except OSError:
+            return sum(n for _, n in self._unread)
+        read = self._sent - outq
+        while self._unread and self._unread[0][0] < read:
+            self._unread.popleft()
+        return sum(n for _, n in self._unread)
+
+    async def _room_for_fds(self, n: int) -> None:
+        """Wait until ``n`` more descriptors keep this peer within ``max_unread_fds`` (a frame carrying more
+        than the bound waits until the peer has read everything). The kernel tells no one when a peer reads,
+        so this polls, backing off to 50 ms; only a peer that lets replies pile up ever waits."""
+        assert self.max_unread_fds is not None
+        pause = 0.001
+        while (unread := self.unread_fds()) and unread + n > self.max_unread_fds:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     # ---------------------------------------------------------------- receive
     async def _recv_some(self) -> None:
@@ -141,7 +261,9 @@ class Channel:
         space = socket.CMSG_SPACE(MAX_FDS_PER_RECV * 4)
         while True:
             try:
-                data, anc, flags, _ = self.sock.recvmsg(RECV_SIZE, space)
+                # never more than the frame limit now allows (small before the handshake): what one read
+                # brings in is held before the length prefix in it can be checked
+                data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
                 break
             except (BlockingIOError, InterruptedError):
                 await self._wait(writable=False)
@@ -189,6 +311,8 @@ class Channel:
                 await self._recv_some()
             for frame in self.conn.events():
                 self._frames.append(frame)
+            if self.budget is not None:
+                self._claimed = self.budget.claim(self._claimed, self.conn.demand)
         frame = self._frames.popleft()
         want = frame.fd_count if isinstance(frame, (State, TakeoverState, Keep, Reclaimed)) else 0
         if want > len(self._fds):

@@ -177,7 +177,7 @@ async def test_silent_client_dropped_after_handshake_timeout(daemon: DaemonProc)
         assert await asyncio.to_thread(s.recv, 1) == b""
     finally:
         s.close()
-    assert 5 < time.monotonic() - t0 < 20
+    assert 1 < time.monotonic() - t0 < 20  # the 3 s handshake deadline
 
 
 async def test_sigterm_drains_and_unlinks(daemon: DaemonProc, ckpt: Path) -> None:

@@ -20,6 +20,8 @@ from wcache.errors import FrameTooLargeError, LocalProtocolError, ProtocolError
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
     "HEADER_SIZE",
+    "MAX_HANDSHAKE_FRAME",
+    "MAX_REQUEST_SIZE",
     "Preencoded",
     "FrameBuffer",
     "decode_body",
@@ -32,6 +34,12 @@ HEADER = struct.Struct(">I")
 HEADER_SIZE = HEADER.size
 #: Default maximum body size in bytes (docs/protocol.md §7); both peers may configure it.
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
+#: Largest frame either side accepts before the handshake is done (HELLO, HELLO_OK: a few KiB at most;
+#: docs/protocol.md §7). An unauthenticated peer cannot make the daemon buffer more than this.
+MAX_HANDSHAKE_FRAME = 64 * 1024
+#: Largest request a daemon accepts after the handshake: no client -> daemon frame comes near it (a GET_STATE
+#: key is a few KiB); only daemon -> client frames (STATE, TAKEOVER_STATE) and frames to a keeper (KEEP) are big.
+MAX_REQUEST_SIZE = 1024 * 1024
 #: Absolute ceiling representable by the length prefix.
 MAX_REPRESENTABLE = 2**32 - 1
 
@@ -139,12 +147,14 @@ class FrameBuffer:
     in, before any of the body is kept waiting for the rest.
     """
 
-    __slots__ = ("_buf", "_need", "_pos", "max_frame_size")
+    __slots__ = ("_buf", "_need", "_pos", "limit_reason", "max_frame_size")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         if not 1 <= max_frame_size <= MAX_REPRESENTABLE:
             raise ValueError(f"max_frame_size must be in 1..{MAX_REPRESENTABLE}")
         self.max_frame_size = max_frame_size
+        #: why the limit is what it is, for the error (e.g. "before the handshake")
+        self.limit_reason = ""
         self._buf = bytearray()
         self._pos = 0
         self._need = -1  # body length of the frame in progress, -1 while reading the prefix
@@ -153,6 +163,13 @@ class FrameBuffer:
     def buffered(self) -> int:
         """Bytes received but not yet returned as a frame (for partial-frame timeouts)."""
         return len(self._buf) - self._pos
+
+    @property
+    def demand(self) -> int:
+        """Bytes this buffer will hold once the frame in progress is complete: what is buffered, or the
+        announced body length if more (for a budget across connections, checked before the body arrives)."""
+        held = len(self._buf) - self._pos
+        return held if self._need < 0 else max(held, self._need)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._pos and self._pos >= len(self._buf) // 2:
@@ -168,7 +185,12 @@ class FrameBuffer:
                 return None
             (size,) = HEADER.unpack_from(buf, self._pos)
             if size > self.max_frame_size:
-                raise FrameTooLargeError.for_size(size, self.max_frame_size)
+                if not self.limit_reason:
+                    raise FrameTooLargeError.for_size(size, self.max_frame_size)
+                raise FrameTooLargeError(
+                    f"frame of {size} bytes exceeds the limit of {self.max_frame_size} bytes {self.limit_reason}",
+                    details={"size": size, "max_size": self.max_frame_size},
+                )
             if size == 0:
                 raise ProtocolError("zero-length frame")
             self._pos += HEADER_SIZE

@@ -26,6 +26,7 @@ from wcache.errors import (
 )
 from wcache.proto.codec import (
     DEFAULT_MAX_FRAME_SIZE,
+    MAX_HANDSHAKE_FRAME,
     MAX_REPRESENTABLE,
     FrameBuffer,
     decode_body,
@@ -138,8 +139,12 @@ class Connection:
         role: Role,
         *,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_handshake_frame: int = MAX_HANDSHAKE_FRAME,
         supported_versions: tuple[int, ...] = SUPPORTED_VERSIONS,
     ) -> None:
+        """``max_frame_size``: the largest frame body accepted once the handshake is done;
+        ``max_handshake_frame``: before it (HELLO / HELLO_OK), so that a peer that has not even said HELLO
+        cannot make this side buffer a big body (docs/protocol.md §7)."""
         self.role = role
         self.phase = Phase.START
         self.version: int | None = None
@@ -149,6 +154,7 @@ class Connection:
         self.pending: dict[int, str] = {}
         #: leases granted on this connection and not yet released
         self.leases: set[int] = set()
+        self.max_handshake_frame = min(max_handshake_frame, max_frame_size)
         self._buffer = FrameBuffer(max_frame_size)
         self._eof = False
         self._next_id = 1
@@ -166,6 +172,21 @@ class Connection:
         return self._buffer.buffered
 
     @property
+    def demand(self) -> int:
+        """Bytes held once the frame in progress is complete (its announced length, checked first)."""
+        return self._buffer.demand
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest frame body accepted now: small until the handshake is done."""
+        return self.max_frame_size if self.phase is Phase.OPEN else self.max_handshake_frame
+
+    def _set_limit(self) -> None:
+        buf = self._buffer
+        buf.max_frame_size = self.frame_limit
+        buf.limit_reason = "" if self.phase is Phase.OPEN else "before the handshake (HELLO / HELLO_OK are small)"
+
+    @property
     def eof(self) -> bool:
         return self._eof
 
@@ -176,6 +197,7 @@ class Connection:
         A stream that ends inside a frame raises ProtocolError too.
         """
         while self.phase is not Phase.CLOSED:
+            self._set_limit()  # the phase may have changed with the previous frame
             body = self._buffer.next_body()
             if body is None:
                 if self._eof:
@@ -193,6 +215,12 @@ class Connection:
         """Validate ``frame`` against the state, update the state, return its bytes."""
         self._on(SEND, frame)
         return pack_frame(frame.to_wire(), max_frame_size=MAX_REPRESENTABLE)
+
+    def retract_state(self, state: State) -> None:
+        """Undo ``send(state)`` when none of its bytes left (the kernel refused its descriptors): the
+        GET_STATE is pending again, to be answered with an ERROR, and the lease is not held."""
+        self.leases.discard(state.lease)
+        self.pending[state.id] = "GET_STATE"
 
     def next_request_id(self) -> int:
         rid = self._next_id

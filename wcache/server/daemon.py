@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from wcache.channel import Channel, peer_credentials
+from wcache.channel import DEFAULT_READ_BUDGET, Channel, ReadBudget, peer_credentials
 from wcache.errors import (
     DeviceMismatchError,
     InternalError,
@@ -51,9 +53,10 @@ from wcache.proto import (
     TakeoverState,
     Unkeep,
 )
+from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.server.keeper import KeeperLink
-from wcache.server.listen import accept_loop, bind_private_socket
+from wcache.server.listen import ConnectionTable, Peer, accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.store import ServedModel, Store, preload_key
 from wcache.server.tier import HostTier
@@ -71,10 +74,13 @@ class Daemon:
         *,
         software: str,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-        handshake_timeout: float = 10.0,
+        handshake_timeout: float = 3.0,
         idle_timeout: float | None = None,
         frame_timeout: float = 10.0,
+        send_timeout: float = 10.0,
         max_connections: int = 1024,
+        read_budget: int = DEFAULT_READ_BUDGET,
+        max_unread_fds: int | None = None,
         shutdown_grace: float = 5.0,
         metrics_port: int = 0,
         loader: Callable[[Preload], ServedModel] | None = None,
@@ -89,10 +95,21 @@ class Daemon:
         self.socket_path = Path(socket_path)
         self.software = software
         self.max_frame_size = max_frame_size
+        #: no client -> daemon frame is large: requests are capped far below --max-frame-size (§7)
+        self.max_request_size = min(max_frame_size, MAX_REQUEST_SIZE)
+        #: HELLO must arrive this soon after connecting (an unauthenticated peer holds a connection slot)
         self.handshake_timeout = handshake_timeout
+        #: an open connection holding no lease and silent this long is closed (None: never); a connection
+        #: holding a lease is never closed for silence (its leases live with it, docs/security.md)
         self.idle_timeout = idle_timeout
         self.frame_timeout = frame_timeout
+        #: a reply must be taken by the peer within this many seconds, else the peer is closed
+        self.send_timeout = send_timeout
         self.max_connections = max_connections
+        self.read_budget = ReadBudget(read_budget)
+        #: descriptors sent to one peer and not yet read by it (None: from RLIMIT_NOFILE at serve())
+        self.max_unread_fds = max_unread_fds
+        self._peers = ConnectionTable(max_connections)
         self.shutdown_grace = shutdown_grace
         self.metrics_port = metrics_port
         self.metrics = Metrics()
@@ -126,6 +143,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
+        self._fd_limits()
         listener = self._listener if self._listener is not None else bind_private_socket(self.socket_path)
         listener.setblocking(False)
         self._listener = listener
@@ -154,6 +172,28 @@ class Daemon:
                     loop.remove_signal_handler(sig)
             log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
 
+    def _fd_limits(self) -> None:
+        """Descriptors queued in sockets that peers have not read count against this uid's RLIMIT_NOFILE
+        (unless root): raise the soft limit to the hard one, and give each peer a share of it."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < want:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+        if self.max_unread_fds is None:
+            self.max_unread_fds = max(1, min(64, soft // 16))
+        worst = self.max_connections * self.max_unread_fds
+        if os.geteuid() != 0 and worst > soft:
+            log.warning(
+                "fd limits %s nofile=%d: %d connections x %d unread descriptors each could exhaust it; "
+                "raise the hard limit (ulimit -Hn, LimitNOFILE=) for full isolation of engines that do not read",
+                self._tag,
+                soft,
+                self.max_connections,
+                self.max_unread_fds,
+            )
+
     async def _watch_keeper(self) -> None:
         """Every ``keeper_check`` seconds: a keeper that restarted holds nothing; deposit the models again."""
         assert self.keeper is not None
@@ -176,20 +216,41 @@ class Daemon:
         conn_id = self._next_conn
         self._next_conn += 1
         self.metrics.connections_total += 1
-        task = asyncio.ensure_future(self._serve_connection(sock, conn_id))
+        room = self._peers.make_room(lambda cid: self.store.held_by(cid) > 0)
+        if isinstance(room, Peer):
+            log.info(
+                "closing %s conn=%d reason=%s to admit a new connection (limit %d)",
+                self._tag,
+                room.id,
+                "no-hello" if not room.open else "idle-no-lease",
+                self.max_connections,
+            )
+        peer = Peer(conn_id)
+        task = asyncio.ensure_future(self._serve_connection(sock, peer, refuse=room is None))
+        peer.task = task
+        self._peers.add(peer)
         self._tasks[conn_id] = task
         task.add_done_callback(self._forget(conn_id))
 
     def _forget(self, conn_id: int) -> Callable[[asyncio.Task[None]], None]:
         def done(_task: asyncio.Task[None]) -> None:
             self._tasks.pop(conn_id, None)
+            self._peers.remove(conn_id)
 
         return done
 
     # ------------------------------------------------------------------ one connection
-    async def _serve_connection(self, sock: socket.socket, conn_id: int) -> None:
-        conn = Connection(Role.SERVER, max_frame_size=self.max_frame_size)
-        ch = Channel(sock, conn, accept_fds=False)
+    async def _serve_connection(self, sock: socket.socket, peer: Peer, *, refuse: bool = False) -> None:
+        conn_id = peer.id
+        conn = Connection(Role.SERVER, max_frame_size=self.max_request_size)
+        ch = Channel(
+            sock,
+            conn,
+            accept_fds=False,
+            budget=self.read_budget,
+            send_timeout=self.send_timeout,
+            max_unread_fds=self.max_unread_fds,
+        )
         pid = -1
         try:
             creds = peer_credentials(sock)
@@ -206,31 +267,48 @@ class Daemon:
                     )
                 )
                 return
-            if len(self._tasks) > self.max_connections:
+            if refuse:  # every connection holds leases or is busy: none can give way
                 log.warning("refused %s pid=%d reason=connection-limit limit=%d", self._tag, pid, self.max_connections)
                 self.metrics.errors["LIMIT_EXCEEDED"] += 1
                 limit = LimitExceededError(f"too many connections (limit {self.max_connections}); try again later")
                 await ch.send_bytes(conn.fatal_error(limit))
                 return
             await self._handshake(ch, conn)
+            peer.open = True
+            peer.touch()
             while True:
-                frame, _ = await asyncio.wait_for(ch.receive(frame_timeout=self.frame_timeout), self.idle_timeout)
+                idle = None if self.store.held_by(conn_id) else self.idle_timeout
+                try:
+                    frame, _ = await asyncio.wait_for(ch.receive(frame_timeout=self.frame_timeout), idle)
+                except TimeoutError as exc:
+                    raise TimeoutError(str(exc) or f"idle for {idle} s holding no lease") from None
+                peer.touch()
                 self._busy.add(conn_id)
+                peer.busy = True
                 try:
                     await self._dispatch(ch, frame, conn_id, pid)
                 finally:
                     self._busy.discard(conn_id)
+                    peer.busy = False
+                    peer.touch()
         except ProtocolError as exc:
             log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
             self.metrics.errors[exc.code.name] += 1
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ch.send_bytes(conn.fatal_error(exc)), 1.0)
         except TimeoutError as exc:
-            log.info("connection timed out %s pid=%d reason=%s", self._tag, pid, str(exc) or "idle or handshake")
+            reason = str(exc) or (f"no HELLO within {self.handshake_timeout} s" if not peer.open else "timeout")
+            log.info("connection timed out %s pid=%d reason=%s", self._tag, pid, reason)
         except (EOFError, ConnectionError):
             pass
         except asyncio.CancelledError:
-            pass
+            if peer.evicted:  # closed to admit a newer connection: say so if the socket takes it at once
+                with contextlib.suppress(Exception):
+                    why = "no HELLO yet" if not peer.open else "idle, holding no lease"
+                    err = LimitExceededError(
+                        f"closed to admit a new connection ({why}; limit {self.max_connections}): reconnect"
+                    )
+                    sock.send(conn.fatal_error(err))
         except Exception:  # never let one connection take the daemon down
             log.exception("connection handler failed %s pid=%d", self._tag, pid)
         finally:
@@ -265,7 +343,18 @@ class Daemon:
                     if not await self._load_on_demand(frame, pid):
                         raise
                     state, fds, model = self.store.acquire(conn_id, pid, frame)
-                await ch.send(state, fds)
+                try:
+                    await ch.send(state, fds)
+                except OSError as exc:
+                    if exc.errno != errno.ETOOMANYREFS:
+                        raise
+                    # nothing went out (the kernel refuses at the first byte): the lease was never granted
+                    self.store.revoke(state.lease)
+                    ch.conn.retract_state(state)
+                    raise LimitExceededError(
+                        "too many descriptors are in flight to engines that have not read them (this uid's "
+                        f"RLIMIT_NOFILE, {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); retry shortly"
+                    ) from exc
                 self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)
                 log.info(
                     "lease granted %s pid=%d lease=%d mode=%s key=%s tensors=%d bytes=%d leases=%d",

@@ -1,4 +1,8 @@
-"""Listening on a private Unix socket and accepting connections: shared by the daemon and the keeper."""
+"""Listening on a private Unix socket and accepting connections: shared by the daemon and the keeper.
+
+``ConnectionTable`` is the admission policy at the connection cap (docs/security.md, "idle peers"): a new
+connection is refused only when no live one may be closed to make room for it.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,12 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["accept_loop", "bind_private_socket"]
+__all__ = ["ConnectionTable", "Peer", "accept_loop", "bind_private_socket"]
 
 log = logging.getLogger("wcache.server")
 
@@ -43,3 +49,70 @@ async def accept_loop(listener: socket.socket, accepted: Callable[[socket.socket
             await asyncio.sleep(0.1)
             continue
         accepted(sock)
+
+
+@dataclass(eq=False)
+class Peer:
+    """One live connection, as the admission policy sees it."""
+
+    id: int
+    task: asyncio.Task[None] | None = None
+    accepted: float = field(default_factory=time.monotonic)
+    #: when the peer last sent a frame or was last answered (time.monotonic)
+    active: float = field(default_factory=time.monotonic)
+    #: False until the handshake is done (the peer said nothing yet that shows it is an engine)
+    open: bool = False
+    #: a request of it is being answered
+    busy: bool = False
+    #: set when the table closed it to make room (its handler then says so, if it can)
+    evicted: bool = False
+
+    def touch(self) -> None:
+        self.active = time.monotonic()
+
+
+class ConnectionTable:
+    """Live connections and who gives way at the cap.
+
+    At ``limit`` live connections, a new one makes room by closing, in this order: the oldest connection
+    that has not finished its handshake (it has shown nothing; a real engine says HELLO at once), else the
+    connection idle longest that is open, answering nothing and holding nothing (``pinned`` says what a
+    connection holds: a daemon's leases, which live with the connection and are never broken for room).
+    Only when every connection is pinned, busy or newer is the new one refused. Choosing is a scan, made only
+    at the cap.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("the connection limit must be at least 1")
+        self.limit = limit
+        self.peers: dict[int, Peer] = {}
+
+    def __len__(self) -> int:
+        return len(self.peers)
+
+    def add(self, peer: Peer) -> None:
+        self.peers[peer.id] = peer
+
+    def remove(self, conn_id: int) -> None:
+        self.peers.pop(conn_id, None)
+
+    def victim(self, pinned: Callable[[int], bool]) -> Peer | None:
+        """The connection to close for a new one (None: refuse the new one)."""
+        live = [p for p in self.peers.values() if not p.evicted]
+        fresh = [p for p in live if not p.open]
+        if fresh:
+            return min(fresh, key=lambda p: p.accepted)
+        idle = [p for p in live if not p.busy and not pinned(p.id)]
+        return min(idle, key=lambda p: p.active) if idle else None
+
+    def make_room(self, pinned: Callable[[int], bool]) -> Peer | bool | None:
+        """Below the cap: True. At it: the peer evicted (its task cancelled), or None (refuse)."""
+        if sum(not p.evicted for p in self.peers.values()) < self.limit:
+            return True
+        peer = self.victim(pinned)
+        if peer is not None:
+            peer.evicted = True
+            if peer.task is not None:
+                peer.task.cancel()
+        return peer

