@@ -1,4 +1,4 @@
-"""CUDA plumbing shared by the daemon's CUDA backend and the client's CUDA mapping.
+"""CUDA plumbing of the daemon's CUDA backend (export) and shared helpers (device UUIDs, DeviceBuffer).
 
 Two ways to share one slab between processes (docs/protocol.md §4.5):
 
@@ -8,7 +8,8 @@ Two ways to share one slab between processes (docs/protocol.md §4.5):
   the peer imports, reserves, maps and sets access (read-only where the driver allows).
 
 Either way the mapped range becomes a torch tensor through ``__cuda_array_interface__``;
-the holder object unmaps when torch frees the last view. Needs ``cuda-bindings``.
+the holder object unmaps when torch frees the last view. The daemon side needs ``cuda-bindings``;
+the client maps through ``wcache.client.driver`` (ctypes over libcuda.so.1, no import cost).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ __all__ = [
     "device_index_for_uuid",
     "device_uuid",
     "ipc_handle",
-    "ipc_open",
     "vmm_allocate",
-    "vmm_import",
 ]
 
 
@@ -127,26 +126,6 @@ def ipc_handle(ptr: int) -> tuple[bytes, int]:
     raw = handle.reserved
     data = bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes(v & 0xFF for v in raw)
     return data, ptr - int(base)
-
-
-def ipc_open(handle: bytes, offset: int, size: int, index: int) -> DeviceBuffer:
-    driver = _bindings()
-    _make_current(index)
-    h = driver.CUipcMemHandle()
-    try:
-        h.reserved = handle
-    except (TypeError, ValueError):
-        h.reserved = [b - 256 if b > 127 else b for b in handle]  # bindings that take signed chars
-    flags_enum = getattr(driver, "CUipcMem_flags", None)
-    flags = flags_enum.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS if flags_enum is not None else 1
-    err, base = driver.cuIpcOpenMemHandle(h, flags)
-    _check(err, "cuIpcOpenMemHandle")
-    base = int(base)
-
-    def release() -> None:
-        driver.cuIpcCloseMemHandle(base)
-
-    return DeviceBuffer(base + offset, size, index, release)
 
 
 # ---------------------------------------------------------------- VMM
@@ -253,25 +232,3 @@ class VmmAllocation:
 
 def vmm_allocate(nbytes: int, index: int) -> VmmAllocation:
     return VmmAllocation(nbytes, index)
-
-
-def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[DeviceBuffer, bool]:
-    """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only."""
-    driver = _bindings()
-    _make_current(index)
-    gran = _granularity(driver, index)
-    total = max(gran, -(-(offset + size) // gran) * gran)
-    err, handle = driver.cuMemImportFromShareableHandle(
-        fd, driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    )
-    _check(err, "cuMemImportFromShareableHandle")
-    try:
-        ptr, ro = _map(driver, handle, total, index, read_only)
-    finally:
-        driver.cuMemRelease(handle)  # the mapping keeps the memory alive
-
-    def release() -> None:
-        driver.cuMemUnmap(ptr, total)
-        driver.cuMemAddressFree(ptr, total)
-
-    return DeviceBuffer(ptr + offset, size, index, release), ro

@@ -20,12 +20,14 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from wcache import __version__
 from wcache.channel import Channel, close_fds, connect, expect
+from wcache.client import cuda
+from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs
 from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
@@ -44,9 +46,6 @@ from wcache.proto import (
     Takeover,
     TakeoverState,
 )
-
-if TYPE_CHECKING:
-    from wcache.client.mapping import GroupView, TensorViews
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -224,8 +223,6 @@ class WCacheClient:
             t1 = time.perf_counter()
             device_uuid = ""
             if hello.backend == "cuda":
-                from wcache.client import cuda
-
                 device_uuid = cuda.local_uuid(self.device, hello.device.uuid)
             await ch.send(GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid))
             frame, fds = await expect(ch)
@@ -269,8 +266,6 @@ class WCacheClient:
         mode: str,
         path: Path,
     ) -> CachedWeights:
-        from wcache.client.mapping import build_views, map_slabs
-
         t0 = time.perf_counter()
         slabs = map_slabs(state, fds, self.device)
         timings = {"map": (time.perf_counter() - t0) * 1e3}

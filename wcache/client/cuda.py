@@ -1,15 +1,19 @@
-"""Client side of the CUDA backend: pick the GPU by UUID, map the daemon's slab."""
+"""Client side of the CUDA backend: pick the GPU by UUID, map the daemon's slab.
+
+The driver calls go through ``wcache.client.driver`` (ctypes over the libcuda.so.1 torch has
+loaded), not cuda-bindings: importing those cost a restarting engine 69-130 ms (issue 20).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from wcache import _cuda
-from wcache.client.mapping import MappedSlab
+from wcache.client import driver
 from wcache.errors import DeviceMismatchError, ProtocolError, UnsupportedPlatformError
 from wcache.proto import SlabDescriptor
 
-__all__ = ["local_uuid", "map_slab"]
+__all__ = ["ipc_open", "local_uuid", "map_slab", "vmm_import"]
 
 
 def _require_cuda() -> None:
@@ -35,7 +39,35 @@ def local_uuid(device: torch.device | None, daemon_uuid: str) -> str:
     return daemon_uuid
 
 
-def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> MappedSlab:
+def _make_current(index: int) -> None:
+    """Make device ``index``'s primary context current on this thread (torch's, so tensors agree).
+
+    ``set_device`` does it on CUDA >= 12 runtimes; only when the driver reports no such context
+    does a one-element allocation force it (the caching allocator's first segment: ~ms).
+    """
+    torch.cuda.set_device(index)
+    if driver.current_device() != index:
+        torch.empty(1, device=f"cuda:{index}")
+
+
+def ipc_open(handle: bytes, offset: int, size: int, index: int) -> _cuda.DeviceBuffer:
+    """Open a legacy IPC handle on device ``index``; the buffer closes the handle."""
+    _make_current(index)
+    base = driver.ipc_open(handle)
+    return _cuda.DeviceBuffer(base + offset, size, index, lambda: driver.ipc_close(base))
+
+
+def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[_cuda.DeviceBuffer, bool]:
+    """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only."""
+    _make_current(index)
+    gran = driver.granularity(index)
+    total = max(gran, -(-(offset + size) // gran) * gran)
+    ptr, ro = driver.vmm_import_map(fd, total, index, read_only=read_only)
+    return _cuda.DeviceBuffer(ptr + offset, size, index, lambda: driver.vmm_unmap(ptr, total)), ro
+
+
+def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> _cuda.DeviceBuffer:
+    """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle)."""
     _require_cuda()
     index = _cuda.device_index_for_uuid(desc.device_uuid)
     if index is None:
@@ -45,9 +77,8 @@ def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> Mapp
     if desc.kind == "cuda_ipc":
         if len(desc.handle) != 64:
             raise ProtocolError(f"cuda_ipc handle must be 64 bytes, got {len(desc.handle)}")
-        buf = _cuda.ipc_open(desc.handle, desc.offset, desc.size, index)
-    else:
-        if fd < 0:
-            raise ProtocolError("cuda_vmm slab without a file descriptor")
-        buf, _read_only = _cuda.vmm_import(fd, desc.offset, desc.size, index, read_only=True)
-    return MappedSlab(buf.tensor(), buf, buf.close)
+        return ipc_open(desc.handle, desc.offset, desc.size, index)
+    if fd < 0:
+        raise ProtocolError("cuda_vmm slab without a file descriptor")
+    buf, _read_only = vmm_import(fd, desc.offset, desc.size, index, read_only=True)
+    return buf

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import torch
 
 from wcache.channel import close_fds
-from wcache.errors import ProtocolError, UnsupportedPlatformError
+from wcache.client import cuda
+from wcache.errors import ProtocolError
 from wcache.proto import DTYPE_SIZES, SlabDescriptor, State, TensorTable
 from wcache.proto.codec import gc_paused
 
@@ -70,11 +71,8 @@ def map_slabs(state: State, fds: list[int], device: torch.device | None = None) 
                     raise ProtocolError("memfd slab without a file descriptor")
                 slabs.append(_map_memfd(desc, fd))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
-                try:
-                    from wcache.client import cuda
-                except ImportError as exc:  # pragma: no cover - depends on the install
-                    raise UnsupportedPlatformError(f"cannot map {desc.kind} slabs here: {exc}") from exc
-                slabs.append(cuda.map_slab(desc, fd, device))
+                buf = cuda.map_slab(desc, fd, device)
+                slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
             else:  # pragma: no cover - the decoder admits only known kinds
                 raise ProtocolError(f"unknown slab kind {desc.kind!r}")
     except BaseException:

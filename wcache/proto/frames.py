@@ -1,8 +1,8 @@
 """Typed frames of protocol version 2 (docs/protocol.md §4) and their one encoder/decoder.
 
-Each frame is a frozen dataclass with ``TYPE`` (the wire value of the ``type`` field),
-``to_wire()`` -> map and ``from_wire(map)`` -> frame. ``from_wire`` validates every field's
-type and range and raises :class:`~wcache.errors.ProtocolError` naming the frame and field;
+Each frame is a frozen dataclass (``@record``, see ``_record.py``: nothing compiled at import)
+with ``TYPE`` (the wire value of the ``type`` field), ``to_wire()`` -> map and
+``from_wire(map)`` -> frame. ``from_wire`` validates every field's type and range and raises :class:`~wcache.errors.ProtocolError` naming the frame and field;
 unknown fields are ignored so that newer peers may add fields with defaults
 (schema evolution: a field never changes type; new fields always have a default).
 """
@@ -14,11 +14,12 @@ import operator
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from itertools import accumulate, chain, repeat
 from typing import Any, ClassVar, NamedTuple, Union, get_args
 
 from wcache.errors import ErrorCode, ProtocolError, WCacheError
+from wcache.proto._record import record
 from wcache.proto.codec import Preencoded
 
 __all__ = [
@@ -196,7 +197,7 @@ def _plain(frame: str, fld: str, v: Any, depth: int = 0) -> Any:
 # --------------------------------------------------------------------------- shared parts
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DeviceInfo:
     """Where the daemon's slabs live. ``uuid`` identifies a GPU across CUDA_VISIBLE_DEVICES."""
 
@@ -219,7 +220,7 @@ class DeviceInfo:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SlabDescriptor:
     """One exported slab (docs/protocol.md §4.4).
 
@@ -398,7 +399,7 @@ def _group(entries: Iterable[TensorEntry]) -> tuple[tuple[str, ...], tuple[Tenso
     return tuple(chain.from_iterable(r[1] for r in runs)), tuple(r[0] for r in runs)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TensorTable:
     """The tensors of a STATE frame: names plus column-wise groups (``TensorGroup``).
 
@@ -534,7 +535,7 @@ class TensorTable:
         return cls(names, groups)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ModelInfo:
     """One served model in a STATUS_REPLY."""
 
@@ -571,7 +572,7 @@ class ModelInfo:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LeaseInfo:
     """One live lease in a STATUS_REPLY."""
 
@@ -597,7 +598,7 @@ class LeaseInfo:
 # --------------------------------------------------------------------------- frames
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Hello:
     """Client -> daemon, first frame: the protocol versions the client speaks."""
 
@@ -618,7 +619,7 @@ class Hello:
         return cls(tuple(versions), f.string("software", ""), f.string("name", ""))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HelloOk:
     """Daemon -> client: the chosen version and what the daemon serves from where."""
 
@@ -654,7 +655,7 @@ class HelloOk:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class GetState:
     """Client -> daemon: lease the weights served under ``key``."""
 
@@ -694,7 +695,7 @@ def _aliases(f: _Fields, frame: str, tensors: TensorTable) -> dict[str, str]:
     return aliases
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class State:
     """Daemon -> client: a lease and everything needed to map the weights."""
 
@@ -746,7 +747,7 @@ class State:
         return sum(1 for s in self.slabs if s.fd >= 0)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Release:
     """Client -> daemon: end a lease held by this connection."""
 
@@ -763,7 +764,7 @@ class Release:
         return cls(id=f.integer("id", lo=1), lease=f.integer("lease", lo=1))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Released:
     """Daemon -> client: the lease is over; ``leases_left`` on that model, all clients."""
 
@@ -781,7 +782,7 @@ class Released:
         return cls(id=f.integer("id", lo=1), lease=f.integer("lease", lo=1), leases_left=f.integer("leases_left", 0))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Status:
     """Client -> daemon: report what is served (operators)."""
 
@@ -796,7 +797,7 @@ class Status:
         return cls(id=_Fields(cls.TYPE, m).integer("id", lo=1))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class StatusReply:
     """Daemon -> client: models, leases, connections, uptime."""
 
@@ -853,7 +854,7 @@ class StatusReply:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ErrorFrame:
     """Either direction: a request failed (``id`` > 0) or the connection did (``id`` 0).
 
@@ -901,7 +902,7 @@ class ErrorFrame:
             return self.code
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Preload:
     """Client -> daemon: load a checkpoint directory (on the daemon's machine) for one rank and keep it."""
 
@@ -941,7 +942,7 @@ class Preload:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Preloaded:
     """Daemon -> client: the model is resident (``load_seconds`` 0 if it already was)."""
 
@@ -978,7 +979,7 @@ class Preloaded:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Evict:
     """Client -> daemon: drop the model served under ``key`` (refused while leases hold it)."""
 
@@ -995,7 +996,7 @@ class Evict:
         return cls(id=f.integer("id", lo=1), key=f.key("key"))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Evicted:
     """Daemon -> client: the model is gone; ``bytes`` were freed."""
 
@@ -1013,7 +1014,7 @@ class Evicted:
         return cls(id=f.integer("id", lo=1), key=f.key("key"), bytes=f.integer("bytes"))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class HandedModel:
     """One model in a TAKEOVER_STATE: everything a new daemon needs to serve it."""
 
@@ -1059,7 +1060,7 @@ class HandedModel:
 MAX_HANDOFF_FDS = 16
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Takeover:
     """New daemon -> running daemon: hand over your models and your listening socket, then exit."""
 
@@ -1089,7 +1090,7 @@ class Takeover:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TakeoverState:
     """Running daemon -> new daemon: its models (slabs travel as fds) and its listening socket (an fd)."""
 
@@ -1135,7 +1136,7 @@ def _kept_fds(frame: str, models: Sequence[HandedModel]) -> int:
     return len(fds)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Keep:
     """Daemon -> keeper: hold this model's slabs (they travel as fds) for the daemon serving ``owner``."""
 
@@ -1177,7 +1178,7 @@ class Keep:
         return len(self.model.slabs)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Unkeep:
     """Daemon -> keeper: stop holding the model ``key`` of ``owner`` (evicted: its memory is freed)."""
 
@@ -1195,7 +1196,7 @@ class Unkeep:
         return cls(id=f.integer("id", lo=1), owner=f.string("owner", max_len=MAX_PATH), key=f.key("key"))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Kept:
     """Keeper -> daemon: the answer to KEEP and UNKEEP: what it now holds for ``owner``."""
 
@@ -1213,7 +1214,7 @@ class Kept:
         return cls(id=f.integer("id", lo=1), models=f.integer("models"), bytes=f.integer("bytes"))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Reclaim:
     """Daemon -> keeper, at start: the models kept for ``owner`` on this backend and device."""
 
@@ -1246,7 +1247,7 @@ class Reclaim:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Reclaimed:
     """Keeper -> daemon: the kept models (their slabs travel as fds; the keeper keeps holding them)
     and how many entries of ``owner`` it dropped because they were on another backend or device."""

@@ -1,0 +1,276 @@
+"""A restart is a first fetch in a fresh engine, imports included (issue 20).
+
+Against one running daemon, each sample is a fresh Python process that imports torch and
+starts its CUDA context (not timed: an engine has both before it asks for weights), then times:
+
+- ``restart_weight_path_ms``: ``import wcache`` -> key computed -> fetch -> every tensor mapped
+  and touched (``materialize()``: every per-name view; one element of the first and last tensor
+  read back, so the mapping is real);
+- ``first_fetch_fresh_engine_ms``: the first zero_copy fetch alone in that process (connect, HELLO,
+  GET_STATE, map, views, touch), wcache already imported and the key computed;
+- ``first_copy_fresh_engine_ms``: the first copy-mode fetch in another fresh process (synchronized);
+- ``per_tensor_ipc_fresh_engine_ms``: the anchors' way (vLLM's and SGLang's weight-cache daemons):
+  a holder process shares one legacy CUDA IPC handle per tensor through torch's ``reduce_tensor``,
+  pickled; the fresh engine unpickles, rebuilds every tensor and touches it the same way
+  (CUDA only). ``first_fetch_over_per_tensor_ipc`` is the ratio of the medians, same run.
+
+``phases_ms`` breaks the median restart sample down (import, key, connect incl. HELLO, GET_STATE
+decode, map, views, materialize, touch). Children run from compiled bytecode (a warm-up child
+writes wcache's first), as an installed wcache would.
+
+    python benchmarks/fresh_engine_bench.py --device cuda:0 --model /tmp/wcache-bench/llama3-8b --out r.json
+    python benchmarks/fresh_engine_bench.py --device cuda:0 --moe --out r.json      # 50,000 tensors
+    python benchmarks/fresh_engine_bench.py --device cpu --out r.json               # host backend
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_bench as gb  # noqa: E402  (Daemon, make_moe)
+
+# A fresh engine. argv: socket model device mode(zero_copy|copy)
+ENGINE = r"""
+import json, sys, time
+sock, model, device, mode = sys.argv[1:5]
+import torch
+if device.startswith("cuda"):
+    torch.empty(1, device=device); torch.cuda.synchronize()   # the engine's CUDA context: not timed
+sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+t0 = time.perf_counter()
+import wcache
+from wcache import WCacheClient, WeightCacheKey
+t1 = time.perf_counter()
+key = WeightCacheKey.from_checkpoint(model)
+t2 = time.perf_counter()
+w = WCacheClient(sock, timeout=120).fetch_sync(key, mode=mode)
+t3 = time.perf_counter()
+w.materialize()
+t4 = time.perf_counter()
+names = list(w)
+touched = float(w[names[0]].view(-1)[0]) + float(w[names[-1]].view(-1)[-1])   # device reads: the mapping is real
+sync()
+t5 = time.perf_counter()
+ms = lambda a, b: (b - a) * 1e3
+print(json.dumps({
+    "restart_weight_path_ms": ms(t0, t5), "fetch_ms": ms(t2, t5),
+    "phases_ms": {"import": ms(t0, t1), "key": ms(t1, t2), **w.timings, "fetch_total": ms(t2, t3),
+                  "materialize": ms(t3, t4), "touch": ms(t4, t5)},
+    "tensors": len(w), "cuda_bindings_imported": "cuda.bindings" in sys.modules, "touched": touched,
+}))
+w.release_sync()
+"""
+
+# The anchors' holder: load every tensor to the GPU, share each through reduce_tensor (one legacy
+# CUDA IPC handle per tensor), write the pickle, then hold the tensors until stdin closes.
+IPC_HOLDER = r"""
+import glob, pickle, sys, torch
+from safetensors.torch import load_file
+from torch.multiprocessing.reductions import reduce_tensor
+model, device, out = sys.argv[1:4]
+tensors = {}
+for f in sorted(glob.glob(model + "/*.safetensors")):
+    tensors.update(load_file(f, device=device))
+torch.cuda.synchronize()
+with open(out, "wb") as fh:
+    pickle.dump({n: reduce_tensor(t) for n, t in tensors.items()}, fh)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+# A fresh engine rebuilding the anchors' handles. argv: pickle device
+IPC_ENGINE = r"""
+import json, pickle, sys, time
+path, device = sys.argv[1:3]
+import torch
+import torch.multiprocessing.reductions  # what unpickling the handles imports
+torch.empty(1, device=device); torch.cuda.synchronize()
+data = open(path, "rb").read()
+t0 = time.perf_counter()
+shared = pickle.loads(data)
+w = {n: fn(*args) for n, (fn, args) in shared.items()}
+t1 = time.perf_counter()
+names = list(w)
+touched = float(w[names[0]].view(-1)[0]) + float(w[names[-1]].view(-1)[-1])
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+print(json.dumps({"ms": (t2 - t0) * 1e3, "rebuild_ms": (t1 - t0) * 1e3, "touch_ms": (t2 - t1) * 1e3,
+                  "tensors": len(w), "distinct_blocks": len({t.untyped_storage().data_ptr() for t in w.values()})}))
+"""
+
+
+def child_env() -> dict[str, str]:
+    """Children import from compiled bytecode, as from an installed package: the warm-up child writes
+    wcache's (the repo's ``__pycache__``, git-ignored) even where PYTHONDONTWRITEBYTECODE is set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    env["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
+    return env
+
+
+def run_child(code: str, *args: str, env: dict[str, str], timeout: float = 300) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(code)
+    try:
+        out = subprocess.run(
+            [sys.executable, f.name, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
+        )
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def stats(xs: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(xs), "max": max(xs), "samples": [round(x, 3) for x in xs]}
+
+
+def per_tensor_ipc(model: Path, device: str, work: Path, samples: int, env: dict[str, str]) -> list[dict[str, Any]]:
+    pkl = work / "per_tensor_ipc.pkl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", IPC_HOLDER, str(model), device, str(pkl)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"per-tensor IPC holder failed (exit {holder.wait(60)})")
+        return [run_child(IPC_ENGINE, str(pkl), device, env=env) for _ in range(samples)]
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        holder.wait(60)
+        pkl.unlink(missing_ok=True)
+
+
+def small_checkpoint(path: Path) -> Path:
+    """Llama-3-8B's 291 tensors at a small size (the default when no --model is given)."""
+    from wcache.synthetic import LlamaShape, make_llama_checkpoint
+
+    if not (path / "config.json").exists():
+        shape = LlamaShape(hidden=256, intermediate=688, layers=32, heads=8, kv_heads=4, vocab=4096)
+        make_llama_checkpoint(path, shape, shards=4, seed=0)
+    return path
+
+
+def moe_checkpoint(path: Path, device: str) -> Path:
+    """gpu_bench's 50,000-tensor layout (built on the GPU there; on the CPU here without one)."""
+    if not (path / "config.json").exists():
+        if device.startswith("cuda"):
+            gb.make_moe(path)
+        else:
+            import torch
+            from safetensors.torch import save_file
+
+            path.mkdir(parents=True, exist_ok=True)
+            n = 50_000
+            data = torch.randn(n * 8192, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            tensors = {
+                f"model.layers.{i // 1000}.mlp.experts.{(i % 1000) // 3}.w{i % 3}.weight": data[
+                    i * 8192 : (i + 1) * 8192
+                ]
+                .view(64, 128)
+                .clone()
+                for i in range(n)
+            }
+            save_file(tensors, str(path / "model.safetensors"))
+            (path / "config.json").write_text(json.dumps({"architectures": ["MoeLikeForCausalLM"]}))
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda:0", help="cuda:N (CUDA backend) or cpu (host backend)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-bench"))
+    ap.add_argument("--model", type=Path, help="a checkpoint (the suite's 16 GB one: $W/llama3-8b)")
+    ap.add_argument("--moe", action="store_true", help="the 50,000-tensor layout of gpu_bench.py")
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--cuda-export", choices=["vmm", "ipc"], default="vmm")
+    args = ap.parse_args()
+    if args.samples < 1:
+        ap.error("--samples must be >= 1")
+    cuda = args.device.startswith("cuda")
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    gb.LOGS = work / "logs"
+    gb.LOGS.mkdir(exist_ok=True)
+    if args.moe:
+        model = moe_checkpoint(work / "moe-50k" if cuda else work / "moe-50k-cpu", args.device)
+    else:
+        model = args.model or small_checkpoint(work / "llama-291-small")
+    env = child_env()
+    results: dict[str, Any] = {
+        "benchmark": "fresh_engine_bench",
+        "date": datetime.date.today().isoformat(),
+        "device": args.device,
+        "model": str(model),
+        "cuda_export": args.cuda_export if cuda else None,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
+    extra = ["--device", args.device] + (["--cuda-export", args.cuda_export] if cuda else [])
+    d = gb.Daemon(model, work / "sock" / "fresh", *extra, name="fresh")
+    try:
+        sock = d.wait(900)
+        results["daemon_load_s"] = d.load_seconds()
+        run_child(ENGINE, str(sock), str(model), args.device, "zero_copy", env=env, timeout=900)  # writes bytecode
+        runs = [
+            run_child(ENGINE, str(sock), str(model), args.device, "zero_copy", env=env) for _ in range(args.samples)
+        ]
+        copies = [run_child(ENGINE, str(sock), str(model), args.device, "copy", env=env) for _ in range(args.samples)]
+    finally:
+        d.stop()
+    first = stats([r["fetch_ms"] for r in runs])
+    results["first_fetch_fresh_engine_ms"] = first
+    results["restart_weight_path_ms"] = stats([r["restart_weight_path_ms"] for r in runs])
+    results["first_copy_fresh_engine_ms"] = stats([r["fetch_ms"] for r in copies])
+    if cuda and not args.moe:
+        ipc = per_tensor_ipc(model, args.device, work, args.samples, env)
+        results["per_tensor_ipc_fresh_engine_ms"] = stats([r["ms"] for r in ipc])
+        results["per_tensor_ipc_phases_ms"] = {k: ipc[0][k] for k in ("rebuild_ms", "touch_ms")}
+        results["per_tensor_ipc_distinct_blocks"] = ipc[0]["distinct_blocks"]
+        results["first_fetch_over_per_tensor_ipc"] = (
+            first["median"] / results["per_tensor_ipc_fresh_engine_ms"]["median"]
+        )
+    else:
+        why = "host backend: no CUDA IPC" if not cuda else "50,000 tensors: not measured the anchors' way"
+        results["per_tensor_ipc_fresh_engine_ms"] = {"median": None, "max": None, "samples": [], "skipped": why}
+        results["first_fetch_over_per_tensor_ipc"] = None
+    by_path = sorted(runs, key=lambda r: r["restart_weight_path_ms"])
+    median_run = by_path[len(by_path) // 2]
+    results["phases_ms"] = {k: round(v, 3) for k, v in median_run["phases_ms"].items()}
+    results["phases_ms_median"] = {
+        k: round(statistics.median(r["phases_ms"][k] for r in runs), 3) for k in runs[0]["phases_ms"]
+    }
+    results["copy_phases_ms_median"] = {
+        k: round(statistics.median(r["phases_ms"][k] for r in copies), 3) for k in copies[0]["phases_ms"]
+    }
+    results["tensors"] = runs[0]["tensors"]
+    results["cuda_bindings_imported_by_engine"] = any(r["cuda_bindings_imported"] for r in runs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict) or "median" in v}, default=str))
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"fresh_engine_bench: {time.perf_counter() - t0:.1f} s", file=sys.stderr)

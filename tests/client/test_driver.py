@@ -1,0 +1,162 @@
+"""The client's ctypes CUDA driver binding, checked without a GPU: every entry point the client
+calls is declared with argtypes, the structs have cuda.h's sizes, errors carry the driver's name
+for the CUresult, and failed mappings are undone (a fake libcuda records the calls)."""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import inspect
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wcache.client import cuda, driver
+from wcache.errors import UnsupportedPlatformError
+
+SOURCES = [Path(driver.__file__), Path(cuda.__file__)]
+
+
+def _called_entry_points() -> set[str]:
+    """Every ``cu*`` attribute called in the client's CUDA modules (``d.cuX(...)``, ``driver().cuX(...)``)."""
+    names: set[str] = set()
+    for src in SOURCES:
+        for node in ast.walk(ast.parse(src.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("cu") and node.attr[2:3].isupper():
+                names.add(node.attr)
+    return names
+
+
+def test_every_called_entry_point_is_declared() -> None:
+    called = _called_entry_points()
+    assert {"cuMemImportFromShareableHandle", "cuMemMap", "cuMemSetAccess", "cuIpcOpenMemHandle"} <= called
+    assert called <= set(driver.SIGNATURES), called - set(driver.SIGNATURES)
+
+
+@pytest.mark.parametrize("name", sorted(driver.SIGNATURES))
+def test_signatures_are_valid_ctypes_prototypes(name: str) -> None:
+    symbols, argtypes = driver.SIGNATURES[name]
+    assert symbols and all(s.startswith(name) for s in symbols)
+    assert argtypes
+    ctypes.CFUNCTYPE(driver.CUresult, *argtypes)  # raises TypeError for anything ctypes cannot pass
+
+
+def test_struct_layouts_match_cuda_h() -> None:
+    assert ctypes.sizeof(driver.CUmemLocation) == 8
+    assert ctypes.sizeof(driver.CUmemAllocationProp) == 32
+    assert driver.CUmemAllocationProp.win32HandleMetaData.offset == 16
+    assert ctypes.sizeof(driver.CUmemAccessDesc) == 12
+    assert ctypes.sizeof(driver.CUipcMemHandle) == 64
+    assert ctypes.sizeof(driver.CUdeviceptr) == 8
+
+
+class FakeLib:
+    """Stands in for ctypes.CDLL("libcuda.so.1"): each entry point returns what ``results`` says
+    (0 by default) and records its call."""
+
+    def __init__(self, results: dict[str, list[int]] | None = None, missing: tuple[str, ...] = ()) -> None:
+        self.calls: list[str] = []
+        self.results = results or {}
+        self.missing = missing
+
+    def __getattr__(self, symbol: str) -> Callable[..., int]:
+        if symbol in self.missing or not symbol.startswith("cu"):
+            raise AttributeError(symbol)
+
+        def call(*args: Any) -> int:
+            self.calls.append(symbol)
+            if symbol in ("cuGetErrorName", "cuGetErrorString"):
+                text = b"CUDA_ERROR_INVALID_VALUE" if symbol == "cuGetErrorName" else b"invalid argument"
+                args[1]._obj.value = text
+                return 0
+            queue = self.results.get(symbol)
+            return queue.pop(0) if queue else 0
+
+        fn: Callable[..., int] = call
+        self.__dict__[symbol] = fn  # argtypes/restype get set on it like on a ctypes function
+        return fn
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeLib]]:
+    def install(**kw: Any) -> FakeLib:
+        lib = FakeLib(**kw)
+        monkeypatch.setattr(driver, "_DRIVER", None)
+        monkeypatch.setattr(ctypes, "CDLL", lambda name: lib)
+        return lib
+
+    yield install
+    driver._DRIVER = None
+
+
+def test_no_driver_library_is_unsupported_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(driver, "_DRIVER", None)
+    monkeypatch.setattr(ctypes, "CDLL", refuse)
+    with pytest.raises(UnsupportedPlatformError, match=r"libcuda\.so\.1"):
+        driver.driver()
+
+
+def test_old_driver_without_an_entry_point_is_unsupported_platform(fake: Callable[..., FakeLib]) -> None:
+    fake(missing=("cuMemImportFromShareableHandle",))
+    with pytest.raises(UnsupportedPlatformError, match="cuMemImportFromShareableHandle"):
+        driver.driver()
+
+
+def test_ipc_open_falls_back_to_the_unversioned_symbol(fake: Callable[..., FakeLib]) -> None:
+    lib = fake(missing=("cuIpcOpenMemHandle_v2",))
+    driver.ipc_open(bytes(64))
+    assert lib.calls == ["cuIpcOpenMemHandle"]
+
+
+def test_error_names_call_and_driver_code(fake: Callable[..., FakeLib]) -> None:
+    lib = fake(results={"cuMemMap": [1]})
+    with pytest.raises(driver.CudaDriverError) as info:
+        driver.vmm_import_map(5, 2 << 20, 0, read_only=True)
+    assert (info.value.call, info.value.code, info.value.name) == ("cuMemMap", 1, "CUDA_ERROR_INVALID_VALUE")
+    assert str(info.value) == "cuMemMap failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument"
+    assert isinstance(info.value, RuntimeError)
+    # the reservation is undone and the imported handle released
+    tail = [c for c in lib.calls if not c.startswith("cuGetError")]
+    assert tail == [
+        "cuMemImportFromShareableHandle",
+        "cuMemAddressReserve",
+        "cuMemMap",
+        "cuMemUnmap",
+        "cuMemAddressFree",
+        "cuMemRelease",
+    ]
+
+
+def test_read_only_falls_back_to_read_write(fake: Callable[..., FakeLib]) -> None:
+    lib = fake(results={"cuMemSetAccess": [1, 0]})
+    _addr, read_only = driver.vmm_import_map(5, 2 << 20, 0, read_only=True)
+    assert read_only is False
+    assert lib.calls.count("cuMemSetAccess") == 2
+    assert lib.calls[-1] == "cuMemRelease"  # the mapping keeps the memory; the handle goes at once
+    lib2 = fake()
+    assert driver.vmm_import_map(5, 2 << 20, 0, read_only=True)[1] is True
+    assert lib2.calls.count("cuMemSetAccess") == 1
+
+
+def test_ipc_handle_must_be_64_bytes(fake: Callable[..., FakeLib]) -> None:
+    fake()
+    with pytest.raises(ValueError, match="64 bytes"):
+        driver.ipc_open(b"x" * 10)
+
+
+def test_client_uses_no_cuda_bindings() -> None:
+    """The client's CUDA path must not need cuda-bindings (69-130 ms to import on the H200)."""
+    client_dir = Path(inspect.getfile(cuda)).parent
+    for src in sorted(client_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(src.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "cuda" for a in node.names), src.name
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "cuda", src.name
+            elif isinstance(node, ast.Attribute):
+                assert node.attr != "_bindings", f"{src.name} calls wcache._cuda._bindings (cuda-bindings)"

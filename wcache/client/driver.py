@@ -1,0 +1,269 @@
+"""The handful of CUDA driver calls the client maps slabs with, through ctypes over libcuda.so.1.
+
+The engine has torch, and torch has already loaded the driver library; importing
+``cuda.bindings`` for a dozen calls cost a restarting engine 69-130 ms on the H200 (issue 20),
+more than the whole fetch. Here each entry point is one ``ctypes`` function looked up once
+(``dlopen`` of an already loaded library is a table look-up). The daemon keeps cuda-bindings
+(``wcache._cuda``) for what it does once per load.
+
+Every call checks its ``CUresult`` and raises :class:`CudaDriverError` (a ``RuntimeError``)
+naming the call and the driver's name and text for the code, e.g.
+``cuMemMap failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument``. No driver library:
+:class:`~wcache.errors.UnsupportedPlatformError`.
+
+Types and constants follow cuda.h (CUDA >= 11.0 for the VMM calls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+from typing import Any
+
+from wcache.errors import UnsupportedPlatformError
+
+__all__ = [
+    "SIGNATURES",
+    "CudaDriverError",
+    "check",
+    "current_device",
+    "granularity",
+    "ipc_close",
+    "ipc_open",
+    "vmm_import_map",
+    "vmm_unmap",
+]
+
+LIBRARY = "libcuda.so.1"
+
+CUresult = c_int
+CUdeviceptr = c_ulonglong  # 64-bit platforms only (like CUDA itself since 12.0)
+CUmemGenericAllocationHandle = c_ulonglong
+
+# enums (cuda.h)
+CU_MEM_ALLOCATION_TYPE_PINNED = 0x1
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+CU_MEM_LOCATION_TYPE_DEVICE = 0x1
+CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0
+CU_MEM_ACCESS_FLAGS_PROT_READ = 0x1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+CUDA_SUCCESS = 0
+
+
+class CUmemLocation(Structure):
+    _fields_ = [("type", c_int), ("id", c_int)]
+
+
+class _AllocFlags(Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class CUmemAllocationProp(Structure):
+    _fields_ = [
+        ("type", c_int),
+        ("requestedHandleTypes", c_int),
+        ("location", CUmemLocation),
+        ("win32HandleMetaData", c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class CUmemAccessDesc(Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", c_int)]
+
+
+class CUipcMemHandle(Structure):
+    _fields_ = [("reserved", c_char * 64)]
+
+
+#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins.
+SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[Any, ...]]] = {
+    "cuGetErrorName": (("cuGetErrorName",), (CUresult, POINTER(c_char_p))),
+    "cuGetErrorString": (("cuGetErrorString",), (CUresult, POINTER(c_char_p))),
+    "cuCtxGetDevice": (("cuCtxGetDevice",), (POINTER(c_int),)),
+    "cuMemGetAllocationGranularity": (
+        ("cuMemGetAllocationGranularity",),
+        (POINTER(c_size_t), POINTER(CUmemAllocationProp), c_int),
+    ),
+    "cuMemImportFromShareableHandle": (
+        ("cuMemImportFromShareableHandle",),
+        (POINTER(CUmemGenericAllocationHandle), c_void_p, c_int),
+    ),
+    "cuMemAddressReserve": (
+        ("cuMemAddressReserve",),
+        (POINTER(CUdeviceptr), c_size_t, c_size_t, CUdeviceptr, c_ulonglong),
+    ),
+    "cuMemMap": (("cuMemMap",), (CUdeviceptr, c_size_t, c_size_t, CUmemGenericAllocationHandle, c_ulonglong)),
+    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, POINTER(CUmemAccessDesc), c_size_t)),
+    "cuMemUnmap": (("cuMemUnmap",), (CUdeviceptr, c_size_t)),
+    "cuMemAddressFree": (("cuMemAddressFree",), (CUdeviceptr, c_size_t)),
+    "cuMemRelease": (("cuMemRelease",), (CUmemGenericAllocationHandle,)),
+    # cuda.h: #define cuIpcOpenMemHandle cuIpcOpenMemHandle_v2 (CUDA >= 11.0)
+    "cuIpcOpenMemHandle": (
+        ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
+        (POINTER(CUdeviceptr), CUipcMemHandle, c_uint),
+    ),
+    "cuIpcCloseMemHandle": (("cuIpcCloseMemHandle",), (CUdeviceptr,)),
+}
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call returned an error; ``code`` is the CUresult, ``name`` its CUDA_ERROR_* name."""
+
+    def __init__(self, call: str, code: int, name: str, text: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code}){': ' + text if text else ''}")
+        self.call, self.code, self.name = call, code, name
+
+
+class _Driver:
+    """The resolved entry points (attributes named as in ``SIGNATURES``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (symbols, argtypes) in SIGNATURES.items():
+            fn = None
+            for symbol in symbols:
+                try:
+                    fn = getattr(lib, symbol)
+                    break
+                except AttributeError:
+                    continue
+            if fn is None:
+                raise UnsupportedPlatformError(
+                    f"the CUDA driver ({LIBRARY}) has no {symbols[0]}; update the NVIDIA driver "
+                    "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
+                    details={"missing": symbols[0]},
+                )
+            fn.argtypes = list(argtypes)
+            fn.restype = CUresult
+            setattr(self, name, fn)
+
+    def __getattr__(self, name: str) -> Any:  # for mypy: entry points are set in __init__
+        raise AttributeError(name)
+
+
+_DRIVER: _Driver | None = None
+
+
+def driver() -> _Driver:
+    """The driver entry points, resolved on first use (torch has normally loaded the library)."""
+    global _DRIVER
+    if _DRIVER is None:
+        try:
+            lib = ctypes.CDLL(LIBRARY)
+        except OSError as exc:
+            raise UnsupportedPlatformError(
+                f"cannot load the CUDA driver library {LIBRARY} ({exc}); install the NVIDIA driver, "
+                "or use a --device cpu daemon",
+                details={"missing": LIBRARY},
+            ) from exc
+        _DRIVER = _Driver(lib)
+    return _DRIVER
+
+
+def _describe(code: int) -> tuple[str, str]:
+    d = driver()
+    name, text = c_char_p(), c_char_p()
+    label = name.value.decode() if d.cuGetErrorName(code, byref(name)) == 0 and name.value else "CUDA_ERROR_UNKNOWN"
+    detail = text.value.decode() if d.cuGetErrorString(code, byref(text)) == 0 and text.value else ""
+    return label, detail
+
+
+def check(code: int, call: str) -> None:
+    """Raise :class:`CudaDriverError` for a non-zero CUresult."""
+    if code != CUDA_SUCCESS:
+        name, text = _describe(code)
+        raise CudaDriverError(call, code, name, text)
+
+
+def current_device() -> int | None:
+    """The device of the calling thread's current context, None when no context is current."""
+    dev = c_int()
+    return int(dev.value) if driver().cuCtxGetDevice(byref(dev)) == CUDA_SUCCESS else None
+
+
+def _device_prop(index: int) -> CUmemAllocationProp:
+    prop = CUmemAllocationProp()
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    return prop
+
+
+_GRANULARITY: dict[int, int] = {}
+
+
+def granularity(index: int) -> int:
+    """Minimum VMM granularity of device ``index`` (cached: it is a property of the GPU)."""
+    gran = _GRANULARITY.get(index)
+    if gran is None:
+        out = c_size_t()
+        check(
+            driver().cuMemGetAllocationGranularity(
+                byref(out), byref(_device_prop(index)), CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
+            "cuMemGetAllocationGranularity",
+        )
+        gran = _GRANULARITY[index] = int(out.value)
+    return gran
+
+
+def vmm_import_map(fd: int, size: int, index: int, *, read_only: bool) -> tuple[int, bool]:
+    """Import a POSIX-fd VMM handle (the caller keeps and closes ``fd``), reserve ``size`` bytes,
+    map and set access on device ``index`` — read-only where the driver allows. Returns
+    (address, mapped read-only). The allocation handle is released at once: the mapping keeps the
+    memory alive until :func:`vmm_unmap`."""
+    d = driver()
+    handle = CUmemGenericAllocationHandle()
+    check(
+        d.cuMemImportFromShareableHandle(byref(handle), c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        "cuMemImportFromShareableHandle",
+    )
+    try:
+        ptr = CUdeviceptr()
+        check(d.cuMemAddressReserve(byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
+        addr = int(ptr.value)
+        try:
+            check(d.cuMemMap(addr, size, 0, handle, 0), "cuMemMap")
+            acc = CUmemAccessDesc()
+            acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
+            acc.location.id = index
+            if read_only:
+                acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ
+                if d.cuMemSetAccess(addr, size, byref(acc), 1) == CUDA_SUCCESS:
+                    return addr, True
+            acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            check(d.cuMemSetAccess(addr, size, byref(acc), 1), "cuMemSetAccess")
+            return addr, False
+        except BaseException:
+            d.cuMemUnmap(addr, size)  # fails harmlessly when nothing was mapped
+            d.cuMemAddressFree(addr, size)
+            raise
+    finally:
+        d.cuMemRelease(handle)
+
+
+def vmm_unmap(addr: int, size: int) -> None:
+    d = driver()
+    d.cuMemUnmap(addr, size)
+    d.cuMemAddressFree(addr, size)
+
+
+def ipc_open(handle: bytes) -> int:
+    """Open a 64-byte legacy IPC handle on the current context; returns the allocation's base."""
+    if len(handle) != 64:
+        raise ValueError(f"a CUipcMemHandle is 64 bytes, got {len(handle)}")
+    h = CUipcMemHandle.from_buffer_copy(handle)
+    ptr = CUdeviceptr()
+    check(driver().cuIpcOpenMemHandle(byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+    return int(ptr.value)
+
+
+def ipc_close(base: int) -> None:
+    driver().cuIpcCloseMemHandle(base)
