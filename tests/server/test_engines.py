@@ -180,3 +180,97 @@ def test_bad_transform_spec_is_a_clear_error(ckpt: Path, socket_dir: Path) -> No
         )
         assert out.returncode == 1
         assert msg in out.stderr
+
+
+@pytest.fixture(scope="module")
+def hf_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BertModel saved like sentence-transformers' all-MiniLM-L6-v2: float32, architectures
+    ["BertModel"], and an int64 ``embeddings.position_ids`` among the tensors (sorted before the weights)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    path = tmp_path_factory.mktemp("hf") / "tiny-bert"
+    BertModel(cfg).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors = {"embeddings.position_ids": torch.arange(64).unsqueeze(0), **tensors}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+async def test_transformers_builds_the_checkpoints_own_class_in_the_configs_dtype(
+    daemon_factory: Callable[..., DaemonProc], hf_bert: Path, hf_model: Path
+) -> None:
+    """A non-causal-LM checkpoint is served from the cache (it used to raise a plain ValueError)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, BertModel
+
+    from wcache.integrations.transformers import auto_class_for, from_pretrained
+
+    assert auto_class_for(AutoConfig.from_pretrained(hf_bert)) is AutoModel
+    assert auto_class_for(AutoConfig.from_pretrained(hf_model)) is AutoModelForCausalLM
+    masked = AutoConfig.from_pretrained(hf_bert, architectures=["BertForMaskedLM"])
+    assert auto_class_for(masked) is AutoModelForMaskedLM
+    d = daemon_factory(hf_bert)
+    model, weights = await from_pretrained(hf_bert, client=WCacheClient(d.socket))
+    assert isinstance(model, BertModel) and weights is not None and weights.source == "cache"
+    assert model.dtype == torch.float32
+    emb = model.embeddings.word_embeddings.weight
+    assert emb.data_ptr() == weights.tensors["embeddings.word_embeddings.weight"].data_ptr()
+    ref = AutoModel.from_pretrained(hf_bert).eval()
+    ids = torch.tensor([[2, 7, 11, 5]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, ref(ids).last_hidden_state)
+    await weights.release()
+
+
+class _RefusesToBuild:
+    """An auto_class whose from_config fails the way transformers does (a plain ValueError)."""
+
+    __name__ = "_RefusesToBuild"
+
+    @classmethod
+    def from_config(cls, config: object, **kwargs: object) -> object:
+        raise ValueError("cannot be instantiated under this dtype")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: object, **kwargs: object) -> str:
+        return f"from disk: {model_dir}"
+
+
+async def test_transformers_build_failure_falls_back_once_and_ends_the_lease(
+    daemon_factory: Callable[..., DaemonProc], hf_bert: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from wcache.integrations.transformers import from_pretrained
+
+    d = daemon_factory(hf_bert)
+    client = WCacheClient(d.socket)
+    with caplog.at_level(logging.WARNING, logger="wcache.transformers"):
+        model, weights = await from_pretrained(hf_bert, client=client, auto_class=_RefusesToBuild)
+    assert model == f"from disk: {hf_bert}" and weights is None
+    assert [r.levelno for r in caplog.records if r.name == "wcache.transformers"] == [logging.WARNING]
+    assert (await client.status()).models[0].leases == 0  # the fetched lease did not outlive the failure
+    with pytest.raises(WCacheError, match="cannot build _RefusesToBuild") as info:
+        await from_pretrained(hf_bert, client=client, auto_class=_RefusesToBuild, fallback=False)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert (await client.status()).models[0].leases == 0
+
+
+async def test_transformers_unknown_architecture_names_auto_class(hf_bert: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from wcache.integrations.transformers import from_pretrained
+
+    custom = tmp_path / "custom"
+    shutil.copytree(hf_bert, custom)
+    cfg = json.loads((custom / "config.json").read_text())
+    (custom / "config.json").write_text(json.dumps({**cfg, "architectures": ["MyBertEncoder"]}))
+    with pytest.raises(ValueError, match="auto_class="):
+        await from_pretrained(custom, client=WCacheClient(tmp_path / "none.sock"))

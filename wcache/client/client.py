@@ -58,9 +58,13 @@ class CachedWeights(Mapping[str, torch.Tensor]):
     Tensors are cut from their group's stacked view on first look-up (``groups()`` gives the
     stacked views themselves, ``materialize()`` builds every name at once).
 
-    ``await weights.release()`` (or ``async with``) ends the lease. In zero_copy mode
-    the tensors are views of the daemon's memory: do not write to them, and on CUDA do
-    not use them after release(). Copy-mode tensors are the engine's own.
+    ``await weights.release()`` (or ``async with``) ends the lease. In zero_copy mode the
+    tensors are views of the daemon's memory, read-only and shared with every engine: a write
+    into one is not a Python error but a crash — SIGSEGV on the host backend, an illegal
+    memory access on CUDA (with ``--cuda-export ipc`` the mapping is writable and a write
+    corrupts what every engine sees); ``wcache.nn.guard_writes`` turns such writes into an
+    error while debugging. On CUDA do not use them after release(). Copy-mode tensors are the
+    engine's own and writable: fetch with ``mode="copy"`` to modify weights.
     """
 
     def __init__(
@@ -213,7 +217,11 @@ class WCacheClient:
     async def fetch(
         self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
     ) -> CachedWeights:
-        """Lease and map the weights for ``key``. See the module docstring for errors."""
+        """Lease and map the weights for ``key``. See the module docstring for errors.
+
+        ``mode="zero_copy"``: read-only views of the daemon's memory (a write crashes the engine,
+        see CachedWeights); ``mode="copy"``: the engine's own, writable copy.
+        """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         path = self.socket_for(key)
