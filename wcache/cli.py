@@ -28,7 +28,7 @@ from wcache.errors import CheckpointError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.proto import StatusReply
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
@@ -143,7 +143,7 @@ def _where(p: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -177,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         _where(sp)
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon (default 600)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd in ("preload", "evict"):
         return asyncio.run(_manage(args))
     paths = _sockets(args)

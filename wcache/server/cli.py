@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from wcache.server.keeper import KeeperLink
     from wcache.server.store import ServedModel
 
-__all__ = ["checkpoint_errors", "main", "make_backend", "parse_args", "pytorch_bin_hint"]
+__all__ = ["build_parser", "checkpoint_errors", "main", "make_backend", "parse_args", "pytorch_bin_hint"]
 
 log = logging.getLogger("wcache.server")
 
@@ -44,6 +44,19 @@ MAX_FRAME_SIZE = (1 << 32) - 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_ranges(p, args)
+    if args.takeover is not None and (args.model is not None or args.socket_path or args.socket_dir):
+        p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
+    if not args.keeper_check > 0:
+        p.error(f"--keeper-check must be a positive number of seconds, got {args.keeper_check}")
+    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
+        p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wcache-server",
         description="Keep one tensor-parallel rank of a safetensors checkpoint resident and hand it to "
@@ -190,15 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="log lines on stderr at or above this level (default INFO: one line per event that matters)",
     )
-    args = p.parse_args(argv)
-    _check_ranges(p, args)
-    if args.takeover is not None and (args.model is not None or args.socket_path or args.socket_dir):
-        p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
-    if not args.keeper_check > 0:
-        p.error(f"--keeper-check must be a positive number of seconds, got {args.keeper_check}")
-    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
-        p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
-    return args
+    return p
 
 
 def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
