@@ -15,6 +15,23 @@ from wcache.synthetic import TINY, LlamaShape, make_llama_checkpoint
 
 READY_TIMEOUT = 60.0
 
+#: Shared directories a run must leave as it found them: tests use tmp_path (issue 16, item 13).
+SHARED_TMP = (Path("/tmp"), Path("/dev/shm"))
+
+
+def _wcache_entries() -> set[Path]:
+    return {p for d in SHARED_TMP if d.is_dir() for p in d.glob("*wcache*")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_no_wcache_files_in_shared_tmp() -> Iterator[None]:
+    """Fail the run if it left new wcache entries in /tmp or /dev/shm (a socket dir, a log, a fuzz corpus).
+    Another wcache process running at the same time on this machine would be counted too: run alone."""
+    before = _wcache_entries()
+    yield
+    left = sorted(str(p) for p in _wcache_entries() - before if p.exists())
+    assert not left, f"the tests left these behind (use tmp_path, or remove them): {left}"
+
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -6,7 +6,8 @@
 
 ``status`` prints one row per model of each daemon socket found (model, rank, tier, device,
 bytes, leases, last use, connections, uptime) and a line of device memory and host-tier use,
-or the STATUS_REPLY frames as JSON; exit 1 if no daemon answered.
+or the STATUS_REPLY frames as JSON; exit 0 only if every socket found answered (1: none found, or
+one of them is unreachable — a stale socket of a crashed daemon counts; its row says why).
 ``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased
 models, least recently used first, under its --memory-budget); ``evict`` drops it.
 """
@@ -21,12 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wcache import __version__
 from wcache.client import WCacheClient
-from wcache.errors import WCacheError
-from wcache.paths import default_socket_dir
+from wcache.errors import CheckpointError, WCacheError
+from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.proto import StatusReply
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
@@ -119,35 +121,67 @@ async def _manage(args: argparse.Namespace) -> int:
             ev = await client.evict(key, timeout=args.timeout)
             print(f"evicted: {ev.bytes / 1e9:.2f} GB freed")
     except WCacheError as exc:
-        print(f"wcache {args.cmd}: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        from wcache.server.cli import pytorch_bin_hint
+
+        hint = (
+            pytorch_bin_hint(args.model)
+            if not isinstance(exc, CheckpointError) or "PyTorch .bin" not in exc.message
+            else ""
+        )
+        print(
+            f"wcache {args.cmd}: {type(exc).__name__}: {exc.message}" + (f". {hint}" if hint else ""), file=sys.stderr
+        )
         return 1
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _where(p: argparse.ArgumentParser) -> None:
+    w = p.add_mutually_exclusive_group()
+    w.add_argument("--socket-path", type=Path, help="one daemon's socket file")
+    w.add_argument(
+        "--socket-dir", type=Path, help=f"directory of the daemons' sockets (default: {DEFAULT_SOCKET_DIR_HELP})"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("status", help="what each daemon serves, and who holds leases")
-    where = st.add_mutually_exclusive_group()
-    where.add_argument("--socket-path", type=Path)
-    where.add_argument("--socket-dir", type=Path)
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--timeout", type=float, default=5.0)
-    for name, help_ in (("preload", "load a checkpoint into the daemon of its rank"), ("evict", "drop it again")):
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("model", type=Path)
-        sp.add_argument("--tp-rank", type=int, default=0)
-        sp.add_argument("--tp-size", type=int, default=1)
-        sp.add_argument("--dtype", default=None)
-        sp.add_argument("--shard-plan", type=Path)
-        sp.add_argument("--transform", default="")
-        w = sp.add_mutually_exclusive_group()
-        w.add_argument("--socket-path", type=Path)
-        w.add_argument("--socket-dir", type=Path)
-        sp.add_argument("--timeout", type=float, default=600.0)
-    args = ap.parse_args(argv)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict}")
+    st = sub.add_parser(
+        "status",
+        help="what each daemon serves, and who holds leases (exit 1 if one is unreachable)",
+        description="One row per model of each daemon socket found; exit 0 only if every one answered.",
+    )
+    _where(st)
+    st.add_argument("--json", action="store_true", help="print the STATUS_REPLY frames as JSON, one per socket")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each daemon (default 5)")
+    for name, help_ in (
+        ("preload", "load a checkpoint into the daemon of its rank and keep it resident"),
+        ("evict", "drop a checkpoint's model from the daemon of its rank (refused while engines hold leases)"),
+    ):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("model", type=Path, help="checkpoint directory (safetensors + config.json)")
+        sp.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank, in [0, --tp-size) (default 0)")
+        sp.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size (default 1)")
+        sp.add_argument(
+            "--dtype",
+            default=None,
+            choices=["auto", "bfloat16", "float16", "float32", "float64"],
+            help="dtype the model is (to be) served in (default: as stored)",
+        )
+        sp.add_argument("--shard-plan", type=Path, help="JSON sharding plan (format: docs/shard-plans.md)")
+        sp.add_argument(
+            "--transform", default="", metavar="MODULE:FUNCTION", help="load-time transform, as wcache-server's"
+        )
+        _where(sp)
+        sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon (default 600)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.cmd in ("preload", "evict"):
         return asyncio.run(_manage(args))
     paths = _sockets(args)
@@ -175,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             line = _summary(p, r) if isinstance(r, StatusReply) else ""
             if line:
                 print(line)
-    return 0 if any(isinstance(r, StatusReply) for _, r in results) else 1
+    return 0 if all(isinstance(r, StatusReply) for _, r in results) else 1
 
 
 if __name__ == "__main__":

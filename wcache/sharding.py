@@ -2,7 +2,7 @@
 
 A plan is an ordered list of (regex, dim) rules; the first rule whose pattern matches
 the whole tensor name wins; ``dim`` None means replicated. Built-in plans cover the
-Llama family; anything else takes a JSON plan file::
+Llama family; anything else takes a JSON plan file (docs/shard-plans.md)::
 
     {"name": "my-arch", "rules": [{"pattern": ".*\\\\.wq\\\\.weight", "dim": 0},
                                   {"pattern": ".*norm.*", "dim": null}]}
@@ -90,7 +90,7 @@ def load_plan_file(path: str | os.PathLike[str]) -> ShardPlan:
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's limit
         raise ShardingError(f"shard plan {p}: cannot read ({exc})") from exc
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise ShardingError(f"shard plan {p}: expected an object with a 'rules' array")
@@ -121,7 +121,9 @@ def resolve_plan(architecture: str, tp_size: int, plan_file: str | os.PathLike[s
     if plan is None:
         raise ShardingError(
             f"no built-in sharding plan for architecture {architecture or '(none in config.json)'!r} "
-            f"(built in: {', '.join(sorted(BUILTIN_PLANS))}); pass a plan file with --shard-plan"
+            f"(built in: {', '.join(sorted(BUILTIN_PLANS))}); pass a JSON plan file: plan_file= from Python "
+            "(WeightCacheKey.from_checkpoint, WCacheClient.preload, wcache.nn.load_weights), --shard-plan on the "
+            "command line (format: docs/shard-plans.md)"
         )
     return plan
 

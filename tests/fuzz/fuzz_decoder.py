@@ -54,18 +54,22 @@ def seeds() -> list[bytes]:
 
 
 def main() -> None:
+    """With no corpus directory on the command line, seed a temporary one and fuzz in a child process with it:
+    libFuzzer leaves through C exit(), past Python's cleanup, so only a parent can remove the directory."""
     args = list(sys.argv)
-    if not any(not a.startswith("-") for a in args[1:]):
-        import os
-        import tempfile
+    if any(not a.startswith("-") for a in args[1:]):
+        atheris.Setup(args, test_one_input)
+        atheris.Fuzz()
+        return
+    import subprocess
+    import tempfile
+    from pathlib import Path
 
-        corpus = tempfile.mkdtemp(prefix="wcache-fuzz-corpus-")
+    with tempfile.TemporaryDirectory(prefix="wcache-fuzz-corpus-") as corpus:
         for i, s in enumerate(seeds()):
-            with open(os.path.join(corpus, f"seed{i}"), "wb") as fh:
-                fh.write(s)
-        args.append(corpus)
-    atheris.Setup(args, test_one_input)
-    atheris.Fuzz()
+            (Path(corpus) / f"seed{i}").write_bytes(s)
+        rc = subprocess.call([sys.executable, *args, corpus])
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

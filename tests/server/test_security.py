@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -93,8 +94,20 @@ def test_directory_of_another_user_refused(tmp_path: Path, ckpt: Path) -> None:
 @pytest.mark.skipif(not ROOT, reason="needs root to switch uid in a child")
 def test_peer_with_other_uid_refused(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
     """Even if the file permissions are opened by mistake, SO_PEERCRED stops other users."""
-    socket_dir = Path(tempfile.mkdtemp(prefix="wcache-uid-test-"))  # under /tmp: traversable by others
+    # Under /tmp, not tmp_path (/tmp/pytest-of-root is 0700): uid 65534 must traverse to the socket. The daemon's
+    # log and ready file go beside the socket directory, so both live in `top`, removed with it.
+    top = Path(tempfile.mkdtemp(prefix="wcache-uid-test-"))
+    try:
+        _refused_across_uids(daemon_factory, ckpt, top)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _refused_across_uids(daemon_factory: Callable[..., DaemonProc], ckpt: Path, top: Path) -> None:
+    socket_dir = top / "sock"
+    socket_dir.mkdir(mode=0o700)
     d = daemon_factory(ckpt, sdir=socket_dir)
+    os.chmod(top, 0o711)
     os.chmod(socket_dir, 0o711)
     os.chmod(d.socket, 0o666)
     child = f"""
@@ -115,6 +128,7 @@ sys.stdout.buffer.write(data)
     assert frame["type"] == "ERROR" and frame["code"] == 10 and frame["fatal"] is True
     assert "uid 65534" in frame["message"]
     assert "refused" in d.log_text() and "uid=65534" in d.log_text()
+    d.stop()
 
 
 def test_stale_socket_and_lock_recovered(ckpt: Path, socket_dir: Path) -> None:

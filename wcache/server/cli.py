@@ -8,20 +8,25 @@ Order of work, so that a bad start costs nothing: arguments -> socket directory 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from wcache import __version__
-from wcache.errors import WCacheError
-from wcache.paths import default_socket_dir, socket_name
+from wcache.errors import CheckpointError, WCacheError
+from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir, socket_name
 from wcache.server.backends.base import Backend
-from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
+from wcache.server.security import DaemonLock, check_private_dir, check_socket_path, ensure_socket_dir
+from wcache.units import size_arg
 
 if TYPE_CHECKING:
     from wcache.proto import HandedModel
@@ -29,17 +34,36 @@ if TYPE_CHECKING:
     from wcache.server.keeper import KeeperLink
     from wcache.server.store import ServedModel
 
-__all__ = ["main", "make_backend", "parse_args"]
+__all__ = ["build_parser", "checkpoint_errors", "main", "make_backend", "parse_args", "pytorch_bin_hint"]
 
 log = logging.getLogger("wcache.server")
 
+#: --max-frame-size bounds: below 64 KiB not even a small model's STATE fits; the length prefix is 4 bytes.
+MIN_FRAME_SIZE = 64 * 1024
+MAX_FRAME_SIZE = (1 << 32) - 1
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_ranges(p, args)
+    if args.takeover is not None and (args.model is not None or args.socket_path or args.socket_dir):
+        p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
+    if not args.keeper_check > 0:
+        p.error(f"--keeper-check must be a positive number of seconds, got {args.keeper_check}")
+    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
+        p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wcache-server",
         description="Keep one tensor-parallel rank of a safetensors checkpoint resident and hand it to "
-        "engines over a Unix socket (docs/protocol.md).",
+        "engines over a Unix socket (docs/protocol.md). Sizes take bytes or K/M/G/T suffixes (16G, 512MiB; "
+        "KB/MB/GB/TB are powers of 1000).",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
         "--model",
         type=Path,
@@ -52,16 +76,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--memory-budget",
-        type=int,
+        type=size_arg,
         default=0,
+        metavar="SIZE",
         help="most slab bytes held at once; PRELOAD evicts unleased models, least recently used first (0: none)",
     )
     p.add_argument(
         "--host-tier",
-        type=int,
+        type=size_arg,
         default=0,
-        metavar="BYTES",
-        help="keep a copy of every loaded model in shared memory (up to BYTES, least recently used out) and reload "
+        metavar="SIZE",
+        help="keep a copy of every loaded model in shared memory (up to SIZE, least recently used out) and reload "
         "from it on restart, PRELOAD or load-on-demand instead of the checkpoint (0: off)",
     )
     p.add_argument(
@@ -91,8 +116,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --keeper: how often to check that the keeper still holds every model (a restarted keeper "
         "holds nothing; they are kept there again)",
     )
-    p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument(
+        "--tp-rank", type=int, default=0, help="tensor-parallel rank this daemon serves, in [0, --tp-size) (default 0)"
+    )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel world size: each rank gets its slice of every sharded tensor (default 1: whole tensors)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
     p.add_argument(
         "--cuda-export",
@@ -100,11 +132,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["vmm", "ipc"],
         help="how a CUDA slab is shared: vmm (fd over SCM_RIGHTS, read-only mappings) or ipc (cudaIpcMemHandle)",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "float64"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32", "float64"],
+        help="cast floating-point tensors to this dtype at load (part of the key; default auto: as stored)",
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket-path", type=Path, help="socket file (its directory must be private)")
-    where.add_argument("--socket-dir", type=Path, help=f"directory for {socket_name(0)} etc. (default: private dir)")
-    p.add_argument("--shard-plan", type=Path, help="JSON sharding plan for architectures without a built-in one")
+    where.add_argument(
+        "--socket-path",
+        type=Path,
+        help="socket file; its directory must be yours with mode 0700 (not /tmp itself: a subdirectory of it)",
+    )
+    where.add_argument(
+        "--socket-dir",
+        type=Path,
+        help=f"private directory for {socket_name(0)} etc. (default: {DEFAULT_SOCKET_DIR_HELP}, created 0700)",
+    )
+    p.add_argument(
+        "--shard-plan",
+        type=Path,
+        help="JSON sharding plan for architectures without a built-in one (format: docs/shard-plans.md)",
+    )
     p.add_argument(
         "--io",
         default="buffered",
@@ -129,10 +178,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--staging-bytes",
-        type=int,
+        type=size_arg,
+        metavar="SIZE",
         help="pinned host staging for GPU loads, split across reader threads (default 512 MiB)",
     )
-    p.add_argument("--max-frame-size", type=int, default=64 * 1024 * 1024)
+    p.add_argument(
+        "--max-frame-size",
+        type=size_arg,
+        default=64 * 1024 * 1024,
+        metavar="SIZE",
+        help="largest frame accepted or sent, in [64KiB, 4GiB-1] (default 64MiB; a STATE frame must fit)",
+    )
     p.add_argument(
         "--idle-timeout", type=float, default=0, help="close connections silent this long, in s (0: never; leases live)"
     )
@@ -140,15 +196,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--metrics-port", type=int, default=0, help="serve Prometheus text metrics on 127.0.0.1:PORT (0: off)"
     )
     p.add_argument("--frame-timeout", type=float, default=10.0, help="max seconds to finish sending a started frame")
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    if args.takeover is not None and (args.model is not None or args.socket_path or args.socket_dir):
-        p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
-    if not args.keeper_check > 0:
-        p.error(f"--keeper-check must be a positive number of seconds, got {args.keeper_check}")
-    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
-        p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
-    return args
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="log lines on stderr at or above this level (default INFO: one line per event that matters)",
+    )
+    return p
+
+
+def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse values the daemon would accept and then serve nobody with (it would still report ready)."""
+    if not MIN_FRAME_SIZE <= args.max_frame_size <= MAX_FRAME_SIZE:
+        p.error(
+            f"--max-frame-size {args.max_frame_size} must be in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}] bytes "
+            "(64KiB to 4GiB-1: the length prefix is 4 bytes); the default 64MiB fits ~300k tensors"
+        )
+    if not args.idle_timeout >= 0:  # also refuses NaN
+        p.error(f"--idle-timeout {args.idle_timeout} must be >= 0 seconds (0: never close idle connections)")
+    if not args.frame_timeout > 0:
+        p.error(f"--frame-timeout {args.frame_timeout} must be a positive number of seconds")
+    if args.threads < 1:
+        p.error(f"--threads {args.threads} must be at least 1")
+    if args.staging_bytes is not None and args.staging_bytes < 1:
+        p.error("--staging-bytes must be positive (leave it out for the default 512MiB)")
+    if not 0 <= args.metrics_port <= 65535:
+        p.error(f"--metrics-port {args.metrics_port} must be a TCP port in [0, 65535] (0: off)")
 
 
 def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
@@ -167,14 +241,56 @@ def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
 def resolve_socket(args: argparse.Namespace) -> Path:
     if args.socket_path is not None:
         path = Path(os.path.abspath(args.socket_path))
+        if path.parent == Path(os.path.abspath(default_socket_dir())):
+            ensure_socket_dir(path.parent)  # the default directory is ours to create, 0700
         check_private_dir(path.parent)
+        check_socket_path(path)
         return path
     d = args.socket_dir if args.socket_dir is not None else default_socket_dir()
     if args.socket_dir is None:
         ensure_socket_dir(d)
     else:
         check_private_dir(Path(os.path.abspath(d)))
-    return Path(os.path.abspath(d)) / socket_name(args.tp_rank)
+    path = Path(os.path.abspath(d)) / socket_name(args.tp_rank)
+    check_socket_path(path)
+    return path
+
+
+def pytorch_bin_hint(root: Path) -> str:
+    """What to do with a checkpoint that has PyTorch ``.bin`` weights but no safetensors ("" otherwise):
+    wcache reads safetensors only (it never unpickles), so they must be converted once."""
+    try:
+        bins = sorted(root.glob("*.bin"))
+        if not bins or any(root.glob("*.safetensors")):
+            return ""
+    except OSError:
+        return ""
+    return (
+        f"{root} holds PyTorch .bin weights ({bins[0].name}{' ...' if len(bins) > 1 else ''}) and no .safetensors: "
+        "wcache reads safetensors only (it never unpickles). Convert once, e.g. with transformers: python -c "
+        f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{root}')"
+        f".save_pretrained('{root}-safetensors', safe_serialization=True)\" and serve {root}-safetensors"
+    )
+
+
+@contextlib.contextmanager
+def checkpoint_errors(model: str) -> Iterator[None]:
+    """Errors a malformed checkpoint raises from deep inside a parser, as the CheckpointError they are:
+    JSON nested past the recursion limit (config.json, the index, a header, a plan) and a tensor name
+    that is not valid UTF-8 (a lone surrogate from a JSON escape) when its table is encoded."""
+    try:
+        yield
+    except CheckpointError as exc:
+        hint = pytorch_bin_hint(Path(model))
+        if not hint:
+            raise
+        raise CheckpointError(f"{exc.message}. {hint}", details=exc.details) from exc
+    except RecursionError as exc:
+        raise CheckpointError(f"checkpoint {model}: a JSON file there is nested too deeply to parse ({exc})") from None
+    except UnicodeError as exc:
+        raise CheckpointError(
+            f"checkpoint {model}: a tensor name or string is not valid UTF-8 ({exc}); fix the checkpoint's names"
+        ) from None
 
 
 def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> list[ServedModel]:
@@ -345,6 +461,10 @@ def run(args: argparse.Namespace) -> int:
             tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.name == "cuda")
 
         def loader(req: Preload) -> ServedModel:
+            with checkpoint_errors(req.model):
+                return _load(req)
+
+        def _load(req: Preload) -> ServedModel:
             return load_model(
                 req.model,
                 backend=backend,
@@ -386,7 +506,8 @@ def run(args: argparse.Namespace) -> int:
                     plan_file=str(args.shard_plan or ""),
                     transform=args.transform,
                 )
-                key, nbytes = preload_key(first)
+                with checkpoint_errors(first.model):
+                    key, nbytes = preload_key(first)
                 held = store.models.get(key)
                 if held is not None:
                     store.remember_source(held, Path(os.path.abspath(first.model)))
@@ -453,13 +574,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """SIGINT/SIGTERM before the daemon serves (checkpoint checks, load, reclaim): one log line, then exit at
+    once. Reader threads may be blocked in a read of a large file, so this does not wait for them; the kernel
+    frees the slab and the lock, as after a crash, and nothing was served yet. Once serving, the daemon's own
+    handlers take over (drain, unlink the socket, exit 0)."""
+    name = signal.Signals(signum).name
+    log.warning("%s while starting (nothing served yet): exiting without serving", name)
+    logging.shutdown()
+    os._exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s wcache-server[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
     try:
         return run(args)
     except WCacheError as exc:

@@ -11,17 +11,110 @@ import fcntl
 import mmap
 import os
 import sys
+from pathlib import Path
 
 import torch
 
-from wcache.errors import UnsupportedPlatformError, WCacheError
+from wcache.errors import OutOfMemoryError, UnsupportedPlatformError, WCacheError
 from wcache.proto import DeviceInfo, SlabDescriptor
 
-__all__ = ["HostBackend", "HostSlab"]
+__all__ = ["HostBackend", "HostSlab", "MemoryRoom", "memory_room"]
+
+#: A cgroup v1 limit this large means "no limit" (the kernel reports PAGE_COUNTER_MAX pages).
+_UNLIMITED = 1 << 62
 
 _SEALS = (
     fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
 )
+
+
+class MemoryRoom:
+    """The tightest memory limit over this process: its name, limit and the bytes that count against it
+    and cannot be reclaimed (page cache of files is left out: the kernel drops it before it OOM-kills)."""
+
+    def __init__(self, where: str, limit: int, in_use: int) -> None:
+        self.where = where
+        self.limit = limit
+        self.in_use = max(0, in_use)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.limit - self.in_use)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except (OSError, ValueError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _file_cache(stat_file: Path, keys: tuple[str, ...]) -> int:
+    try:
+        lines = stat_file.read_text().splitlines()
+    except OSError:
+        return 0
+    vals = dict(line.split(" ", 1) for line in lines if " " in line)
+    return sum(int(vals[k]) for k in keys if vals.get(k, "").strip().isdigit())
+
+
+def _cgroup_rooms(proc_cgroup: Path, root: Path) -> list[MemoryRoom]:
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    rooms: list[MemoryRoom] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.strip("/")
+        if controllers == "":  # cgroup v2: memory.max on this cgroup and each ancestor
+            base, limit_f, usage_f = root, "memory.max", "memory.current"
+            cache_keys: tuple[str, ...] = ("active_file", "inactive_file")
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base, limit_f, usage_f = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+            cache_keys = ("total_active_file", "total_inactive_file")
+        else:
+            continue
+        parts = rel.split("/") if rel else []
+        for n in range(len(parts), -1, -1):
+            d = base.joinpath(*parts[:n])
+            limit = _read_int(d / limit_f)  # "max" (v2, unlimited) reads as None
+            usage = _read_int(d / usage_f)
+            if limit is None or usage is None or limit >= _UNLIMITED:
+                continue
+            rooms.append(MemoryRoom(f"memory cgroup {d}", limit, usage - _file_cache(d / "memory.stat", cache_keys)))
+    return rooms
+
+
+def memory_room(
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+    cgroup_root: Path = Path("/sys/fs/cgroup"),
+    meminfo: Path = Path("/proc/meminfo"),
+) -> MemoryRoom | None:
+    """The tightest of this process's memory cgroup limits (v2 and v1, each ancestor too) and the host's
+    available memory plus free swap; None where none can be read. A host slab is shared memory charged
+    to the daemon's cgroup: past its limit the kernel OOM-kills the daemon in the middle of the load."""
+    rooms = _cgroup_rooms(proc_cgroup, cgroup_root)
+    try:
+        info = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        avail = int(info["MemAvailable"].split()[0]) * 1024 + int(info.get("SwapFree", "0 kB").split()[0]) * 1024
+        rooms.append(MemoryRoom("the host (MemAvailable + SwapFree)", avail, 0))
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    return min(rooms, key=lambda r: r.free) if rooms else None
+
+
+def check_room(nbytes: int, room: MemoryRoom | None) -> None:
+    """Refuse (OUT_OF_MEMORY, naming the limit) a host slab that cannot fit, before any byte is allocated."""
+    if room is None or nbytes <= room.free:
+        return
+    raise OutOfMemoryError(
+        f"a host slab of {nbytes} bytes ({nbytes / 2**30:.2f} GiB) does not fit {room.where}: limit {room.limit} "
+        f"bytes, {room.in_use} in use, {room.free} free; loading it would get the daemon OOM-killed. Fix: raise "
+        "the memory limit, load fewer bytes per daemon (a larger --tp-size, another --dtype) or use --device cuda:K",
+        details={"needed": nbytes, "limit": room.limit, "in_use": room.in_use, "where": room.where},
+    )
 
 
 class HostSlab:
@@ -109,6 +202,8 @@ class HostBackend:
             )
 
     def allocate(self, nbytes: int) -> HostSlab:
+        """A slab of ``nbytes``; raises OutOfMemoryError first if the memory cgroup (or the host) cannot hold it."""
+        check_room(nbytes, memory_room())
         return HostSlab(nbytes)
 
     def adopt(self, desc: SlabDescriptor, fd: int) -> HostSlab:

@@ -1,0 +1,301 @@
+"""The command lines: every option explained, sizes with units, values refused before the daemon would serve
+nobody, clean errors (no traceback) for bad checkpoints and paths, interruption while loading, status exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DaemonProc, run_cli, server_cmd
+from wcache import __version__
+from wcache.cli import build_parser as wcache_parser
+from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
+from wcache.server import cli as server_cli
+from wcache.server.backends import host
+from wcache.server.security import DaemonLock
+from wcache.units import parse_size
+
+ROOT = os.geteuid() == 0
+
+
+def run_server(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(server_cmd(*args), capture_output=True, text=True, timeout=120, check=False, env=env)
+
+
+def clean_failure(out: subprocess.CompletedProcess[str]) -> None:
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- options
+
+
+def _options(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    acts = []
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sp in a.choices.values():
+                acts += _options(sp)
+        elif a.dest != "help":
+            acts.append(a)
+    return acts
+
+
+@pytest.mark.parametrize("parser", [server_cli.build_parser, wcache_parser], ids=["wcache-server", "wcache"])
+def test_every_option_has_help(parser: Callable[[], argparse.ArgumentParser]) -> None:
+    missing = [a.option_strings or a.dest for a in _options(parser()) if not a.help]
+    assert missing == []
+
+
+def test_subcommands_have_help() -> None:
+    sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {c.dest for c in sub._choices_actions if c.help} == {"status", "preload", "evict"}
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        server_cmd("--version"),
+        [sys.executable, "-m", "wcache", "--version"],
+        [sys.executable, "-m", "wcache.cli", "--version"],
+    ],
+)
+def test_version(cmd: list[str]) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and out.stdout.split()[-1] == __version__
+
+
+def test_help_names_default_socket_dir() -> None:
+    sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = server_cli.build_parser().format_help() + sub.choices["status"].format_help()
+    assert text.count("XDG_RUNTIME_DIR") >= 2 and "/tmp/wcache-UID" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [("4096", 4096), ("16G", 16 << 30), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("2GB", 2 * 10**9), ("8k", 8192)],
+)
+def test_sizes(text: str, n: int) -> None:
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("opt", ["--memory-budget", "--host-tier", "--staging-bytes", "--max-frame-size"])
+def test_every_size_option_takes_units(opt: str) -> None:
+    args = server_cli.parse_args([opt, "1GiB"])
+    assert getattr(args, opt[2:].replace("-", "_")) == 1 << 30
+    with pytest.raises(SystemExit) as e:
+        server_cli.parse_args([opt, "12parsecs"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-frame-size", "0"],
+        ["--max-frame-size", str(1 << 33)],
+        ["--idle-timeout", "-1"],
+        ["--idle-timeout", "nan"],
+        ["--frame-timeout", "0"],
+        ["--threads", "0"],
+        ["--metrics-port", "70000"],
+        ["--log-level", "chatty"],
+    ],
+)
+def test_values_that_would_serve_nobody_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        server_cli.parse_args(argv)
+    assert e.value.code == 2
+
+
+# ---------------------------------------------------------------- paths
+
+
+def test_socket_path_naming_a_regular_file_is_refused_and_kept(ckpt: Path, socket_dir: Path) -> None:
+    f = socket_dir / "notes.txt"
+    f.write_text("precious")
+    out = run_server("--model", str(ckpt), "--socket-path", str(f))
+    clean_failure(out)
+    assert f.read_text() == "precious"
+
+
+@pytest.mark.parametrize("shared", ["/tmp", "/dev/shm", "sticky"])
+def test_shared_directory_gets_a_private_subdirectory_advice(tmp_path: Path, ckpt: Path, shared: str) -> None:
+    d = Path(shared)
+    if shared == "sticky":
+        d = tmp_path / "shared"
+        d.mkdir()
+        os.chmod(d, 0o1777)
+    if not d.is_dir():
+        pytest.skip(f"no {d} here")
+    out = run_server("--model", str(ckpt), "--socket-path", str(d / "x.sock"))
+    clean_failure(out)
+    assert f"chmod 700 {d}" not in out.stderr and "chown" not in out.stderr
+    assert f"mkdir -m 700 {d}/wcache-" in out.stderr
+    assert not (d / "x.sock").exists() and not (d / "x.sock.lock").exists()  # refused before touching it
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to chown a directory to another user")
+@pytest.mark.parametrize("which", ["socket", "tier"])
+def test_directory_precreated_by_another_user_is_refused_naming_the_way_out(
+    tmp_path: Path, ckpt: Path, which: str
+) -> None:
+    runtime = tmp_path / "run"
+    theirs = runtime / "wcache" if which == "socket" else tmp_path / "tier"
+    runtime.mkdir(mode=0o700)
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    extra = (
+        []
+        if which == "socket"
+        else ["--socket-dir", str(runtime / "own"), "--host-tier", "1G", "--host-tier-dir", str(theirs)]
+    )
+    if which == "tier":
+        (runtime / "own").mkdir(mode=0o700)
+    out = run_server("--model", str(ckpt), *extra, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    clean_failure(out)
+    assert "owned by uid 65534" in out.stderr
+    assert ("XDG_RUNTIME_DIR" if which == "socket" else "--host-tier-dir") in out.stderr
+
+
+def test_unusable_lock_file_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sock = tmp_path / "x.sock"
+    Path(str(sock) + ".lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InsecurePathError, match="symlink"):
+        DaemonLock(sock).acquire()
+
+    def denied(*a: object, **k: object) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("wcache.server.security.os.open", denied)  # a non-root daemon facing root's .lock
+    with pytest.raises(InsecurePathError, match="rm "):
+        DaemonLock(tmp_path / "y.sock").acquire()
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _safetensors(d: Path, name: str) -> None:
+    hdr = json.dumps({name: {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, ensure_ascii=True).encode()
+    hdr += b" " * (-len(hdr) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr + bytes(8))
+
+
+@pytest.mark.parametrize("defect", ["surrogate-name", "deep-config", "deep-index", "bin-only"])
+def test_bad_checkpoint_is_a_clean_error(tmp_path: Path, socket_dir: Path, defect: str) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    if defect == "surrogate-name":
+        _safetensors(d, "a\ud800b")
+    elif defect == "deep-config":
+        _safetensors(d, "a")
+        (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif defect == "deep-index":
+        _safetensors(d, "a")
+        (d / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        (d / "pytorch_model.bin").write_bytes(b"PK")
+    out = run_server("--model", str(d), "--socket-dir", str(socket_dir))
+    clean_failure(out)
+    if defect == "bin-only":
+        assert "safe_serialization=True" in out.stderr
+
+
+def test_deep_shard_plan_is_a_sharding_error(tmp_path: Path, ckpt: Path) -> None:
+    from wcache.errors import ShardingError
+    from wcache.sharding import load_plan_file
+
+    plan = tmp_path / "plan.json"
+    plan.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ShardingError, match="plan"):
+        load_plan_file(plan)
+
+
+def test_missing_plan_names_the_client_argument(tmp_path: Path) -> None:
+    from wcache.errors import ShardingError
+    from wcache.sharding import resolve_plan
+
+    with pytest.raises(ShardingError, match="plan_file=") as e:
+        resolve_plan("GPTNeoXForCausalLM", 2)
+    assert "--shard-plan" in e.value.message and "docs/shard-plans.md" in e.value.message
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_memory_room_reads_cgroup_v2_and_v1(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    (v2 / "a" / "b").mkdir(parents=True)
+    (v2 / "a" / "memory.max").write_text(f"{1 << 30}\n")
+    (v2 / "a" / "memory.current").write_text(f"{300 << 20}\n")
+    (v2 / "a" / "memory.stat").write_text(f"anon 1\nactive_file {50 << 20}\ninactive_file {50 << 20}\n")
+    (v2 / "a" / "b" / "memory.max").write_text("max\n")
+    (v2 / "a" / "b" / "memory.current").write_text("5\n")
+    (tmp_path / "cg2").write_text("0::/a/b\n")
+    room = host.memory_room(tmp_path / "cg2", v2, tmp_path / "no-meminfo")
+    assert room is not None and (room.limit, room.in_use) == (1 << 30, 200 << 20)
+    assert str(v2 / "a") in room.where
+
+    v1 = tmp_path / "v1" / "memory" / "pod"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    (tmp_path / "cg1").write_text("9:name=systemd:/\n4:memory:/pod\n0::/\n")
+    room = host.memory_room(tmp_path / "cg1", tmp_path / "v1", tmp_path / "no-meminfo")
+    assert room is not None and room.free == 1 << 30
+
+
+def test_slab_past_the_memory_limit_is_refused_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "memory_room", lambda: host.MemoryRoom("memory cgroup /sys/fs/cgroup/x", 1 << 30, 0))
+    with pytest.raises(OutOfMemoryError, match="memory cgroup /sys/fs/cgroup/x") as e:
+        host.HostBackend().allocate(2 << 30)
+    assert e.value.code is ErrorCode.OUT_OF_MEMORY and e.value.details["limit"] == 1 << 30
+    host.HostBackend().allocate(1 << 20).close()
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_load_exits_without_traceback(ckpt: Path, socket_dir: Path, tmp_path: Path, sig: int) -> None:
+    marker = tmp_path / "loading"
+    env = {**os.environ, "WCACHE_TEST_LOADING": str(marker)}
+    cmd = server_cmd(
+        "--model", str(ckpt), "--socket-dir", str(socket_dir), "--transform", "tests.server.blocking_transform:block"
+    )
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert not (socket_dir / "wcache-rank0.sock").exists()
+
+
+def test_status_exits_nonzero_when_a_listed_daemon_is_unreachable(daemon: DaemonProc, socket_dir: Path) -> None:
+    assert run_cli("status", "--socket-dir", str(socket_dir)).returncode == 0
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(socket_dir / "wcache-rank1.sock"))  # a crashed daemon's socket file: nobody listens
+    stale.close()
+    out = run_cli("status", "--socket-dir", str(socket_dir))
+    assert out.returncode == 1
+    assert str(daemon.socket) in out.stdout  # the live one is still listed
