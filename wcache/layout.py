@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from wcache.checkpoint import Checkpoint, TensorInfo
 from wcache.errors import CheckpointError
 from wcache.proto.frames import DTYPE_SIZES, TensorEntry, TensorTable
+from wcache.quant import fp8_block_size, is_fp8_checkpoint, stored_dtype
 from wcache.sharding import Shard, ShardPlan, shard_tensors
 
 __all__ = [
@@ -37,6 +38,8 @@ _CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 def resolve_dtype(ckpt: Checkpoint, requested: str | None) -> str:
     """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint."""
+    if is_fp8_checkpoint(ckpt.tensors, ckpt.config):  # served as stored, never cast (wcache.quant)
+        return stored_dtype(ckpt.tensors, requested)
     if requested not in (None, "auto"):
         if requested not in _CASTABLE:
             raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(sorted(_CASTABLE))}")
@@ -105,7 +108,8 @@ def align_up(n: int) -> int:
 
 def plan_layout(ckpt: Checkpoint, *, tp_rank: int, tp_size: int, dtype: str, plan: ShardPlan | None) -> Layout:
     """Place every tensor of the rank; raises ShardingError before any data is read."""
-    shards = shard_tensors(ckpt.tensors.values(), plan, tp_rank, tp_size)
+    shards = shard_tensors(ckpt.tensors.values(), plan, tp_rank, tp_size, block=fp8_block_size(ckpt.config))
+    as_stored = is_fp8_checkpoint(ckpt.tensors, ckpt.config)
     order = sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.start))
     placements: list[Placement] = []
     offset = 0
@@ -114,7 +118,7 @@ def plan_layout(ckpt: Checkpoint, *, tp_rank: int, tp_size: int, dtype: str, pla
         shape = list(t.shape)
         if shard is not None:
             shape[shard.dim] = shard.length
-        out_dtype = dtype if t.dtype in FLOATING else t.dtype
+        out_dtype = dtype if t.dtype in FLOATING and not as_stored else t.dtype
         p = Placement(t, shard, out_dtype, tuple(shape), offset)
         placements.append(p)
         offset = align_up(offset + p.nbytes)

@@ -7,6 +7,9 @@ Llama family; anything else takes a JSON plan file (docs/shard-plans.md)::
     {"name": "my-arch", "rules": [{"pattern": ".*\\\\.wq\\\\.weight", "dim": 0},
                                   {"pattern": ".*norm.*", "dim": null}]}
 
+FP8 block-wise checkpoints: a weight's ``weight_scale_inv`` is split with its weight, by whole
+blocks (see :func:`shard_tensors`); plans need no rules for scales.
+
 Everything is checked before any tensor data is read.
 """
 
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from wcache.checkpoint import TensorInfo
 from wcache.errors import ShardingError
+from wcache.quant import weight_name
 
 __all__ = ["BUILTIN_PLANS", "Shard", "ShardPlan", "load_plan_file", "resolve_plan", "shard_tensors"]
 
@@ -129,17 +133,34 @@ def resolve_plan(architecture: str, tp_size: int, plan_file: str | os.PathLike[s
 
 
 def shard_tensors(
-    tensors: Iterable[TensorInfo], plan: ShardPlan | None, tp_rank: int, tp_size: int
+    tensors: Iterable[TensorInfo],
+    plan: ShardPlan | None,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    block: tuple[int, int] | None = None,
 ) -> dict[str, Shard | None]:
-    """Each tensor's slice for this rank (None = whole tensor); raises ShardingError first."""
+    """Each tensor's slice for this rank (None = whole tensor); raises ShardingError first.
+
+    FP8 block-wise checkpoints (``block`` = config.json's ``quantization_config.weight_block_size``):
+    ``X.weight_scale_inv`` always follows ``X.weight`` — the plan's rules are not consulted for it —
+    split on the same dimension by whole blocks, so a rank's scales are exactly those of its weight
+    rows/columns. A weight whose shard is not a multiple of the block is refused (its edge block's
+    scale would be split across ranks), as is a scale whose shape does not match its weight.
+    """
     if not 0 <= tp_rank < tp_size:
         raise ShardingError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
+    infos = {t.name: t for t in tensors}
     out: dict[str, Shard | None] = {}
     unmatched: list[str] = []
     bad: list[str] = []
-    for t in tensors:
+    scales: list[TensorInfo] = []
+    for t in infos.values():
         if plan is None or tp_size == 1:
             out[t.name] = None
+            continue
+        if weight_name(t.name) is not None:
+            scales.append(t)  # after its weight
             continue
         try:
             dim = plan.dim_for(t.name)
@@ -164,4 +185,54 @@ def shard_tensors(
         raise ShardingError(
             f"cannot split for tp_size {tp_size}: " + ", ".join(bad[:10]) + (" ..." if len(bad) > 10 else "")
         )
+    for s in scales:
+        out[s.name] = _scale_shard(s, infos, out, block, tp_size)
     return out
+
+
+def _scale_shard(
+    scale: TensorInfo,
+    infos: dict[str, TensorInfo],
+    shards: dict[str, Shard | None],
+    block: tuple[int, int] | None,
+    tp_size: int,
+) -> Shard | None:
+    """The block scale's slice: its weight's slice, in blocks (ShardingError if that is not whole blocks)."""
+    wname = weight_name(scale.name)
+    weight = infos.get(wname) if wname is not None else None
+    if weight is None:
+        raise ShardingError(f"block scale {scale.name!r} has no weight {wname!r} in the checkpoint to shard it with")
+    shard = shards.get(weight.name)
+    if shard is None:
+        return None  # the weight is replicated: so is its scale
+    if block is None:
+        raise ShardingError(
+            f"cannot split {scale.name!r} for tp_size {tp_size}: config.json has no "
+            "quantization_config.weight_block_size (quant_method 'fp8') giving its block size"
+        )
+    if len(weight.shape) < 2:
+        raise ShardingError(f"{weight.name!r} of shape {list(weight.shape)} has block scales but is not a matrix")
+    lead = len(weight.shape) - 2  # block dims are the last two; leading (expert) dims are scaled 1:1
+    want = [*weight.shape[:lead], *(-(-weight.shape[lead + i] // block[i]) for i in (0, 1))]
+    if list(scale.shape) != want:
+        raise ShardingError(
+            f"block scale {scale.name!r} has shape {list(scale.shape)}, but {weight.name!r} of shape "
+            f"{list(weight.shape)} in blocks of {list(block)} needs {want}"
+        )
+    if shard.dim < lead:
+        return shard
+    b = block[shard.dim - lead]
+    if shard.length % b:
+        size = weight.shape[shard.dim]
+        fix = (
+            f"use a tp_size that divides its {size // b} blocks evenly"
+            if size % b == 0
+            else f"dim {shard.dim} ({size}) is not a whole number of blocks: it can only be served whole (tp_size 1)"
+        )
+        raise ShardingError(
+            f"cannot split {weight.name!r} (shape {list(weight.shape)}) for tp_size {tp_size}: a shard of "
+            f"{shard.length} along dim {shard.dim} is not a multiple of the FP8 block {b} "
+            f"(weight_block_size {list(block)}), and a block's scale cannot be split across ranks; {fix}",
+            details={"tensor": weight.name, "shard": shard.length, "dim": shard.dim, "block": list(block)},
+        )
+    return Shard(shard.dim, shard.start // b, shard.length // b)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["LLAMA3_8B", "TINY", "LlamaShape", "make_llama_checkpoint"]
+__all__ = ["FP8_TINY", "LLAMA3_8B", "TINY", "LlamaShape", "make_fp8_llama_checkpoint", "make_llama_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -108,4 +108,61 @@ def make_llama_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (root / "wcache-synthetic.json").write_text(json.dumps({"shape": asdict(shape), "seed": seed}) + "\n")
+    return root
+
+
+#: FP8 block-wise: every projection is whole 128-blocks at TP=1 and TP=2 (k/v too: no GQA).
+FP8_TINY = LlamaShape(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=4, vocab=1024)
+_FP8_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FP8_FMT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def quantize_blockwise(
+    w: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale_inv)`` with ``w ≈ q * scale_inv`` per block: scale_inv [ceil(out/b0), ceil(in/b1)]
+    float32, as DeepSeek-V3 / Qwen3-FP8 store it (edge blocks may be partial)."""
+    out, inp = w.shape
+    b0, b1 = block
+    so, si = -(-out // b0), -(-inp // b1)
+    padded = torch.zeros(so * b0, si * b1, dtype=torch.float32, device=w.device)
+    padded[:out, :inp] = w.float()
+    amax = padded.reshape(so, b0, si, b1).abs().amax(dim=(1, 3))
+    scale = amax.clamp(min=1e-12) / torch.finfo(dtype).max
+    full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:out, :inp]
+    return (w.float() / full).to(dtype), scale.contiguous()
+
+
+def make_fp8_llama_checkpoint(
+    path: str | os.PathLike[str],
+    shape: LlamaShape = FP8_TINY,
+    *,
+    block: tuple[int, int] = (128, 128),
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    seed: int = 0,
+) -> Path:
+    """An FP8 block-wise Llama checkpoint in one file: each ``*_proj.weight`` in ``fp8_dtype`` with its
+    float32 ``weight_scale_inv``; embeddings, norms and ``lm_head`` in bf16; config.json with
+    ``quantization_config`` (quant_method fp8, dynamic activations, ``weight_block_size``)."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shp in shape.tensors():
+        w = torch.randn(shp, generator=gen, dtype=torch.float32).mul_(0.02)
+        if name.rsplit(".", 2)[-2] in _FP8_PROJ:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blockwise(w, block, fp8_dtype)
+        else:
+            tensors[name] = w.to(torch.bfloat16)
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config = shape.config("bfloat16")
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": _FP8_FMT[fp8_dtype],
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    meta = {"shape": asdict(shape), "seed": seed, "fp8": {"block": list(block), "dtype": str(fp8_dtype)}}
+    (root / "wcache-synthetic.json").write_text(json.dumps(meta) + "\n")
     return root

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from wcache.errors import ShardingError, WCacheError
+from wcache.quant import SCALE_SUFFIX, fp8_block_size
 
 __all__ = [
     "VLLM_VOCAB_PADDING",
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 Transform = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
+FUSE_SPEC = "wcache.transforms:fuse_llama_qkv_gate_up"
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -49,8 +51,12 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
     """vLLM's Llama layout: ``qkv_proj`` = [q; k; v] and ``gate_up_proj`` = [gate; up] along dim 0.
 
     Applied per rank to the rank's shards, which is exactly what vLLM's QKVParallelLinear and
-    MergedColumnParallelLinear hold.
+    MergedColumnParallelLinear hold. FP8 block-wise checkpoints: the parts' ``weight_scale_inv``
+    are fused the same way (block rows stacked), which is vLLM's fused scale layout when every
+    part's rows are whole blocks; a part that is not is a WCacheError naming it and the block
+    (its last block would be shared with the next part's rows).
     """
+    block = fp8_block_size(config)
     out: dict[str, torch.Tensor] = {}
     fused: set[str] = set()
     for name in tensors:
@@ -58,10 +64,14 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
             (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
             (("gate_proj", "up_proj"), "gate_up_proj"),
         ):
-            m = re.fullmatch(rf"(.*)\.{parts[0]}\.(weight|bias)", name)
+            m = re.fullmatch(rf"(.*)\.{parts[0]}\.(weight|bias|weight{SCALE_SUFFIX})", name)
             if m:
                 names = [f"{m.group(1)}.{p}.{m.group(2)}" for p in parts]
                 if all(n in tensors for n in names):
+                    if m.group(2) == "weight" + SCALE_SUFFIX:
+                        _check_scale_fusion(tensors, names, block, target)
+                    elif m.group(2) == "weight" and 0 < sum(n + SCALE_SUFFIX in tensors for n in names) < len(names):
+                        raise WCacheError(f"cannot fuse {names} into {target}: only some of them have block scales")
                     out[f"{m.group(1)}.{target}.{m.group(2)}"] = torch.cat([tensors[n] for n in names], dim=0)
                     fused.update(names)
     for name, t in tensors.items():
@@ -140,3 +150,24 @@ def vllm_layout(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dic
         pad = torch.zeros((padded - rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
         out[name] = done[id(t)] = torch.cat([t, pad], dim=0)
     return out
+
+
+def _check_scale_fusion(
+    tensors: dict[str, torch.Tensor], scales: list[str], block: tuple[int, int] | None, target: str
+) -> None:
+    """Stacking block scales is only the fused weight's scale if every part's rows are whole blocks."""
+    if block is None:
+        raise WCacheError(
+            f"cannot fuse {scales[0]!r} and its siblings into {target}: config.json has no "
+            "quantization_config.weight_block_size (quant_method 'fp8') giving the block size"
+        )
+    for s in scales:
+        w = tensors.get(s.removesuffix(SCALE_SUFFIX))
+        if w is None:
+            raise WCacheError(f"cannot fuse block scale {s!r} into {target}: its weight is missing")
+        if w.dim() < 1 or w.shape[0] % block[0]:
+            raise WCacheError(
+                f"cannot fuse FP8 {s.removesuffix(SCALE_SUFFIX)!r} into {target}: its {w.shape[0]} rows (on this "
+                f"rank) are not a multiple of the block {block[0]} (weight_block_size {list(block)}), so its last "
+                f"scale block would cover rows of the next part; serve it without --transform {FUSE_SPEC}"
+            )
