@@ -8,6 +8,7 @@ reloaded from disk would serve that byte, one that reclaimed its slab serves the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,51 @@ async def test_a_restarted_keeper_gets_the_models_again(
         again.stop()
 
 
+class _Connections:
+    """How many connections a socket has accepted: a daemon's periodic keeper checks each make one, so a test
+    waits for N checks by waiting for N connections (not for a time it hopes N checks fit in)."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self._changed = asyncio.Event()
+
+    def one(self) -> None:
+        self.accepted += 1
+        self._changed.set()
+
+    async def reach(self, n: int, deadline_s: float = 60.0) -> int:
+        async with asyncio.timeout(deadline_s):
+            while self.accepted < n:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.accepted
+
+
+class _CountingKeeper(kp.Keeper):
+    """A real keeper, in the test's process, that counts the connections it accepts."""
+
+    def __init__(self, socket_path: Path) -> None:
+        super().__init__(socket_path)
+        self.connections = _Connections()
+
+    def _accepted(self, sock: socket.socket) -> None:
+        self.connections.one()
+        super()._accepted(sock)
+
+
+@contextlib.asynccontextmanager
+async def _keeper_here(socket_dir: Path) -> AsyncIterator[_CountingKeeper]:
+    k = _CountingKeeper(socket_dir / KEEPER_SOCKET)
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(k.serve(ready.set, signals=False))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        yield k
+    finally:
+        k.stop()
+        await task
+
+
 async def test_a_keeper_started_after_the_daemon_gets_its_models(
     daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:
@@ -207,7 +253,20 @@ async def test_a_keeper_started_after_the_daemon_gets_its_models(
         assert await _kept_models(k.socket) == [WeightCacheKey.from_checkpoint(model).to_wire()]
     finally:
         k.stop()
-    await asyncio.sleep(1.5)  # ~7 checks with the keeper gone
+    # the keeper is gone; in its place a socket that hangs up on every check (each one fails, as with no
+    # socket at all) and counts them
+    checks = _Connections()
+
+    def hang_up(_: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        checks.one()
+        w.close()
+
+    server = await asyncio.start_unix_server(hang_up, path=k.socket)
+    try:
+        await checks.reach(7)
+    finally:
+        server.close()
+        await server.wait_closed()
     # one line each time the keeper goes away (before it first started, if a check ran then), not one per check
     assert 1 <= d.log_text().count("unreachable") <= 2
 
@@ -230,23 +289,25 @@ async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:
 
 
 async def test_a_refused_model_is_not_offered_again_every_check(
-    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+    daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:
     """The keeper already holds 16 slabs for this socket: the daemon's KEEP is refused (LIMIT_EXCEEDED) at start
     and at most once more by the periodic check — one warning, not one every check — and it serves on."""
     owner = str(socket_dir / "wcache-rank0.sock")
-    for rank in range(MAX_KEPT_FDS):
-        m, fd = _memfd_model(rank)
-        await kp.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
-        os.close(fd)
-    d = daemon_factory(model, "--keeper", "--keeper-check", "0.1")
-    # the placeholders are unsealed memfds: the host backend refuses to serve them, and loads as usual
-    assert "could not adopt the reclaimed slabs" in d.log_text() and "not sealed" in d.log_text()
-    await asyncio.sleep(1.5)  # ~15 checks
-    log = d.log_text()
-    assert "one RECLAIM carries at most" in log and log.count("did not keep") <= 2
-    async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
-        assert len(w) > 0
+    async with _keeper_here(socket_dir) as keeper:
+        for rank in range(MAX_KEPT_FDS):
+            m, fd = _memfd_model(rank)
+            await kp.keep(keeper.socket_path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+            os.close(fd)
+        # the keeper runs in this process: wait for the daemon in a thread
+        d = await asyncio.to_thread(daemon_factory, model, "--keeper", "--keeper-check", "0.1")
+        # the placeholders are unsealed memfds: the host backend refuses to serve them, and loads as usual
+        assert "could not adopt the reclaimed slabs" in d.log_text() and "not sealed" in d.log_text()
+        await keeper.connections.reach(keeper.connections.accepted + 15)  # 15 more checks
+        log = d.log_text()
+        assert "one RECLAIM carries at most" in log and log.count("did not keep") <= 2
+        async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
+            assert len(w) > 0
 
 
 def test_keeper_check_must_be_positive(model: Path, socket_dir: Path) -> None:
@@ -271,8 +332,24 @@ def _memfd_model(tp_rank: int) -> tuple[HandedModel, int]:
     return HandedModel(key, (SlabDescriptor(size=example.slabs[0].size, kind="memfd", fd=0),), example.tensors), fd
 
 
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _fds_reach(pid: int, want: int, deadline_s: float = 30.0) -> int:
+    """The number of descriptors process ``pid`` has open, once it is ``want`` (or the deadline passed). A
+    client's close reaches the keeper asynchronously: the socket of a connection just answered, and the
+    descriptors a refused KEEP brought, are closed by the keeper a moment after the reply — so wait for the
+    count rather than read it once (a leak never reaches ``want`` and fails at the deadline)."""
+    t_end = asyncio.get_running_loop().time() + deadline_s
+    while (n := _open_fds(pid)) != want and asyncio.get_running_loop().time() < t_end:
+        await asyncio.sleep(0.02)
+    return n
+
+
 async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hold(keeper: DaemonProcess) -> None:
     path, owner = keeper.socket, "/run/wcache/rank0.sock"
+    idle = _open_fds(keeper.pid)  # no connection has been made yet: the keeper's own descriptors
     for rank in range(MAX_KEPT_FDS):
         m, fd = _memfd_model(rank)
         try:
@@ -280,15 +357,17 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
         finally:
             os.close(fd)  # the keeper holds its own copy
         assert (kept.models, kept.bytes) == (rank + 1, (rank + 1) * m.slabs[0].size)
-    open_fds = len(os.listdir(f"/proc/{keeper.pid}/fd"))
+    # every connection closed, every slab held once (the test's copies are closed)
+    assert await _fds_reach(keeper.pid, idle + MAX_KEPT_FDS) == idle + MAX_KEPT_FDS
     m, fd = _memfd_model(MAX_KEPT_FDS)
     with pytest.raises(LimitExceededError, match="one RECLAIM carries at most"):
         await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
     with pytest.raises(ProtocolError, match="owner"):  # fatal: the connection ends
         await kp.keep(path, owner="", backend="host", device_uuid="", model=m, fds=[fd])
     os.close(fd)
-    await asyncio.sleep(0.2)
-    assert len(os.listdir(f"/proc/{keeper.pid}/fd")) == open_fds  # what it refused, it did not keep open
+    # what it refused, it did not keep open (nor the connections it ended)
+    assert await _fds_reach(keeper.pid, idle + MAX_KEPT_FDS) == idle + MAX_KEPT_FDS
+    assert _open_fds(keeper.pid) == idle + MAX_KEPT_FDS  # and it stays so
 
     state, fds, _ = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
     try:
@@ -310,6 +389,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
     moved, fds, _ = await kp.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
     assert moved.models == () and moved.dropped == MAX_KEPT_FDS - 1 and fds == []
     assert (await WCacheClient(path).status()).models == ()
+    assert await _fds_reach(keeper.pid, idle) == idle  # dropped entries are closed
 
     with pytest.raises(NotFoundError, match="is a wcache keeper"):
         await WCacheClient(path).fetch(WeightCacheKey.from_wire(dict(state.models[0].key)))

@@ -136,10 +136,11 @@ class Keeper:
         mine = self._owned(owner)
         return Kept(id=rid, models=len(mine), bytes=sum(e.bytes for e in mine))
 
-    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Serve until stop() or SIGTERM/SIGINT; then close every held descriptor (freeing the memory)."""
+    async def serve(self, on_ready: Callable[[], None] | None = None, *, signals: bool = True) -> None:
+        """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then close every held descriptor (freeing
+        the memory)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
         listener = bind_private_socket(self.socket_path)
