@@ -34,6 +34,12 @@ async def _wait_leases(d: DaemonProc, n: int, deadline: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def _unix_sockets_at(path: Path) -> int:
+    """Sockets bound or connected to ``path`` (its listener and every connection, accepted or still queued)."""
+    with open("/proc/net/unix") as fh:
+        return sum(1 for line in fh if line.rstrip().endswith(str(path)))
+
+
 async def test_daemon_killed_mid_session(daemon: DaemonProc, ckpt: Path) -> None:
     key = WeightCacheKey.from_checkpoint(ckpt)
     client = WCacheClient(daemon.socket, timeout=30)
@@ -41,8 +47,12 @@ async def test_daemon_killed_mid_session(daemon: DaemonProc, ckpt: Path) -> None
     name = "model.norm.weight"
     before = w[name].clone()
     os.kill(daemon.proc.pid, signal.SIGSTOP)  # a request will be in flight when it dies
+    connected = _unix_sockets_at(daemon.socket)
     pending = asyncio.ensure_future(client.fetch(key))
-    await asyncio.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while _unix_sockets_at(daemon.socket) == connected:  # until its connection waits in the stopped daemon's queue
+        assert time.monotonic() < deadline and not pending.done()
+        await asyncio.sleep(0.01)
     t0 = time.monotonic()
     os.kill(daemon.proc.pid, signal.SIGKILL)
     with pytest.raises(CacheUnavailableError, match="closed the connection"):

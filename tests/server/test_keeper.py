@@ -1,13 +1,16 @@
-"""wcache-keeper: a daemon restarted after a crash gets its models back from the keeper, loading nothing.
+"""wcache-keeper: a daemon restarted after a crash gets its models back from the keeper, loading nothing —
+and only what its own checkpoint would give: the keeper binds entries to the holder of the daemon's socket
+lock, caps what it holds, and the daemon checks what it reclaims against the checkpoint on disk.
 
-Real subprocesses: a keeper, daemons started with ``--keeper``, SIGKILL for the crash. The checkpoint
-is changed between the crash and the restart in a byte its fingerprint does not sample: a daemon that
-reloaded from disk would serve that byte, one that reclaimed its slab serves the original.
+Real subprocesses: a keeper, daemons started with ``--keeper``, SIGKILL for the crash. A reclaimed model
+carries its first load's ``load_seconds``: a daemon that reloaded it would report its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -15,7 +18,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +26,25 @@ import torch
 
 from tests.conftest import DaemonProc, run_cli
 from wcache import WCacheClient, WeightCacheKey
+from wcache.channel import connect
 from wcache.checkpoint import SAMPLE_BLOCK
-from wcache.errors import CacheUnavailableError, LimitExceededError, NotFoundError, ProtocolError
+from wcache.errors import (
+    CacheUnavailableError,
+    DeviceMismatchError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    ProtocolError,
+)
 from wcache.nn import load_from_disk
 from wcache.paths import KEEPER_SOCKET
-from wcache.proto import PROTOCOL_VERSION, HandedModel, Hello, Keep, SlabDescriptor, Status, pack_frame
+from wcache.proto import PROTOCOL_VERSION, HandedModel, Hello, Keep, Kept, SlabDescriptor, Status, pack_frame
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.frames import MAX_KEPT_FDS
+from wcache.rank import plan_rank
 from wcache.server import keeper as kp
 from wcache.server.process import DaemonProcess, spawn_keeper
+from wcache.server.security import DaemonLock
 
 
 @pytest.fixture
@@ -65,24 +78,23 @@ def _flip_byte(model: Path, *, sampled: bool) -> None:
 async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
 ) -> None:
-    ref = {k: v.clone() for k, v in load_from_disk(model).items()}  # not views of the file we change
+    ref = {k: v.clone() for k, v in load_from_disk(model).items()}
     key = WeightCacheKey.from_checkpoint(model)
     first = daemon_factory(model, "--keeper")
     assert "kept in keeper" in first.log_text()
+    loaded = (await WCacheClient(first.socket).status()).models[0]
     engine = await WCacheClient(first.socket).fetch(key)
     first.stop(signal.SIGKILL)  # a crash: nothing is cleaned up
-
-    _flip_byte(model, sampled=False)
-    assert WeightCacheKey.from_checkpoint(model) == key
-    assert any(not torch.equal(ref[k], v) for k, v in load_from_disk(model).items())  # disk now differs
 
     second = daemon_factory(model, "--keeper")
     log = second.log_text()
     assert "reclaimed from keeper" in log and "models=1" in log
     assert "nothing loaded" in log and "loaded bytes_read" not in log
+    (served,) = (await WCacheClient(second.socket).status()).models
+    assert served.load_seconds == loaded.load_seconds  # the first load's: not loaded again
     async with await WCacheClient(second.socket).fetch(key) as w:
         assert w.server.server_pid == second.pid
-        assert all(torch.equal(w[k], v) for k, v in ref.items())  # the kept bytes, not the changed file
+        assert all(torch.equal(w[k], v) for k, v in ref.items())
     assert all(torch.equal(engine[k], v) for k, v in ref.items())  # the engine's mapping outlived the crash
     await engine.release()  # its daemon is gone: not an error
 
@@ -197,6 +209,56 @@ async def test_a_restarted_keeper_gets_the_models_again(
         again.stop()
 
 
+class _Connections:
+    """How many connections a socket has accepted: a daemon's periodic keeper checks each make one, so a test
+    waits for N checks by waiting for N connections (not for a time it hopes N checks fit in)."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self._changed = asyncio.Event()
+
+    def one(self) -> None:
+        self.accepted += 1
+        self._changed.set()
+
+    async def reach(self, n: int, deadline_s: float = 60.0) -> int:
+        async with asyncio.timeout(deadline_s):
+            while self.accepted < n:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.accepted
+
+
+class _CountingKeeper(kp.Keeper):
+    """A real keeper, in the test's process, that counts the connections it accepts and the KEEPs it gets."""
+
+    def __init__(self, socket_path: Path, limits: kp.KeeperLimits | None = None) -> None:
+        super().__init__(socket_path, limits=limits)
+        self.connections = _Connections()
+        self.keeps = 0
+
+    def _accepted(self, sock: socket.socket) -> None:
+        self.connections.one()
+        super()._accepted(sock)
+
+    def _keep(self, req: Keep, fds: list[int], pid: int) -> Kept:
+        self.keeps += 1
+        return super()._keep(req, fds, pid)
+
+
+@contextlib.asynccontextmanager
+async def _keeper_here(socket_dir: Path, limits: kp.KeeperLimits | None = None) -> AsyncIterator[_CountingKeeper]:
+    k = _CountingKeeper(socket_dir / KEEPER_SOCKET, limits)
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(k.serve(ready.set, signals=False))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        yield k
+    finally:
+        k.stop()
+        await task
+
+
 async def test_a_keeper_started_after_the_daemon_gets_its_models(
     daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:
@@ -207,7 +269,20 @@ async def test_a_keeper_started_after_the_daemon_gets_its_models(
         assert await _kept_models(k.socket) == [WeightCacheKey.from_checkpoint(model).to_wire()]
     finally:
         k.stop()
-    await asyncio.sleep(1.5)  # ~7 checks with the keeper gone
+    # the keeper is gone; in its place a socket that hangs up on every check (each one fails, as with no
+    # socket at all) and counts them
+    checks = _Connections()
+
+    def hang_up(_: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        checks.one()
+        w.close()
+
+    server = await asyncio.start_unix_server(hang_up, path=k.socket)
+    try:
+        await checks.reach(7)
+    finally:
+        server.close()
+        await server.wait_closed()
     # one line each time the keeper goes away (before it first started, if a check ran then), not one per check
     assert 1 <= d.log_text().count("unreachable") <= 2
 
@@ -230,23 +305,17 @@ async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:
 
 
 async def test_a_refused_model_is_not_offered_again_every_check(
-    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+    daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:
-    """The keeper already holds 16 slabs for this socket: the daemon's KEEP is refused (LIMIT_EXCEEDED) at start
-    and at most once more by the periodic check — one warning, not one every check — and it serves on."""
-    owner = str(socket_dir / "wcache-rank0.sock")
-    for rank in range(MAX_KEPT_FDS):
-        m, fd = _memfd_model(rank)
-        await kp.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
-        os.close(fd)
-    d = daemon_factory(model, "--keeper", "--keeper-check", "0.1")
-    # the placeholders are unsealed memfds: the host backend refuses to serve them, and loads as usual
-    assert "could not adopt the reclaimed slabs" in d.log_text() and "not sealed" in d.log_text()
-    await asyncio.sleep(1.5)  # ~15 checks
-    log = d.log_text()
-    assert "one RECLAIM carries at most" in log and log.count("did not keep") <= 2
-    async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
-        assert len(w) > 0
+    """A keeper too small for the model (``--max-bytes``) refuses its KEEP (LIMIT_EXCEEDED) at start and at most
+    once more in 15 periodic checks — not once every check — and the daemon serves on."""
+    async with _keeper_here(socket_dir, kp.KeeperLimits(bytes=4096)) as keeper:
+        # the keeper runs in this process: wait for the daemon in a thread
+        d = await asyncio.to_thread(daemon_factory, model, "--keeper", "--keeper-check", "0.1")
+        await keeper.connections.reach(keeper.connections.accepted + 15)  # 15 more checks
+        assert 1 <= keeper.keeps <= 2 and keeper.entries == {}
+        async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
+            assert len(w) > 0
 
 
 def test_keeper_check_must_be_positive(model: Path, socket_dir: Path) -> None:
@@ -261,18 +330,61 @@ def test_keeper_check_must_be_positive(model: Path, socket_dir: Path) -> None:
     assert r.returncode == 2 and "--keeper-check must be a positive number of seconds" in r.stderr
 
 
-def _memfd_model(tp_rank: int) -> tuple[HandedModel, int]:
+def _sealed_memfd(size: int, data: bytes = b"", *, seals: int = kp.HOST_SEALS) -> int:
+    fd = os.memfd_create("wcache-test-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if data:
+        os.pwrite(fd, data, 0)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _memfd_model(tp_rank: int, *, seals: int = kp.HOST_SEALS) -> tuple[HandedModel, int]:
     keep = EXAMPLES["KEEP"]
     assert isinstance(keep, Keep)
     example = keep.model
-    fd = os.memfd_create("wcache-test-slab")
-    os.ftruncate(fd, example.slabs[0].size)
+    fd = _sealed_memfd(example.slabs[0].size, seals=seals)
     key = dict(example.key, tp_rank=tp_rank, tp_size=MAX_KEPT_FDS + 1)
     return HandedModel(key, (SlabDescriptor(size=example.slabs[0].size, kind="memfd", fd=0),), example.tensors), fd
 
 
-async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hold(keeper: DaemonProcess) -> None:
-    path, owner = keeper.socket, "/run/wcache/rank0.sock"
+@contextlib.contextmanager
+def _holding_lock(socket_path: Path) -> Iterator[str]:
+    """This process as the daemon of ``socket_path`` (it holds its lock): the owner the keeper accepts from it."""
+    lock = DaemonLock(socket_path)
+    lock.acquire()
+    try:
+        yield str(socket_path)
+    finally:
+        lock.release()
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _fds_reach(pid: int, want: int, deadline_s: float = 30.0) -> int:
+    """The number of descriptors process ``pid`` has open, once it is ``want`` (or the deadline passed). A
+    client's close reaches the keeper asynchronously: the socket of a connection just answered, and the
+    descriptors a refused KEEP brought, are closed by the keeper a moment after the reply — so wait for the
+    count rather than read it once (a leak never reaches ``want`` and fails at the deadline)."""
+    t_end = asyncio.get_running_loop().time() + deadline_s
+    while (n := _open_fds(pid)) != want and asyncio.get_running_loop().time() < t_end:
+        await asyncio.sleep(0.02)
+    return n
+
+
+async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hold(
+    keeper: DaemonProcess, socket_dir: Path
+) -> None:
+    with _holding_lock(socket_dir / "rank0.sock") as owner, _holding_lock(socket_dir / "elsewhere.sock") as other:
+        await _keep_reclaim_unkeep(keeper, owner, other)
+
+
+async def _keep_reclaim_unkeep(keeper: DaemonProcess, owner: str, elsewhere: str) -> None:
+    path = keeper.socket
+    idle = _open_fds(keeper.pid)  # no connection has been made yet: the keeper's own descriptors
     for rank in range(MAX_KEPT_FDS):
         m, fd = _memfd_model(rank)
         try:
@@ -280,15 +392,17 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
         finally:
             os.close(fd)  # the keeper holds its own copy
         assert (kept.models, kept.bytes) == (rank + 1, (rank + 1) * m.slabs[0].size)
-    open_fds = len(os.listdir(f"/proc/{keeper.pid}/fd"))
+    # every connection closed, every slab held once (the test's copies are closed)
+    assert await _fds_reach(keeper.pid, idle + MAX_KEPT_FDS) == idle + MAX_KEPT_FDS
     m, fd = _memfd_model(MAX_KEPT_FDS)
     with pytest.raises(LimitExceededError, match="one RECLAIM carries at most"):
         await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
     with pytest.raises(ProtocolError, match="owner"):  # fatal: the connection ends
         await kp.keep(path, owner="", backend="host", device_uuid="", model=m, fds=[fd])
     os.close(fd)
-    await asyncio.sleep(0.2)
-    assert len(os.listdir(f"/proc/{keeper.pid}/fd")) == open_fds  # what it refused, it did not keep open
+    # what it refused, it did not keep open (nor the connections it ended)
+    assert await _fds_reach(keeper.pid, idle + MAX_KEPT_FDS) == idle + MAX_KEPT_FDS
+    assert _open_fds(keeper.pid) == idle + MAX_KEPT_FDS  # and it stays so
 
     state, fds, _ = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
     try:
@@ -298,7 +412,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
     finally:
         for fd in fds:
             os.close(fd)
-    other, _, _ = await kp.reclaim(path, owner="/elsewhere.sock", backend="host", device_uuid="")
+    other, _, _ = await kp.reclaim(path, owner=elsewhere, backend="host", device_uuid="")
     assert other.models == () and other.dropped == 0
 
     kept = await kp.unkeep(path, owner=owner, key=state.models[0].key)
@@ -310,6 +424,7 @@ async def test_keeper_answers_keep_reclaim_unkeep_and_refuses_what_it_cannot_hol
     moved, fds, _ = await kp.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
     assert moved.models == () and moved.dropped == MAX_KEPT_FDS - 1 and fds == []
     assert (await WCacheClient(path).status()).models == ()
+    assert await _fds_reach(keeper.pid, idle) == idle  # dropped entries are closed
 
     with pytest.raises(NotFoundError, match="is a wcache keeper"):
         await WCacheClient(path).fetch(WeightCacheKey.from_wire(dict(state.models[0].key)))
@@ -340,10 +455,220 @@ def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonPr
     assert second.proc.wait(30) != 0
     assert f"pid {keeper.pid}" in second.log_text()  # names the holder of the lock
     m, fd = _memfd_model(0)
-    asyncio.run(kp.keep(keeper.socket, owner="/o.sock", backend="host", device_uuid="", model=m, fds=[fd]))
-    os.close(fd)
-    assert keeper.stop() == 0
-    assert "models_freed=1" in keeper.log_text()
-    assert not keeper.socket.exists()
-    with pytest.raises(CacheUnavailableError):
-        asyncio.run(kp.reclaim(keeper.socket, owner="/o.sock", backend="host", device_uuid=""))
+    with _holding_lock(socket_dir / "o.sock") as owner:
+        asyncio.run(kp.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd]))
+        os.close(fd)
+        assert keeper.stop() == 0
+        assert "models_freed=1" in keeper.log_text()
+        assert not keeper.socket.exists()
+        with pytest.raises(CacheUnavailableError):
+            asyncio.run(kp.reclaim(keeper.socket, owner=owner, backend="host", device_uuid=""))
+
+
+# ---------------------------------------------------------------------- what the keeper and the daemon do not trust
+
+
+def _forged(ckpt: Path, *, key: WeightCacheKey | None = None) -> tuple[HandedModel, int]:
+    """A model as the daemon of ``ckpt`` would deposit it — key, tensor table, slab size, source — whose
+    slab holds random bytes instead of the checkpoint's (a sealed memfd, as the keeper demands)."""
+    layout = plan_rank(ckpt).layout
+    fd = _sealed_memfd(layout.total_bytes, os.urandom(layout.total_bytes))
+    model = HandedModel(
+        (key or WeightCacheKey.from_checkpoint(ckpt)).to_wire(),
+        (SlabDescriptor(size=layout.total_bytes, kind="memfd", fd=0),),
+        layout.table(),
+        dict(layout.aliases),
+        layout.payload_bytes,
+        1.0,
+        str(ckpt),
+    )
+    return model, fd
+
+
+async def _deposit(keeper: Path, owner: str, model: HandedModel, fd: int) -> None:
+    try:
+        await kp.keep(keeper, owner=owner, backend="host", device_uuid="", model=model, fds=[fd])
+    finally:
+        os.close(fd)
+
+
+async def test_only_the_daemon_holding_its_socket_lock_may_keep_reclaim_or_unkeep(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    """Another process of the uid that names a running daemon's socket cannot deposit slabs for it, take its
+    slabs (a cuda_vmm descriptor could be mapped writable) or drop them; nor can it for a socket nobody serves.
+    PERMISSION_DENIED, and the daemon's entry stays."""
+    d = daemon_factory(model, "--keeper")
+    key = WeightCacheKey.from_checkpoint(model)
+    assert await _kept_models(keeper.socket) == [key.to_wire()]
+    owner = str(d.socket)
+    m, fd = _forged(model)
+    with pytest.raises(PermissionDeniedError, match=f"pid {d.pid}"):
+        await _deposit(keeper.socket, owner, m, fd)
+    with pytest.raises(PermissionDeniedError, match="only the daemon serving that socket"):
+        await kp.reclaim(keeper.socket, owner=owner, backend="host", device_uuid="")
+    with pytest.raises(PermissionDeniedError):
+        await kp.unkeep(keeper.socket, owner=owner, key=key.to_wire())
+    m, fd = _forged(model)
+    with pytest.raises(PermissionDeniedError, match="nobody holds it"):
+        await _deposit(keeper.socket, str(socket_dir / "nobody.sock"), m, fd)
+    assert [m.key for m in (await WCacheClient(keeper.socket).status()).models] == [key.to_wire()]
+
+
+async def test_keeper_refuses_slabs_it_could_not_serve(keeper: DaemonProcess, socket_dir: Path) -> None:
+    """A host slab must be a memfd of its declared size sealed against writes and resizing; a slab's kind must
+    be its backend's. Anything else is refused with nothing kept (and nothing left open in the keeper)."""
+    idle = _open_fds(keeper.pid)
+    with _holding_lock(socket_dir / "rank0.sock") as owner:
+
+        async def keep(m: HandedModel, fd: int, backend: str = "host") -> None:
+            try:
+                await kp.keep(keeper.socket, owner=owner, backend=backend, device_uuid="", model=m, fds=[fd])
+            finally:
+                os.close(fd)
+
+        with pytest.raises(ProtocolError, match="not sealed"):  # writable: its bytes could change under engines
+            await keep(*_memfd_model(0, seals=0))
+        with pytest.raises(ProtocolError, match="not sealed"):
+            await keep(*_memfd_model(0, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW))
+        m, fd = _memfd_model(0)
+        big = HandedModel(m.key, (SlabDescriptor(size=m.slabs[0].size + 4096, kind="memfd", fd=0),), m.tensors)
+        with pytest.raises(ProtocolError, match="bytes, its slab"):
+            await keep(big, fd)
+        r, w = os.pipe()
+        os.close(w)
+        with pytest.raises(ProtocolError, match="not a memfd"):
+            await keep(_memfd_model(0)[0], r)
+        with pytest.raises(DeviceMismatchError, match="memfd slab cannot be served by the cuda backend"):
+            await keep(*_memfd_model(0), backend="cuda")
+    assert (await WCacheClient(keeper.socket).status()).models == ()
+    assert await _fds_reach(keeper.pid, idle) == idle
+
+
+async def _connections_reach(keeper: kp.Keeper, n: int, deadline_s: float = 30.0) -> None:
+    """Until the keeper serves ``n`` connections (a client's close reaches it a moment later)."""
+    t_end = asyncio.get_running_loop().time() + deadline_s
+    while len(keeper._tasks) != n:
+        assert asyncio.get_running_loop().time() < t_end, f"{len(keeper._tasks)} connections, want {n}"
+        await asyncio.sleep(0.01)
+
+
+async def test_keeper_caps_refuse_with_limit_exceeded_and_spare_other_owners(socket_dir: Path) -> None:
+    """Caps on owners, slabs in all and connections (LIMIT_EXCEEDED; the keeper, and every owner's entries,
+    as they were), and an idle connection closed after its deadline."""
+    limits = kp.KeeperLimits(connections=4, owners=2, fds=3, idle_seconds=0.5)
+    async with _keeper_here(socket_dir, limits) as keeper:
+        path = keeper.socket_path
+        with (
+            _holding_lock(socket_dir / "a.sock") as a,
+            _holding_lock(socket_dir / "b.sock") as b,
+            _holding_lock(socket_dir / "c.sock") as c,
+        ):
+            for owner, rank in ((a, 0), (a, 1), (b, 0)):
+                await _deposit(path, owner, *_memfd_model(rank))
+            with pytest.raises(LimitExceededError, match="would hold 4 slabs"):
+                await _deposit(path, b, *_memfd_model(1))
+            with pytest.raises(LimitExceededError, match="slabs for 2 daemons"):
+                await _deposit(path, c, *_memfd_model(0))
+            await _deposit(path, a, *_memfd_model(1))  # replacing an entry stays within the caps
+            for owner, n in ((a, 2), (b, 1)):
+                state, fds, _ = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
+                for fd in fds:
+                    os.close(fd)
+                assert len(state.models) == n and state.dropped == 0
+
+            await _connections_reach(keeper, 0)  # the requests' connections have closed
+            idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(limits.connections)]
+            try:
+                for s in idle:
+                    s.setblocking(False)
+                    await asyncio.get_running_loop().sock_connect(s, str(path))
+                await _connections_reach(keeper, limits.connections)
+                with pytest.raises(LimitExceededError, match="connections open"):
+                    await kp.reclaim(path, owner=a, backend="host", device_uuid="")
+            finally:
+                for s in idle:
+                    s.close()
+            await _connections_reach(keeper, 0)
+            state, fds, _ = await kp.reclaim(path, owner=a, backend="host", device_uuid="")
+            for fd in fds:
+                os.close(fd)
+            assert len(state.models) == 2
+
+            # a peer that completes the handshake and then says nothing is closed after idle_seconds
+            ch, _ = await connect(path, software="test", name="idle")
+            try:
+                with pytest.raises((EOFError, ConnectionError, CacheUnavailableError)):
+                    await asyncio.wait_for(ch.receive(), 30)
+            finally:
+                ch.close()
+
+
+async def test_forged_slabs_are_not_served_and_do_not_spoil_the_real_one(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, tied_ckpt: Path
+) -> None:
+    """While no daemon runs, a process of the uid takes the daemon's lock and deposits forged models: random
+    bytes under another checkpoint's true key and table, and a float32 key of it over its bfloat16 table. The
+    restarted daemon checks each reclaimed model against its checkpoint, drops (and UNKEEPs) the forgeries and
+    serves the real one as reclaimed."""
+    first = daemon_factory(model, "--keeper")
+    loaded = (await WCacheClient(first.socket).status()).models[0]
+    first.stop(signal.SIGKILL)
+    tied = WeightCacheKey.from_checkpoint(tied_ckpt)
+    with _holding_lock(first.socket) as owner:
+        await _deposit(keeper.socket, owner, *_forged(tied_ckpt))
+        await _deposit(
+            keeper.socket, owner, *_forged(tied_ckpt, key=WeightCacheKey.from_checkpoint(tied_ckpt, dtype="float32"))
+        )
+    assert len((await WCacheClient(keeper.socket).status()).models) == 3
+
+    second = daemon_factory(model, "--keeper")
+    (served,) = (await WCacheClient(second.socket).status()).models
+    assert served.key == loaded.key and served.load_seconds == loaded.load_seconds  # reclaimed, not reloaded
+    assert [m.key for m in (await WCacheClient(keeper.socket).status()).models] == [loaded.key]
+    ref = load_from_disk(tied_ckpt)
+    await WCacheClient(second.socket).preload(tied_ckpt)
+    async with await WCacheClient(second.socket).fetch(tied) as w:  # the checkpoint's bytes
+        assert all(torch.equal(w[k], v) for k, v in ref.items())
+
+
+async def test_a_forged_slab_under_the_daemons_own_key_is_dropped_and_the_model_loaded(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    first = daemon_factory(model, "--keeper")
+    first.stop(signal.SIGKILL)
+    with _holding_lock(first.socket) as owner:
+        await _deposit(keeper.socket, owner, *_forged(model))  # replaces the real entry
+    second = daemon_factory(model, "--keeper")
+    ref = load_from_disk(model)
+    async with await WCacheClient(second.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
+        assert all(torch.equal(w[k], v) for k, v in ref.items())  # the checkpoint's bytes, not the forgery's
+
+
+def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path, tmp_path: Path) -> None:
+    """Daemon side: a reclaimed slab the backend refuses (its memfd smaller than the slab) drops that model
+    only; the other is checked and served."""
+    from wcache.proto import Reclaimed
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.cli import adopt
+    from wcache.server.reclaim import admit
+    from wcache.server.store import load_model
+
+    backend = HostBackend()
+    good = load_model(model, backend=backend)
+    try:
+        fds: list[int] = []
+        descs = good.export(fds)
+        fds = [os.dup(fd) for fd in fds]
+        bad, bad_fd = _memfd_model(0)
+        bad = HandedModel(bad.key, (SlabDescriptor(size=1 << 30, kind="memfd", fd=1),), bad.tensors)
+        state = Reclaimed(id=1, models=(bad, good.handed(descs)), dropped=0)
+        link = kp.KeeperLink(tmp_path / "no-keeper.sock", owner=tmp_path / "d.sock", backend="host", device_uuid="")
+        served, dropped = admit(link, state, [*fds, bad_fd], backend, adopt)
+        try:
+            assert [m.key for m in served] == [good.key] and dropped == 1
+        finally:
+            for m in served:
+                m.close()
+    finally:
+        good.close()

@@ -358,9 +358,12 @@ def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list
     return models, listener
 
 
-def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
-    """--keeper: the models the keeper holds for this daemon's socket, adopted (none if it is not running)."""
+def reclaim(link: KeeperLink, backend: Backend, plan_file: Path | None = None) -> list[ServedModel]:
+    """--keeper: the models the keeper holds for this daemon's socket that pass the checks against their
+    checkpoint (wcache/server/reclaim.py), adopted; none if it is not running."""
     import asyncio
+
+    from wcache.server.reclaim import admit
 
     t0 = time.perf_counter()
     try:
@@ -368,17 +371,8 @@ def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
     except (WCacheError, OSError, TimeoutError) as exc:
         log.warning("keeper %s: nothing reclaimed (%s); loading as usual", link.path, exc)
         return []
-    try:
-        models = adopt(state.models, fds, backend)
-    except Exception as exc:  # a slab that cannot be imported here: load as usual
-        log.warning("keeper %s: could not adopt the reclaimed slabs (%s); loading as usual", link.path, exc)
-        return []
+    models, stale = admit(link, state, fds, backend, adopt, plan_file=plan_file)  # one bad model drops alone
     link.reclaimed(models)
-    stale = [m for m in models if _changed_on_disk(m)]
-    for m in stale:
-        m.close()
-        asyncio.run(link.unkeep(m))
-    models = [m for m in models if all(m is not x for x in stale)]
     log.info(
         "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d stale=%d seconds=%.3f",
         link.path,
@@ -386,35 +380,10 @@ def reclaim(link: KeeperLink, backend: Backend) -> list[ServedModel]:
         len(models),
         sum(m.slab_bytes for m in models),
         state.dropped,
-        len(stale),
+        stale,
         time.perf_counter() - t0,
     )
     return models
-
-
-def _changed_on_disk(model: ServedModel) -> bool:
-    """A kept model is stale if the checkpoint it was loaded from now has another (sampled) fingerprint:
-    the files were replaced while no daemon ran. A checkpoint that cannot be read leaves it served."""
-    from wcache.checkpoint import Checkpoint
-
-    if model.source is None or model.key.fingerprint_kind != "sampled":
-        return False
-    try:
-        now = Checkpoint.open(model.source).fingerprint()
-    except (WCacheError, OSError) as exc:
-        log.info("kept key=%s: its checkpoint %s cannot be read (%s); serving it", model.key.short(), model.source, exc)
-        return False
-    if now == model.key.fingerprint:
-        return False
-    log.info(
-        "dropping kept key=%s bytes=%d: its checkpoint %s changed since (fingerprint %s, now %s)",
-        model.key.short(),
-        model.slab_bytes,
-        model.source,
-        model.key.fingerprint[:12],
-        now[:12],
-    )
-    return True
 
 
 def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> None:
@@ -491,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
                 Path(os.path.abspath(kpath)), owner=sock_path, backend=backend.name, device_uuid=backend.device.uuid
             )
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
-                reclaimed = handed = reclaim(link, backend)
+                reclaimed = handed = reclaim(link, backend, args.shard_plan)
         store = Store(backend, handed, budget=args.memory_budget or None)
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget

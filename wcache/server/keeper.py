@@ -16,6 +16,21 @@ the keeper (SIGTERM) frees it all. One keeper serves every daemon of its user on
 (entries belong to the depositing daemon's socket path, the ``owner``); the same private
 socket directory, SO_PEERCRED uid check and one-process lock protect it as they do the daemon.
 
+What the keeper does not take on trust (docs/security.md, "The keeper"):
+
+- the owner: KEEP, UNKEEP and RECLAIM for an owner come only from the process that holds that
+  socket's lock (``<owner>.lock``, the daemon's ``flock``; the peer's pid from SO_PEERCRED, the
+  lock's holder from /proc/locks) — else ``PERMISSION_DENIED``;
+- the descriptors: a host slab must be a memfd of its declared size sealed against writes and
+  resizing, a slab's kind must be its backend's (else a fatal ``PROTOCOL_ERROR`` /
+  ``DEVICE_MISMATCH``); a RECLAIM checks them again and drops (and counts) a bad entry alone;
+- the peers' appetite: connections, owners, descriptors and bytes are capped (``LIMIT_EXCEEDED``,
+  which leaves every other owner's entries as they were), and a connection idle after its
+  handshake is closed.
+
+The daemon in turn checks what it reclaims against the checkpoint on disk before serving it
+(wcache/server/reclaim.py).
+
     wcache-keeper [--socket-dir DIR | --socket-path PATH]
     wcache-server --model DIR --keeper [PATH] ...
 """
@@ -25,8 +40,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -42,6 +59,7 @@ from wcache import __version__
 from wcache.channel import Channel, close_fds, connect, expect, peer_credentials
 from wcache.errors import (
     CacheUnavailableError,
+    DeviceMismatchError,
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
@@ -62,6 +80,7 @@ from wcache.proto import (
     Reclaim,
     Reclaimed,
     Role,
+    SlabDescriptor,
     Status,
     StatusReply,
     Unkeep,
@@ -73,13 +92,35 @@ from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_
 if TYPE_CHECKING:
     from wcache.server.store import ServedModel
 
-__all__ = ["Keeper", "KeeperLink", "keep", "keeper_socket", "main", "reclaim", "unkeep"]
+__all__ = ["Keeper", "KeeperLimits", "KeeperLink", "keep", "keeper_socket", "main", "reclaim", "unkeep"]
 
 log = logging.getLogger("wcache.keeper")
 
 _F = TypeVar("_F", Kept, Reclaimed)
 
 SOFTWARE = f"wcache-keeper/{__version__}"
+
+
+#: seals a host slab must carry to be kept or reclaimed (those the host backend adds, and demands to adopt
+#: one): nobody, its creator included, can change its bytes (F_SEAL_WRITE: no write, no writable mapping)
+#: or its size, nor remove a seal
+HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: the slab kinds a backend serves
+SLAB_KINDS = {"host": ("memfd",), "cuda": ("cuda_vmm",)}
+
+
+@dataclass(frozen=True)
+class KeeperLimits:
+    """What one keeper holds at most (docs/protocol.md §4.11). Per owner, MAX_KEPT_FDS slabs (one RECLAIMED
+    carries them all); in all, ``owners`` owners, ``fds`` slabs and ``bytes`` bytes (0: no byte cap). A
+    refused KEEP changes nothing, for its owner or any other."""
+
+    connections: int = 64
+    owners: int = 64
+    fds: int = 1024
+    bytes: int = 0
+    #: a connection silent this long after its handshake is closed (a daemon sends one request per connection)
+    idle_seconds: float = 30.0
 
 
 def _key_id(key: dict[str, str | int]) -> bytes:
@@ -108,14 +149,79 @@ class _Entry:
         close_fds(self.fds)
 
 
-class Keeper:
-    """The asyncio server. ``entries``: (owner, packed key) -> what is held."""
+def slab_problem(backend: str, desc: SlabDescriptor, fd: int) -> str | None:
+    """Why the descriptor ``fd`` cannot stand for the slab ``desc`` of a ``backend`` model (None: it can).
+    A host slab must be a memfd of exactly its size, sealed (HOST_SEALS); a CUDA slab's descriptor is
+    the driver's and cannot be inspected here beyond its kind."""
+    kinds = SLAB_KINDS.get(backend)
+    if kinds is None:
+        return f"backend {backend!r} is neither host nor cuda"
+    if desc.kind not in kinds:
+        return f"a {desc.kind} slab cannot be served by the {backend} backend"
+    if backend != "host":
+        return None
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        size = os.fstat(fd).st_size
+    except OSError:
+        return "the descriptor is not a memfd"
+    if seals & HOST_SEALS != HOST_SEALS:
+        return (
+            "the memfd is not sealed against writes and resizing (F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL)"
+        )
+    if size != desc.size:
+        return f"the memfd has {size} bytes, its slab {desc.size}"
+    return None
 
-    def __init__(self, socket_path: Path, *, handshake_timeout: float = 10.0, frame_timeout: float = 10.0) -> None:
+
+def lock_holder(owner: str) -> int:
+    """The pid that holds the ``flock`` of the daemon lock ``<owner>.lock`` (0: none, or not visible to us).
+    Read from /proc/locks, matched by device and inode: the lock file's content is not trusted (any
+    process of the uid can write it)."""
+    try:
+        st = os.stat(owner + ".lock")
+        with open("/proc/locks") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return 0
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:
+        f = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 12345 fe:00:2148881 0 EOF"; waiters ("1: -> FLOCK ...") hold nothing
+        if len(f) < 6 or f[1] != "FLOCK" or f[3] != "WRITE":
+            continue
+        try:
+            maj, mnr, ino = f[5].split(":")
+            if (int(maj, 16), int(mnr, 16), int(ino)) == want:
+                return int(f[4])
+        except ValueError:
+            continue
+    return 0
+
+
+class Keeper:
+    """The asyncio server. ``entries``: (owner, packed key) -> what is held.
+
+    ``check_owner``: only the holder of ``<owner>.lock`` may KEEP, UNKEEP or RECLAIM for ``owner``
+    (``wcache-keeper --no-owner-check`` turns it off, for daemons in a pid namespace the keeper cannot see)."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        handshake_timeout: float = 10.0,
+        frame_timeout: float = 10.0,
+        limits: KeeperLimits | None = None,
+        check_owner: bool = True,
+    ) -> None:
         self.socket_path = Path(socket_path)
         self.handshake_timeout = handshake_timeout
         self.frame_timeout = frame_timeout
+        self.limits = limits or KeeperLimits()
+        self.check_owner = check_owner
         self.entries: dict[tuple[str, bytes], _Entry] = {}
+        #: entries dropped because they could not be served: reason -> count (logged; kept for tests)
+        self.dropped: dict[str, int] = {}
         self.started = time.monotonic()
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -129,17 +235,38 @@ class Keeper:
     def held_bytes(self) -> int:
         return sum(e.bytes for e in self.entries.values())
 
+    @property
+    def held_fds(self) -> int:
+        return sum(len(e.fds) for e in self.entries.values())
+
     def _owned(self, owner: str) -> list[_Entry]:
         return [e for (o, _), e in self.entries.items() if o == owner]
+
+    def _authorise(self, owner: str, pid: int, what: str) -> None:
+        """``pid`` (SO_PEERCRED) must hold ``owner``'s daemon lock: a process of the uid that merely names a
+        socket path may not deposit slabs a daemon would serve, nor take a daemon's slabs, nor drop them."""
+        if not owner:
+            raise ProtocolError(f"{what}.owner: the depositing daemon's socket path is required")
+        if not self.check_owner:
+            return
+        holder = lock_holder(owner)
+        if holder != pid or pid <= 0:
+            raise PermissionDeniedError(
+                f"{what} for {owner}: only the daemon serving that socket (the holder of {owner}.lock"
+                + (f", pid {holder}" if holder else ": nobody holds it")
+                + f") may {what} its slabs; this peer is pid {pid}",
+                details={"owner": owner, "peer_pid": pid, "holder_pid": holder},
+            )
 
     def _kept(self, rid: int, owner: str) -> Kept:
         mine = self._owned(owner)
         return Kept(id=rid, models=len(mine), bytes=sum(e.bytes for e in mine))
 
-    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Serve until stop() or SIGTERM/SIGINT; then close every held descriptor (freeing the memory)."""
+    async def serve(self, on_ready: Callable[[], None] | None = None, *, signals: bool = True) -> None:
+        """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then close every held descriptor (freeing
+        the memory)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop)
         listener = bind_private_socket(self.socket_path)
@@ -184,6 +311,16 @@ class Keeper:
                 )
                 await ch.send_bytes(conn.fatal_error(err))
                 return
+            if len(self._tasks) > self.limits.connections:
+                log.warning(
+                    "refused %s pid=%d reason=connection-limit limit=%d", self._tag, pid, self.limits.connections
+                )
+                limit = LimitExceededError(
+                    f"the keeper has {self.limits.connections} connections open (its limit); try again later",
+                    details={"limit": self.limits.connections},
+                )
+                await asyncio.wait_for(ch.send_bytes(conn.fatal_error(limit)), 1.0)
+                return
             hello, _ = await asyncio.wait_for(ch.receive(), self.handshake_timeout)
             assert isinstance(hello, Hello)  # the transition table admits nothing else here
             device = DeviceInfo(kind="cpu", index=0, uuid="", name="wcache keeper")
@@ -191,7 +328,9 @@ class Keeper:
                 conn.hello_reply(hello, software=SOFTWARE, backend="host", device=device, server_pid=os.getpid())
             )
             while True:
-                frame, fds = await ch.receive(frame_timeout=self.frame_timeout)
+                frame, fds = await asyncio.wait_for(
+                    ch.receive(frame_timeout=self.frame_timeout), self.limits.idle_seconds
+                )
                 try:
                     await self._dispatch(ch, frame, fds, pid)
                 except WCacheError as exc:
@@ -218,6 +357,7 @@ class Keeper:
         if isinstance(frame, Keep):
             await ch.send(self._keep(frame, fds, pid))
         elif isinstance(frame, Unkeep):
+            self._authorise(frame.owner, pid, "UNKEEP")
             gone = self.entries.pop((frame.owner, _key_id(frame.key)), None)
             if gone is None:
                 raise NotFoundError(
@@ -249,19 +389,21 @@ class Keeper:
             )
 
     def _keep(self, req: Keep, fds: list[int], pid: int) -> Kept:
-        if not req.owner:
-            raise ProtocolError("KEEP.owner: the depositing daemon's socket path is required")
+        self._authorise(req.owner, pid, "KEEP")
+        for desc in req.model.slabs:
+            problem = slab_problem(req.backend, desc, fds[desc.fd])
+            if problem is not None:
+                if req.backend in SLAB_KINDS and desc.kind not in SLAB_KINDS[req.backend]:
+                    raise DeviceMismatchError(f"KEEP: {problem}; nothing kept", details={"backend": req.backend})
+                raise ProtocolError(f"KEEP: {problem}; nothing kept (a kept host slab must be a sealed memfd)")
         k = (req.owner, _key_id(req.model.key))
-        others = sum(len(e.fds) for e in self._owned(req.owner) if e is not self.entries.get(k))
-        if others + len(fds) > MAX_KEPT_FDS:
-            raise LimitExceededError(
-                f"{req.owner} would have {others + len(fds)} slabs kept; one RECLAIM carries at most {MAX_KEPT_FDS}",
-                details={"limit": MAX_KEPT_FDS},
-            )
-        entry = _Entry(req.owner, req.backend, req.device_uuid, req.model, list(fds), req.pid or pid, time.time())
+        old = self.entries.get(k)
+        mine = [e for e in self._owned(req.owner) if e is not old]
+        self._check_limits(req, mine, old, len(fds))
+        entry = _Entry(req.owner, req.backend, req.device_uuid, req.model, list(fds), pid, time.time())
         fds.clear()  # the entry owns them now
-        old = self.entries.pop(k, None)
         if old is not None:
+            del self.entries[k]
             old.close()
         self.entries[k] = entry
         kept = self._kept(req.id, req.owner)
@@ -280,9 +422,55 @@ class Keeper:
         )
         return kept
 
+    def _check_limits(self, req: Keep, mine: list[_Entry], old: _Entry | None, nfds: int) -> None:
+        """LIMIT_EXCEEDED if keeping ``req`` (replacing ``old``) would pass a cap; ``mine``: the owner's other
+        entries. Nothing is changed either way."""
+        lim = self.limits
+        owner_fds = sum(len(e.fds) for e in mine) + nfds
+        if owner_fds > MAX_KEPT_FDS:
+            raise LimitExceededError(
+                f"{req.owner} would have {owner_fds} slabs kept; one RECLAIM carries at most {MAX_KEPT_FDS}",
+                details={"limit": MAX_KEPT_FDS},
+            )
+        if not mine and old is None and len({o for o, _ in self.entries}) >= lim.owners:
+            raise LimitExceededError(
+                f"the keeper holds slabs for {lim.owners} daemons (its --max-owners); {req.owner} is not kept",
+                details={"limit": lim.owners},
+            )
+        total_fds = self.held_fds - (len(old.fds) if old is not None else 0) + nfds
+        if total_fds > lim.fds:
+            raise LimitExceededError(
+                f"the keeper would hold {total_fds} slabs (its --max-fds is {lim.fds}); {req.owner} is not kept",
+                details={"limit": lim.fds},
+            )
+        nbytes = sum(s.size for s in req.model.slabs)
+        total_bytes = self.held_bytes - (old.bytes if old is not None else 0) + nbytes
+        if lim.bytes and total_bytes > lim.bytes:
+            raise LimitExceededError(
+                f"the keeper would hold {total_bytes} bytes (its --max-bytes is {lim.bytes}); "
+                f"a model of {nbytes} bytes for {req.owner} is not kept",
+                details={"limit": lim.bytes, "bytes": nbytes},
+            )
+
+    def _drop(self, k: tuple[str, bytes], e: _Entry, reason: str, why: str) -> None:
+        del self.entries[k]
+        e.close()
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        log.info(
+            "dropped %s owner=%s key=%s bytes=%d reason=%s (%s)",
+            self._tag,
+            e.owner,
+            _short(e.model.key),
+            e.bytes,
+            reason,
+            why,
+        )
+
     def _reclaim(self, req: Reclaim, pid: int) -> tuple[Reclaimed, list[int]]:
-        """Entries of ``req.owner`` on its backend and device (the keeper keeps holding them); those of
-        the owner on another backend or device cannot be served by it any more: they are dropped."""
+        """Entries of ``req.owner`` on its backend and device (the keeper keeps holding them). Those of the
+        owner on another backend or device cannot be served by it any more, nor can an entry whose slabs
+        no longer pass ``slab_problem``: each is dropped (closed) and counted, and the others are returned."""
+        self._authorise(req.owner, pid, "RECLAIM")
         models: list[HandedModel] = []
         out: list[int] = []
         dropped = 0
@@ -290,20 +478,16 @@ class Keeper:
             if e.owner != req.owner:
                 continue
             if e.backend != req.backend or e.device_uuid != req.device_uuid:
-                del self.entries[k]
-                e.close()
+                where = f"now {req.backend} {req.device_uuid or '-'}, kept for {e.backend} {e.device_uuid or '-'}"
+                self._drop(k, e, "moved", where)
                 dropped += 1
-                log.info(
-                    "dropped %s owner=%s key=%s bytes=%d reason=now-%s-%s (kept for %s %s)",
-                    self._tag,
-                    e.owner,
-                    _short(e.model.key),
-                    e.bytes,
-                    req.backend,
-                    req.device_uuid or "-",
-                    e.backend,
-                    e.device_uuid or "-",
-                )
+                continue
+            problem = next(
+                (p for s in e.model.slabs if (p := slab_problem(e.backend, s, e.fds[s.fd])) is not None), None
+            )
+            if problem is not None:
+                self._drop(k, e, "bad-slab", problem)
+                dropped += 1
                 continue
             slabs = tuple(replace(s, fd=len(out) + s.fd) for s in e.model.slabs)
             out.extend(e.fds)
@@ -312,7 +496,7 @@ class Keeper:
             "reclaimed %s owner=%s pid=%d models=%d bytes=%d dropped=%d",
             self._tag,
             req.owner,
-            req.pid or pid,
+            pid,
             len(models),
             sum(s.size for m in models for s in m.slabs),
             dropped,
@@ -465,17 +649,25 @@ class KeeperLink:
             await self._unkeep(model)
 
     async def _unkeep(self, model: ServedModel) -> None:
-        self.kept_in.pop(model.key, None)
-        self._skip.pop(model.key, None)
+        await self._unkeep_key(model.key)
+
+    async def drop(self, key: WeightCacheKey) -> None:
+        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks)."""
+        async with self._lock:
+            await self._unkeep_key(key)
+
+    async def _unkeep_key(self, key: WeightCacheKey) -> None:
+        self.kept_in.pop(key, None)
+        self._skip.pop(key, None)
         try:
-            await unkeep(self.path, owner=self.owner, key=model.key.to_wire())
+            await unkeep(self.path, owner=self.owner, key=key.to_wire())
         except NotFoundError:
             pass  # never kept (an IPC slab, or the keeper restarted meanwhile)
         except (WCacheError, OSError, TimeoutError) as exc:
             log.warning(
                 "keeper %s did not drop key=%s (its memory stays held until the keeper stops): %s",
                 self.path,
-                model.key.short(),
+                key.short(),
                 exc,
             )
 
@@ -533,9 +725,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument(
         "--socket-dir", type=Path, help=f"directory for {KEEPER_SOCKET} (default: {default_socket_dir()})"
     )
+    d = KeeperLimits()
     p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--max-connections", type=int, default=d.connections, help=f"connections open at once (default {d.connections})"
+    )
+    p.add_argument(
+        "--max-owners", type=int, default=d.owners, help=f"daemons (sockets) it holds slabs for (default {d.owners})"
+    )
+    p.add_argument(
+        "--max-fds",
+        type=int,
+        default=d.fds,
+        help=f"slabs (descriptors) held in all (default {d.fds}; each daemon at most {MAX_KEPT_FDS})",
+    )
+    p.add_argument("--max-bytes", type=int, default=d.bytes, help="bytes of slabs held in all (default 0: no cap)")
+    p.add_argument(
+        "--no-owner-check",
+        action="store_true",
+        help="accept KEEP/UNKEEP/RECLAIM for a socket from any process of the uid, not only the holder of its "
+        "lock (for daemons in a pid namespace the keeper cannot see; the daemons still check what they reclaim)",
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    args = p.parse_args(argv)
+    for name in ("max_connections", "max_owners", "max_fds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_bytes < 0:
+        p.error("--max-bytes must be 0 (no cap) or a positive number of bytes")
+    return args
+
+
+def fd_budget(limits: KeeperLimits) -> KeeperLimits:
+    """Raise the soft RLIMIT_NOFILE to what ``limits`` need (every slab held, plus each connection's socket
+    and the descriptors one frame may bring, plus 64 of its own), up to the hard limit; where even that is
+    too little, lower ``fds`` to fit, so that a full keeper refuses KEEPs instead of failing to accept."""
+    need = limits.fds + limits.connections * (1 + MAX_KEPT_FDS) + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < need:
+        fds = max(MAX_KEPT_FDS, soft - (need - limits.fds))
+        log.warning(
+            "RLIMIT_NOFILE is %d (hard %d): holding at most %d slabs instead of %d", soft, hard, fds, limits.fds
+        )
+        return replace(limits, fds=fds)
+    return limits
 
 
 def keeper_socket(socket_path: Path | None, socket_dir: Path | None) -> Path:
@@ -570,10 +808,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wcache-keeper: error: {exc.message}", file=sys.stderr)
         return 1
     try:
-        keeper = Keeper(path)
+        limits = fd_budget(
+            KeeperLimits(
+                connections=args.max_connections, owners=args.max_owners, fds=args.max_fds, bytes=args.max_bytes
+            )
+        )
+        keeper = Keeper(path, limits=limits, check_owner=not args.no_owner_check)
 
         def ready() -> None:
-            log.info("ready socket=%s", path)
+            log.info(
+                "ready socket=%s max_connections=%d max_owners=%d max_fds=%d max_bytes=%d owner_check=%s",
+                path,
+                limits.connections,
+                limits.owners,
+                limits.fds,
+                limits.bytes,
+                "off" if args.no_owner_check else "lock-holder",
+            )
             if args.ready_file is not None:
                 tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
                 tmp.write_text(json.dumps({"socket": str(path), "pid": os.getpid()}) + "\n")

@@ -1,0 +1,250 @@
+"""What a daemon reclaims from its keeper is checked against the checkpoint before it is served.
+
+The keeper (wcache/server/keeper.py) returns what was deposited for this daemon's socket. Nothing the
+RECLAIMED frame says is taken on trust: a process of the daemon's uid that once held its socket lock
+(while no daemon ran) could have deposited a slab of forged bytes under the real key, and a slab the
+host backend cannot import (unsealed, too small) must not cost the daemon the other models. So, model
+by model (docs/security.md, "The keeper"):
+
+1. **adopt** it alone: a slab that cannot be imported drops that model only;
+2. **key**: the checkpoint named by its ``source`` is opened again and the model's key recomputed
+   from disk (fingerprint of names, headers and sampled data; all data for a ``content`` key) with the
+   key's rank, size, dtype and plan — it must equal the reclaimed key (a changed checkpoint: *stale*);
+3. **layout**: the tensor table, aliases, payload and slab size must be those that loading this key
+   gives (``plan_rank``): nothing to point an engine's views elsewhere;
+4. **content**: ``SAMPLES`` byte ranges of up to ``SAMPLE_BYTES`` at offsets drawn from the OS's random
+   source (unpredictable to whoever deposited the slab) across the payload, each compared with the
+   same tensor bytes read from the checkpoint files (cast as the loader casts). A model whose bytes
+   differ in a fraction f of those ranges passes with probability ~(1-f)^SAMPLES: wholesale forgery,
+   garbage, another model or a corrupted slab are caught; a targeted edit of a few bytes is not —
+   that is what the keeper's owner check is for.
+
+A model with a load-time transform cannot be checked without running the transform (which reads
+everything): it is dropped and loaded again. Every dropped model gets an UNKEEP; the daemon then loads
+what it needs from disk as without a keeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import os
+import random
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from wcache.errors import WCacheError
+from wcache.key import WeightCacheKey
+from wcache.layout import Layout, Placement
+from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
+from wcache.rank import plan_rank
+from wcache.server.backends.base import Backend, Slab
+from wcache.server.backends.host import HostSlab
+from wcache.server.keeper import KeeperLink
+from wcache.server.loader import placement_extents, torch_dtype
+from wcache.server.store import ServedModel
+
+__all__ = ["SAMPLES", "SAMPLE_BYTES", "Check", "admit", "check_model"]
+
+log = logging.getLogger("wcache.server")
+
+#: byte ranges compared per reclaimed model, and their length
+SAMPLES = 64
+SAMPLE_BYTES = 4096
+
+Adopt = Callable[[tuple[HandedModel, ...], list[int], Backend], list[ServedModel]]
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome for one model: ``reason`` None if it may be served, else ``kind`` (stale, unverifiable,
+    mismatch) and why."""
+
+    reason: str | None
+    kind: str = ""
+    samples: int = 0
+    bytes_compared: int = 0
+    seconds: float = 0.0
+
+
+def admit(
+    link: KeeperLink,
+    state: Reclaimed,
+    fds: list[int],
+    backend: Backend,
+    adopt: Adopt,
+    *,
+    plan_file: str | os.PathLike[str] | None = None,
+) -> tuple[list[ServedModel], int]:
+    """The reclaimed models that pass every check, adopted; and how many were dropped (each told to the
+    keeper with an UNKEEP). Every fd in ``fds`` is consumed."""
+    served: list[ServedModel] = []
+    rejected: list[tuple[WeightCacheKey, str]] = []
+    used: set[int] = set()
+    try:
+        for hm in state.models:
+            mine = [s.fd for s in hm.slabs]
+            used.update(mine)
+            key = WeightCacheKey.from_wire(dict(hm.key))
+            sub = replace(hm, slabs=tuple(replace(s, fd=i) for i, s in enumerate(hm.slabs)))
+            try:
+                (model,) = adopt((sub,), [os.dup(fds[i]) for i in mine], backend)
+            except Exception as exc:  # this slab only: the others are served
+                log.warning("reclaimed key=%s not adopted (%s); it will be loaded", key.short(), exc)
+                rejected.append((key, "unadoptable"))
+                continue
+            check = check_model(model, plan_file=plan_file)
+            if check.reason is not None:
+                model.close()
+                log.warning(
+                    "dropping kept key=%s bytes=%d: %s (%s)", key.short(), model.slab_bytes, check.reason, check.kind
+                )
+                rejected.append((key, check.kind))
+                continue
+            log.info(
+                "verified kept key=%s bytes=%d samples=%d bytes_compared=%d seconds=%.4f",
+                key.short(),
+                model.slab_bytes,
+                check.samples,
+                check.bytes_compared,
+                check.seconds,
+            )
+            served.append(model)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if rejected:
+        asyncio.run(_unkeep_all(link, [k for k, _ in rejected]))
+    return served, len(rejected)
+
+
+async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey]) -> None:
+    for key in keys:
+        await link.drop(key)
+
+
+def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None = None) -> Check:
+    """Whether ``model`` is what loading its key from its ``source`` checkpoint would give (see module doc)."""
+    t0 = time.perf_counter()
+    key = model.key
+    if model.source is None:
+        return Check("no checkpoint directory is recorded for it: it cannot be checked", "unverifiable")
+    if key.transform:
+        return Check(f"its load-time transform {key.transform!r} cannot be checked without a load", "unverifiable")
+    try:
+        rp = plan_rank(
+            model.source,
+            tp_rank=key.tp_rank,
+            tp_size=key.tp_size,
+            dtype=key.dtype,
+            plan_file=plan_file if key.plan != "none" else None,
+            verify_content=key.fingerprint_kind == "content",
+        )
+    except (WCacheError, OSError, ValueError) as exc:
+        return Check(f"its checkpoint {model.source} cannot be read ({exc})", "unverifiable")
+    if rp.key != key:
+        diff = key.diff_wire(rp.key.to_wire())
+        if set(diff) == {"fingerprint"}:
+            why = f"its checkpoint {model.source} changed since (fingerprint {key.fingerprint[:12]}, now "
+            return Check(why + f"{rp.key.fingerprint[:12]})", "stale")
+        return Check(f"its key differs from the one {model.source} gives now in {sorted(diff)}", "mismatch")
+    layout = rp.layout
+    problem = _layout_problem(model, layout)
+    if problem is not None:
+        return Check(problem, "mismatch")
+    try:
+        samples, compared, bad = _compare_samples(model.slabs[0], layout, SAMPLES, SAMPLE_BYTES)
+    except (OSError, WCacheError, RuntimeError) as exc:
+        return Check(f"its bytes could not be compared with {model.source} ({exc})", "unverifiable")
+    if bad is not None:
+        return Check(f"its bytes differ from the checkpoint's: {bad}", "mismatch", samples, compared)
+    return Check(None, "", samples, compared, time.perf_counter() - t0)
+
+
+def _layout_problem(model: ServedModel, layout: Layout) -> str | None:
+    if len(model.slabs) != 1 or model.slabs[0].size != layout.total_bytes:
+        sizes = [s.size for s in model.slabs]
+        return f"its slabs {sizes} are not the one slab of {layout.total_bytes} bytes its key loads into"
+    if list(model.table) != list(layout.table()):
+        return "its tensor table is not the one its key loads"
+    if dict(model.aliases) != dict(layout.aliases) or model.payload_bytes != layout.payload_bytes:
+        return "its aliases or payload are not those its key loads"
+    return None
+
+
+def _compare_samples(slab: Slab, layout: Layout, n: int, size: int) -> tuple[int, int, str | None]:
+    """Compare ``n`` random ranges of up to ``size`` bytes of the slab with the checkpoint; (samples, bytes
+    compared, the first difference or None)."""
+    placements = [p for p in layout.placements if p.nbytes > 0]
+    if not placements:
+        return 0, 0, None
+    rng = random.SystemRandom()
+    ends: list[int] = []
+    total = 0
+    for p in placements:
+        total += p.nbytes
+        ends.append(total)
+    files: dict[Path, int] = {}
+    compared = 0
+    try:
+        for i in range(n):
+            p = placements[bisect.bisect_right(ends, rng.randrange(total))]
+            src_item, dst_item = DTYPE_SIZES[p.source.dtype], DTYPE_SIZES[p.dtype]
+            count = p.nbytes // dst_item
+            m = max(1, min(count, size // max(src_item, dst_item)))
+            first = rng.randrange(count - m + 1)
+            want = _expected(files, p, first, m, src_item)
+            got = _read_slab(slab, p.offset + first * dst_item, m * dst_item)
+            if got != want:
+                return i + 1, compared + len(got), f"tensor {p.source.name!r} elements {first}..{first + m - 1}"
+            compared += len(got)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return n, compared, None
+
+
+def _expected(files: dict[Path, int], p: Placement, first: int, m: int, src_item: int) -> bytes:
+    """Elements ``first .. first+m-1`` of placement ``p`` as the loader stores them: read from the
+    placement's extents (its shard's bytes, in slab order) and cast to its dtype."""
+    start, want = first * src_item, m * src_item
+    raw = bytearray()
+    pos = 0
+    for f, off, length in placement_extents(p):
+        if pos + length > start and len(raw) < want:
+            lo = max(start - pos, 0)
+            take = min(length - lo, want - len(raw))
+            raw += _pread(files, f, off + lo, take)
+        pos += length
+        if len(raw) >= want:
+            break
+    if p.source.dtype == p.dtype:
+        return bytes(raw)
+    t = torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype(p.source.dtype)).to(torch_dtype(p.dtype))
+    return bytes(t.view(torch.uint8).numpy().tobytes())
+
+
+def _pread(files: dict[Path, int], path: Path, off: int, n: int) -> bytes:
+    fd = files.get(path)
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{path} is not a regular file")
+        files[path] = fd
+    out = os.pread(fd, n, off)
+    if len(out) != n:
+        raise OSError(f"{path} ends before byte {off + n}")
+    return out
+
+
+def _read_slab(slab: Slab, off: int, n: int) -> bytes:
+    if isinstance(slab, HostSlab):  # sealed: read through its memfd
+        return os.pread(slab.fd, n, off)
+    return bytes(slab.tensor()[off : off + n].cpu().numpy().tobytes())
