@@ -672,3 +672,22 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
                 m.close()
     finally:
         good.close()
+
+
+async def test_a_model_served_in_vllms_layout_is_reclaimed_after_a_crash(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """A daemon serving a load-time transform (vLLM's layout) gets its slab back from the keeper too: its key is
+    checked against the checkpoint (layout and bytes are the transform's own; the owner check guards them)."""
+    transform = "wcache.transforms:vllm_layout"
+    key = WeightCacheKey.from_checkpoint(model, transform=transform)
+    first = daemon_factory(model, "--keeper", "--transform", transform)
+    loaded = (await WCacheClient(first.socket).status()).models[0]
+    async with await WCacheClient(first.socket).fetch(key) as w:
+        ref = {k: w[k].clone() for k in w}
+    first.stop(signal.SIGKILL)
+    second = daemon_factory(model, "--keeper", "--transform", transform)
+    (served,) = (await WCacheClient(second.socket).status()).models
+    assert served.load_seconds == loaded.load_seconds  # reclaimed, not loaded again
+    async with await WCacheClient(second.socket).fetch(key) as w:
+        assert set(w) == set(ref) and all(torch.equal(w[k], v) for k, v in ref.items())

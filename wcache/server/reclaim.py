@@ -19,9 +19,11 @@ by model (docs/security.md, "The keeper"):
    garbage, another model or a corrupted slab are caught; a targeted edit of a few bytes is not —
    that is what the keeper's owner check is for.
 
-A model with a load-time transform cannot be checked without running the transform (which reads
-everything): it is dropped and loaded again. Every dropped model gets an UNKEEP; the daemon then loads
-what it needs from disk as without a keeper.
+A model with a load-time transform (vLLM's layout: ``--transform wcache.transforms:vllm_layout``) gets
+steps 1-2 only: its layout and bytes are the transform's output, which only running the transform (reading
+everything) would give. It rests on the keeper's owner check: only the process holding this daemon's socket
+lock could have kept it (docs/security.md). Every dropped model gets an UNKEEP; the daemon then loads what it
+needs from disk as without a keeper.
 """
 
 from __future__ import annotations
@@ -135,8 +137,6 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
     key = model.key
     if model.source is None:
         return Check("no checkpoint directory is recorded for it: it cannot be checked", "unverifiable")
-    if key.transform:
-        return Check(f"its load-time transform {key.transform!r} cannot be checked without a load", "unverifiable")
     try:
         rp = plan_rank(
             model.source,
@@ -144,6 +144,7 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
             tp_size=key.tp_size,
             dtype=key.dtype,
             plan_file=plan_file if key.plan != "none" else None,
+            transform=key.transform,
             verify_content=key.fingerprint_kind == "content",
         )
     except (WCacheError, OSError, ValueError) as exc:
@@ -154,6 +155,8 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
             why = f"its checkpoint {model.source} changed since (fingerprint {key.fingerprint[:12]}, now "
             return Check(why + f"{rp.key.fingerprint[:12]})", "stale")
         return Check(f"its key differs from the one {model.source} gives now in {sorted(diff)}", "mismatch")
+    if key.transform:  # layout and bytes are the transform's: the key is what can be checked (module doc)
+        return Check(None, "", 0, 0, time.perf_counter() - t0)
     layout = rp.layout
     problem = _layout_problem(model, layout)
     if problem is not None:
