@@ -275,3 +275,35 @@ def test_a_table_too_large_for_one_state_frame_is_refused(tmp_path: Path, monkey
             plan_layout(c, tp_rank=0, tp_size=1, dtype="float32", plan=None)
         monkeypatch.setattr("wcache.layout.DEFAULT_MAX_FRAME_SIZE", 64 << 20)
         assert len(plan_layout(c, tp_rank=0, tp_size=1, dtype="float32", plan=None).placements) == 80
+
+
+def test_direct_reads_reopen_the_validated_inode_not_the_path(tmp_path: Path) -> None:
+    """The O_DIRECT descriptor of a device load is reopened from the validated one (/proc/self/fd/N)."""
+    import mmap
+
+    from wcache.server.loader import ALIGN_IO, _Files, _read_direct
+
+    a = make_llama_checkpoint(tmp_path / "a", SMALL, seed=1)
+    b = make_llama_checkpoint(tmp_path / "b", SMALL, seed=2)
+    shard = a / "model.safetensors"
+    original = shard.read_bytes()
+    with Checkpoint.open(a) as c:
+        _swap(shard, b / "model.safetensors", "rename")
+        files = _Files(c)
+        try:
+            fd = files.direct_fd(shard)
+            if fd < 0:
+                pytest.skip("this filesystem refuses O_DIRECT")
+            assert os.fstat(fd).st_ino == os.fstat(c.fd(shard)).st_ino != shard.stat().st_ino
+            buf = mmap.mmap(-1, len(original) + 2 * ALIGN_IO)
+            view = memoryview(buf)
+            try:
+                start = _read_direct(fd, view, 100, len(original) - 100, str(shard))
+                assert view[start : start + len(original) - 100] == original[100:]
+            finally:
+                view.release()
+                buf.close()
+        finally:
+            files.close()
+        with pytest.raises(CheckpointError, match="not a file of checkpoint"):
+            _Files(c).fd(tmp_path / "elsewhere.safetensors")  # never opened by path
