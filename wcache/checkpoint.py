@@ -3,22 +3,32 @@
 Parses every file's header (8-byte little-endian length + JSON), honours
 ``model.safetensors.index.json`` and ``config.json``, and validates everything a loader
 relies on: known dtypes, sizes that match shapes, offsets inside the file and not
-overlapping. Every problem is a :class:`~wcache.errors.CheckpointError` naming the file
-and the tensor. Pure Python (no torch) so that engines can compute keys cheaply.
+overlapping, and the limits of the protocol that will serve the tensors (docs/protocol.md §7:
+names of 1..1024 characters, rank <= 16, dimensions and strides below 2**48; architecture of at
+most 1024 characters). Every problem is a :class:`~wcache.errors.CheckpointError` naming the
+file, the tensor and the limit. Pure Python (no torch) so that engines can compute keys cheaply.
+
+Every file is opened once, through :func:`wcache.files.open_regular` (regular files only,
+metadata size-capped), and its descriptor kept: the fingerprint, the headers and the loader's
+reads all use it, so a file replaced after validation cannot be served under the validated key
+(docs/security.md, "Checkpoint files"). ``close()`` (or ``with``) releases the descriptors; an
+unreferenced Checkpoint releases them when collected.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from wcache.errors import CheckpointError
-from wcache.proto.frames import DTYPE_SIZES
+from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_json
+from wcache.proto.frames import DTYPE_SIZES, MAX_DIMS, MAX_NAME
 
 __all__ = ["Checkpoint", "SAFETENSORS_DTYPES", "TensorInfo"]
 
@@ -39,6 +49,8 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 }
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself applies
 INDEX_NAME = "model.safetensors.index.json"
+#: Dimensions and strides a STATE table can carry (docs/protocol.md §4.6: entries below 2**48).
+MAX_EXTENT = 1 << 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +65,29 @@ class TensorInfo:
     nbytes: int
 
 
+def _close_fds(fds: dict[Path, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """A validated view of a checkpoint directory's metadata (no tensor data read)."""
+    """A validated view of a checkpoint directory's metadata (no tensor data read), holding one
+    open descriptor per safetensors file (:meth:`fd`)."""
 
     path: Path
     files: tuple[Path, ...]
     tensors: dict[str, TensorInfo]
     headers: dict[str, bytes]  # file name -> raw JSON header
     config: dict[str, Any]
+    fds: dict[Path, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _close_fds, self.fds)
 
     @property
     def architecture(self) -> str:
@@ -74,62 +100,113 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def fd(self, file: Path) -> int:
+        """The descriptor ``file`` was validated through; every read of its data goes through it."""
+        fd = self.fds.get(file)
+        if fd is None:
+            raise CheckpointError(f"{file}: not a file of checkpoint {self.path}, or the checkpoint was closed")
+        return fd
+
+    def close(self) -> None:
+        _close_fds(self.fds)
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
-        config: dict[str, Any] = {}
         cfg_path = root / "config.json"
-        if cfg_path.exists():
-            try:
-                loaded = json.loads(cfg_path.read_text())
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from exc
-            if not isinstance(loaded, dict):
-                raise CheckpointError(f"{cfg_path}: expected a JSON object")
-            config = loaded
-        files, expected = _files(root)
-        tensors: dict[str, TensorInfo] = {}
-        headers: dict[str, bytes] = {}
-        for f in files:
-            raw, infos = _read_header(f)
-            headers[f.name] = raw
-            for info in infos:
-                if info.name in tensors:
-                    raise CheckpointError(
-                        f"tensor {info.name!r} appears in both {tensors[info.name].file.name} and {f.name}"
-                    )
-                tensors[info.name] = info
-        for name, fname in expected.items():
-            got = tensors.get(name)
-            if got is None:
-                raise CheckpointError(f"{INDEX_NAME} lists tensor {name!r} in {fname}, but no file holds it")
-            if got.file.name != fname:
-                raise CheckpointError(f"{INDEX_NAME} puts {name!r} in {fname}, but it is in {got.file.name}")
-        if not tensors:
-            raise CheckpointError(f"{root}: the safetensors files hold no tensors")
-        return cls(root, tuple(files), tensors, headers, config)
+        loaded = read_json(cfg_path, MAX_CONFIG_BYTES, what="config.json", missing_ok=True)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        config: dict[str, Any] = loaded
+        _check_architecture(cfg_path, config)
+        fds: dict[Path, int] = {}
+        try:
+            files, expected = _files(root)
+            tensors: dict[str, TensorInfo] = {}
+            headers: dict[str, bytes] = {}
+            for f in files:
+                fd, st = open_regular(f, what="safetensors file")
+                fds[f] = fd
+                raw, infos = _read_header(f, fd, st.st_size)
+                headers[f.name] = raw
+                for info in infos:
+                    if info.name in tensors:
+                        raise CheckpointError(
+                            f"tensor {info.name!r} appears in both {tensors[info.name].file.name} and {f.name}"
+                        )
+                    tensors[info.name] = info
+            for name, fname in expected.items():
+                got = tensors.get(name)
+                if got is None:
+                    raise CheckpointError(f"{INDEX_NAME} lists tensor {name!r} in {fname}, but no file holds it")
+                if got.file.name != fname:
+                    raise CheckpointError(f"{INDEX_NAME} puts {name!r} in {fname}, but it is in {got.file.name}")
+            if not tensors:
+                raise CheckpointError(f"{root}: the safetensors files hold no tensors")
+        except BaseException:
+            _close_fds(fds)
+            raise
+        return cls(root, tuple(files), tensors, headers, config, fds)
 
     def fingerprint(self, *, content: bool = False) -> str:
         """First 32 hex digits of SHA-256 over, per file in name order: its name, its raw header and a
         sample of its data (16 blocks of 4 KiB at evenly spread offsets) — or, with ``content``, all of
         its bytes. The sample tells same-shaped checkpoints (fine-tunes of one base) apart for ~64 KiB
-        of reads per file; docs/protocol.md §4.3 gives the exact offsets."""
+        of reads per file; docs/protocol.md §4.3 gives the exact offsets. Read through the descriptors
+        the headers were validated from."""
         h = hashlib.sha256()
         for f in self.files:
             header = self.headers[f.name]
-            h.update(f.name.encode() + b"\0" + header + b"\0")
-            with open(f, "rb") as fh:
+            h.update(os.fsencode(f.name) + b"\0" + header + b"\0")
+            fd = self.fd(f)
+            try:
                 if content:
-                    while chunk := fh.read(16 << 20):
+                    pos = 0
+                    while chunk := os.pread(fd, 16 << 20, pos):
                         h.update(chunk)
+                        pos += len(chunk)
                     continue
                 start = 8 + len(header)
-                size = os.fstat(fh.fileno()).st_size - start
+                size = os.fstat(fd).st_size - start
                 for off in _sample_offsets(size):
-                    h.update(os.pread(fh.fileno(), SAMPLE_BLOCK, start + off))
+                    h.update(os.pread(fd, SAMPLE_BLOCK, start + off))
+            except OSError as exc:
+                raise CheckpointError(f"{f}: cannot read ({exc})") from exc
         return h.hexdigest()[:32]
+
+
+def _check_architecture(cfg_path: Path, config: dict[str, Any]) -> None:
+    """The architecture becomes a key string on the wire: at most MAX_NAME characters, valid UTF-8."""
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        arch = archs[0]
+        if len(arch) > MAX_NAME:
+            raise CheckpointError(
+                f"{cfg_path}: architecture {arch[:64]!r}... is {len(arch)} characters; key strings are limited "
+                f"to {MAX_NAME} (docs/protocol.md §7): shorten architectures[0]"
+            )
+        if not _utf8(arch):
+            raise CheckpointError(f"{cfg_path}: architecture {arch[:64]!r} is not valid Unicode (a lone surrogate)")
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 SAMPLES = 16
@@ -147,47 +224,58 @@ def _sample_offsets(data_size: int) -> list[int]:
 def _files(root: Path) -> tuple[list[Path], dict[str, str]]:
     """The checkpoint's safetensors files, and the index's tensor->file map if there is one."""
     index = root / INDEX_NAME
-    if index.exists():
-        try:
-            data = json.loads(index.read_text())
-            weight_map = data["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-            ):
-                raise TypeError("weight_map must map strings to strings")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: unusable index ({exc})") from exc
+    data = read_json(index, MAX_INDEX_BYTES, what="index", missing_ok=True)
+    if data is not None:
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index}: unusable index (weight_map must map tensor names to file names)")
         names = sorted(set(weight_map.values()))
         files = []
         for n in names:
+            if "/" in n or "\0" in n or n in ("", ".", ".."):
+                raise CheckpointError(f"{index} names shard {n[:256]!r}, which is not a file name in {root}")
             p = root / n
-            if "/" in n or not p.is_file():
+            if not (p.exists() or p.is_symlink()):
                 raise CheckpointError(f"{index} names shard {n!r}, which is missing from {root}")
-            files.append(p)
+            files.append(p)  # opened (and its type checked) by Checkpoint.open
         return files, dict(weight_map)
-    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    # every *.safetensors entry counts, whatever its type: a FIFO or a directory is refused when opened,
+    # not skipped (skipping would serve a checkpoint with missing tensors)
+    files = sorted(root.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files (and no {INDEX_NAME})")
     return files, {}
 
 
-def _read_header(path: Path) -> tuple[bytes, list[TensorInfo]]:
+def _pread_exact(fd: int, n: int, off: int) -> bytes:
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = os.pread(fd, min(n - got, 16 << 20), off + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _read_header(path: Path, fd: int, size: int) -> tuple[bytes, list[TensorInfo]]:
+    """Parse and validate the header of the file open as ``fd`` (``size`` bytes by its fstat)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated (shorter than the 8-byte header length)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > MAX_HEADER or 8 + hlen > size:
-                raise CheckpointError(f"{path}: header length {hlen} runs past the end of the file ({size} bytes)")
-            raw = fh.read(hlen)
+        head = _pread_exact(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated (shorter than the 8-byte header length)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            raise CheckpointError(f"{path}: header length {hlen} runs past the end of the file ({size} bytes)")
+        raw = _pread_exact(fd, hlen, 8)
+        if len(raw) < hlen:
+            raise CheckpointError(f"{path}: truncated inside its header")
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc})") from exc
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from exc
+    header = parse_json(raw, f"{path}: header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     data_start = 8 + hlen
@@ -196,7 +284,8 @@ def _read_header(path: Path) -> tuple[bytes, list[TensorInfo]]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        where = f"{path}: tensor {name!r}"
+        where = f"{path}: tensor {name[:128]!r}"
+        _check_name(where, name)
         if not isinstance(meta, dict):
             raise CheckpointError(f"{where}: entry is not an object")
         tag = meta.get("dtype")
@@ -205,7 +294,8 @@ def _read_header(path: Path) -> tuple[bytes, list[TensorInfo]]:
             raise CheckpointError(f"{where}: unknown dtype {tag!r}")
         shape = meta.get("shape")
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            raise CheckpointError(f"{where}: shape {str(shape)[:128]} is not a list of non-negative integers")
+        _check_shape(where, shape)
         offs = meta.get("data_offsets")
         if (
             not isinstance(offs, list)
@@ -232,3 +322,30 @@ def _read_header(path: Path) -> tuple[bytes, list[TensorInfo]]:
         if a.nbytes and b.nbytes and b.start < a.start + a.nbytes:
             raise CheckpointError(f"{path}: tensors {a.name!r} and {b.name!r} overlap")
     return raw, infos
+
+
+def _check_name(where: str, name: str) -> None:
+    """A tensor name travels in STATE tables: 1..MAX_NAME characters of valid Unicode (§4.6)."""
+    if not 1 <= len(name) <= MAX_NAME:
+        raise CheckpointError(
+            f"{where}: the name is {len(name)} characters; tensor names must be 1..{MAX_NAME} characters "
+            "(docs/protocol.md §7), so this checkpoint cannot be served: rename the tensor"
+        )
+    if not _utf8(name):
+        raise CheckpointError(f"{where}: the name is not valid Unicode (a lone surrogate); rename the tensor")
+
+
+def _check_shape(where: str, shape: list[int]) -> None:
+    """Rank <= MAX_DIMS; every dimension and C-order stride below 2**48 (§4.6)."""
+    if len(shape) > MAX_DIMS:
+        raise CheckpointError(
+            f"{where}: rank {len(shape)} is over the protocol's limit of {MAX_DIMS} dimensions (docs/protocol.md §7)"
+        )
+    stride = 1
+    for s in reversed(shape):
+        if s >= MAX_EXTENT or stride >= MAX_EXTENT:
+            raise CheckpointError(
+                f"{where}: shape {shape} has a dimension or stride of 2**48 or more, over the protocol's limit "
+                "(docs/protocol.md §4.6)"
+            )
+        stride *= max(s, 1)

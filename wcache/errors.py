@@ -31,6 +31,14 @@ class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same 
 
 Classes marked ``-`` are raised locally and never sent. The module imports nothing
 beyond the standard library so that ``wcache.proto`` can stay pure.
+
+**What an engine's fallback catches: ``WCacheError``.** Every failure on the cache path — no daemon
+(``CacheUnavailableError``), a refusal (``ServerError``), a daemon whose frames the client rejects
+(``ProtocolError``: it broke docs/protocol.md, so nothing it sent is used), a checkpoint whose key
+cannot be computed (``CheckpointError``, ``ShardingError``) — leaves loading from disk as the right
+next step; catching only ``CacheUnavailableError`` would turn a misbehaving daemon into a crashed
+engine. ``wcache.nn.load_weights`` and ``wcache.integrations.transformers.from_pretrained`` catch
+``WCacheError`` and log the reason (README, "Use it").
 """
 
 from __future__ import annotations
@@ -104,7 +112,9 @@ class WCacheError(Exception):
 
 
 class ProtocolError(WCacheError):
-    """Input that breaks the wire contract: bad framing, bad msgpack, bad field types."""
+    """Input that breaks the wire contract: bad framing, bad msgpack, bad field types.
+
+    Raised by a client for a daemon's frames too; engines fall back to disk on it (``except WCacheError``)."""
 
     code = ErrorCode.PROTOCOL_ERROR
 
@@ -149,7 +159,7 @@ class UnexpectedFrameError(ProtocolError):
 class CacheUnavailableError(WCacheError):
     """No usable daemon: socket missing, connection refused, timeout, or the daemon died.
 
-    Engines treat this as "load from disk instead".
+    Engines treat this as "load from disk instead" — as every other WCacheError (module docstring).
     """
 
     code = ErrorCode.UNAVAILABLE
@@ -223,7 +233,9 @@ class InternalError(ServerError):
 
 
 class CheckpointError(WCacheError):
-    """A checkpoint directory or safetensors file is missing, truncated or inconsistent."""
+    """A checkpoint directory or file is missing, truncated, inconsistent, not a regular file, over a
+    metadata size cap, or holds tensors the protocol cannot carry (names over 1024 characters, rank
+    over 16, dimensions of 2**48 or more); the message names the file, the tensor and the limit."""
 
 
 class ShardingError(WCacheError):

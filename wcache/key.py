@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Union
 
 from wcache.checkpoint import Checkpoint
+from wcache.errors import WCacheError
 from wcache.layout import LAYOUT_VERSION, resolve_dtype
+from wcache.proto.frames import MAX_NAME
 from wcache.sharding import resolve_plan
 
 __all__ = ["WeightCacheKey"]
@@ -48,10 +50,26 @@ class WeightCacheKey:
         transform: str = "",
     ) -> WeightCacheKey:
         """The key a daemon started with the same arguments serves. Reads headers and 64 KiB of
-        data per file (all data with ``verify_content``)."""
-        ckpt = checkpoint or Checkpoint.open(path)
+        data per file (all data with ``verify_content``), through the descriptors ``checkpoint``
+        validated them from (a checkpoint opened here is closed before returning).
+
+        Raises CheckpointError / ShardingError, and WCacheError for a key string the protocol
+        cannot carry (over 1024 characters, docs/protocol.md §7)."""
+        if checkpoint is None:
+            with Checkpoint.open(path) as ckpt:
+                return cls.from_checkpoint(
+                    path,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    dtype=dtype,
+                    plan_file=plan_file,
+                    verify_content=verify_content,
+                    checkpoint=ckpt,
+                    transform=transform,
+                )
+        ckpt = checkpoint
         plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
-        return cls(
+        key = cls(
             fingerprint=ckpt.fingerprint(content=verify_content),
             architecture=ckpt.architecture,
             tp_size=tp_size,
@@ -62,6 +80,13 @@ class WeightCacheKey:
             fingerprint_kind="content" if verify_content else "sampled",
             transform=transform,
         )
+        for name, value in key.to_wire().items():
+            if isinstance(value, str) and len(value) > MAX_NAME:
+                raise WCacheError(
+                    f"key field {name!r} is {len(value)} characters; the protocol carries at most {MAX_NAME} "
+                    "(docs/protocol.md §7)"
+                )
+        return key
 
     def to_wire(self) -> dict[str, KeyValue]:
         return asdict(self)

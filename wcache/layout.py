@@ -9,10 +9,11 @@ Tied weights absent from the checkpoint become aliases (``lm_head.weight`` ->
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from wcache.checkpoint import Checkpoint, TensorInfo
 from wcache.errors import CheckpointError
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
 from wcache.proto.frames import DTYPE_SIZES, TensorEntry, TensorTable
 from wcache.quant import fp8_block_size, is_fp8_checkpoint, stored_dtype
 from wcache.sharding import Shard, ShardPlan, shard_tensors
@@ -76,6 +77,8 @@ class Layout:
     aliases: dict[str, str]
     total_bytes: int  # slab size, a multiple of ALIGN
     dtype: str
+    #: the checkpoint whose open descriptors the loader reads placements through (None: by path)
+    checkpoint: Checkpoint | None = field(default=None, compare=False, repr=False)
 
     @property
     def payload_bytes(self) -> int:
@@ -126,4 +129,24 @@ def plan_layout(ckpt: Checkpoint, *, tp_rank: int, tp_size: int, dtype: str, pla
     tie = ckpt.config.get("tie_word_embeddings")
     if tie is True and "lm_head.weight" not in ckpt.tensors and "model.embed_tokens.weight" in ckpt.tensors:
         aliases["lm_head.weight"] = "model.embed_tokens.weight"
-    return Layout(tuple(placements), aliases, max(offset, ALIGN), dtype)
+    _check_table_size(ckpt, placements)
+    return Layout(tuple(placements), aliases, max(offset, ALIGN), dtype, ckpt)
+
+
+#: STATE bytes beside the tensor table: slab descriptors, key, aliases, lease fields.
+_STATE_OVERHEAD = 64 << 10
+
+
+def _check_table_size(ckpt: Checkpoint, placements: list[Placement]) -> None:
+    """Refuse a rank whose STATE frame could not fit the default frame limit (docs/protocol.md §7).
+
+    An upper bound, computed without encoding: per tensor its UTF-8 name + 5 bytes of msgpack
+    string header, and one group's columns (dtype index, rank, shape and stride of 8 bytes per
+    dimension, slab, offset, step, count) as if no two tensors shared a group."""
+    need = _STATE_OVERHEAD + sum(len(p.source.name.encode()) + 5 + 26 + 16 * len(p.shape) for p in placements)
+    if need > DEFAULT_MAX_FRAME_SIZE:
+        raise CheckpointError(
+            f"{ckpt.path}: the tensor table of {len(placements)} tensors may need {need} bytes, over the "
+            f"{DEFAULT_MAX_FRAME_SIZE}-byte frame limit (docs/protocol.md §7): this checkpoint cannot be served "
+            "in one STATE frame (shorter tensor names, or fewer tensors per rank with --tp-size)"
+        )

@@ -20,6 +20,11 @@ Reader threads (``os.preadv`` releases the GIL) run the jobs:
 Placements that need a dtype cast are read whole (their shard's extents) and cast with
 torch on the slab's device. A file that ends early is a CheckpointError naming the file
 and tensor. A progress bar is drawn on a TTY; a summary line is logged otherwise.
+
+Checkpoint data is read through the descriptors ``Checkpoint.open`` validated the headers and
+computed the fingerprint from (``layout.checkpoint``), never by reopening a path: a file
+replaced after planning cannot be served under the planned key. O_DIRECT descriptors are
+reopened from those (``/proc/self/fd/N``, the same inode, checked).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from typing import Any, TextIO
 
 import torch
 
+from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
+from wcache.files import open_regular
 from wcache.layout import Layout, Placement
 from wcache.server.backends.base import Slab
 
@@ -177,23 +184,33 @@ def _jobs(layout: Layout, chunk: int) -> list[_Job]:
 ALIGN_IO = 4096  # O_DIRECT offset/length/buffer alignment
 
 
-def page_cache_fraction(path: Path) -> float:
-    """Fraction of ``path``'s pages resident in the page cache (mmap + mincore), 0..1; 1.0 if unknown."""
+def page_cache_fraction(path: Path | int) -> float:
+    """Fraction of a file's pages resident in the page cache (mmap + mincore), 0..1; 1.0 if unknown.
+    ``path``: a path, or an open descriptor (mapped as is, not closed)."""
     try:
-        size = path.stat().st_size
-        if size == 0:
-            return 1.0
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        page = os.sysconf("SC_PAGE_SIZE")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        own = not isinstance(path, int)
+        src = path if isinstance(path, int) else os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            size = os.fstat(src).st_size
+            if size == 0:
+                return 1.0
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            page = os.sysconf("SC_PAGE_SIZE")
+            addr = libc.mmap(None, size, 1, 1, src, 0)  # PROT_READ, MAP_SHARED
         finally:
-            os.close(fd)
+            if own:
+                os.close(src)
         if addr in (None, ctypes.c_void_p(-1).value):
             return 1.0
         try:
@@ -209,25 +226,28 @@ def page_cache_fraction(path: Path) -> float:
 
 
 class _Files:
-    """One read-only fd per checkpoint file (and an O_DIRECT one where asked), shared by the reader threads."""
+    """One read-only fd per file (and an O_DIRECT one where asked), shared by the reader threads.
 
-    def __init__(self, direct: bool = False) -> None:
+    With a ``checkpoint`` the fds are its own validated descriptors (borrowed, not closed here) and
+    a path it does not hold is an error; without one (host-tier slab files) each path is opened once
+    through ``open_regular``."""
+
+    def __init__(self, checkpoint: Checkpoint | None = None) -> None:
+        self.checkpoint = checkpoint
         self.fds: dict[Path, int] = {}
+        self.owned: list[int] = []
         self.direct_fds: dict[Path, int] = {}
-        self.direct = direct
         self.lock = threading.Lock()
 
     def direct_fd(self, path: Path) -> int:
-        """An O_DIRECT fd for ``path``, or -1 where the filesystem refuses it (tmpfs...)."""
+        """An O_DIRECT fd of the same open file as ``fd(path)``, or -1 where the filesystem refuses it (tmpfs...)."""
         fd = self.direct_fds.get(path)
         if fd is None:
+            base = self.fd(path)
             with self.lock:
                 fd = self.direct_fds.get(path)
                 if fd is None:
-                    try:
-                        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
-                    except OSError:
-                        fd = -1
+                    fd = _reopen_direct(base)
                     self.direct_fds[path] = fd
         return fd
 
@@ -237,17 +257,36 @@ class _Files:
             with self.lock:
                 fd = self.fds.get(path)
                 if fd is None:
-                    fd = self.fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    if self.checkpoint is not None:
+                        fd = self.checkpoint.fd(path)
+                    else:
+                        fd, _ = open_regular(path, what="slab file")
+                        self.owned.append(fd)
                     if hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    self.fds[path] = fd
         return fd
 
     def close(self) -> None:
-        for fd in [*self.fds.values(), *self.direct_fds.values()]:
+        for fd in [*self.owned, *self.direct_fds.values()]:
             if fd >= 0:
                 os.close(fd)
+        self.owned.clear()
         self.fds.clear()
         self.direct_fds.clear()
+
+
+def _reopen_direct(fd: int) -> int:
+    """``fd``'s file opened again with O_DIRECT through /proc/self/fd (the inode, not a path), or -1."""
+    try:
+        new = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return -1
+    a, b = os.fstat(fd), os.fstat(new)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # cannot happen through /proc; never read another file
+        os.close(new)
+        return -1
+    return new
 
 
 def _read(files: _Files, job: _Job, view: memoryview) -> None:
@@ -444,12 +483,13 @@ def load_into(
     threads = max(1, threads)
     chunk = _chunk(threads, staging_bytes)
     jobs = _jobs(layout, chunk)
+    ckpt = layout.checkpoint
     direct: set[Path] = set()
     if slab.host_fd() is None and io != "buffered" and hasattr(os, "O_DIRECT"):
         for f in {p.source.file for p in layout.placements}:
-            if io == "direct" or page_cache_fraction(f) < 0.5:
+            if io == "direct" or page_cache_fraction(ckpt.fd(f) if ckpt is not None else f) < 0.5:
                 direct.add(f)
-    total = _execute(jobs, slab, threads, chunk, direct, progress)
+    total = _execute(jobs, slab, threads, chunk, direct, progress, ckpt)
     seconds = time.perf_counter() - t0
     ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
     stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
@@ -499,6 +539,7 @@ def _execute(
     chunk: int,
     direct: set[Path],
     progress: TextIO | bool | None,
+    checkpoint: Checkpoint | None = None,
 ) -> int:
     """Run the jobs on ``threads`` readers; returns the bytes read."""
     target = slab.tensor()
@@ -508,7 +549,7 @@ def _execute(
     if progress not in (None, False, True):
         stream = progress  # type: ignore[assignment]
     bar = _Progress(total, stream)
-    files = _Files()
+    files = _Files(checkpoint)
     host = slab.host_fd()
     local = threading.local()
     workers: list[_DeviceWorker] = []

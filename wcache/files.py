@@ -1,0 +1,133 @@
+"""The one way wcache opens a file named by a checkpoint directory (or a plan file).
+
+A checkpoint directory belongs to whoever wrote it, and the daemon reads it with its own
+privileges, so every file it opens there goes through :func:`open_regular` (docs/security.md,
+"Checkpoint files"):
+
+- **Symlinks are followed** — a Hugging Face cache snapshot is a directory of symlinks into
+  ``blobs/`` — but what they lead to must be a **regular file**. FIFOs, devices, sockets and
+  directories are refused by ``stat`` before anything is opened (no device is ever opened) and
+  again by ``fstat`` after the open (a file swapped in between is caught).
+- Files are opened ``O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``: a FIFO swapped in between
+  the ``stat`` and the ``open`` does not block the open (and is then refused by ``fstat``).
+  ``O_NONBLOCK`` has no effect on reads of regular files.
+- Metadata (JSON) is read through that descriptor with a **size cap** (:func:`read_json`):
+  never more than cap + 1 bytes, whatever the file claims.
+- The caller **keeps the descriptor**: the checkpoint's fingerprint, headers and tensor data
+  are all read from it, so replacing a file after it was validated changes nothing that is served.
+
+Errors are the caller's error class (``CheckpointError`` for checkpoints, ``ShardingError`` for
+plan files), name the file and say what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from wcache.errors import CheckpointError, WCacheError
+
+__all__ = ["MAX_CONFIG_BYTES", "MAX_INDEX_BYTES", "open_regular", "read_capped", "read_json"]
+
+#: config.json, generation_config.json, shard-plan files: a few KB in practice.
+MAX_CONFIG_BYTES = 16 << 20
+#: model.safetensors.index.json: ~100 bytes per tensor (DeepSeek-V3's 91k tensors: ~9 MB).
+MAX_INDEX_BYTES = 64 << 20
+
+_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(
+    path: str | os.PathLike[str], *, what: str = "file", error: type[WCacheError] = CheckpointError
+) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only, following symlinks, if it is a regular file; return ``(fd, fstat)``.
+
+    Raises ``error`` (from the OSError) when it is missing, unreadable or anything but a regular
+    file; ``FileNotFoundError`` travels as ``__cause__`` so that callers can treat an optional
+    file's absence apart.
+    """
+    p = os.fspath(path)
+    try:
+        before = os.stat(p)
+        if not stat.S_ISREG(before.st_mode):
+            raise error(f"{p}: {what} is {_kind(before.st_mode)}; it must be a regular file (or a symlink to one)")
+        fd = os.open(p, _FLAGS)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
+        reason = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be opened ({exc})"
+        raise error(f"{p}: {what} {reason}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{p}: {what} is {_kind(st.st_mode)} (replaced while being opened); it must be a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_capped(
+    path: str | os.PathLike[str], limit: int, *, what: str = "file", error: type[WCacheError] = CheckpointError
+) -> bytes:
+    """All of a regular file's bytes, refusing one of more than ``limit`` bytes (reads at most limit + 1)."""
+    fd, st = open_regular(path, what=what, error=error)
+    try:
+        if st.st_size > limit:
+            raise error(f"{os.fspath(path)}: {what} is {st.st_size} bytes, over the {limit}-byte limit for metadata")
+        chunks: list[bytes] = []
+        got = 0
+        while got <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as exc:
+        raise error(f"{os.fspath(path)}: {what} cannot be read ({exc})") from exc
+    finally:
+        os.close(fd)
+    if got > limit:  # grew while read
+        raise error(f"{os.fspath(path)}: {what} is over the {limit}-byte limit for metadata")
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes, where: str, *, error: type[WCacheError] = CheckpointError) -> Any:
+    """``json.loads`` whose every failure (bad UTF-8, bad JSON, nesting too deep) is ``error``."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise error(f"{where}: not valid JSON ({detail})") from None
+
+
+def read_json(
+    path: str | os.PathLike[str],
+    limit: int = MAX_CONFIG_BYTES,
+    *,
+    what: str = "file",
+    error: type[WCacheError] = CheckpointError,
+    missing_ok: bool = False,
+) -> Any:
+    """A capped JSON file's value; ``None`` when it does not exist and ``missing_ok``."""
+    try:
+        raw = read_capped(path, limit, what=what, error=error)
+    except WCacheError as exc:
+        if missing_ok and isinstance(exc.__cause__, FileNotFoundError) and not Path(path).is_symlink():
+            return None
+        raise
+    return parse_json(raw, os.fspath(path), error=error)
