@@ -239,6 +239,8 @@ def main() -> None:
         "wcache_over_safetensors_warm": _ratio(w["warm"], s["warm"]),
         "targets": {"cold_s": 7.0, "warm_s": 1.0, "tp2_read_fraction": 0.55} if gpu else {"ratio_max": 1.0},
     }
+    # issue 20's figure: wcache's cold load over fastsafetensors' in the same run (target <= 0.95)
+    res["wcache_over_fastsafetensors_cold"] = _ratio(w["cold"], runs.get("fastsafetensors", {}).get("cold", {}))
     print(json.dumps(res["summary"], indent=2))
     dest = args.out or REPO / "benchmarks" / "results" / f"cold_load-{args.device.replace(':', '')}-{res['date']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
