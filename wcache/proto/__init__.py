@@ -8,7 +8,18 @@ which phase, which descriptors). Bytes in, typed frames out.
 """
 
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, FrameBuffer, decode_body, pack_frame
-from wcache.proto.connection import PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, Phase, Role
+from wcache.proto.connection import (
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    Connection,
+    DaemonRequest,
+    Event,
+    KeeperRequest,
+    Misdirected,
+    Phase,
+    Role,
+    Service,
+)
 from wcache.proto.frames import (
     BACKENDS,
     DTYPE_SIZES,
@@ -52,6 +63,11 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "Connection",
+    "DaemonRequest",
+    "Event",
+    "KeeperRequest",
+    "Misdirected",
+    "Service",
     "DeviceInfo",
     "ErrorFrame",
     "Evict",
