@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from typing import Any
 
 from wcache.errors import (
     LocalProtocolError,
@@ -163,8 +163,8 @@ SERVES: dict[Service, frozenset[str]] = {
 }
 #: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
 CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED"})
-DaemonRequest = Union[GetState, Release, Status, Preload, Evict, Takeover]
-KeeperRequest = Union[Keep, Unkeep, Reclaim, Status]
+DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover
+KeeperRequest = Keep | Unkeep | Reclaim | Status
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
 
@@ -197,7 +197,7 @@ class Misdirected:
 
 
 #: What a connection yields: a frame, or a request the server does not serve.
-Event = Union[Frame, Misdirected]
+Event = Frame | Misdirected
 
 
 class Connection:

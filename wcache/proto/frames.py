@@ -10,7 +10,7 @@ every service speaks) and ``peer_frames`` (takeover and keeper); their fields ar
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 from wcache.errors import ProtocolError
 from wcache.proto.daemon_frames import (
@@ -95,28 +95,28 @@ __all__ = [
     "tensor_extent",
 ]
 
-Frame = Union[
-    Hello,
-    HelloOk,
-    GetState,
-    State,
-    Release,
-    Released,
-    Status,
-    StatusReply,
-    ErrorFrame,
-    Preload,
-    Preloaded,
-    Evict,
-    Evicted,
-    Takeover,
-    TakeoverState,
-    Keep,
-    Unkeep,
-    Kept,
-    Reclaim,
-    Reclaimed,
-]
+Frame = (
+    Hello
+    | HelloOk
+    | GetState
+    | State
+    | Release
+    | Released
+    | Status
+    | StatusReply
+    | ErrorFrame
+    | Preload
+    | Preloaded
+    | Evict
+    | Evicted
+    | Takeover
+    | TakeoverState
+    | Keep
+    | Unkeep
+    | Kept
+    | Reclaim
+    | Reclaimed
+)
 #: frame type -> class: every ``@message`` declared with a type (a test checks it equals ``Frame``'s members)
 FRAME_TYPES: dict[str, type[Message]] = REGISTRY
 
