@@ -1,9 +1,10 @@
 """Moving bytes and file descriptors between a Unix socket and a sans-I/O Connection.
 
-Used by both the daemon and the client. No parsing happens here: bytes go into
-:class:`~wcache.proto.Connection`, typed frames come out. File descriptors travel as
-SCM_RIGHTS ancillary data attached to the first byte of the frame that announces them
-(docs/protocol.md §2.2), so every recv uses ``recvmsg`` with room for them.
+Used by the daemon, the keeper and the client. No parsing happens here: bytes and the
+descriptors that came with them go into :class:`~wcache.proto.Connection`, typed frames with
+their descriptors come out (which frame takes how many, and who may send any, is the
+connection's business: docs/protocol.md §2.2). Every recv uses ``recvmsg`` with room for
+descriptors, since they ride on the first byte of the frame that announces them.
 """
 
 from __future__ import annotations
@@ -19,20 +20,9 @@ import termios
 from pathlib import Path
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
-from wcache.proto import (
-    PROTOCOL_VERSION,
-    Connection,
-    ErrorFrame,
-    Frame,
-    Hello,
-    HelloOk,
-    Keep,
-    Reclaimed,
-    Role,
-    State,
-    TakeoverState,
-)
+from wcache.proto import PROTOCOL_VERSION, Connection, ErrorFrame, Frame, Hello, HelloOk, Role
 from wcache.proto.codec import MAX_HANDSHAKE_FRAME
+from wcache.proto.connection import Event, Misdirected, Service
 
 __all__ = ["Channel", "PeerCredentials", "ReadBudget", "connect", "expect", "peer_credentials"]
 
@@ -122,7 +112,6 @@ class Channel:
         sock: socket.socket,
         conn: Connection,
         *,
-        accept_fds: bool,
         budget: ReadBudget | None = None,
         send_timeout: float | None = None,
         max_unread_fds: int | None = None,
@@ -136,15 +125,13 @@ class Channel:
         sock.setblocking(False)
         self.sock = sock
         self.conn = conn
-        self.accept_fds = accept_fds
         if budget is None and conn.role is Role.SERVER:
             budget = SERVER_READ_BUDGET
         self.budget = budget
         self.send_timeout = send_timeout
         self.max_unread_fds = max_unread_fds
         self._claimed = 0
-        self._frames: collections.deque[Frame] = collections.deque()
-        self._fds: list[int] = []
+        self._frames: collections.deque[tuple[Event, list[int]]] = collections.deque()
         self._closed = False
         #: bytes handed to the kernel so far, and (stream offset of a frame's first byte, its descriptors)
         #: for frames whose descriptors the peer may not have read yet
@@ -159,7 +146,10 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        close_fds(self._fds)
+        close_fds(self.conn.release_fds())
+        for _, fds in self._frames:
+            close_fds(fds)
+        self._frames.clear()
         if self.budget is not None:
             self._claimed = self.budget.claim(self._claimed, 0)
         try:
@@ -276,14 +266,11 @@ class Channel:
         if flags & socket.MSG_CTRUNC:
             close_fds(fds)
             raise ProtocolError("file descriptors were truncated in transit")
-        if fds and not self.accept_fds:
-            close_fds(fds)
-            raise ProtocolError("this peer may not send file descriptors")
-        self._fds.extend(fds)
-        self.conn.receive_data(data)
+        self.conn.receive_data(data, fds)
 
-    async def receive(self, *, frame_timeout: float | None = None) -> tuple[Frame, list[int]]:
-        """The next frame and its file descriptors (the caller owns and must close them).
+    async def receive(self, *, frame_timeout: float | None = None) -> tuple[Event, list[int]]:
+        """The next frame (or, on a server, a request for another service: ``Misdirected``) and its file
+        descriptors (the caller owns and must close them).
 
         ``frame_timeout``: once part of a frame has arrived, the rest must arrive within
         this many seconds (TimeoutError otherwise) — a peer cannot hold a half-sent frame.
@@ -309,27 +296,16 @@ class Channel:
                     ) from None
             else:
                 await self._recv_some()
-            for frame in self.conn.events():
-                self._frames.append(frame)
+            self._frames.extend(self.conn.received())
             if self.budget is not None:
                 self._claimed = self.budget.claim(self._claimed, self.conn.demand)
-        frame = self._frames.popleft()
-        want = frame.fd_count if isinstance(frame, (State, TakeoverState, Keep, Reclaimed)) else 0
-        if want > len(self._fds):
-            raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
-        fds, self._fds = self._fds[:want], self._fds[want:]
-        if self._fds and not self._frames and not self.conn.buffered:
-            # descriptors travel with the first byte of the frame that announces them: these came with none
-            n = len(self._fds)
-            close_fds(fds)
-            close_fds(self._fds)
-            raise ProtocolError(f"{n} file descriptor(s) arrived that no frame announced")
-        return frame, fds
+        return self._frames.popleft()
 
 
-async def connect(path: Path, *, software: str, name: str) -> tuple[Channel, HelloOk]:
-    """Connect to the wcache socket at ``path`` (a daemon or a keeper), check that it runs as this
-    user (or root), and shake hands. CacheUnavailableError when nothing answers there."""
+async def connect(path: Path, *, software: str, name: str, service: Service | None = None) -> tuple[Channel, HelloOk]:
+    """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
+    check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
+    answers there."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.setblocking(False)
@@ -342,7 +318,7 @@ async def connect(path: Path, *, software: str, name: str) -> tuple[Channel, Hel
     if creds.uid not in (os.geteuid(), 0):
         sock.close()
         raise CacheUnavailableError(f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it")
-    ch = Channel(sock, Connection(Role.CLIENT), accept_fds=True)
+    ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
         await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
         frame, _ = await expect(ch)
@@ -354,8 +330,9 @@ async def connect(path: Path, *, software: str, name: str) -> tuple[Channel, Hel
 
 
 async def expect(ch: Channel) -> tuple[Frame, list[int]]:
-    """The next frame; an ERROR frame becomes its exception class."""
+    """The next frame (of a client's channel); an ERROR frame becomes its exception class."""
     frame, fds = await ch.receive()
+    assert not isinstance(frame, Misdirected)  # only a server's connection yields those
     if isinstance(frame, ErrorFrame):
         close_fds(fds)
         raise error_from_frame(frame.code, frame.message, frame.details)

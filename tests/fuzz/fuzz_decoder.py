@@ -20,15 +20,15 @@ import atheris
 
 with atheris.instrument_imports():
     from wcache.errors import ProtocolError
-    from wcache.proto import Connection, Frame, Role, pack_frame
+    from wcache.proto import Connection, Event, Role, pack_frame
     from wcache.proto.examples import EXAMPLES
 
 MAX = 1 << 16
 
 
-def _drive(data: bytes, role: Role, chunk: int) -> tuple[list[Frame], str]:
+def _drive(data: bytes, role: Role, chunk: int) -> tuple[list[Event], str]:
     conn = Connection(role, max_frame_size=MAX)
-    frames: list[Frame] = []
+    frames: list[Event] = []
     outcome = "ok"
     try:
         for i in range(0, len(data), chunk):

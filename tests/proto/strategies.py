@@ -7,6 +7,7 @@ import dataclasses
 from hypothesis import strategies as st
 
 from wcache.proto import (
+    BACKENDS,
     DTYPE_SIZES,
     DeviceInfo,
     ErrorFrame,
@@ -39,6 +40,7 @@ from wcache.proto import (
 )
 
 text = st.text(max_size=40)
+backends = st.sampled_from(BACKENDS)
 ids = st.integers(1, 2**63 - 1)
 uints = st.integers(0, 2**63 - 1)
 floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -160,7 +162,7 @@ def takeover_states(draw: st.DrawFn) -> TakeoverState:
 def keeps(draw: st.DrawFn) -> Keep:
     model, _ = _handed(draw, 0, every_slab=True)
     return Keep(
-        id=draw(ids), owner=draw(text), backend=draw(text), device_uuid=draw(text), model=model, pid=draw(uints)
+        id=draw(ids), owner=draw(text), backend=draw(backends), device_uuid=draw(text), model=model, pid=draw(uints)
     )
 
 
@@ -181,7 +183,7 @@ frames = st.one_of(
         HelloOk,
         version=st.integers(1, 2**31 - 1),
         software=text,
-        backend=st.sampled_from(["host", "cuda"]),
+        backend=backends,
         device=devices,
         max_frame_size=st.integers(1, 2**32 - 1),
         server_pid=st.integers(0, 2**31),
@@ -195,7 +197,7 @@ frames = st.one_of(
         StatusReply,
         id=ids,
         software=text,
-        backend=st.sampled_from(["host", "cuda"]),
+        backend=backends,
         device=devices,
         uptime_seconds=floats,
         connections=uints,
@@ -203,7 +205,7 @@ frames = st.one_of(
             st.builds(
                 ModelInfo,
                 key=keys,
-                backend=text,
+                backend=backends,
                 bytes=uints,
                 tensors=uints,
                 leases=uints,
@@ -245,12 +247,12 @@ frames = st.one_of(
     ),
     st.builds(Evict, id=ids, key=keys),
     st.builds(Evicted, id=ids, key=keys, bytes=uints),
-    st.builds(Takeover, id=ids, backend=text, device_uuid=text, pid=st.integers(0, 2**31)),
+    st.builds(Takeover, id=ids, backend=backends, device_uuid=text, pid=st.integers(0, 2**31)),
     takeover_states(),
     keeps(),
     st.builds(Kept, id=ids, models=uints, bytes=uints),
     st.builds(Unkeep, id=ids, owner=text, key=keys),
-    st.builds(Reclaim, id=ids, owner=text, backend=text, device_uuid=text, pid=uints),
+    st.builds(Reclaim, id=ids, owner=text, backend=backends, device_uuid=text, pid=uints),
     reclaimeds(),
     st.builds(
         ErrorFrame,

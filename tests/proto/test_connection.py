@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wcache.errors import LocalProtocolError, ProtocolError, UnexpectedFrameError, UnsupportedVersionError
+from wcache.errors import ErrorCode, LocalProtocolError, ProtocolError, UnexpectedFrameError, UnsupportedVersionError
 from wcache.proto import (
     PROTOCOL_VERSION,
     Connection,
@@ -13,10 +13,12 @@ from wcache.proto import (
     GetState,
     Hello,
     HelloOk,
+    Misdirected,
     Phase,
     Release,
     Released,
     Role,
+    Service,
     Status,
     pack_frame,
 )
@@ -172,3 +174,72 @@ def test_nothing_after_fatal_error() -> None:
     s.fatal_error(ProtocolError("bye"))
     with pytest.raises(LocalProtocolError):
         s.send(ErrorFrame(id=0, code=1, message="again", fatal=True))
+
+
+def _served(service: Service) -> tuple[Connection, Connection]:
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER, service=service)
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+    list(c.events())
+    return c, s
+
+
+@pytest.mark.parametrize(
+    ("service", "request_name"),
+    [(Service.DAEMON, "RECLAIM"), (Service.DAEMON, "UNKEEP"), (Service.KEEPER, "GET_STATE")],
+)
+def test_a_request_for_the_other_service_is_misdirected_not_fatal(service: Service, request_name: str) -> None:
+    """The daemon and keeper dispatchers no longer reject each other's requests by hand: the connection marks
+    them, with the NOT_FOUND to answer; the id is pending, so that ERROR is legal and the connection serves on."""
+    c, s = _served(service)
+    s.receive_data(c.send(EXAMPLES[request_name]))
+    (event,) = s.events()
+    assert isinstance(event, Misdirected) and event.request == EXAMPLES[request_name]
+    assert event.error.code is ErrorCode.NOT_FOUND and event.error.details["service"] == service.value
+    c.receive_data(s.send(ErrorFrame.from_exception(event.error, event.id)))
+    (reply,) = c.events()
+    assert isinstance(reply, ErrorFrame) and not reply.fatal and s.phase is Phase.OPEN
+    s.receive_data(c.send(Status(id=99)))
+    assert list(s.events()) == [Status(id=99)]  # both services answer STATUS
+
+
+def test_a_client_naming_its_service_cannot_send_the_other_ones_requests() -> None:
+    c, s = Connection(Role.CLIENT, service=Service.KEEPER), Connection(Role.SERVER)
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+    list(c.events())
+    c.send(EXAMPLES["RECLAIM"])
+    with pytest.raises(LocalProtocolError, match="does not serve GET_STATE"):
+        c.send(EXAMPLES["GET_STATE"])
+
+
+def test_descriptors_go_with_the_frame_that_announces_them() -> None:
+    """receive_data(data, fds): STATE takes fd_count of them; a daemon refuses any; unannounced ones are an error."""
+    c, s = _open_pair()
+    s.receive_data(c.send(EXAMPLES["GET_STATE"]))
+    list(s.events())
+    data = s.send(EXAMPLES["STATE"])
+    c.receive_data(data[:1], [7])
+    c.receive_data(data[1:], [8])  # one more than STATE announces, with no frame after it
+    with pytest.raises(ProtocolError, match="no frame announced"):
+        list(c.received())
+    assert c.release_fds() == [8]
+
+    daemon = Connection(Role.SERVER, service=Service.DAEMON)
+    assert not daemon.accepts_fds and Connection(Role.SERVER, service=Service.KEEPER).accepts_fds
+    with pytest.raises(ProtocolError, match="may not send file descriptors"):
+        daemon.receive_data(b"\x00", [5])
+    assert daemon.release_fds() == [5]  # still the owner's to close
+
+
+def test_a_frame_announcing_more_descriptors_than_arrived_is_refused() -> None:
+    c, s = _open_pair()
+    s.receive_data(c.send(EXAMPLES["GET_STATE"]))
+    list(s.events())
+    c.receive_data(s.send(EXAMPLES["STATE"]))
+    with pytest.raises(ProtocolError, match="announces 1 file descriptor"):
+        list(c.received())

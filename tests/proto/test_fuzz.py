@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wcache.errors import ProtocolError
-from wcache.proto import PROTOCOL_VERSION, Connection, Frame, Role, pack_frame
+from wcache.proto import PROTOCOL_VERSION, Connection, Event, Frame, Role, pack_frame
 from wcache.proto.frames import FRAME_TYPES
 
 from .strategies import frames
@@ -22,9 +22,9 @@ from .strategies import frames
 MAX = 1 << 16
 
 
-def _drive(data: bytes, *, chunk: int, role: Role = Role.SERVER) -> list[Frame]:
+def _drive(data: bytes, *, chunk: int, role: Role = Role.SERVER) -> list[Event]:
     conn = Connection(role, max_frame_size=MAX)
-    out: list[Frame] = []
+    out: list[Event] = []
     try:
         for i in range(0, len(data), chunk):
             conn.receive_data(data[i : i + chunk])

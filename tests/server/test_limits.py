@@ -95,7 +95,6 @@ async def test_read_budget_refuses_the_frame_that_does_not_fit() -> None:
         Channel(
             a,
             Connection(Role.SERVER, max_frame_size=4 << 20, max_handshake_frame=8 << 20),
-            accept_fds=False,
             budget=budget,
         )
         for a, _ in pairs
@@ -113,7 +112,7 @@ async def test_read_budget_refuses_the_frame_that_does_not_fit() -> None:
             await asyncio.wait_for(chans[2].receive(), 10)
         assert budget.held == 3 << 20 and budget.peers == 2
         small = socket.socketpair()
-        sch = Channel(small[0], Connection(Role.SERVER), accept_fds=False, budget=budget)
+        sch = Channel(small[0], Connection(Role.SERVER), budget=budget)
         small[1].sendall(HELLO)
         frame, _ = await asyncio.wait_for(sch.receive(), 10)
         assert isinstance(frame, Hello)

@@ -1,12 +1,27 @@
 """The wcache wire protocol, pure: no asyncio, sockets or torch (docs/protocol.md).
 
-``codec`` frames bytes, ``frames`` defines the typed frames, ``connection`` holds the
-per-connection state machine. Bytes in, typed frames out.
+Layers, each importing only those above it (docs/architecture.md): ``codec`` (length prefix +
+msgpack), ``fields`` (field kinds and the one generic encoder/decoder), ``table`` (the columnar
+tensor table), ``daemon_frames`` and ``peer_frames`` (the frames by service), ``frames`` (the
+registry and ``decode_frame``), ``connection`` (the per-connection state machine: which service,
+which phase, which descriptors). Bytes in, typed frames out.
 """
 
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, FrameBuffer, decode_body, pack_frame
-from wcache.proto.connection import PROTOCOL_VERSION, SUPPORTED_VERSIONS, Connection, Phase, Role
+from wcache.proto.connection import (
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    Connection,
+    DaemonRequest,
+    Event,
+    KeeperRequest,
+    Misdirected,
+    Phase,
+    Role,
+    Service,
+)
 from wcache.proto.frames import (
+    BACKENDS,
     DTYPE_SIZES,
     DeviceInfo,
     ErrorFrame,
@@ -42,11 +57,17 @@ from wcache.proto.frames import (
 )
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_MAX_FRAME_SIZE",
     "DTYPE_SIZES",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "Connection",
+    "DaemonRequest",
+    "Event",
+    "KeeperRequest",
+    "Misdirected",
+    "Service",
     "DeviceInfo",
     "ErrorFrame",
     "Evict",

@@ -1,9 +1,14 @@
 """The sans-I/O connection: bytes in, typed frames out; frames in, bytes out.
 
 Everything that affects the connection's state lives in this module: the transition
-table ``TRANSITIONS`` (docs/protocol.md §5), the outstanding request ids, and the leases
-granted on this connection. The asyncio server and client only move bytes between a
-socket and a :class:`Connection`.
+table ``TRANSITIONS`` (docs/protocol.md §5), which service answers which requests
+(``SERVES``), which frames bring file descriptors (``CARRIES_FDS``, docs/protocol.md §2.2),
+the outstanding request ids, and the leases granted on this connection. The asyncio server
+and client only move bytes and descriptors between a socket and a :class:`Connection`.
+
+A server connection knows the service it speaks for (:class:`Service`): a request for the
+other service (a RECLAIM to a daemon, a GET_STATE to a keeper) comes out as
+:class:`Misdirected`, carrying the non-fatal ``NOT_FOUND`` error to answer it with.
 
 Errors: a frame the *peer* may not send now raises :class:`UnexpectedFrameError`
 (a :class:`ProtocolError`); a frame *we* may not send raises
@@ -14,11 +19,12 @@ of these from ``events()`` the connection should send ``fatal_error()`` and clos
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from wcache.errors import (
     LocalProtocolError,
+    NotFoundError,
     ProtocolError,
     UnexpectedFrameError,
     UnsupportedVersionError,
@@ -35,16 +41,38 @@ from wcache.proto.codec import (
 )
 from wcache.proto.frames import (
     ErrorFrame,
+    Evict,
     Frame,
+    GetState,
     Hello,
     HelloOk,
+    Keep,
+    Preload,
+    Reclaim,
     Release,
     Released,
     State,
+    Status,
+    Takeover,
+    Unkeep,
     decode_frame,
 )
 
-__all__ = ["PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "Connection", "Role", "Phase", "TRANSITIONS"]
+__all__ = [
+    "CARRIES_FDS",
+    "PROTOCOL_VERSION",
+    "SERVES",
+    "SUPPORTED_VERSIONS",
+    "TRANSITIONS",
+    "Connection",
+    "DaemonRequest",
+    "Event",
+    "KeeperRequest",
+    "Misdirected",
+    "Phase",
+    "Role",
+    "Service",
+]
 
 #: The protocol version this implementation speaks (docs/protocol.md §3).
 PROTOCOL_VERSION = 2
@@ -54,6 +82,13 @@ SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
 class Role(enum.Enum):
     CLIENT = "client"
     SERVER = "server"
+
+
+class Service(enum.Enum):
+    """What a server speaks for: a daemon serves weights, a keeper holds slabs for daemons (§4.11)."""
+
+    DAEMON = "daemon"
+    KEEPER = "keeper"
 
 
 class Phase(enum.Enum):
@@ -110,7 +145,7 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, SEND, "RECLAIMED"): Phase.OPEN,
 }
 #: Request type -> the reply type that answers it (ERROR answers any request).
-REPLY_TO = {
+REPLY_TO: dict[str, str] = {
     "GET_STATE": "STATE",
     "RELEASE": "RELEASED",
     "STATUS": "STATUS_REPLY",
@@ -121,8 +156,48 @@ REPLY_TO = {
     "UNKEEP": "KEPT",
     "RECLAIM": "RECLAIMED",
 }
+#: The requests each service answers; a server with a service answers the others' with NOT_FOUND.
+SERVES: dict[Service, frozenset[str]] = {
+    Service.DAEMON: frozenset({"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER"}),
+    Service.KEEPER: frozenset({"KEEP", "UNKEEP", "RECLAIM", "STATUS"}),
+}
+#: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
+CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED"})
+DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover
+KeeperRequest = Keep | Unkeep | Reclaim | Status
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
+
+
+class Misdirected:
+    """A request for the other service, received by a server: answer it with ``error`` (NOT_FOUND,
+    not fatal; the id is pending, so that ERROR is legal) and serve on."""
+
+    __slots__ = ("error", "request")
+
+    def __init__(self, request: Frame, service: Service) -> None:
+        self.request = request
+        other = "wcache-keeper" if service is Service.DAEMON else "wcache-server"
+        self.error = NotFoundError(
+            f"this socket is a wcache {service.value}: {request.TYPE} goes to a {other} socket"
+            + (" (a keeper holds slabs for daemons and serves no models)" if service is Service.KEEPER else ""),
+            details={"type": request.TYPE, "service": service.value},
+        )
+
+    @property
+    def TYPE(self) -> str:  # as a frame's
+        return self.request.TYPE
+
+    @property
+    def id(self) -> int:
+        return getattr(self.request, "id", 0)
+
+    def __repr__(self) -> str:
+        return f"Misdirected({self.request!r})"
+
+
+#: What a connection yields: a frame, or a request the server does not serve.
+Event = Frame | Misdirected
 
 
 class Connection:
@@ -130,14 +205,18 @@ class Connection:
 
     >>> conn = Connection(Role.CLIENT)
     >>> data = conn.send(Hello(versions=(2,)))   # bytes for the socket
-    >>> conn.receive_data(chunk)                 # bytes from the socket; b"" = EOF
-    >>> for frame in conn.events(): ...          # typed frames, validated
+    >>> conn.receive_data(chunk, fds)            # bytes (and descriptors) from the socket; b"" = EOF
+    >>> for frame, fds in conn.received(): ...   # typed frames, validated, with their descriptors
+
+    ``service``: what a server speaks for (None: both, for tests and fuzzing); a client may name the
+    service it talks to, so that sending it a request it does not serve is a LocalProtocolError.
     """
 
     def __init__(
         self,
         role: Role,
         *,
+        service: Service | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_handshake_frame: int = MAX_HANDSHAKE_FRAME,
         supported_versions: tuple[int, ...] = SUPPORTED_VERSIONS,
@@ -146,6 +225,7 @@ class Connection:
         ``max_handshake_frame``: before it (HELLO / HELLO_OK), so that a peer that has not even said HELLO
         cannot make this side buffer a big body (docs/protocol.md §7)."""
         self.role = role
+        self.service = service
         self.phase = Phase.START
         self.version: int | None = None
         self.supported_versions = supported_versions
@@ -158,14 +238,36 @@ class Connection:
         self._buffer = FrameBuffer(max_frame_size)
         self._eof = False
         self._next_id = 1
+        #: descriptors received and not yet handed out with a frame (this connection's until released)
+        self._fds: list[int] = []
 
     # ------------------------------------------------------------------ inbound
-    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed bytes from the peer; ``b""`` marks the end of the stream."""
+    @property
+    def accepts_fds(self) -> bool:
+        """Whether any frame this side may receive brings descriptors (a daemon's clients never send any)."""
+        if self.role is Role.CLIENT or self.service is None:
+            return True
+        return bool(SERVES[self.service] & CARRIES_FDS)
+
+    def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ()) -> None:
+        """Feed bytes from the peer, with the descriptors that came with them (SCM_RIGHTS); ``b""`` marks
+        the end of the stream. The descriptors are the connection's from here on: each goes out with the
+        frame that announces it, and :meth:`release_fds` returns the rest for closing. ProtocolError when
+        this peer may not send descriptors at all."""
+        if fds:
+            self._fds.extend(fds)
+            if not self.accepts_fds:
+                raise ProtocolError("this peer may not send file descriptors")
         if not data:
             self._eof = True
             return
         self._buffer.feed(data)
+
+    def release_fds(self) -> list[int]:
+        """Every descriptor received and not handed out with a frame through :meth:`received` (for the
+        owner to close: on close, or after an error)."""
+        out, self._fds = self._fds, []
+        return out
 
     @property
     def buffered(self) -> int:
@@ -190,16 +292,30 @@ class Connection:
     def eof(self) -> bool:
         return self._eof
 
-    def events(self) -> Iterator[Frame]:
-        """Yield each complete frame received so far, after validating it against the state.
+    def events(self) -> Iterator[Event]:
+        """Like :meth:`received`, for callers that move no descriptors (pure tests, fuzzers): frames only,
+        no descriptor accounting (descriptors given to receive_data stay with the connection: release_fds)."""
+        for event, _ in self._decode(with_fds=False):
+            yield event
 
-        Raises ProtocolError (or a subclass) on malformed bytes or an illegal frame.
-        A stream that ends inside a frame raises ProtocolError too.
+    def received(self) -> Iterator[tuple[Event, list[int]]]:
+        """Yield each complete frame received so far, validated against the state, with the descriptors it
+        announces (``fd_count``; the caller owns them).
+
+        Raises ProtocolError (or a subclass) on malformed bytes, an illegal frame, a frame announcing more
+        descriptors than arrived, or descriptors that no frame announces. A stream that ends inside a frame
+        raises ProtocolError too.
         """
+        return self._decode(with_fds=True)
+
+    def _decode(self, *, with_fds: bool) -> Iterator[tuple[Event, list[int]]]:
         while self.phase is not Phase.CLOSED:
             self._set_limit()  # the phase may have changed with the previous frame
             body = self._buffer.next_body()
             if body is None:
+                if with_fds and self._fds and not self._buffer.buffered:
+                    # descriptors travel with the first byte of the frame that announces them: these came with none
+                    raise ProtocolError(f"{len(self._fds)} file descriptor(s) arrived that no frame announced")
                 if self._eof:
                     self.phase = Phase.CLOSED
                     if self._buffer.buffered:
@@ -207,12 +323,25 @@ class Connection:
                 return
             with gc_paused(len(body)):
                 frame = decode_frame(decode_body(body))
-            self._on(RECV, frame)
-            yield frame
+            want = frame.fd_count if with_fds and frame.TYPE in CARRIES_FDS else 0
+            if want > len(self._fds):
+                raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
+            self._on(RECV, frame)  # an illegal frame leaves its descriptors to release_fds
+            fds, self._fds = self._fds[:want], self._fds[want:]
+            if self.role is Role.SERVER and self.service is not None and self._misdirected(frame):
+                yield Misdirected(frame, self.service), fds
+            else:
+                yield frame, fds
+
+    def _misdirected(self, frame: Frame) -> bool:
+        assert self.service is not None
+        return frame.TYPE in REPLY_TO and frame.TYPE not in SERVES[self.service]
 
     # ------------------------------------------------------------------ outbound
     def send(self, frame: Frame) -> bytes:
         """Validate ``frame`` against the state, update the state, return its bytes."""
+        if self.role is Role.CLIENT and self.service is not None and self._misdirected(frame):
+            raise LocalProtocolError(f"a wcache {self.service.value} does not serve {frame.TYPE}")
         self._on(SEND, frame)
         return pack_frame(frame.to_wire(), max_frame_size=MAX_REPRESENTABLE)
 

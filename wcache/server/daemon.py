@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import assert_never, cast
 
 from wcache.channel import DEFAULT_READ_BUDGET, Channel, ReadBudget, peer_credentials
 from wcache.errors import (
@@ -35,23 +36,23 @@ from wcache.errors import (
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
     Connection,
+    DaemonRequest,
     ErrorFrame,
     Evict,
     Evicted,
     GetState,
     HandedModel,
     Hello,
-    Keep,
+    Misdirected,
     Preload,
     Preloaded,
-    Reclaim,
     Release,
     Role,
+    Service,
     Status,
     StatusReply,
     Takeover,
     TakeoverState,
-    Unkeep,
 )
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
@@ -242,11 +243,10 @@ class Daemon:
     # ------------------------------------------------------------------ one connection
     async def _serve_connection(self, sock: socket.socket, peer: Peer, *, refuse: bool = False) -> None:
         conn_id = peer.id
-        conn = Connection(Role.SERVER, max_frame_size=self.max_request_size)
+        conn = Connection(Role.SERVER, service=Service.DAEMON, max_frame_size=self.max_request_size)
         ch = Channel(
             sock,
             conn,
-            accept_fds=False,
             budget=self.read_budget,
             send_timeout=self.send_timeout,
             max_unread_fds=self.max_unread_fds,
@@ -286,7 +286,8 @@ class Daemon:
                 self._busy.add(conn_id)
                 peer.busy = True
                 try:
-                    await self._dispatch(ch, frame, conn_id, pid)
+                    # the connection lets through only requests (the transition table) of this service, or marks them
+                    await self._dispatch(ch, cast("DaemonRequest | Misdirected", frame), conn_id, pid)
                 finally:
                     self._busy.discard(conn_id)
                     peer.busy = False
@@ -332,77 +333,76 @@ class Daemon:
         )
         await ch.send(reply)
 
-    async def _dispatch(self, ch: Channel, frame: object, conn_id: int, pid: int) -> None:
-        rid = getattr(frame, "id", 0)
+    async def _dispatch(self, ch: Channel, frame: DaemonRequest | Misdirected, conn_id: int, pid: int) -> None:
+        rid = frame.id
         try:
-            if isinstance(frame, GetState):
-                t0 = time.perf_counter()
-                try:
-                    state, fds, model = self.store.acquire(conn_id, pid, frame)
-                except (KeyMismatchError, NotFoundError):
-                    if not await self._load_on_demand(frame, pid):
-                        raise
-                    state, fds, model = self.store.acquire(conn_id, pid, frame)
-                try:
-                    await ch.send(state, fds)
-                except OSError as exc:
-                    if exc.errno != errno.ETOOMANYREFS:
-                        raise
-                    # nothing went out (the kernel refuses at the first byte): the lease was never granted
-                    self.store.revoke(state.lease)
-                    ch.conn.retract_state(state)
-                    raise LimitExceededError(
-                        "too many descriptors are in flight to engines that have not read them (this uid's "
-                        f"RLIMIT_NOFILE, {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); retry shortly"
-                    ) from exc
-                self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)
-                log.info(
-                    "lease granted %s pid=%d lease=%d mode=%s key=%s tensors=%d bytes=%d leases=%d",
-                    self._tag,
-                    pid,
-                    state.lease,
-                    frame.mode,
-                    model.key.short(),
-                    len(state.tensors),
-                    model.slab_bytes,
-                    len(self.store.leases),
-                )
-            elif isinstance(frame, Release):
-                released = self.store.release(conn_id, frame)
-                await ch.send(released)
-                self.metrics.releases += 1
-                log.info(
-                    "lease released %s pid=%d lease=%d leases_left=%d",
-                    self._tag,
-                    pid,
-                    frame.lease,
-                    released.leases_left,
-                )
-            elif isinstance(frame, Status):
-                await ch.send(self.status_reply(frame.id))
-            elif isinstance(frame, Preload):
-                await ch.send(await self._preload(frame, pid))
-            elif isinstance(frame, Takeover):
-                await self._hand_over(ch, frame, pid)
-            elif isinstance(frame, Evict):
-                gone = self.store.evict(frame.key)
-                if self.keeper is not None:
-                    await self.keeper.unkeep(gone)
-                await ch.send(Evicted(id=frame.id, key=gone.key.to_wire(), bytes=gone.slab_bytes))
-                log.info(
-                    "evicted %s pid=%d key=%s bytes=%d resident=%d",
-                    self._tag,
-                    pid,
-                    gone.key.short(),
-                    gone.slab_bytes,
-                    self.store.resident_bytes,
-                )
-            elif isinstance(frame, (Keep, Unkeep, Reclaim)):
-                raise NotFoundError(
-                    f"{self.socket_path} is a wcache daemon: {frame.TYPE} goes to a wcache-keeper socket"
-                )
-            else:  # the transition table admits no other frame here
-                raise ProtocolError(f"unexpected {type(frame).__name__}")
+            match frame:
+                case GetState():
+                    t0 = time.perf_counter()
+                    try:
+                        state, fds, model = self.store.acquire(conn_id, pid, frame)
+                    except (KeyMismatchError, NotFoundError):
+                        if not await self._load_on_demand(frame, pid):
+                            raise
+                        state, fds, model = self.store.acquire(conn_id, pid, frame)
+                    try:
+                        await ch.send(state, fds)
+                    except OSError as exc:
+                        if exc.errno != errno.ETOOMANYREFS:
+                            raise
+                        # nothing went out (the kernel refuses at the first byte): the lease was never granted
+                        self.store.revoke(state.lease)
+                        ch.conn.retract_state(state)
+                        raise LimitExceededError(
+                            "too many descriptors are in flight to engines that have not read them (this uid's "
+                            f"RLIMIT_NOFILE, {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}); retry shortly"
+                        ) from exc
+                    self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)
+                    log.info(
+                        "lease granted %s pid=%d lease=%d mode=%s key=%s tensors=%d bytes=%d leases=%d",
+                        self._tag,
+                        pid,
+                        state.lease,
+                        frame.mode,
+                        model.key.short(),
+                        len(state.tensors),
+                        model.slab_bytes,
+                        len(self.store.leases),
+                    )
+                case Release():
+                    released = self.store.release(conn_id, frame)
+                    await ch.send(released)
+                    self.metrics.releases += 1
+                    log.info(
+                        "lease released %s pid=%d lease=%d leases_left=%d",
+                        self._tag,
+                        pid,
+                        frame.lease,
+                        released.leases_left,
+                    )
+                case Status():
+                    await ch.send(self.status_reply(frame.id))
+                case Preload():
+                    await ch.send(await self._preload(frame, pid))
+                case Takeover():
+                    await self._hand_over(ch, frame, pid)
+                case Evict():
+                    gone = self.store.evict(frame.key)
+                    if self.keeper is not None:
+                        await self.keeper.unkeep(gone)
+                    await ch.send(Evicted(id=frame.id, key=gone.key.to_wire(), bytes=gone.slab_bytes))
+                    log.info(
+                        "evicted %s pid=%d key=%s bytes=%d resident=%d",
+                        self._tag,
+                        pid,
+                        gone.key.short(),
+                        gone.slab_bytes,
+                        self.store.resident_bytes,
+                    )
+                case Misdirected():  # a keeper's request: the connection says NOT_FOUND, not fatal
+                    raise frame.error
+                case _:
+                    assert_never(frame)
         except ProtocolError:
             raise
         except WCacheError as exc:

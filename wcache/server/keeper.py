@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, assert_never, cast
 
 import msgpack
 
@@ -75,11 +75,14 @@ from wcache.proto import (
     HandedModel,
     Hello,
     Keep,
+    KeeperRequest,
     Kept,
+    Misdirected,
     ModelInfo,
     Reclaim,
     Reclaimed,
     Role,
+    Service,
     SlabDescriptor,
     Status,
     StatusReply,
@@ -298,8 +301,8 @@ class Keeper:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve_connection(self, sock: socket.socket) -> None:
-        conn = Connection(Role.SERVER)
-        ch = Channel(sock, conn, accept_fds=True)  # KEEP brings descriptors
+        conn = Connection(Role.SERVER, service=Service.KEEPER)
+        ch = Channel(sock, conn)
         pid = -1
         try:
             creds = peer_credentials(sock)
@@ -332,7 +335,7 @@ class Keeper:
                     ch.receive(frame_timeout=self.frame_timeout), self.limits.idle_seconds
                 )
                 try:
-                    await self._dispatch(ch, frame, fds, pid)
+                    await self._dispatch(ch, cast("KeeperRequest | Misdirected", frame), fds, pid)
                 except WCacheError as exc:
                     if isinstance(exc, ProtocolError):
                         raise
@@ -353,40 +356,40 @@ class Keeper:
         finally:
             ch.close()
 
-    async def _dispatch(self, ch: Channel, frame: object, fds: list[int], pid: int) -> None:
-        if isinstance(frame, Keep):
-            await ch.send(self._keep(frame, fds, pid))
-        elif isinstance(frame, Unkeep):
-            self._authorise(frame.owner, pid, "UNKEEP")
-            gone = self.entries.pop((frame.owner, _key_id(frame.key)), None)
-            if gone is None:
-                raise NotFoundError(
-                    f"the keeper holds no model {_short(frame.key)} for {frame.owner}",
-                    details={"owner": frame.owner, "held": len(self._owned(frame.owner))},
+    async def _dispatch(self, ch: Channel, frame: KeeperRequest | Misdirected, fds: list[int], pid: int) -> None:
+        match frame:
+            case Keep():
+                await ch.send(self._keep(frame, fds, pid))
+            case Unkeep():
+                self._authorise(frame.owner, pid, "UNKEEP")
+                gone = self.entries.pop((frame.owner, _key_id(frame.key)), None)
+                if gone is None:
+                    raise NotFoundError(
+                        f"the keeper holds no model {_short(frame.key)} for {frame.owner}",
+                        details={"owner": frame.owner, "held": len(self._owned(frame.owner))},
+                    )
+                gone.close()
+                kept = self._kept(frame.id, frame.owner)
+                log.info(
+                    "unkept %s owner=%s pid=%d key=%s bytes=%d models=%d held_bytes=%d",
+                    self._tag,
+                    frame.owner,
+                    pid,
+                    _short(frame.key),
+                    gone.bytes,
+                    kept.models,
+                    self.held_bytes,
                 )
-            gone.close()
-            kept = self._kept(frame.id, frame.owner)
-            log.info(
-                "unkept %s owner=%s pid=%d key=%s bytes=%d models=%d held_bytes=%d",
-                self._tag,
-                frame.owner,
-                pid,
-                _short(frame.key),
-                gone.bytes,
-                kept.models,
-                self.held_bytes,
-            )
-            await ch.send(kept)
-        elif isinstance(frame, Reclaim):
-            reply, out = self._reclaim(frame, pid)
-            await ch.send(reply, out)
-        elif isinstance(frame, Status):
-            await ch.send(self._status(frame.id))
-        else:
-            raise NotFoundError(
-                f"{self.socket_path} is a wcache keeper: it holds slabs for daemons and serves no models "
-                f"({getattr(frame, 'TYPE', type(frame).__name__)} goes to a wcache-server socket)"
-            )
+                await ch.send(kept)
+            case Reclaim():
+                reply, out = self._reclaim(frame, pid)
+                await ch.send(reply, out)
+            case Status():
+                await ch.send(self._status(frame.id))
+            case Misdirected():  # a daemon's request: the connection says NOT_FOUND, not fatal
+                raise frame.error
+            case _:
+                assert_never(frame)
 
     def _keep(self, req: Keep, fds: list[int], pid: int) -> Kept:
         self._authorise(req.owner, pid, "KEEP")

@@ -1,0 +1,191 @@
+"""The field declarations drive the codec: generated from them, so a new frame or field is covered at once.
+
+Every frame class round-trips through the generic codec; every field's limit (type, range, length, item
+count, choice set) is enforced on decode with a ProtocolError that names the frame and field; a required
+field that is missing is refused, an absent optional one takes its declared default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, get_args
+
+import pytest
+
+from wcache.errors import ProtocolError
+from wcache.proto import Frame, decode_body, decode_frame, pack_frame
+from wcache.proto.connection import CARRIES_FDS
+from wcache.proto.examples import EXAMPLES
+from wcache.proto.fields import (
+    INT64_MAX,
+    REGISTRY,
+    Array,
+    Bin,
+    Bool,
+    Choice,
+    Float,
+    Int,
+    Key,
+    Message,
+    Nested,
+    Plain,
+    Str,
+    StrMap,
+)
+from wcache.proto.table import Table
+
+_MISSING: Any = dataclasses.MISSING
+
+
+def test_registry_is_the_frame_union() -> None:
+    assert set(REGISTRY.values()) == set(get_args(Frame))
+    assert all(t == cls.TYPE for t, cls in REGISTRY.items())
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_frame_round_trips_through_the_generic_codec(name: str) -> None:
+    frame = EXAMPLES[name]
+    wire = frame.to_wire()
+    assert next(iter(wire)) == "type" and wire["type"] == name
+    assert list(wire)[1:] == [f.name for f in dataclasses.fields(frame)]
+    assert decode_frame(decode_body(pack_frame(wire)[4:])) == frame
+    assert type(frame).from_wire(decode_body(pack_frame(wire)[4:])) == frame
+
+
+def test_only_the_declared_frames_carry_descriptors() -> None:
+    """CARRIES_FDS (the connection's table) names exactly the frames whose class counts descriptors."""
+    counting = {t for t, cls in REGISTRY.items() if cls.fd_count is not Message.fd_count}
+    assert counting == CARRIES_FDS
+
+
+def _wire(name: str) -> dict[str, Any]:
+    """The example's map as a receiver decodes it (a STATE's table is pre-encoded bytes in to_wire())."""
+    return decode_body(pack_frame(EXAMPLES[name].to_wire())[4:])
+
+
+def _bad_values(kind: Any) -> Iterator[tuple[str, Any]]:
+    """Wire values that break ``kind``'s declared type or limits (one per limit)."""
+    if isinstance(kind, Int):
+        yield "string", "1"
+        yield "bool", True
+        yield "float", 1.0
+        if kind.lo > -(2**63):
+            yield "below lo", kind.lo - 1
+        if kind.hi < 2**64 - 1:
+            yield "above hi", kind.hi + 1
+    elif isinstance(kind, Choice):
+        yield "not a choice", "no-such-" + kind.options[0]
+        yield "not a string", 1
+    elif isinstance(kind, Str):
+        yield "too long", "x" * (kind.max_len + 1)
+        yield "bin", b"x"
+    elif isinstance(kind, Bin):
+        yield "too long", b"x" * (kind.max_len + 1)
+        yield "string", "x"
+    elif isinstance(kind, Bool):
+        yield "int", 1
+    elif isinstance(kind, Float):
+        yield "nan", float("nan")
+        yield "inf", float("inf")
+        yield "string", "1.0"
+    elif isinstance(kind, (Key, StrMap, Plain)):
+        yield "array", [1]
+        yield "int keys", {1: "x"}
+        if isinstance(kind, Key):
+            yield "float value", {"k": 1.5}
+            yield "long value", {"k": "x" * 1025}
+        elif isinstance(kind, StrMap):
+            yield "int value", {"k": 1}
+        else:
+            yield "too deep", {"k": [[[[[[[[[[1]]]]]]]]]]}
+    elif isinstance(kind, (Nested, Table)):
+        yield "not a map", [1]
+    elif isinstance(kind, Array):
+        yield "not an array", {"a": 1}
+        if kind.min_items > 0:
+            yield "too few", []
+    else:  # pragma: no cover - a new kind needs its limits listed here
+        raise AssertionError(f"no bad values for {type(kind).__name__}: add them to _bad_values")
+
+
+def _cases() -> Iterator[Any]:
+    """(frame type, path to the map holding the field, the part's name, field, bad value) for every field
+    of every frame and of every part (nested map, first array item) found in the examples."""
+
+    def walk(name: str, cls: type[Message], wire: dict[str, Any], path: tuple[Any, ...]) -> Iterator[Any]:
+        for attr, kind, _absent, _factory in cls._SPEC:
+            for what, bad in _bad_values(kind):
+                yield pytest.param(
+                    name, path, cls._NAME, attr, bad, id=f"{name}:{'.'.join(map(str, path + (attr,)))}:{what}"
+                )
+            if isinstance(kind, Array) and kind.max_items is not None and wire.get(attr):
+                over = list(wire[attr]) * (kind.max_items + 1)
+                yield pytest.param(
+                    name, path, cls._NAME, attr, over[: kind.max_items + 1], id=f"{name}:{attr}:too many"
+                )
+            inner = kind.item if isinstance(kind, Array) else kind
+            if isinstance(inner, Nested) and wire.get(attr):
+                sub = wire[attr][0] if isinstance(kind, Array) else wire[attr]
+                at = (attr, 0) if isinstance(kind, Array) else (attr,)
+                yield from walk(name, inner.cls, sub, path + at)
+
+    for name, cls in sorted(REGISTRY.items()):
+        yield from walk(name, cls, _wire(name), ())
+
+
+def _at(wire: dict[str, Any], path: tuple[Any, ...]) -> dict[str, Any]:
+    for step in path:
+        wire = wire[step]
+    return wire
+
+
+@pytest.mark.parametrize(("name", "path", "part", "attr", "bad"), list(_cases()))
+def test_every_field_limit_is_enforced_on_decode(
+    name: str, path: tuple[Any, ...], part: str, attr: str, bad: Any
+) -> None:
+    wire = _wire(name)
+    _at(wire, path)[attr] = bad
+    with pytest.raises(ProtocolError) as info:
+        decode_frame(wire)  # the map, not bytes: msgpack itself refuses some of these (int keys)
+    assert info.value.details.get("frame") in (part, "TensorTable"), info.value
+    if info.value.details.get("frame") == part:
+        assert info.value.details.get("field") == attr
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_missing_fields_are_refused_or_defaulted(name: str) -> None:
+    cls = REGISTRY[name]
+    for attr, _kind, absent, factory in cls._SPEC:
+        wire = _wire(name)
+        del wire[attr]
+        if absent is _MISSING and factory is _MISSING:
+            with pytest.raises(ProtocolError) as info:
+                decode_frame(wire)
+            assert info.value.details == {"frame": name, "field": attr}
+        else:
+            got = decode_frame(wire)
+            assert getattr(got, attr) == (factory() if absent is _MISSING else absent)
+
+
+def test_backend_is_a_choice_in_every_frame() -> None:
+    """``backend`` was validated in HELLO_OK and STATUS_REPLY and a free string in TAKEOVER, KEEP, RECLAIM and
+    ModelInfo; one declaration now (docs/protocol.md: "host" or "cuda")."""
+    parts: set[type[Message]] = set()
+    todo: list[type[Message]] = list(REGISTRY.values())
+    while todo:
+        cls = todo.pop()
+        parts.add(cls)
+        for _, kind, _, _ in cls._SPEC:
+            inner = kind.item if isinstance(kind, Array) else kind
+            if isinstance(inner, Nested) and inner.cls not in parts:
+                todo.append(inner.cls)
+    assert {"ModelInfo", "HandedModel", "DeviceInfo"} <= {c.__name__ for c in parts}
+    for cls in parts:
+        for attr, kind, _, _ in cls._SPEC:
+            if attr == "backend":
+                assert isinstance(kind, Choice) and kind.options == ("host", "cuda"), cls
+
+
+def test_int64_bound_is_the_default() -> None:
+    assert Int().hi == INT64_MAX

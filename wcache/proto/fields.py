@@ -1,0 +1,362 @@
+"""Field declarations for frames: one declaration per field drives encode *and* decode.
+
+A frame (or a part of one, such as ``DeviceInfo``) is a ``@message`` class whose fields are
+declared with :func:`wire`::
+
+    @message("RELEASE")
+    class Release(Message):
+        id: int = wire(Int(lo=1))
+        lease: int = wire(Int(lo=1))
+
+The kind (``Int``, ``Str``, ``Choice``, ``Array`` ...) holds the field's type and limits; the
+generic :meth:`Message.to_wire` and :meth:`Message.from_wire` walk the declarations in order,
+so the wire map lists fields in declaration order (the golden bytes of docs/protocol.md §8 pin
+it). Decoding validates every present field, takes the declared default for an absent one
+(``missing=`` when the wire default differs from the constructor's), ignores unknown fields
+(schema evolution, docs/protocol.md §2.1) and then runs the class's ``_validate`` for rules that
+span fields. Every failure is a :class:`~wcache.errors.ProtocolError` whose ``details`` name
+``frame`` and ``field`` — never a KeyError or TypeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Self, TypeVar, dataclass_transform
+
+from wcache.errors import ProtocolError
+from wcache.proto._record import record
+
+__all__ = [
+    "MAX_NAME",
+    "MAX_PATH",
+    "REGISTRY",
+    "Array",
+    "Bin",
+    "Bool",
+    "Choice",
+    "Float",
+    "Int",
+    "Key",
+    "KeyMap",
+    "Kind",
+    "Message",
+    "Nested",
+    "Plain",
+    "Str",
+    "StrMap",
+    "fail",
+    "message",
+    "wire",
+]
+
+MAX_NAME = 1024  # characters of a tensor name or key string
+MAX_PATH = 4096  # characters of a file system path
+INT64_MAX = 2**63 - 1
+KeyMap = dict[str, str | int]
+
+_MISSING: Any = dataclasses.MISSING
+#: dataclasses.Field.metadata key of a field's declaration
+_DECL = "wcache.wire"
+
+
+def fail(frame: str, fld: str, what: str) -> ProtocolError:
+    """The one decode error: names the frame (or part) and the field."""
+    return ProtocolError(f"{frame}.{fld}: {what}", details={"frame": frame, "field": fld})
+
+
+# --------------------------------------------------------------------------- kinds
+
+
+class Kind:
+    """A field's wire type and limits. ``decode`` validates one received value (``ctx``: the fields
+    of the same map decoded before it); ``encode`` turns the attribute into its wire value."""
+
+    __slots__ = ()
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def encode(self, v: Any) -> Any:
+        return v
+
+
+class Int(Kind):
+    """An integer in ``[lo, hi]`` (bool is not an integer here)."""
+
+    __slots__ = ("hi", "lo")
+
+    def __init__(self, lo: int = 0, hi: int = INT64_MAX) -> None:
+        self.lo, self.hi = lo, hi
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> int:
+        if type(v) is not int or not self.lo <= v <= self.hi:
+            raise fail(frame, fld, f"expected an integer in [{self.lo}, {self.hi}]")
+        return v
+
+
+class Str(Kind):
+    """A string of at most ``max_len`` characters."""
+
+    __slots__ = ("max_len",)
+
+    def __init__(self, max_len: int = MAX_NAME) -> None:
+        self.max_len = max_len
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> str:
+        if type(v) is not str or len(v) > self.max_len:
+            raise fail(frame, fld, f"expected a string of at most {self.max_len} characters")
+        return v
+
+
+class Choice(Kind):
+    """One of a fixed set of strings."""
+
+    __slots__ = ("options",)
+
+    def __init__(self, options: Sequence[str]) -> None:
+        self.options = tuple(options)
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> str:
+        if type(v) is not str or v not in self.options:
+            shown = repr(v[:64]) if type(v) is str else type(v).__name__
+            raise fail(frame, fld, f"expected one of {list(self.options)}, got {shown}")
+        return v
+
+
+class Bool(Kind):
+    __slots__ = ()
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> bool:
+        if type(v) is not bool:
+            raise fail(frame, fld, "expected a boolean")
+        return v
+
+
+class Float(Kind):
+    """A finite number; an integer is accepted and becomes a float."""
+
+    __slots__ = ()
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> float:
+        if type(v) is int:
+            v = float(v)
+        if type(v) is not float or not math.isfinite(v):
+            raise fail(frame, fld, "expected a finite number")
+        return v
+
+
+class Bin(Kind):
+    """msgpack bin of at most ``max_len`` bytes."""
+
+    __slots__ = ("max_len",)
+
+    def __init__(self, max_len: int = 4096) -> None:
+        self.max_len = max_len
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> bytes:
+        if type(v) is not bytes or len(v) > self.max_len:
+            raise fail(frame, fld, f"expected bin of at most {self.max_len} bytes")
+        return v
+
+
+def _str_keys(frame: str, fld: str, v: Any) -> dict[str, Any]:
+    if type(v) is not dict or any(type(k) is not str for k in v):
+        raise fail(frame, fld, "expected a map with string keys")
+    return v
+
+
+class Key(Kind):
+    """A WeightCacheKey map: string keys of at most 1024 characters, string (same bound) or integer values."""
+
+    __slots__ = ()
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> KeyMap:
+        m = _str_keys(frame, fld, v)
+        for k, x in m.items():
+            if len(k) > MAX_NAME or not (type(x) is str or type(x) is int):
+                raise fail(frame, fld, f"key field {k[:64]!r} must be a string or integer")
+            if type(x) is str and len(x) > MAX_NAME:
+                raise fail(frame, fld, f"key field {k[:64]!r} is too long")
+        return m
+
+    def encode(self, v: Any) -> Any:
+        return dict(v)
+
+
+class StrMap(Kind):
+    """A map of strings to strings, each at most 1024 characters."""
+
+    __slots__ = ()
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> dict[str, str]:
+        m = _str_keys(frame, fld, v)
+        for k, x in m.items():
+            if type(x) is not str or len(k) > MAX_NAME or len(x) > MAX_NAME:
+                raise fail(frame, fld, "expected a map of strings to strings")
+        return m
+
+    def encode(self, v: Any) -> Any:
+        return dict(v)
+
+
+class Plain(Kind):
+    """Free-form facts (ERROR details): nested maps (string keys) and arrays of str, int, float, bool,
+    nil and bin, at most ``max_depth`` deep. Arrays decode as lists."""
+
+    __slots__ = ("max_depth",)
+
+    def __init__(self, max_depth: int = 8) -> None:
+        self.max_depth = max_depth
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> dict[str, Any]:
+        m = _str_keys(frame, fld, v)
+        out: dict[str, Any] = self._plain(frame, fld, m, 0)
+        return out
+
+    def _plain(self, frame: str, fld: str, v: Any, depth: int) -> Any:
+        if depth > self.max_depth:
+            raise fail(frame, fld, "nested too deeply")
+        if v is None or type(v) in (str, int, float, bool, bytes):
+            return v
+        if type(v) is list or type(v) is tuple:
+            return [self._plain(frame, fld, x, depth + 1) for x in v]
+        if type(v) is dict:
+            if any(type(k) is not str for k in v):
+                raise fail(frame, fld, "map keys must be strings")
+            return {k: self._plain(frame, fld, x, depth + 1) for k, x in v.items()}
+        raise fail(frame, fld, f"unsupported value type {type(v).__name__}")
+
+    def encode(self, v: Any) -> Any:
+        return dict(v)
+
+
+class Nested(Kind):
+    """A map decoded as the ``@message`` class ``cls`` (its own fields name its errors)."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type[Message]) -> None:
+        self.cls = cls
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> Message:
+        return self.cls.from_wire(_str_keys(frame, fld, v))
+
+    def encode(self, v: Any) -> Any:
+        return v.to_wire()
+
+
+class Array(Kind):
+    """An array of ``min_items``..``max_items`` values of kind ``item`` (no upper bound but the frame
+    size when ``max_items`` is None); decodes as a tuple."""
+
+    __slots__ = ("item", "max_items", "min_items")
+
+    def __init__(self, item: Kind, *, min_items: int = 0, max_items: int | None = None) -> None:
+        self.item, self.min_items, self.max_items = item, min_items, max_items
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> tuple[Any, ...]:
+        if type(v) is not tuple and type(v) is not list:
+            raise fail(frame, fld, "expected an array")
+        n = len(v)
+        if n < self.min_items or (self.max_items is not None and n > self.max_items):
+            raise fail(frame, fld, f"expected {self.min_items}..{self.max_items or 'any'} items, got {n}")
+        item = self.item.decode
+        return tuple([item(frame, fld, x, ctx) for x in v])
+
+    def encode(self, v: Any) -> Any:
+        enc = self.item.encode
+        return [enc(x) for x in v]
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def wire(kind: Kind, *, default: Any = _MISSING, default_factory: Any = _MISSING, missing: Any = _MISSING) -> Any:
+    """Declare a field: its ``kind``; ``default``/``default_factory`` as ``dataclasses.field``'s; ``missing``:
+    the value an absent wire field decodes to when it differs from the constructor's default (none: required)."""
+    meta = {_DECL: (kind, missing)}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class Message:
+    """Base of every ``@message`` class: the generic encoder and decoder over its declared fields."""
+
+    __slots__ = ()
+    #: the wire value of the ``type`` field ("" for parts of frames)
+    TYPE: ClassVar[str] = ""
+    #: per field: (attribute, kind, value for an absent field or _MISSING, factory for it or _MISSING)
+    _SPEC: ClassVar[tuple[tuple[str, Kind, Any, Any], ...]] = ()
+    _NAME: ClassVar[str] = ""
+
+    @property
+    def fd_count(self) -> int:
+        """How many file descriptors travel with this frame (SCM_RIGHTS, docs/protocol.md §2.2)."""
+        return 0
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.TYPE} if self.TYPE else {}
+        for name, kind, _, _ in self._SPEC:
+            out[name] = kind.encode(getattr(self, name))
+        return out
+
+    @classmethod
+    def from_wire(cls, m: Any) -> Self:
+        """Decode and validate one map (docs/protocol.md §4); ProtocolError naming frame and field."""
+        frame = cls._NAME
+        if type(m) is not dict:
+            raise ProtocolError(f"{frame}: expected a map, got {type(m).__name__}", details={"frame": frame})
+        values: dict[str, Any] = {}
+        for name, kind, absent, factory in cls._SPEC:
+            v = m.get(name, _MISSING)
+            if v is not _MISSING:
+                values[name] = kind.decode(frame, name, v, values)
+            elif absent is not _MISSING:
+                values[name] = absent
+            elif factory is not _MISSING:
+                values[name] = factory()
+            else:
+                raise fail(frame, name, "missing")
+        out = cls(**values)
+        out._validate()
+        return out
+
+    def _validate(self) -> None:
+        """Rules that span fields (a frame overrides it); raise ``fail(...)``."""
+
+
+#: frame type -> class, for every ``@message`` with a TYPE (the decoder's registry)
+REGISTRY: dict[str, type[Message]] = {}
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(wire, dataclasses.field, dataclasses.Field))
+def message(type_: str = "") -> Callable[[type[M]], type[M]]:
+    """Make ``cls`` a frozen record (``_record.py``) with the generic codec; ``type_``: its frame type
+    (registered for ``decode_frame``), or "" for a part of a frame."""
+
+    def build(cls: type[M]) -> type[M]:
+        out = record(cls)
+        spec = []
+        for f in dataclasses.fields(out):  # type: ignore[arg-type]
+            decl = f.metadata.get(_DECL)
+            if decl is None:
+                continue  # not on the wire (a cache, say)
+            kind, missing = decl
+            absent = missing if missing is not _MISSING else f.default
+            factory = f.default_factory if absent is _MISSING else _MISSING
+            spec.append((f.name, kind, absent, factory))
+        out._SPEC = tuple(spec)
+        out.TYPE = type_
+        out._NAME = type_ or out.__name__
+        if type_:
+            if type_ in REGISTRY:
+                raise TypeError(f"frame type {type_} declared twice")
+            REGISTRY[type_] = out
+        return out
+
+    return build

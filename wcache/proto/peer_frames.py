@@ -1,0 +1,148 @@
+"""Frames between wcache processes (docs/protocol.md §4.10, §4.11): a daemon taking over from a running
+one (TAKEOVER), and a daemon depositing its models with a keeper (KEEP, UNKEEP, RECLAIM).
+
+All of them move models as :class:`HandedModel` with their slabs' file descriptors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from wcache.proto.daemon_frames import BACKENDS, SlabDescriptor, fd_positions
+from wcache.proto.fields import MAX_PATH, Array, Choice, Float, Int, Key, KeyMap, Message, Nested, Str, message, wire
+from wcache.proto.table import Aliases, Table, TensorTable
+
+__all__ = [
+    "MAX_HANDOFF_FDS",
+    "MAX_KEPT_FDS",
+    "HandedModel",
+    "Keep",
+    "Kept",
+    "Reclaim",
+    "Reclaimed",
+    "Takeover",
+    "TakeoverState",
+    "Unkeep",
+]
+
+#: File descriptors one TAKEOVER_STATE may carry (slabs + the listening socket): one recvmsg's worth.
+MAX_HANDOFF_FDS = 16
+#: Slabs one KEEP or RECLAIMED may carry: one recvmsg's worth of descriptors.
+MAX_KEPT_FDS = 16
+_ID = Int(lo=1)
+
+
+@message()
+class HandedModel(Message):
+    """One model in a TAKEOVER_STATE, KEEP or RECLAIMED: everything a daemon needs to serve it."""
+
+    key: KeyMap = wire(Key())
+    slabs: tuple[SlabDescriptor, ...] = wire(Array(Nested(SlabDescriptor), min_items=1, max_items=MAX_HANDOFF_FDS))
+    tensors: TensorTable = wire(Table("slabs"))
+    aliases: dict[str, str] = wire(Aliases("tensors"), default_factory=dict)
+    payload: int = wire(Int(), default=0)
+    load_seconds: float = wire(Float(), default=0.0)
+    source: str = wire(Str(max_len=MAX_PATH), default="")  # the checkpoint directory it was loaded from ("" unknown)
+
+
+def _kept_fds(frame: str, models: Sequence[HandedModel]) -> int:
+    """Every kept slab travels as an fd (a CUDA IPC handle cannot outlive its process): positions 0..n-1."""
+    fds = [s.fd for x in models for s in x.slabs]
+    fd_positions(frame, "models", fds, MAX_KEPT_FDS)
+    return len(fds)
+
+
+@message("TAKEOVER")
+class Takeover(Message):
+    """New daemon -> running daemon: hand over your models and your listening socket, then exit."""
+
+    id: int = wire(_ID)
+    backend: str = wire(Choice(BACKENDS))  # the new daemon's: must be the running one's
+    device_uuid: str = wire(Str(), default="")  # the new daemon's GPU: must be the running one's
+    pid: int = wire(Int(), default=0)
+
+
+@message("TAKEOVER_STATE")
+class TakeoverState(Message):
+    """Running daemon -> new daemon: its models (slabs travel as fds) and its listening socket (an fd)."""
+
+    id: int = wire(_ID)
+    models: tuple[HandedModel, ...] = wire(Array(Nested(HandedModel)))
+    listener_fd: int = wire(Int(hi=MAX_HANDOFF_FDS - 1))
+    pid: int = wire(Int(), default=0)
+
+    def _validate(self) -> None:
+        fds = [s.fd for x in self.models for s in x.slabs if s.fd >= 0] + [self.listener_fd]
+        fd_positions("TAKEOVER_STATE", "listener_fd", fds, MAX_HANDOFF_FDS)
+
+    @property
+    def fd_count(self) -> int:
+        """The slabs with ``fd >= 0`` and the listening socket."""
+        return 1 + sum(1 for x in self.models for s in x.slabs if s.fd >= 0)
+
+
+@message("KEEP")
+class Keep(Message):
+    """Daemon -> keeper: hold this model's slabs (they travel as fds) for the daemon serving ``owner``."""
+
+    id: int = wire(_ID)
+    owner: str = wire(Str(max_len=MAX_PATH))  # the depositing daemon's socket path: who may RECLAIM it
+    backend: str = wire(Choice(BACKENDS))
+    device_uuid: str = wire(Str(), missing="")
+    model: HandedModel = wire(Nested(HandedModel))
+    pid: int = wire(Int(), default=0)
+
+    def _validate(self) -> None:
+        _kept_fds("KEEP", [self.model])
+
+    @property
+    def fd_count(self) -> int:
+        """One descriptor per slab."""
+        return len(self.model.slabs)
+
+
+@message("UNKEEP")
+class Unkeep(Message):
+    """Daemon -> keeper: stop holding the model ``key`` of ``owner`` (evicted: its memory is freed)."""
+
+    id: int = wire(_ID)
+    owner: str = wire(Str(max_len=MAX_PATH))
+    key: KeyMap = wire(Key())
+
+
+@message("KEPT")
+class Kept(Message):
+    """Keeper -> daemon: the answer to KEEP and UNKEEP: what it now holds for ``owner``."""
+
+    id: int = wire(_ID)
+    models: int = wire(Int())
+    bytes: int = wire(Int())
+
+
+@message("RECLAIM")
+class Reclaim(Message):
+    """Daemon -> keeper, at start: the models kept for ``owner`` on this backend and device."""
+
+    id: int = wire(_ID)
+    owner: str = wire(Str(max_len=MAX_PATH))
+    backend: str = wire(Choice(BACKENDS))
+    device_uuid: str = wire(Str(), default="")
+    pid: int = wire(Int(), default=0)
+
+
+@message("RECLAIMED")
+class Reclaimed(Message):
+    """Keeper -> daemon: the kept models (their slabs travel as fds; the keeper keeps holding them)
+    and how many entries of ``owner`` it dropped because they were on another backend or device."""
+
+    id: int = wire(_ID)
+    models: tuple[HandedModel, ...] = wire(Array(Nested(HandedModel)), default=())
+    dropped: int = wire(Int(), default=0)
+
+    def _validate(self) -> None:
+        _kept_fds("RECLAIMED", self.models)
+
+    @property
+    def fd_count(self) -> int:
+        """One descriptor per slab."""
+        return sum(len(x.slabs) for x in self.models)
