@@ -5,7 +5,9 @@ it stays open until ``release()``; if the engine dies the kernel closes it and t
 daemon ends the lease. In copy mode the client copies the slab into its own memory and
 releases at once.
 
-Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed),
+Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed; a socket
+missing or refused while a daemon is evidently coming back — its lock held, or a keeper holding a
+model for its rank — is first waited on for up to ``wait_for_daemon`` seconds, wcache/client/wait.py),
 the daemon's errors as their ``ServerError`` subclasses (``KeyMismatchError`` ...),
 ``ProtocolError`` for bytes that break docs/protocol.md. A fetch cancelled at any point
 closes its connection, so the daemon frees its lease, and the client stays usable.
@@ -186,6 +188,11 @@ class WCacheClient:
     ``socket_path`` names one daemon; ``socket_dir`` (default: the private default
     directory) picks ``wcache-rank<N>.sock`` by the key's tp_rank, so one client can
     ``asyncio.gather`` several ranks, each from its own daemon.
+
+    ``wait_for_daemon``: when the socket is missing or refuses but a daemon is evidently coming back
+    (its ``<socket>.lock`` is held, or the keeper — ``keeper_socket``, default ``wcache-keeper.sock``
+    beside the socket — holds a model for the rank), retry for up to this many seconds (within the
+    request's ``timeout``) instead of raising CacheUnavailableError at once; 0 disables the wait.
     """
 
     def __init__(
@@ -196,6 +203,8 @@ class WCacheClient:
         timeout: float = 30.0,
         name: str = "",
         device: torch.device | str | None = None,
+        wait_for_daemon: float = 5.0,
+        keeper_socket: str | os.PathLike[str] | None = None,
     ) -> None:
         if socket_path is not None and socket_dir is not None:
             raise ValueError("give socket_path or socket_dir, not both")
@@ -204,6 +213,10 @@ class WCacheClient:
         self.timeout = timeout
         self.name = name or f"pid{os.getpid()}"
         self.device = torch.device(device) if device is not None else None
+        if not wait_for_daemon >= 0:
+            raise ValueError(f"wait_for_daemon must be >= 0 seconds (0: do not wait), got {wait_for_daemon!r}")
+        self.wait_for_daemon = float(wait_for_daemon)
+        self.keeper_socket = Path(keeper_socket) if keeper_socket is not None else None
 
     def socket_for(self, key: WeightCacheKey | None = None) -> Path:
         if self.socket_path is not None:
@@ -211,8 +224,38 @@ class WCacheClient:
         return (self.socket_dir or default_socket_dir()) / socket_name(key.tp_rank if key else 0)
 
     # ------------------------------------------------------------------ connection
-    async def _connect(self, path: Path) -> tuple[Channel, HelloOk]:
-        return await connect(path, software=f"wcache/{__version__}", name=self.name)
+    async def _connect(
+        self, path: Path, session: _Session | None = None, rank: int | None = None
+    ) -> tuple[Channel, HelloOk]:
+        """Connect and shake hands; a socket missing or refused while a daemon is coming back is waited on
+        (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any)."""
+
+        async def attempt() -> tuple[Channel, HelloOk]:
+            return await connect(path, software=f"wcache/{__version__}", name=self.name)
+
+        try:
+            return await attempt()
+        except CacheUnavailableError as exc:
+            from wcache.client import wait  # the failure path only: nothing more to import for a fetch
+            from wcache.paths import KEEPER_SOCKET
+
+            if self.wait_for_daemon <= 0 or not wait.is_absent(exc):
+                raise
+            return await wait.wait_for_daemon(
+                attempt,
+                path,
+                exc,
+                wait=self.wait_for_daemon,
+                keeper_path=self.keeper_socket or path.parent / KEEPER_SOCKET,
+                rank=rank,
+                on_wait=session.waiting_for if session is not None else None,
+            )
+
+    def _rank(self, key: WeightCacheKey | None) -> int | None:
+        """The rank whose kept models mean its daemon is coming back: the key's, else rank 0's socket."""
+        if key is not None:
+            return key.tp_rank
+        return None if self.socket_path is not None else 0
 
     async def fetch(
         self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
@@ -227,7 +270,7 @@ class WCacheClient:
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=True) as session:
             t0 = time.perf_counter()
-            ch, hello = session.ch, session.hello = await self._connect(path)
+            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank)
             t1 = time.perf_counter()
             device_uuid = ""
             if hello.backend == "cuda":
@@ -254,6 +297,12 @@ class WCacheClient:
                 yield session
         except TimeoutError as exc:
             session.close()
+            if session.waited is not None and session.ch is None:
+                raise CacheUnavailableError(
+                    f"no wcache daemon at {path}: waited for it to come back ({session.waited}) until the "
+                    f"request's timeout of {limit} s ran out. Start it (or check its log), or pass a longer timeout",
+                    details={"socket": str(path), "reason": session.waited, "timeout_s": limit},
+                ) from exc
             raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
         except (EOFError, ConnectionError) as exc:
             session.close()
@@ -311,7 +360,7 @@ class WCacheClient:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path)
+            session.ch, session.hello = await self._connect(path, session, self._rank(key))
             await session.ch.send(Status(id=session.ch.conn.next_request_id()))
             frame, _ = await expect(session.ch)
             assert isinstance(frame, StatusReply)
@@ -334,7 +383,7 @@ class WCacheClient:
         """
         path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(tp_rank)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path)
+            session.ch, session.hello = await self._connect(path, session, tp_rank)
             req = Preload(
                 id=session.ch.conn.next_request_id(),
                 model=os.path.abspath(model_dir),
@@ -353,7 +402,7 @@ class WCacheClient:
         """Drop the model served under ``key``; InUseError while leases hold it, NotFoundError if absent."""
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path)
+            session.ch, session.hello = await self._connect(path, session, key.tp_rank)
             await session.ch.send(Evict(id=session.ch.conn.next_request_id(), key=key.to_wire()))
             frame, _ = await expect(session.ch)
             assert isinstance(frame, Evicted)
@@ -375,6 +424,11 @@ class _Session:
 
     ch: Channel | None = None
     hello: HelloOk | None = None
+    #: what a wait for the daemon to come back is waiting on (set when one starts)
+    waited: str | None = None
+
+    def waiting_for(self, reason: str) -> None:
+        self.waited = reason
 
     def close(self) -> None:
         if self.ch is not None:
@@ -386,7 +440,7 @@ async def take_over(
 ) -> tuple[TakeoverState, list[int]]:
     """TAKEOVER (wcache-server --takeover): the running daemon's models and listening socket, as a
     frame and the fds it announces (slabs by their ``fd`` positions, then ``listener_fd``)."""
-    client = WCacheClient(socket_path, timeout=timeout, name="wcache-server --takeover")
+    client = WCacheClient(socket_path, timeout=timeout, name="wcache-server --takeover", wait_for_daemon=0)
     path = Path(socket_path)
     async with asyncio.timeout(timeout):
         ch, _ = await client._connect(path)

@@ -1,0 +1,172 @@
+"""Waiting for a daemon that is coming back (client policy, docs/protocol.md §9; no wire change).
+
+When a daemon's socket is missing or refuses connections, the client asks whether a daemon is
+evidently on its way before it gives up:
+
+- the daemon's one-daemon lock ``<socket>.lock`` (``flock``, taken early in ``wcache-server``'s start)
+  is held by a live process: read from ``/proc/locks``, matched by device and inode. This is a
+  read-only check: trying the lock ourselves, even with ``LOCK_NB`` and for a moment, could make a
+  daemon that starts in that moment fail its own ``LOCK_EX | LOCK_NB`` ("another wcache-server already
+  serves"); and the pid written in the file outlives a SIGKILLed daemon (the file is never removed)
+  and may be reused, so it is not trusted either. A lock is held only while an open file description
+  holds it, so a holder listed there is alive (locks go when the last descriptor closes, before a
+  process becomes a zombie).
+- a keeper (``wcache-keeper.sock`` beside the socket, or the one the caller names) reports a kept model
+  for the socket's rank in its STATUS_REPLY: a daemon started with ``--keeper`` that crashed left it
+  there and gets it back when it restarts. The keeper's STATUS does not name owners (§4.11), so the
+  client matches kept models by the ``tp_rank`` of the key it asks for (one daemon per rank in a
+  socket directory; without a key, any kept model counts). A keeper that is absent, refuses, or does
+  not answer within ``KEEPER_PROBE_TIMEOUT`` means "nothing kept".
+
+When neither holds, the first error is raised at once. Otherwise the client retries the connection
+with a backoff (10 ms doubling to 100 ms) until the caller's deadline, checking every
+``RECHECK_SECONDS`` that something is still coming (a starting daemon that exits stops the wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from wcache import __version__
+from wcache.channel import connect
+from wcache.errors import CacheUnavailableError
+from wcache.proto import Status, StatusReply
+
+__all__ = ["daemon_coming", "is_absent", "keeper_kept", "lock_holder", "wait_for_daemon"]
+
+log = logging.getLogger("wcache.client")
+
+T = TypeVar("T")
+
+#: How long a keeper may take to answer STATUS before it counts as absent.
+KEEPER_PROBE_TIMEOUT = 0.5
+#: Backoff between connection attempts while waiting: first, factor, most.
+BACKOFF = (0.01, 2.0, 0.1)
+#: How often a wait checks again that a daemon is still coming.
+RECHECK_SECONDS = 0.5
+
+
+def is_absent(exc: CacheUnavailableError) -> bool:
+    """True when ``exc`` is a connect that found no socket file or a socket nobody listens on."""
+    return isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError))
+
+
+def lock_holder(socket_path: Path, proc_locks: str = "/proc/locks") -> int | None:
+    """The pid holding the ``flock`` of ``<socket_path>.lock`` (0: held by a process whose pid is not
+    visible here, e.g. in another pid namespace), or None when nobody holds it or it cannot be told
+    (no lock file, no ``/proc/locks``). Never touches the lock itself."""
+    try:
+        st = os.stat(str(socket_path) + ".lock")
+        with open(proc_locks) as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in text.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF"; waiters' lines have "->" after the number
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or fields[5] != want:
+            continue
+        try:
+            return max(int(fields[4]), 0)
+        except ValueError:
+            return 0
+    return None
+
+
+async def keeper_kept(keeper_path: Path, rank: int | None, timeout: float = KEEPER_PROBE_TIMEOUT) -> int:
+    """How many models the keeper at ``keeper_path`` holds for ``rank`` (any rank if None); 0 when it is
+    absent, refuses, or does not answer within ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            ch, _ = await connect(keeper_path, software=f"wcache/{__version__}", name="wcache client (wait)")
+            try:
+                await ch.send(Status(id=ch.conn.next_request_id()))
+                frame, _ = await ch.receive()
+            finally:
+                ch.close()
+    except Exception:  # absent, refused, silent, or breaking the protocol: not a keeper to wait on
+        return 0
+    if not isinstance(frame, StatusReply):
+        return 0
+    return sum(1 for m in frame.models if rank is None or m.key.get("tp_rank") == rank)
+
+
+async def daemon_coming(socket_path: Path, keeper_path: Path, rank: int | None) -> str | None:
+    """Why a daemon is evidently coming to ``socket_path``, in words, or None when nothing is."""
+    holder = lock_holder(socket_path)
+    if holder is not None:
+        who = f"pid {holder}" if holder else "a process not visible here"
+        return f"its lock {socket_path}.lock is held by {who}"
+    kept = await keeper_kept(keeper_path, rank)
+    if kept:
+        which = "" if rank is None else f" for tp_rank {rank}"
+        return f"the keeper at {keeper_path} holds {kept} model(s){which}"
+    return None
+
+
+async def wait_for_daemon(
+    attempt: Callable[[], Awaitable[T]],
+    socket_path: Path,
+    first: CacheUnavailableError,
+    *,
+    wait: float,
+    keeper_path: Path,
+    rank: int | None,
+    on_wait: Callable[[str], None] | None = None,
+) -> T:
+    """``attempt()`` (a connect) again until it succeeds, while a daemon is coming and for at most ``wait``
+    seconds; ``first``: the failure that brought us here, raised at once when nothing is coming.
+    ``on_wait(reason)`` is told when the wait starts (so an outer deadline can name it)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reason = await daemon_coming(socket_path, keeper_path, rank)
+    if reason is None:
+        raise first
+    if on_wait is not None:
+        on_wait(reason)
+    log.info("waiting up to %.1f s for the wcache daemon at %s: %s", wait, socket_path, reason)
+    deadline = started + wait
+    delay, factor, most = BACKOFF
+    last = first
+    attempts = 1
+    next_check = started + RECHECK_SECONDS
+    while True:
+        now = loop.time()
+        if now >= deadline:
+            raise CacheUnavailableError(
+                f"no wcache daemon at {socket_path}: waited {now - started:.1f} s (wait_for_daemon={wait:g} s) "
+                f"for it to come back because {reason}, {attempts} connection attempts; last: {last.message}. "
+                "Start it (or check its log), or pass wait_for_daemon=0 to fail at once",
+                details={"socket": str(socket_path), "waited_s": round(now - started, 3), "reason": reason},
+            ) from last
+        await asyncio.sleep(min(delay, deadline - now))
+        delay = min(delay * factor, most)
+        attempts += 1
+        try:
+            result = await attempt()
+        except CacheUnavailableError as exc:
+            if not is_absent(exc):
+                raise
+            last = exc
+        else:
+            log.info(
+                "wcache daemon at %s is back after %.3f s (%d attempts)", socket_path, loop.time() - started, attempts
+            )
+            return result
+        if loop.time() >= next_check:
+            next_check = loop.time() + RECHECK_SECONDS
+            now_reason = await daemon_coming(socket_path, keeper_path, rank)
+            if now_reason is None:
+                raise CacheUnavailableError(
+                    f"no wcache daemon at {socket_path}: stopped waiting after {loop.time() - started:.1f} s "
+                    f"(wait_for_daemon={wait:g} s), nothing is coming any more (at first {reason}); "
+                    f"last: {last.message}. Start it, or check its log",
+                    details={"socket": str(socket_path), "waited_s": round(loop.time() - started, 3), "reason": reason},
+                ) from last
+            reason = now_reason
