@@ -14,7 +14,8 @@ On ``--device cuda:K`` with the 16 GB Llama-3-8B-shaped checkpoint:
 6. a wcache-keeper runs; daemon D (``--keeper``) serves the model, the engine fetches, D is
    SIGKILLed (a crash); the GPU memory stays allocated (nvidia-smi), daemon E (``--keeper``)
    reclaims the slab instead of loading it (its log's reclaim time), the engine's views still
-   hold the weights, E's fetch is identical; stopping the keeper frees the memory.
+   hold the weights, E's fetch is identical; stopping the keeper frees the memory. E should not import
+   torch (``keeper_restart_imported_torch``); benchmarks/keeper_restart_bench.py takes the median of 5.
 
     python benchmarks/handoff_bench.py --device cuda:0 --out $OUT/handoff.json
 """
@@ -152,6 +153,7 @@ async def keeper_restart(
         t0 = time.perf_counter()
         e = spawn_daemon(args.model, sock, "--device", args.device, "--keeper", log=work / "e.log", timeout=300)
         res["keeper_restart_spawn_to_ready_s"] = time.perf_counter() - t0
+        res["keeper_restart_imported_torch"] = "libtorch" in Path(f"/proc/{e.pid}/maps").read_text()
         le = e.log_text()
         res["keeper_reclaim_s"] = grab(r"reclaimed from keeper=.*? seconds=([\d.]+)", le)
         res["keeper_restart_loaded"] = "loaded bytes_read" in le or "from_host_tier" in le

@@ -183,7 +183,7 @@ def host_copy(layout: Any, backend: Any, index: int, threads: int) -> dict[str, 
     tier = Path(f"/proc/self/fd/{fd}")
 
     def via_staging(th: int) -> float:
-        from wcache.server.loader import _DeviceWorker, _Staging
+        from wcache.server.backends.cuda import _DeviceWorker, _Staging
 
         t0 = time.perf_counter()
         dst = backend.allocate(nbytes)

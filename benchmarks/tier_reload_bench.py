@@ -34,16 +34,17 @@ from pathlib import Path
 import torch
 sys.path.insert(0, sys.argv[1])
 from wcache.server import loader
+from wcache.server.backends import cuda as cuda_backend
 from wcache.server.backends.cuda import CudaBackend
 path, dev, threads, staging = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.empty(1, device=dev); torch.cuda.synchronize()
 spent, took = [], []
-init, take = loader._Staging.__init__, loader._Staging.take
+init, take = cuda_backend._Staging.__init__, cuda_backend._Staging.take
 def timed_init(self, *a, **k):
     t = time.perf_counter(); init(self, *a, **k); spent.append(time.perf_counter() - t)
 def timed_take(self, *a, **k):
     t = time.perf_counter(); r = take(self, *a, **k); took.append(time.perf_counter() - t); return r
-loader._Staging.__init__, loader._Staging.take = timed_init, timed_take
+cuda_backend._Staging.__init__, cuda_backend._Staging.take = timed_init, timed_take
 backend = CudaBackend(torch.device(dev).index or 0)
 size = path.stat().st_size
 t0 = time.perf_counter()

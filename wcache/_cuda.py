@@ -10,18 +10,26 @@ Two ways to share one slab between processes (docs/protocol.md §4.5):
 Either way the mapped range becomes a torch tensor through ``__cuda_array_interface__``;
 the holder object unmaps when torch frees the last view. The daemon side needs ``cuda-bindings``;
 the client maps through ``wcache.client.driver`` (ctypes over libcuda.so.1, no import cost).
+
+Importing this module imports no torch. Where torch is not imported (a daemon serving only what its
+keeper or a takeover handed it, issue 20), device UUIDs, the context and memory figures come from the
+driver (the primary context: the one torch's runtime uses once it is imported); where torch is, they
+come from torch as before.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
+import threading
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import UnsupportedPlatformError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DeviceBuffer",
@@ -67,21 +75,112 @@ def _check(result: Any, what: str) -> None:
         raise RuntimeError(f"{what} failed: {label} ({code})")
 
 
+def _torch() -> Any:
+    """torch if this process has imported it (then its runtime owns the context), else None."""
+    return sys.modules.get("torch")
+
+
+_INIT = threading.Lock()
+_PRIMARY: dict[int, Any] = {}  # device index -> its retained primary context (driver path)
+
+
+def _driver_device(index: int) -> Any:
+    driver = _bindings()
+    _check(driver.cuInit(0), "cuInit")
+    err, dev = driver.cuDeviceGet(index)
+    _check(err, f"cuDeviceGet({index})")
+    return dev
+
+
+def device_count() -> int:
+    """Visible CUDA devices (0 where the driver cannot initialise)."""
+    torch = _torch()
+    if torch is not None:
+        return int(torch.cuda.device_count())
+    driver = _bindings()
+    if int(driver.cuInit(0)[0]) != 0:
+        return 0
+    err, n = driver.cuDeviceGetCount()
+    return int(n) if int(err) == 0 else 0
+
+
+def device_name(index: int) -> str:
+    torch = _torch()
+    if torch is not None:
+        return str(torch.cuda.get_device_properties(index).name)
+    driver = _bindings()
+    err, name = driver.cuDeviceGetName(256, _driver_device(index))
+    _check(err, "cuDeviceGetName")
+    raw = bytes(name) if isinstance(name, (bytes, bytearray)) else str(name).encode()
+    return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+
 def device_uuid(index: int) -> str:
-    """``GPU-xxxxxxxx-...`` of the visible device ``index`` (stable across CUDA_VISIBLE_DEVICES)."""
-    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+    """``GPU-xxxxxxxx-...`` of the visible device ``index`` (stable across CUDA_VISIBLE_DEVICES); torch
+    formats its UUID as 8-4-4-4-12 lowercase hex digits, and so does the driver path here."""
+    torch = _torch()
+    if torch is not None:
+        return "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+    driver = _bindings()
+    get = getattr(driver, "cuDeviceGetUuid_v2", None) or driver.cuDeviceGetUuid  # v2: MIG UUIDs, as the runtime
+    err, uuid = get(_driver_device(index))
+    _check(err, "cuDeviceGetUuid")
+    raw = uuid.bytes
+    data = bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes(v & 0xFF for v in raw)
+    h = data[:16].hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def device_index_for_uuid(uuid: str) -> int | None:
-    for i in range(torch.cuda.device_count()):
+    for i in range(device_count()):
         if device_uuid(i) == uuid:
             return i
     return None
 
 
 def _make_current(index: int) -> None:
-    torch.cuda.set_device(index)
-    torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
+    """The device's primary context exists and is current in this thread: through torch where it is
+    imported (as before), else through the driver (cuDevicePrimaryCtxRetain, retained once)."""
+    torch = _torch()
+    if torch is not None:
+        torch.cuda.set_device(index)
+        torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current
+        return
+    driver = _bindings()
+    with _INIT:
+        ctx = _PRIMARY.get(index)
+        if ctx is None:
+            err, ctx = driver.cuDevicePrimaryCtxRetain(_driver_device(index))
+            _check(err, "cuDevicePrimaryCtxRetain")
+            _PRIMARY[index] = ctx
+    _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def mem_get_info(index: int) -> tuple[int, int]:
+    """(free, total) bytes of device ``index``: torch's figures where it is imported, else the driver's in
+    the primary context."""
+    torch = _torch()
+    if torch is not None:
+        free, total = torch.cuda.mem_get_info(index)
+        return int(free), int(total)
+    _make_current(index)
+    err, free, total = _bindings().cuMemGetInfo()
+    _check(err, "cuMemGetInfo")
+    return int(free), int(total)
+
+
+def memcpy_dtoh(ptr: int, n: int, index: int) -> bytes:
+    """``n`` bytes of device memory at ``ptr`` (a mapping of this process on device ``index``), read with
+    the driver (synchronous): no torch needed (the reclaim check of a torch-free daemon)."""
+    import ctypes
+
+    _make_current(index)
+    driver = _bindings()
+    buf = bytearray(n)
+    host = (ctypes.c_char * n).from_buffer(buf)
+    _check(driver.cuMemcpyDtoH(ctypes.addressof(host), ptr, n), "cuMemcpyDtoH")
+    del host
+    return bytes(buf)
 
 
 class DeviceBuffer:
@@ -99,6 +198,8 @@ class DeviceBuffer:
         }
 
     def tensor(self) -> torch.Tensor:
+        import torch
+
         return torch.as_tensor(self, device=f"cuda:{self.index}")
 
     def close(self) -> None:

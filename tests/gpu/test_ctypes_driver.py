@@ -88,3 +88,16 @@ def test_fresh_engine_fetch_never_imports_cuda_bindings(
         [sys.executable, "-c", code, str(d.socket), str(ckpt)], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "True []", out.stdout + out.stderr
+
+
+def test_driver_device_facts_equal_torchs() -> None:
+    """A torch-free daemon names its GPU through the driver: the UUID and name must be torch's (the client's)."""
+    code = (
+        "import sys; from wcache import _cuda; assert 'torch' not in sys.modules; "
+        "print(_cuda.device_uuid(0)); print(_cuda.device_name(0)); print(_cuda.device_count()); "
+        "print(_cuda.mem_get_info(0)[1]); assert 'torch' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    uuid, name, count, total = out.stdout.split("\n")[:4]
+    assert uuid == _cuda.device_uuid(0) and name == torch.cuda.get_device_properties(0).name
+    assert int(count) == torch.cuda.device_count() and int(total) == torch.cuda.mem_get_info(0)[1]

@@ -427,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         if args.host_tier > 0:
             from wcache.server.tier import HostTier, default_tier_dir
 
-            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.name == "cuda")
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
 
         def loader(req: Preload) -> ServedModel:
             with checkpoint_errors(req.model):

@@ -543,11 +543,7 @@ class Daemon:
 
     def status_reply(self, rid: int) -> StatusReply:
         backend = self.store.backend
-        free = total = 0
-        if backend.device.kind == "cuda":
-            import torch
-
-            free, total = torch.cuda.mem_get_info(backend.device.index)
+        free, total = backend.memory_info()
         entries = self.tier.entries() if self.tier is not None else []
         return StatusReply(
             id=rid,

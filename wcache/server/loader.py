@@ -6,16 +6,16 @@ rank's rows are read); a shard of dimension k > 0 is one extent per index of the
 dimensions before k (row pieces), so a rank reads about 1/tp of the bytes.
 Extents are grouped into jobs of at most ``chunk`` bytes with a contiguous destination.
 
-Reader threads (``os.preadv`` releases the GIL) run the jobs:
+Reader threads (``os.preadv`` releases the GIL) run the jobs; each job goes to the slab's
+*writer* (wcache/server/backends/), which owns the device-specific part:
 
-- host slab (memfd): one thread ``sendfile``s from the checkpoint into the memfd at the slab
-  offset (an in-kernel copy; shared-memory pages are allocated as they are written, unzeroed);
-  writes to one file serialise on its inode lock, so the other threads ``preadv`` into the
-  slab's shared mapping, whose page faults run in parallel;
-- device slab: each thread owns two pinned staging buffers and a CUDA stream; it reads
-  into one buffer while the previous one is copied to the slab (double buffering), so
-  reads and host-to-device copies overlap and pinned memory stays bounded by
-  ``staging_bytes``.
+- host slab (memfd, backends/host.py): one thread ``sendfile``s from the checkpoint into the memfd
+  at the slab offset (an in-kernel copy; shared-memory pages are allocated as they are written,
+  unzeroed); writes to one file serialise on its inode lock, so the other threads ``preadv`` into
+  the slab's shared mapping, whose page faults run in parallel;
+- device slab (backends/cuda.py): each thread owns two pinned staging buffers and a CUDA stream; it
+  reads into one buffer while the previous one is copied to the slab (double buffering), so
+  reads and host-to-device copies overlap and pinned memory stays bounded by ``staging_bytes``.
 
 Placements that need a dtype cast are read whole (their shard's extents) and cast with
 torch on the slab's device. A file that ends early is a CheckpointError naming the file
@@ -41,9 +41,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
-
-import torch
+from typing import TYPE_CHECKING, Any, TextIO
 
 from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
@@ -51,7 +49,24 @@ from wcache.files import open_regular
 from wcache.layout import Layout, Placement
 from wcache.server.backends.base import Slab
 
-__all__ = ["DEFAULT_STAGING", "LoadStats", "load_file_into", "load_into", "placement_extents", "torch_dtype"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALIGN_IO",
+    "DEFAULT_STAGING",
+    "Files",
+    "Job",
+    "LoadStats",
+    "load_file_into",
+    "load_into",
+    "placement_extents",
+    "populate",
+    "read_direct",
+    "read_job",
+    "send_job",
+    "torch_dtype",
+]
 
 log = logging.getLogger("wcache.loader")
 
@@ -67,6 +82,8 @@ FLAT_CHUNK = 16 << 20
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise CheckpointError(f"dtype {name!r} is not available in this torch build")
@@ -381,86 +398,6 @@ class _Progress:
             self.stream.flush()
 
 
-class _Staging:
-    """All reader threads' pinned buffers in one anonymous mapping. Each thread page-locks its own
-    buffers (``cudaHostRegister`` of its slice) when it takes them, so registration runs in parallel
-    and overlaps the other threads' copies instead of delaying the first copy (a fresh daemon's 2 GiB
-    of cudaHostAlloc took ~0.85 s on the H200, one up-front registration of 512 MiB ~0.1 s; a tier
-    reload measured 0.62 s this way, 0.61 s registering up front). Falls back to torch's pinned
-    allocator where registration is refused."""
-
-    def __init__(self, slots: int, size: int) -> None:
-        self.size = size
-        self.slots = slots
-        self.mm: mmap.mmap | None = None
-        self.base: torch.Tensor | None = None
-        self.registered: list[int] = []
-        try:
-            self.mm = mmap.mmap(-1, slots * size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                self.mm.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to fault in and pin, where THP allows
-            self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
-        except (OSError, ValueError) as exc:
-            log.debug("staging: no anonymous mapping (%s); using cudaHostAlloc", exc)
-        self.next = 0
-        self.lock = threading.Lock()
-
-    def take(self, n: int) -> list[torch.Tensor]:
-        """``n`` page-aligned pinned buffers of ``size`` bytes for the calling thread."""
-        with self.lock:
-            first = self.next
-            self.next += n
-        if first + n > self.slots:
-            raise RuntimeError(f"staging has {self.slots} buffers, all taken")
-        if self.base is not None:
-            piece = self.base[first * self.size : (first + n) * self.size]
-            err = torch.cuda.cudart().cudaHostRegister(piece.data_ptr(), piece.numel(), 0)  # type: ignore[no-untyped-call]
-            if int(err) == 0:
-                with self.lock:
-                    self.registered.append(piece.data_ptr())
-                return [piece[i * self.size : (i + 1) * self.size] for i in range(n)]
-            log.debug("staging: cudaHostRegister refused (%s); using cudaHostAlloc", err)
-        # cudaHostAlloc is page-aligned in practice; over-allocate a page to be sure (O_DIRECT needs it)
-        raw = [torch.empty(self.size + ALIGN_IO, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
-        return [b[(-b.data_ptr()) % ALIGN_IO :][: self.size] for b in raw]
-
-    def close(self) -> None:
-        with self.lock:
-            ptrs, self.registered = self.registered, []
-        for ptr in ptrs:
-            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
-        self.base = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
-                pass
-            self.mm = None
-
-
-class _DeviceWorker:
-    """Per-thread pinned double buffer (from the shared staging) and CUDA stream."""
-
-    def __init__(self, device: torch.device, staging: _Staging) -> None:
-        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        size = staging.size
-        self.bufs = staging.take(2)  # page-aligned (the mapping's slices are multiples of pages)
-        self.views = [memoryview((ctypes.c_char * size).from_address(b.data_ptr())).cast("B") for b in self.bufs]
-        self.events: list[torch.cuda.Event | None] = [None, None]
-        self.turn = 0
-
-    def slot(self) -> int:
-        i = self.turn
-        self.turn ^= 1
-        ev = self.events[i]
-        if ev is not None:
-            ev.synchronize()  # the copy out of this buffer has finished: reuse it
-        return i
-
-    def finish(self) -> None:
-        self.stream.synchronize()
-
-
 def load_into(
     layout: Layout,
     slab: Slab,
@@ -485,7 +422,7 @@ def load_into(
     jobs = _jobs(layout, chunk)
     ckpt = layout.checkpoint
     direct: set[Path] = set()
-    if slab.host_fd() is None and io != "buffered" and hasattr(os, "O_DIRECT"):
+    if slab.direct_io and io != "buffered" and hasattr(os, "O_DIRECT"):
         for f in {p.source.file for p in layout.placements}:
             if io == "direct" or page_cache_fraction(ckpt.fd(f) if ckpt is not None else f) < 0.5:
                 direct.add(f)
@@ -541,108 +478,34 @@ def _execute(
     progress: TextIO | bool | None,
     checkpoint: Checkpoint | None = None,
 ) -> int:
-    """Run the jobs on ``threads`` readers; returns the bytes read."""
-    target = slab.tensor()
-    on_device = target.is_cuda
+    """Run the jobs on ``threads`` readers; returns the bytes read. How bytes reach the slab (the
+    host's sendfile / mapping, the device's pinned staging and streams) is the slab's writer."""
     total = sum(j.nbytes for j in jobs)
     stream: TextIO | None = sys.stderr if progress is None and sys.stderr.isatty() else None
     if progress not in (None, False, True):
         stream = progress  # type: ignore[assignment]
     bar = _Progress(total, stream)
     files = _Files(checkpoint)
-    host = slab.host_fd()
-    local = threading.local()
-    workers: list[_DeviceWorker] = []
-    out_fds: list[int] = []
-    workers_lock = threading.Lock()
-
-    def out_fd(fd: int) -> int:
-        """This thread's own open file of the memfd (its own file position for sendfile)."""
-        mine = getattr(local, "out", None)
-        if mine is None:
-            mine = local.out = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
-            with workers_lock:
-                out_fds.append(mine)
-        return mine
-
-    # 2 buffers per thread that can run a copy job, each as large as the largest job (<= chunk) + 2 pages:
-    # room to read an aligned superset with O_DIRECT. A small model does not pin the whole staging budget.
-    copies = [j.nbytes for j in jobs if not j.cast]
-    staging = None
-    if on_device and copies:
-        size = -(-max(copies) // ALIGN_IO) * ALIGN_IO + 2 * ALIGN_IO
-        staging = _Staging(2 * min(threads, len(copies)), size)
-
-    def worker() -> _DeviceWorker:
-        w = getattr(local, "w", None)
-        if w is None:
-            assert staging is not None
-            w = local.w = _DeviceWorker(target.device, staging)
-            with workers_lock:
-                workers.append(w)
-        return w
-
-    # Host slab: writes into one shmem file serialise on its inode lock, so one thread copies with
-    # sendfile (no page zeroing) and the others read into the slab's mapping, whose page faults run in
-    # parallel (measured on 2 cores: 2.1-2.3 GB/s with any number of sendfile threads, 2.7 GB/s mixed).
-    host_view = None
-    sender: list[int] = []
-    if host is not None and threads > 1 and target.numel():
-        host_view = memoryview((ctypes.c_char * target.numel()).from_address(target.data_ptr())).cast("B")
-
-    def sends() -> bool:
-        role = getattr(local, "sends", None)
-        if role is None:
-            with workers_lock:
-                role = local.sends = not sender
-                sender.append(threading.get_ident())
-        return bool(role)
+    writer = slab.writer(jobs, threads, direct)
+    target = slab.tensor() if any(j.cast for j in jobs) else None  # casts run in torch (imported then)
 
     def run(job: _Job) -> None:
-        n = job.nbytes
         if job.cast:
+            assert target is not None
             _cast_job(files, job, target)
-        elif host is not None:
-            if host_view is None or sends():
-                _send(files, job, out_fd(host))
-            else:
-                _populate(target.data_ptr(), job.dest, n, f"{job.extents[0][0]}: {job.label}")
-                _read(files, job, host_view[job.dest : job.dest + n])
         else:
-            w = worker()
-            i = w.slot()
-            start = 0
-            f, off, _ = job.extents[0]
-            dfd = files.direct_fd(f) if f in direct and len(job.extents) == 1 else -1
-            if dfd >= 0:
-                start = _read_direct(dfd, w.views[i], off, n, f"{f}: {job.label}")
-            else:
-                _read(files, job, w.views[i][:n])
-            with torch.cuda.stream(w.stream):
-                target[job.dest : job.dest + n].copy_(w.bufs[i][start : start + n], non_blocking=True)
-                ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ev.record(w.stream)
-            w.events[i] = ev
-        bar.add(n)
+            writer.write(job, files)
+        bar.add(job.nbytes)
 
     try:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wcache-load") as pool:
             for _ in pool.map(run, _ordered(jobs)):
                 pass
-        for w in workers:
-            w.finish()
-        if on_device:
-            torch.cuda.synchronize(target.device)
+        writer.finish()
     finally:
-        if host_view is not None:
-            host_view.release()
+        writer.close()
         bar.close()
-        for fd in out_fds:
-            os.close(fd)
         files.close()
-        workers.clear()
-        if staging is not None:
-            staging.close()
     return total
 
 
@@ -674,6 +537,9 @@ def _ordered(jobs: list[_Job]) -> Iterator[_Job]:
 
 
 def _cast_job(files: _Files, job: _Job, target: torch.Tensor) -> None:
+    """Read a placement whole and cast it with torch on the slab's device (a no-op move for host slabs)."""
+    import torch
+
     p = job.placement
     assert p is not None
     raw = bytearray(job.nbytes)
@@ -681,8 +547,15 @@ def _cast_job(files: _Files, job: _Job, target: torch.Tensor) -> None:
     shape = list(p.source.shape)
     if p.shard is not None:
         shape[p.shard.dim] = p.shard.length
-    t: Any = torch.frombuffer(raw, dtype=torch.uint8)
-    if target.is_cuda:
-        t = t.to(target.device)
+    t: Any = torch.frombuffer(raw, dtype=torch.uint8).to(target.device)
     t = t.view(torch_dtype(p.source.dtype)).reshape(shape).to(torch_dtype(p.dtype))
     target[p.offset : p.offset + p.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+
+
+# What backends' writers use (wcache/server/backends/): the job, the shared fds and the file reads.
+Job = _Job
+Files = _Files
+read_job = _read
+send_job = _send
+read_direct = _read_direct
+populate = _populate

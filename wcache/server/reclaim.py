@@ -39,15 +39,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from wcache.errors import WCacheError
 from wcache.key import WeightCacheKey
 from wcache.layout import Layout, Placement
 from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.rank import plan_rank
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.backends.host import HostSlab
 from wcache.server.keeper import KeeperLink
 from wcache.server.loader import placement_extents, torch_dtype
 from wcache.server.store import ServedModel
@@ -229,6 +226,8 @@ def _expected(files: dict[Path, int], p: Placement, first: int, m: int, src_item
             break
     if p.source.dtype == p.dtype:
         return bytes(raw)
+    import torch  # only a cast needs it: a daemon reclaiming same-dtype models starts without torch
+
     t = torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype(p.source.dtype)).to(torch_dtype(p.dtype))
     return bytes(t.view(torch.uint8).numpy().tobytes())
 
@@ -248,6 +247,4 @@ def _pread(files: dict[Path, int], path: Path, off: int, n: int) -> bytes:
 
 
 def _read_slab(slab: Slab, off: int, n: int) -> bytes:
-    if isinstance(slab, HostSlab):  # sealed: read through its memfd
-        return os.pread(slab.fd, n, off)
-    return bytes(slab.tensor()[off : off + n].cpu().numpy().tobytes())
+    return slab.read(off, n)  # host: pread on the sealed memfd; CUDA: cuMemcpyDtoH from the mapping

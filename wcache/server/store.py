@@ -15,9 +15,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import (
     CheckpointError,
@@ -50,7 +48,11 @@ from wcache.rank import plan_rank
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
 from wcache.server.tier import HostTier, TierEntry
-from wcache.transforms import Transform, load_transform
+
+if TYPE_CHECKING:
+    import torch
+
+    from wcache.transforms import Transform
 
 __all__ = ["Lease", "ServedModel", "Store", "load_model"]
 
@@ -143,7 +145,11 @@ def load_model(
             served = _load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
             if served is not None:
                 return served
-    fn = load_transform(transform) if transform else None
+    fn = None
+    if transform:
+        from wcache.transforms import load_transform  # imports torch: only a load with a transform needs it
+
+        fn = load_transform(transform)
     started = time.perf_counter()
     slab = backend.allocate(layout.total_bytes)
     try:
@@ -181,10 +187,7 @@ def _load_from_tier(
     slab = backend.allocate(entry.size)
     how = "staged"
     try:
-        if entry.pinned is not None and slab.host_fd() is None:  # page-locked in this daemon: one DMA copy
-            target = slab.tensor()
-            target.copy_(entry.pinned[: entry.size], non_blocking=True)
-            torch.cuda.synchronize(target.device)
+        if entry.pinned is not None and slab.copy_pinned(entry.pinned):  # page-locked here: one DMA copy
             stats = LoadStats(entry.size, entry.size, time.perf_counter() - started, entry.size)
             how = "pinned"
         else:
@@ -215,6 +218,8 @@ def _transformed(
     fn: Transform, layout: Layout, slab: Slab, backend: Backend, config: dict[str, Any], spec: str
 ) -> tuple[Slab, TensorTable, dict[str, str], int]:
     """Run a load-time transform over the loaded tensors and pack its result into a new slab."""
+    import torch
+
     base = slab.tensor()
     views: dict[str, torch.Tensor] = {
         p.source.name: base[p.offset : p.offset + p.nbytes].view(torch_dtype(p.dtype)).reshape(p.shape)
@@ -252,8 +257,7 @@ def _transformed(
             n = t.numel() * t.element_size()
             if n:
                 dest[off : off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        if dest.is_cuda:
-            torch.cuda.synchronize(dest.device)
+        out.synchronize()
     except BaseException:
         out.close()
         raise

@@ -20,23 +20,21 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import threading
 import time
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import torch
 
 from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import ProtocolError, WCacheError
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorTable
-from wcache.server.backends.base import Slab
+from wcache.server.backends.base import PinnedFile, Slab
 from wcache.server.security import check_private_dir
 
 __all__ = ["FORMAT", "HostTier", "TierEntry", "default_tier_dir"]
@@ -58,43 +56,7 @@ class TierEntry:
     table: TensorTable
     aliases: dict[str, str]
     payload: int
-    pinned: torch.Tensor | None = None  # the slab file mapped and page-locked in this daemon (CUDA)
-
-
-CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads (H2D copies)
-
-
-class _Pinned:
-    """A tier file mapped and registered with the CUDA driver (page-locked): a device slab refills
-    from it with one host-to-device copy at DMA speed (16 GB: 0.29 s on the H200) instead of
-    going through staging buffers. Registration costs 0.67 s per 16 GB, paid in the background."""
-
-    def __init__(self, path: Path, size: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            self.inode = os.fstat(fd).st_ino  # the file pinned: a rewritten entry is another inode
-            # read-only: the device only reads it, and Linux refuses to page-lock writable shared
-            # mappings of files outside tmpfs (a --host-tier-dir on disk)
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, CUDA_HOST_REGISTER_READ_ONLY)  # type: ignore[no-untyped-call]
-        if int(err) != 0:
-            self.tensor = None  # type: ignore[assignment]
-            self.mm.close()
-            raise OSError(f"cudaHostRegister: error {int(err)} ({err})")
-
-    def close(self) -> None:
-        if self.tensor is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())  # type: ignore[no-untyped-call]
-            self.tensor = None  # type: ignore[assignment]
-            try:
-                self.mm.close()
-            except BufferError:  # a copy in flight still references it: the mapping goes with it
-                pass
+    pinned: PinnedFile | None = None  # the slab file page-locked in this daemon by its backend
 
 
 def _digest(path: Path, size: int) -> str:
@@ -106,13 +68,14 @@ def _digest(path: Path, size: int) -> str:
 
 
 class HostTier:
-    """``pin``: keep entries page-locked in this process (CUDA backends) for DMA-speed refills."""
+    """``pin``: how to keep entries page-locked in this process for DMA-speed refills (the backend's
+    ``pinner()``: CUDA backends), or None."""
 
-    def __init__(self, directory: Path, budget: int, *, pin: bool = False) -> None:
+    def __init__(self, directory: Path, budget: int, *, pin: Callable[[Path, int], PinnedFile] | None = None) -> None:
         self.dir = Path(os.path.abspath(directory))
         self.budget = budget
         self.pin = pin
-        self._pinned: dict[Path, _Pinned] = {}
+        self._pinned: dict[Path, PinnedFile] = {}
         self._lock = threading.Lock()
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
@@ -141,10 +104,13 @@ class HostTier:
         return [(s, m, n) for _, s, m, n in sorted(out)]
 
     def _pin_in_background(self, slab: Path, size: int) -> None:
+        pinner = self.pin
+
         def pin() -> None:
+            assert pinner is not None
             t0 = time.perf_counter()
             try:
-                p = _Pinned(slab, size)
+                p = pinner(slab, size)
             except Exception as exc:  # a thread of its own: whatever goes wrong is logged, serving goes on
                 log.warning("host tier pin failed entry=%s: %s: %s", slab.stem, type(exc).__name__, exc)
                 return
@@ -163,7 +129,7 @@ class HostTier:
                 return
             log.info("host tier pinned entry=%s bytes=%d seconds=%.2f", slab.stem, size, time.perf_counter() - t0)
 
-        if self.pin:
+        if pinner is not None:
             threading.Thread(target=pin, name="wcache-tier-pin", daemon=True).start()
 
     def pin_later(self, entry: TierEntry) -> None:
@@ -212,9 +178,7 @@ class HostTier:
             if pinned is not None and pinned.inode != slab.stat().st_ino:  # rewritten by another daemon
                 self._unpin(slab)
                 pinned = None
-            entry = TierEntry(
-                slab, meta, size, table, aliases, int(m["payload"]), pinned.tensor if pinned is not None else None
-            )
+            entry = TierEntry(slab, meta, size, table, aliases, int(m["payload"]), pinned)
 
         except (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             log.warning("host tier entry %s rejected (%s); removed, loading from disk", meta.name, exc)

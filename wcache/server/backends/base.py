@@ -1,31 +1,83 @@
-"""What a slab backend provides. Backends differ only in how a slab is allocated,
-exported and (client side, wcache/client/mapping.py) mapped; protocol, store, leases,
-layout and loader are shared.
+"""What a slab backend provides: everything device-specific lives behind these two interfaces.
+
+The loader (wcache/server/loader.py) plans jobs and runs reader threads; *how* bytes reach a slab is
+the slab's ``writer`` (host: ``sendfile`` and ``preadv`` into the memfd's mapping; CUDA: pinned
+staging buffers and streams). Page-locking host-tier files, synchronising with the device, memory
+figures for STATUS, export and adoption are the backend's too. Loader, store, tier, daemon and the
+reclaim check import no device API (tests/server/test_boundary.py enforces it); the client maps
+slabs in wcache/client/mapping.py.
+
+Importing a backend imports no torch: torch comes with the first load (``Slab.tensor``, casts,
+transforms), so a daemon that only serves what its keeper or a takeover handed it starts without it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from wcache.proto import DeviceInfo, SlabDescriptor
 
-__all__ = ["Backend", "Slab"]
+if TYPE_CHECKING:
+    import torch
+
+    from wcache.server.loader import Files, Job
+
+__all__ = ["Backend", "PinnedFile", "Slab", "Writer"]
+
+
+class Writer(Protocol):
+    """Writes loader jobs into one slab; ``write`` is called from several reader threads at once."""
+
+    def write(self, job: Job, files: Files) -> None:
+        """Copy the job's file extents to slab offset ``job.dest`` on (may return before the bytes land)."""
+        ...
+
+    def finish(self) -> None:
+        """Every write (and every torch copy into the slab, such as casts) has landed."""
+        ...
+
+    def close(self) -> None:
+        """Release what writing needed (mappings, staging, streams); called whether or not it finished."""
+        ...
+
+
+class PinnedFile(Protocol):
+    """A host-tier slab file kept page-locked for this backend's refills (see ``Backend.pinner``)."""
+
+    inode: int  # the file pinned: a rewritten entry is another inode
+
+    def close(self) -> None: ...
 
 
 class Slab(Protocol):
     """One contiguous allocation holding a rank's tensors at their layout offsets."""
 
     size: int
+    #: whether O_DIRECT reads make sense for loads into it (device slabs: reads land in staging buffers)
+    direct_io: bool
 
-    def tensor(self) -> torch.Tensor:
-        """A writable uint8 tensor over the whole slab, for loading (only before seal())."""
+    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path]) -> Writer:
+        """A writer for ``jobs`` run by up to ``threads`` readers; files in ``direct`` may be read with
+        O_DIRECT (only offered where ``direct_io``)."""
         ...
 
-    def host_fd(self) -> int | None:
-        """A file descriptor of the slab's shared memory that file bytes can be copied into
-        in the kernel (``sendfile`` at slab offsets), or None (device memory)."""
+    def tensor(self) -> torch.Tensor:
+        """A writable uint8 tensor over the whole slab, for casts and transforms (only before seal()).
+        Imports torch."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for the device to finish copies into the slab made through ``tensor()``."""
+        ...
+
+    def copy_pinned(self, pinned: PinnedFile) -> bool:
+        """Fill the slab from a page-locked tier file in one copy; False where this slab cannot."""
+        ...
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes of the slab from ``offset`` (sealed or not; the reclaim check compares them)."""
         ...
 
     def seal(self) -> None:
@@ -56,4 +108,13 @@ class Backend(Protocol):
 
     def adopt(self, desc: SlabDescriptor, fd: int) -> Slab:
         """Serve a slab another daemon handed over (TAKEOVER): ``fd`` is its exported descriptor."""
+        ...
+
+    def pinner(self) -> Callable[[Path, int], PinnedFile] | None:
+        """How host-tier files are page-locked for faster refills (``(path, size) -> PinnedFile``), or
+        None where refills gain nothing from it (host slabs)."""
+        ...
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory for STATUS; (0, 0) where it does not apply."""
         ...

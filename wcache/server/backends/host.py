@@ -7,16 +7,23 @@ client that receives the fd cannot corrupt the weights other engines map.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import sys
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from wcache.errors import OutOfMemoryError, UnsupportedPlatformError, WCacheError
 from wcache.proto import DeviceInfo, SlabDescriptor
+from wcache.server.backends.base import PinnedFile
+from wcache.server.loader import Files, Job, populate, read_job, send_job
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["HostBackend", "HostSlab", "MemoryRoom", "memory_room"]
 
@@ -117,7 +124,65 @@ def check_room(nbytes: int, room: MemoryRoom | None) -> None:
     )
 
 
+class _HostWriter:
+    """Host slab writes: writes into one shmem file serialise on its inode lock, so one thread copies with
+    sendfile (no page zeroing) and the others read into the slab's mapping, whose page faults run in
+    parallel (measured on 2 cores: 2.1-2.3 GB/s with any number of sendfile threads, 2.7 GB/s mixed)."""
+
+    def __init__(self, slab: HostSlab, threads: int) -> None:
+        self.fd = slab.fd
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.out_fds: list[int] = []
+        self.sender: list[int] = []
+        self.view: memoryview | None = None
+        self.base = 0
+        if threads > 1 and slab.size:
+            mm = slab._mapping()
+            self.base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # the temporary export ends here
+            self.view = memoryview(mm)
+
+    def _out_fd(self) -> int:
+        """This thread's own open file of the memfd (its own file position for sendfile)."""
+        mine: int | None = getattr(self.local, "out", None)
+        if mine is None:
+            mine = self.local.out = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+            with self.lock:
+                self.out_fds.append(mine)
+        return mine
+
+    def _sends(self) -> bool:
+        role = getattr(self.local, "sends", None)
+        if role is None:
+            with self.lock:
+                role = self.local.sends = not self.sender
+                self.sender.append(threading.get_ident())
+        return bool(role)
+
+    def write(self, job: Job, files: Files) -> None:
+        if self.view is None or self._sends():
+            send_job(files, job, self._out_fd())
+        else:
+            n = job.nbytes
+            populate(self.base, job.dest, n, f"{job.extents[0][0]}: {job.label}")
+            read_job(files, job, self.view[job.dest : job.dest + n])
+
+    def finish(self) -> None:
+        pass  # sendfile and preadv have written every byte when they return
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        with self.lock:
+            fds, self.out_fds = self.out_fds, []
+        for fd in fds:
+            os.close(fd)
+
+
 class HostSlab:
+    direct_io = False  # reads land in shared memory through the page cache or sendfile
+
     def __init__(self, nbytes: int, name: str = "wcache-slab", adopt_fd: int = -1) -> None:
         self.size = nbytes
         if adopt_fd >= 0:  # handed over by another daemon: already loaded and sealed
@@ -139,21 +204,39 @@ class HostSlab:
         self._tensor = None
         self.sealed = False
 
+    def _mapping(self) -> mmap.mmap:
+        """The daemon's writable shared mapping of the slab (until seal())."""
+        if self.sealed:
+            raise RuntimeError("slab is sealed")
+        if self._mm is None:
+            self._mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return self._mm
+
     def tensor(self) -> torch.Tensor:
+        import torch
+
         if self.sealed:
             raise RuntimeError("slab is sealed")
         if self._tensor is None:
             if self.size == 0:
                 self._tensor = torch.empty(0, dtype=torch.uint8)
             else:
-                self._mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                self._tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+                self._tensor = torch.frombuffer(self._mapping(), dtype=torch.uint8)
         return self._tensor
 
-    def host_fd(self) -> int | None:
+    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path]) -> _HostWriter:
         if self.sealed:
             raise RuntimeError("slab is sealed")
-        return self.fd
+        return _HostWriter(self, threads)
+
+    def synchronize(self) -> None:
+        pass  # CPU copies are done when they return
+
+    def copy_pinned(self, pinned: PinnedFile) -> bool:
+        return False  # a host slab refills through the loader (sendfile) from the tier file
+
+    def read(self, offset: int, n: int) -> bytes:
+        return os.pread(self.fd, n, offset)  # through the memfd: works sealed
 
     def seal(self) -> None:
         self._tensor = None  # releases torch's export of the mmap buffer
@@ -213,3 +296,9 @@ class HostBackend:
         if os.fstat(fd).st_size < desc.size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
             raise WCacheError("the handed-over memfd is smaller than its slab or not sealed")
         return HostSlab(desc.size, adopt_fd=fd)
+
+    def pinner(self) -> Callable[[Path, int], PinnedFile] | None:
+        return None  # a refill from tmpfs into shared memory gains nothing from page-locking
+
+    def memory_info(self) -> tuple[int, int]:
+        return 0, 0  # STATUS's device memory figures are the GPU's; a host slab's room is memory_room()
