@@ -17,7 +17,7 @@ import sys
 import torch
 
 from wcache import _cuda
-from wcache.errors import UnsupportedPlatformError, WCacheError
+from wcache.errors import DeviceMismatchError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 
 __all__ = ["CudaBackend", "CudaIpcSlab", "CudaVmmSlab"]
@@ -162,9 +162,11 @@ class CudaBackend:
     def adopt(self, desc: SlabDescriptor, fd: int) -> CudaVmmSlab:
         """A slab handed over by another daemon (its VMM fd); legacy IPC slabs cannot be re-exported."""
         if desc.kind != "cuda_vmm":
-            raise WCacheError(f"a {desc.kind} slab cannot be handed over (only cuda_vmm; start with --cuda-export vmm)")
+            raise UnsupportedPlatformError(
+                f"a {desc.kind} slab cannot be handed over (only cuda_vmm; start with --cuda-export vmm)"
+            )
         if desc.device_uuid != self.device.uuid:
-            raise WCacheError(f"the slab is on GPU {desc.device_uuid}, this daemon serves {self.device.uuid}")
+            raise DeviceMismatchError(f"the slab is on GPU {desc.device_uuid}, this daemon serves {self.device.uuid}")
         return CudaVmmSlab(desc.size, self.index, adopt_fd=fd)
 
     def allocate(self, nbytes: int) -> CudaIpcSlab | CudaVmmSlab:

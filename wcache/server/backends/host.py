@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from wcache.errors import OutOfMemoryError, UnsupportedPlatformError, WCacheError
+from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 
 __all__ = ["HostBackend", "HostSlab", "MemoryRoom", "memory_room"]
@@ -209,7 +209,9 @@ class HostBackend:
     def adopt(self, desc: SlabDescriptor, fd: int) -> HostSlab:
         """A sealed memfd handed over by another daemon."""
         if desc.kind != "memfd":
-            raise WCacheError(f"a {desc.kind} slab cannot be served by the host backend")
+            raise UnsupportedPlatformError(f"a {desc.kind} slab cannot be served by the host backend")
         if os.fstat(fd).st_size < desc.size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-            raise WCacheError("the handed-over memfd is smaller than its slab or not sealed")
+            raise RemoteProtocolError(
+                "the handed-over memfd is smaller than its slab or not sealed (docs/protocol.md §4.11)"
+            )
         return HostSlab(desc.size, adopt_fd=fd)
