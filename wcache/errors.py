@@ -7,11 +7,12 @@ class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same 
 ::
 
     WCacheError                         (code: INTERNAL unless a subclass says otherwise)
-    ├── ProtocolError                   PROTOCOL_ERROR      bytes or frames that break docs/protocol.md
+    ├── ProtocolError                   PROTOCOL_ERROR      a break of docs/protocol.md; one of the two below
     │   ├── LocalProtocolError            -                 we tried to send something illegal (a bug here)
-    │   ├── FrameTooLargeError          FRAME_TOO_LARGE     length prefix over the limit (size, max_size)
-    │   ├── UnsupportedVersionError     UNSUPPORTED_VERSION no common protocol version (offered, supported)
-    │   └── UnexpectedFrameError        UNEXPECTED_FRAME    a valid frame in the wrong connection state
+    │   └── RemoteProtocolError         PROTOCOL_ERROR      the peer's bytes or frames break docs/protocol.md
+    │       ├── FrameTooLargeError      FRAME_TOO_LARGE     length prefix over the limit (size, max_size)
+    │       ├── UnsupportedVersionError UNSUPPORTED_VERSION no common protocol version (offered, supported)
+    │       └── UnexpectedFrameError    UNEXPECTED_FRAME    a valid frame in the wrong connection state
     ├── CacheUnavailableError           UNAVAILABLE         no daemon: no socket, refused, timeout, died
     ├── ServerError                     (any daemon code)   the daemon refused or failed a request
     │   ├── PermissionDeniedError       PERMISSION_DENIED   peer uid is not the daemon's uid
@@ -22,15 +23,24 @@ class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same 
     │   ├── DeviceMismatchError         DEVICE_MISMATCH     engine and daemon on different GPUs
     │   ├── UnsupportedPlatformError    UNSUPPORTED_PLATFORM the platform cannot share this memory
     │   ├── OutOfMemoryError            OUT_OF_MEMORY       a PRELOAD does not fit; details name what is pinned
-    │   ├── InUseError                  IN_USE              EVICT of a model with live leases
+    │   ├── InUseError                  IN_USE              EVICT of a model with live leases; a second TAKEOVER
     │   ├── NotFoundError               NOT_FOUND           no model under that key
     │   └── InternalError               INTERNAL            an unexpected failure inside the daemon
-    ├── CheckpointError                 -                   a checkpoint directory or file is unusable
-    ├── ShardingError                   -                   no plan, or a dimension that does not divide
-    └── InsecurePathError               -                   socket directory/file fails the ownership check
+    ├── CheckpointError                 INVALID_CHECKPOINT  a checkpoint directory or file is unusable
+    ├── ShardingError                   INVALID_PLAN        no plan, a bad plan file, a dimension that does not divide
+    ├── TransformError                  INVALID_TRANSFORM   a --transform that cannot be imported, or a bad result
+    ├── IncompatibleModelError            -                 cached tensors that do not fit the engine's module
+    ├── TierEntryError                    -                 a host tier entry that no longer matches (dropped)
+    ├── InsecurePathError                 -                 socket directory/file fails the ownership check
+    └── DaemonRunningError                -                 another daemon holds this socket's one-daemon lock
 
-Classes marked ``-`` are raised locally and never sent. The module imports nothing
-beyond the standard library so that ``wcache.proto`` can stay pure.
+Classes marked ``-`` are raised locally and never sent. **Whose fault** (h11's model): a
+``RemoteProtocolError`` is the peer's, so the daemon answers it with a fatal ERROR of its code and
+closes; a ``LocalProtocolError`` is ours — the daemon logs it as a bug and, if it can, tells the peer
+``INTERNAL`` (its ``code``), never ``PROTOCOL_ERROR``. ``CheckpointError``, ``ShardingError`` and
+``TransformError`` are the requester's: raised locally (the engine computing a key) or sent (a PRELOAD
+of a bad directory, plan or transform), and a client re-raises them as the same class. The module
+imports nothing beyond the standard library so that ``wcache.proto`` can stay pure.
 
 **What an engine's fallback catches: ``WCacheError``.** Every failure on the cache path — no daemon
 (``CacheUnavailableError``), a refusal (``ServerError``), a daemon whose frames the client rejects
@@ -50,11 +60,13 @@ __all__ = [
     "ERROR_CLASSES",
     "CacheUnavailableError",
     "CheckpointError",
+    "DaemonRunningError",
     "DeviceMismatchError",
     "ErrorCode",
     "FrameTooLargeError",
     "InsecurePathError",
     "InUseError",
+    "IncompatibleModelError",
     "InternalError",
     "KeyMismatchError",
     "LimitExceededError",
@@ -64,8 +76,11 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "ProtocolError",
+    "RemoteProtocolError",
     "ServerError",
     "ShardingError",
+    "TierEntryError",
+    "TransformError",
     "UnexpectedFrameError",
     "UnknownLeaseError",
     "UnsupportedPlatformError",
@@ -93,6 +108,9 @@ class ErrorCode(enum.IntEnum):
     IN_USE = 27
     NOT_FOUND = 28
     UNAVAILABLE = 30
+    INVALID_CHECKPOINT = 40
+    INVALID_PLAN = 41
+    INVALID_TRANSFORM = 42
     INTERNAL = 99
 
 
@@ -112,18 +130,29 @@ class WCacheError(Exception):
 
 
 class ProtocolError(WCacheError):
-    """Input that breaks the wire contract: bad framing, bad msgpack, bad field types.
-
-    Raised by a client for a daemon's frames too; engines fall back to disk on it (``except WCacheError``)."""
+    """A break of the wire contract: catch this for either side's. Raise one of its two subclasses —
+    ``RemoteProtocolError`` (the peer's input) or ``LocalProtocolError`` (our own frame) — so the handler
+    knows whose fault it is. A received ERROR frame with code ``PROTOCOL_ERROR`` (the peer's verdict on
+    our frames) is raised as this class; engines fall back to disk on it (``except WCacheError``)."""
 
     code = ErrorCode.PROTOCOL_ERROR
 
 
 class LocalProtocolError(ProtocolError):
-    """We tried to send a frame the protocol does not allow in this state (a bug in the caller)."""
+    """We tried to send a frame the protocol does not allow in this state (a bug in the caller).
+
+    Never sent as ``PROTOCOL_ERROR``: the peer did nothing wrong. Its ``code`` is ``INTERNAL``, so even a
+    handler that converts it to an ERROR frame tells the peer the truth."""
+
+    code = ErrorCode.INTERNAL
 
 
-class FrameTooLargeError(ProtocolError):
+class RemoteProtocolError(ProtocolError):
+    """The peer's bytes or frames break docs/protocol.md: bad framing, bad msgpack, bad field types,
+    a frame in the wrong state. Answered with a fatal ERROR of its code, then the connection closes."""
+
+
+class FrameTooLargeError(RemoteProtocolError):
     """A length prefix above the configured maximum; raised before the body is buffered."""
 
     code = ErrorCode.FRAME_TOO_LARGE
@@ -144,13 +173,13 @@ class FrameTooLargeError(ProtocolError):
         return int(self.details.get("max_size", -1))
 
 
-class UnsupportedVersionError(ProtocolError):
+class UnsupportedVersionError(RemoteProtocolError):
     """The peers share no protocol version."""
 
     code = ErrorCode.UNSUPPORTED_VERSION
 
 
-class UnexpectedFrameError(ProtocolError):
+class UnexpectedFrameError(RemoteProtocolError):
     """A well-formed frame that is not allowed in the connection's current state."""
 
     code = ErrorCode.UNEXPECTED_FRAME
@@ -217,7 +246,7 @@ class OutOfMemoryError(ServerError):
 
 
 class InUseError(ServerError):
-    """EVICT of a model that live leases still hold."""
+    """EVICT of a model that live leases still hold; TAKEOVER of a daemon already handing over."""
 
     code = ErrorCode.IN_USE
 
@@ -235,15 +264,45 @@ class InternalError(ServerError):
 class CheckpointError(WCacheError):
     """A checkpoint directory or file is missing, truncated, inconsistent, not a regular file, over a
     metadata size cap, or holds tensors the protocol cannot carry (names over 1024 characters, rank
-    over 16, dimensions of 2**48 or more); the message names the file, the tensor and the limit."""
+    over 16, dimensions of 2**48 or more); the message names the file, the tensor and the limit.
+
+    Sent as ``INVALID_CHECKPOINT`` when a PRELOAD names such a directory."""
+
+    code = ErrorCode.INVALID_CHECKPOINT
 
 
 class ShardingError(WCacheError):
-    """Tensor parallel sharding is impossible: no plan, or a dimension not divisible by tp_size."""
+    """Tensor parallel sharding is impossible: no plan, a bad plan file, or a dimension not divisible by
+    tp_size. Sent as ``INVALID_PLAN``."""
+
+    code = ErrorCode.INVALID_PLAN
+
+
+class TransformError(WCacheError):
+    """A load-time transform (``--transform module:function``) that cannot be imported or called, or
+    whose result is not a dict of str -> torch.Tensor of a protocol dtype. Sent as ``INVALID_TRANSFORM``."""
+
+    code = ErrorCode.INVALID_TRANSFORM
+
+
+class IncompatibleModelError(WCacheError):
+    """The cached tensors do not fit the engine's module or configuration: parameters missing or extra,
+    shapes that differ, or a quantization / parallel layout the cache does not serve. Raised in the
+    engine (``wcache.nn.attach``, ``wcache.integrations``); the message lists the names."""
+
+
+class TierEntryError(WCacheError):
+    """A host tier entry whose metadata, key, size or digest no longer matches: it is removed and the
+    model loaded from disk (never sent)."""
 
 
 class InsecurePathError(WCacheError):
     """A socket directory or file that another user could tamper with."""
+
+
+class DaemonRunningError(WCacheError):
+    """Another daemon holds the one-daemon lock of this socket (``details["holder_pid"]``): stop it, or
+    choose another socket path. Not a security failure (that is ``InsecurePathError``)."""
 
 
 #: ERROR frame code -> the exception class a client raises for it (1:1).
@@ -263,6 +322,9 @@ ERROR_CLASSES: dict[ErrorCode, type[WCacheError]] = {
     ErrorCode.IN_USE: InUseError,
     ErrorCode.NOT_FOUND: NotFoundError,
     ErrorCode.UNAVAILABLE: CacheUnavailableError,
+    ErrorCode.INVALID_CHECKPOINT: CheckpointError,
+    ErrorCode.INVALID_PLAN: ShardingError,
+    ErrorCode.INVALID_TRANSFORM: TransformError,
     ErrorCode.INTERNAL: InternalError,
 }
 

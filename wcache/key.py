@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from wcache.checkpoint import Checkpoint
-from wcache.errors import WCacheError
+from wcache.errors import CheckpointError, ShardingError, TransformError, WCacheError
 from wcache.layout import LAYOUT_VERSION, resolve_dtype
 from wcache.proto.frames import MAX_NAME
-from wcache.sharding import resolve_plan
+from wcache.sharding import ShardPlan, resolve_plan
+
+if TYPE_CHECKING:
+    from wcache.rank import RankSpec
 
 __all__ = ["WeightCacheKey"]
 
 KeyValue = Union[str, int]
+
+
+class _Unset:
+    """``plan`` not given to ``from_spec`` (None is a resolved plan: none)."""
+
+
+_UNSET = _Unset()
+
+#: a key field over the protocol's string limit -> whose input it came from, and what to do
+_TOO_LONG: dict[str, tuple[type[WCacheError], str]] = {
+    "architecture": (CheckpointError, "shorten config.json's architectures[0]"),
+    "plan": (ShardingError, "use a shorter plan id"),
+    "transform": (TransformError, "use a shorter module:function path for the transform"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,52 +56,52 @@ class WeightCacheKey:
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | RankSpec,
         *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        dtype: str | None = None,
-        plan_file: str | os.PathLike[str] | None = None,
-        verify_content: bool = False,
         checkpoint: Checkpoint | None = None,
-        transform: str = "",
+        **fields: Any,
     ) -> WeightCacheKey:
-        """The key a daemon started with the same arguments serves. Reads headers and 64 KiB of
-        data per file (all data with ``verify_content``), through the descriptors ``checkpoint``
-        validated them from (a checkpoint opened here is closed before returning).
+        """The key a daemon started with the same arguments serves: ``path`` is a RankSpec, or a
+        checkpoint directory with RankSpec's fields as keywords (``tp_rank``, ``tp_size``, ``dtype``,
+        ``plan_file``, ``transform``, ``verify_content``). See ``from_spec``."""
+        from wcache.rank import RankSpec
 
-        Raises CheckpointError / ShardingError, and WCacheError for a key string the protocol
-        cannot carry (over 1024 characters, docs/protocol.md §7)."""
+        return cls.from_spec(RankSpec.of(path, **fields), checkpoint=checkpoint)
+
+    @classmethod
+    def from_spec(
+        cls, spec: RankSpec, *, checkpoint: Checkpoint | None = None, plan: ShardPlan | _Unset | None = _UNSET
+    ) -> WeightCacheKey:
+        """The key of one rank. Reads headers and 64 KiB of data per file (all data with
+        ``spec.verify_content``), through the descriptors ``checkpoint`` validated them from (a
+        checkpoint opened here is closed before returning); ``plan``: the rank's shard plan when the
+        caller resolved it already (``wcache.rank.plan_rank``).
+
+        Raises CheckpointError / ShardingError, and for a key string the protocol cannot carry (over
+        1024 characters, docs/protocol.md §7) the class of whatever it came from (``_TOO_LONG``)."""
         if checkpoint is None:
-            with Checkpoint.open(path) as ckpt:
-                return cls.from_checkpoint(
-                    path,
-                    tp_rank=tp_rank,
-                    tp_size=tp_size,
-                    dtype=dtype,
-                    plan_file=plan_file,
-                    verify_content=verify_content,
-                    checkpoint=ckpt,
-                    transform=transform,
-                )
+            with Checkpoint.open(spec.checkpoint) as ckpt:
+                return cls.from_spec(spec, checkpoint=ckpt, plan=plan)
         ckpt = checkpoint
-        plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
+        if isinstance(plan, _Unset):
+            plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
         key = cls(
-            fingerprint=ckpt.fingerprint(content=verify_content),
+            fingerprint=ckpt.fingerprint(content=spec.verify_content),
             architecture=ckpt.architecture,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            dtype=resolve_dtype(ckpt, dtype),
+            tp_size=spec.tp_size,
+            tp_rank=spec.tp_rank,
+            dtype=resolve_dtype(ckpt, spec.dtype),
             plan=plan.id if plan is not None else "none",
             layout=LAYOUT_VERSION,
-            fingerprint_kind="content" if verify_content else "sampled",
-            transform=transform,
+            fingerprint_kind="content" if spec.verify_content else "sampled",
+            transform=spec.transform,
         )
         for name, value in key.to_wire().items():
             if isinstance(value, str) and len(value) > MAX_NAME:
-                raise WCacheError(
+                err, fix = _TOO_LONG.get(name, (CheckpointError, "check the checkpoint's config.json"))
+                raise err(
                     f"key field {name!r} is {len(value)} characters; the protocol carries at most {MAX_NAME} "
-                    "(docs/protocol.md §7)"
+                    f"(docs/protocol.md §7): {fix}"
                 )
         return key
 

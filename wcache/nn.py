@@ -46,9 +46,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from wcache.errors import WCacheError
+from wcache.errors import IncompatibleModelError, WCacheError
 from wcache.key import WeightCacheKey
-from wcache.rank import plan_rank
+from wcache.rank import RankSpec, plan_rank
 
 __all__ = [
     "AttachReport",
@@ -200,7 +200,7 @@ def attach(
     (see guard_writes: in-place writes into the cached tensors raise ReadOnlyWeightError;
     every op pays a Python call). Use ``mode="copy"`` for weights you modify.
 
-    Raises WCacheError listing every parameter (or meta buffer) missing from ``weights``,
+    Raises IncompatibleModelError listing every parameter (or meta buffer) missing from ``weights``,
     and every shape/dtype mismatch, before changing anything. With ``strict``, cached
     tensors the module does not use are an error too.
     """
@@ -223,7 +223,9 @@ def attach(
     if strict and unused:
         problems.append(f"{len(unused)} cached tensor(s) have no place in the module: " + ", ".join(unused[:20]))
     if problems:
-        raise WCacheError(" | ".join(problems), details={"missing": missing + missing_meta_buffers, "unused": unused})
+        raise IncompatibleModelError(
+            " | ".join(problems), details={"missing": missing + missing_meta_buffers, "unused": unused}
+        )
     report = AttachReport(unused=unused)
     used: list[torch.Tensor] = []
     wrapped: dict[int, nn.Parameter] = {}  # one Parameter per cached tensor: tied weights stay tied
@@ -278,67 +280,67 @@ class LoadedWeights:
 
 
 def load_from_disk(
-    model_dir: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str] | RankSpec,
     *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    dtype: str | None = None,
-    plan_file: str | os.PathLike[str] | None = None,
     device: str | torch.device = "cpu",
-    transform: str = "",
+    **fields: Any,
 ) -> dict[str, torch.Tensor]:
-    """The same tensors a daemon would serve (same plan, slices, cast, aliases, transform), read from disk."""
+    """The same tensors a daemon would serve (same plan, slices, cast, aliases, transform), read from disk.
+
+    ``model_dir``: a RankSpec, or a checkpoint directory with RankSpec's fields as keywords (``tp_rank``,
+    ``tp_size``, ``dtype``, ``plan_file``, ``transform``)."""
     from safetensors import safe_open
 
-    rp = plan_rank(model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file)
-    ckpt, layout = rp.checkpoint, rp.layout
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[Any]] = {}
-    for p in layout.placements:
-        by_file.setdefault(p.source.file, []).append(p)
-    for f, places in by_file.items():
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for p in places:
-                if p.shard is None:
-                    t = fh.get_tensor(p.source.name)
-                else:
-                    sl = fh.get_slice(p.source.name)
-                    index = tuple(
-                        slice(p.shard.start, p.shard.start + p.shard.length) if d == p.shard.dim else slice(None)
-                        for d in range(len(p.source.shape))
-                    )
-                    t = sl[index]
-                out[p.source.name] = t.to(device=device, dtype=getattr(torch, p.dtype)).contiguous()
-    for alias, target in layout.aliases.items():
-        out[alias] = out[target]
-    if transform:
-        from wcache.transforms import load_transform
+    spec = RankSpec.of(model_dir, **fields)
+    with plan_rank(spec) as rp:
+        ckpt, layout = rp.checkpoint, rp.layout
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[Any]] = {}
+        for p in layout.placements:
+            by_file.setdefault(p.source.file, []).append(p)
+        for f, places in by_file.items():
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for p in places:
+                    if p.shard is None:
+                        t = fh.get_tensor(p.source.name)
+                    else:
+                        sl = fh.get_slice(p.source.name)
+                        index = tuple(
+                            slice(p.shard.start, p.shard.start + p.shard.length) if d == p.shard.dim else slice(None)
+                            for d in range(len(p.source.shape))
+                        )
+                        t = sl[index]
+                    out[p.source.name] = t.to(device=device, dtype=getattr(torch, p.dtype)).contiguous()
+        for alias, target in layout.aliases.items():
+            out[alias] = out[target]
+        if spec.transform:
+            from wcache.transforms import load_transform
 
-        with torch.no_grad():
-            out = load_transform(transform)(out, ckpt.config)
+            with torch.no_grad():
+                out = load_transform(spec.transform)(out, ckpt.config)
     return out
 
 
 async def load_weights(
-    model_dir: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str] | RankSpec,
     *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    dtype: str | None = None,
-    plan_file: str | os.PathLike[str] | None = None,
     mode: str = "zero_copy",
     client: Any = None,
     fallback: bool = True,
     device: str | torch.device = "cpu",
-    transform: str = "",
+    **fields: Any,
 ) -> LoadedWeights:
-    """Weights for one rank: from the daemon if it can serve them, else (``fallback``) from disk."""
+    """Weights for one rank: from the daemon if it can serve them, else (``fallback``) from disk.
+
+    ``model_dir``: a RankSpec, or a checkpoint directory with RankSpec's fields as keywords (``tp_rank``,
+    ``tp_size``, ``dtype``, ``plan_file``, ``transform``, ``verify_content`` — the daemon's
+    ``--verify-content``). The key is built from the whole spec, so a daemon serving a transform serves an
+    engine asking for it."""
     from wcache.client import WCacheClient
 
+    spec = RankSpec.of(model_dir, **fields)
     try:
-        key = WeightCacheKey.from_checkpoint(
-            model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file
-        )
+        key = WeightCacheKey.from_spec(spec)
         c = client if client is not None else WCacheClient()
         cached = await c.fetch(key, mode=mode)
         return LoadedWeights(cached, "cache", handle=cached)
@@ -346,14 +348,6 @@ async def load_weights(
         if not fallback:
             raise
         reason = f"{type(exc).__name__}: {exc.message}"
-    log.warning("wcache: loading %s from disk instead of the cache (%s)", model_dir, reason)
-    tensors = load_from_disk(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype,
-        plan_file=plan_file,
-        device=device,
-        transform=transform,
-    )
+    log.warning("wcache: loading %s from disk instead of the cache (%s)", spec.checkpoint, reason)
+    tensors = load_from_disk(spec, device=device)
     return LoadedWeights(tensors, "disk", reason)

@@ -1,29 +1,105 @@
-"""Everything about one rank of a checkpoint that can be known without reading tensor data.
+"""One rank of a checkpoint: what a request names (``RankSpec``) and what can be known of it without
+reading tensor data (``RankPlan``).
 
-The daemon's loader, its PRELOAD budget check and the engine's disk fallback all start here,
-so that they agree on the key, the sharding plan and the slab layout.
+A ``RankSpec`` is the one description of a rank — checkpoint directory, tensor parallel rank and size,
+dtype, shard plan file, load-time transform, fingerprint kind — that the key, the plan, the daemon's
+loader, the client's PRELOAD, ``wcache.nn`` and the ``wcache-server`` CLI all take, so that they agree
+(two bugs came from spelling it out six times: a PRELOAD's "already held" check without
+``verify_content``, and ``nn.load_weights``'s key without ``transform``; issue 19).
+
+``plan_rank(spec)`` reads the headers and the fingerprint once; the daemon's budget check, its "already
+held" check and its loader all use that one ``RankPlan``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from wcache.checkpoint import Checkpoint
 from wcache.key import WeightCacheKey
 from wcache.layout import Layout, plan_layout
+from wcache.proto import Preload
 from wcache.sharding import ShardPlan, resolve_plan
 
-__all__ = ["RankPlan", "plan_rank"]
+__all__ = ["RankPlan", "RankSpec", "plan_rank"]
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """One rank of a checkpoint as a request names it. Immutable and hashable; build variants with
+    ``dataclasses.replace``.
+
+    ``checkpoint`` and ``plan_file`` are made absolute (a PRELOAD names paths on the daemon's machine);
+    ``dtype`` ``None`` (or ``"auto"``) means as stored. ``verify_content`` fingerprints all data instead
+    of a sample (the key's ``fingerprint_kind``); it is the daemon's policy (``--verify-content``), not a
+    PRELOAD field."""
+
+    checkpoint: Path
+    tp_rank: int = 0
+    tp_size: int = 1
+    dtype: str | None = None
+    plan_file: Path | None = None
+    transform: str = ""
+    verify_content: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checkpoint", Path(os.path.abspath(self.checkpoint)))
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", None)
+        if self.plan_file is not None and str(self.plan_file) == "":
+            object.__setattr__(self, "plan_file", None)
+        elif self.plan_file is not None:
+            object.__setattr__(self, "plan_file", Path(os.path.abspath(self.plan_file)))
+
+    @classmethod
+    def of(cls, checkpoint: PathLike | RankSpec, **fields: Any) -> RankSpec:
+        """``checkpoint`` as a spec: a RankSpec (with ``fields`` replaced), or a directory with ``fields``.
+        Lets the keyword-argument APIs (``from_checkpoint(dir, tp_rank=...)``) and the spec ones meet."""
+        if isinstance(checkpoint, RankSpec):
+            return dataclasses.replace(checkpoint, **fields) if fields else checkpoint
+        return cls(Path(checkpoint), **fields)
+
+    @classmethod
+    def from_preload(cls, req: Preload, *, verify_content: bool = False) -> RankSpec:
+        """The rank a PRELOAD frame names, under the daemon's fingerprint policy."""
+        return cls(
+            Path(req.model),
+            tp_rank=req.tp_rank,
+            tp_size=req.tp_size,
+            dtype=req.dtype,
+            plan_file=Path(req.plan_file) if req.plan_file else None,
+            transform=req.transform,
+            verify_content=verify_content,
+        )
+
+    def to_preload(self, id: int) -> Preload:
+        """The PRELOAD frame asking a daemon for this rank (``verify_content`` is the daemon's choice)."""
+        return Preload(
+            id=id,
+            model=str(self.checkpoint),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            dtype=self.dtype or "auto",
+            plan_file=str(self.plan_file) if self.plan_file is not None else "",
+            transform=self.transform,
+        )
 
 
 @dataclass(frozen=True)
 class RankPlan:
+    """A rank's open checkpoint, key, shard plan and slab layout: computed once per load, then passed on."""
+
     checkpoint: Checkpoint
     key: WeightCacheKey
     plan: ShardPlan | None
     layout: Layout
+    spec: RankSpec
 
     def close(self) -> None:
         self.checkpoint.close()
@@ -35,37 +111,21 @@ class RankPlan:
         self.close()
 
 
-def plan_rank(
-    model_dir: str | os.PathLike[str],
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    dtype: str | None = None,
-    plan_file: str | os.PathLike[str] | None = None,
-    transform: str = "",
-    verify_content: bool = False,
-) -> RankPlan:
+def plan_rank(spec: RankSpec | PathLike, **fields: Any) -> RankPlan:
     """Headers, key, plan and layout of one rank; raises CheckpointError / ShardingError before any data.
 
+    ``spec``: a RankSpec, or a checkpoint directory with RankSpec's fields as keywords (``tp_rank=``...).
     The plan holds the checkpoint's open descriptors (``checkpoint.fd``): the key's fingerprint was
     read through them and the loader reads the data through them, so the bytes served are those of
     the files validated here even if the directory changes meanwhile. ``close()`` (or ``with``)
     releases them; an unreferenced plan releases them when collected."""
-    ckpt = Checkpoint.open(model_dir)
+    spec = RankSpec.of(spec, **fields)
+    ckpt = Checkpoint.open(spec.checkpoint)
     try:
-        plan = resolve_plan(ckpt.architecture, tp_size, plan_file)
-        key = WeightCacheKey.from_checkpoint(
-            Path(model_dir),
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            dtype=dtype,
-            plan_file=plan_file,
-            verify_content=verify_content,
-            checkpoint=ckpt,
-            transform=transform,
-        )
-        layout = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=key.dtype, plan=plan)
+        plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
+        key = WeightCacheKey.from_spec(spec, checkpoint=ckpt, plan=plan)
+        layout = plan_layout(ckpt, tp_rank=spec.tp_rank, tp_size=spec.tp_size, dtype=key.dtype, plan=plan)
     except BaseException:
         ckpt.close()
         raise
-    return RankPlan(ckpt, key, plan, layout)
+    return RankPlan(ckpt, key, plan, layout, spec)

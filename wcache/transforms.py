@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from wcache.errors import ShardingError, WCacheError
+from wcache.errors import ShardingError, TransformError
 from wcache.quant import SCALE_SUFFIX, fp8_block_size
 
 __all__ = [
@@ -36,14 +36,14 @@ _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 def load_transform(spec: str) -> Transform:
     """Import ``package.module:function``; a clear error if it is not one."""
     if not _SPEC.match(spec):
-        raise WCacheError(f"--transform {spec!r} is not of the form package.module:function")
+        raise TransformError(f"--transform {spec!r} is not of the form package.module:function")
     mod, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as exc:
-        raise WCacheError(f"--transform {spec!r}: cannot import it ({exc})") from exc
+        raise TransformError(f"--transform {spec!r}: cannot import it ({exc})") from exc
     if not callable(fn):
-        raise WCacheError(f"--transform {spec!r} is not callable")
+        raise TransformError(f"--transform {spec!r} is not callable")
     return fn  # type: ignore[no-any-return]
 
 
@@ -71,7 +71,7 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
                     if m.group(2) == "weight" + SCALE_SUFFIX:
                         _check_scale_fusion(tensors, names, block, target)
                     elif m.group(2) == "weight" and 0 < sum(n + SCALE_SUFFIX in tensors for n in names) < len(names):
-                        raise WCacheError(f"cannot fuse {names} into {target}: only some of them have block scales")
+                        raise TransformError(f"cannot fuse {names} into {target}: only some of them have block scales")
                     out[f"{m.group(1)}.{target}.{m.group(2)}"] = torch.cat([tensors[n] for n in names], dim=0)
                     fused.update(names)
     for name, t in tensors.items():
@@ -157,16 +157,16 @@ def _check_scale_fusion(
 ) -> None:
     """Stacking block scales is only the fused weight's scale if every part's rows are whole blocks."""
     if block is None:
-        raise WCacheError(
+        raise TransformError(
             f"cannot fuse {scales[0]!r} and its siblings into {target}: config.json has no "
             "quantization_config.weight_block_size (quant_method 'fp8') giving the block size"
         )
     for s in scales:
         w = tensors.get(s.removesuffix(SCALE_SUFFIX))
         if w is None:
-            raise WCacheError(f"cannot fuse block scale {s!r} into {target}: its weight is missing")
+            raise TransformError(f"cannot fuse block scale {s!r} into {target}: its weight is missing")
         if w.dim() < 1 or w.shape[0] % block[0]:
-            raise WCacheError(
+            raise TransformError(
                 f"cannot fuse FP8 {s.removesuffix(SCALE_SUFFIX)!r} into {target}: its {w.shape[0]} rows (on this "
                 f"rank) are not a multiple of the block {block[0]} (weight_block_size {list(block)}), so its last "
                 f"scale block would cover rows of the next part; serve it without --transform {FUSE_SPEC}"

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import DaemonProc
 from tests.test_checkpoint import one_tensor_dir
 from wcache import WCacheClient, WeightCacheKey
-from wcache.errors import ProtocolError, ServerError
+from wcache.errors import CheckpointError, ErrorCode, ProtocolError
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
@@ -87,8 +87,9 @@ async def test_preload_of_a_bad_checkpoint_is_refused_and_the_daemon_keeps_servi
     tmp_path: Path, daemon: DaemonProc, ckpt: Path, make: Callable[[Path], Path]
 ) -> None:
     client = WCacheClient(daemon.socket)
-    with pytest.raises(ServerError):
+    with pytest.raises(CheckpointError) as info:  # INVALID_CHECKPOINT: the requester's error, not INTERNAL
         await client.preload(make(tmp_path / "bad"), timeout=60)
+    assert info.value.code is ErrorCode.INVALID_CHECKPOINT
     good = make_llama_checkpoint(tmp_path / "good", SMALL, seed=7)
     r = await client.preload(good, timeout=60)  # the PRELOAD lock was not left held
     assert r.tensors == 21

@@ -39,7 +39,6 @@ from wcache.proto import (
     Evicted,
     GetState,
     HelloOk,
-    Preload,
     Preloaded,
     Release,
     State,
@@ -48,6 +47,7 @@ from wcache.proto import (
     Takeover,
     TakeoverState,
 )
+from wcache.rank import RankSpec
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -368,32 +368,24 @@ class WCacheClient:
 
     async def preload(
         self,
-        model_dir: str | os.PathLike[str],
+        model_dir: str | os.PathLike[str] | RankSpec,
         *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        dtype: str | None = None,
-        plan_file: str | os.PathLike[str] | None = None,
-        transform: str = "",
         timeout: float | None = 600.0,
+        **fields: Any,
     ) -> Preloaded:
         """Ask the daemon to load ``model_dir`` (a path on the daemon's machine) and keep it resident.
 
-        Raises OutOfMemoryError (details name what leases pin) when it does not fit the budget.
+        ``model_dir``: a RankSpec, or a checkpoint directory with RankSpec's fields as keywords
+        (``tp_rank``, ``tp_size``, ``dtype``, ``plan_file``, ``transform``); the fingerprint kind is the
+        daemon's (``--verify-content``). Raises OutOfMemoryError (details name what leases pin) when it
+        does not fit the budget, CheckpointError / ShardingError / TransformError for a directory, plan
+        or transform the daemon cannot use.
         """
-        path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(tp_rank)
+        spec = RankSpec.of(model_dir, **fields)
+        path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(spec.tp_rank)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path, session, tp_rank)
-            req = Preload(
-                id=session.ch.conn.next_request_id(),
-                model=os.path.abspath(model_dir),
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                dtype=dtype or "auto",
-                plan_file=os.path.abspath(plan_file) if plan_file else "",
-                transform=transform,
-            )
-            await session.ch.send(req)
+            session.ch, session.hello = await self._connect(path, session, spec.tp_rank)
+            await session.ch.send(spec.to_preload(session.ch.conn.next_request_id()))
             frame, _ = await expect(session.ch)
             assert isinstance(frame, Preloaded)
             return frame

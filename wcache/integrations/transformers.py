@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from wcache.errors import WCacheError
+from wcache.errors import IncompatibleModelError, WCacheError
 from wcache.nn import LoadedWeights, attach, empty_parameters, load_weights
 
 __all__ = ["auto_class_for", "from_pretrained"]
@@ -88,7 +88,7 @@ def _build(auto: Any, config: Any, weights: LoadedWeights, dtype: str | None, mo
     except WCacheError:
         raise
     except Exception as exc:  # transformers' own refusals (ValueError, TypeError...): the fallback's reason
-        raise WCacheError(
+        raise IncompatibleModelError(
             f"cannot build {auto.__name__} for {model_dir} from the cached tensors: {type(exc).__name__}: {exc}"
         ) from exc
     model.eval()

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wcache.errors import WCacheError
+from wcache.errors import IncompatibleModelError, WCacheError
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -76,7 +76,7 @@ INFO_ATTR = "_wcache"
 def check_quantization(quantization: str | None) -> None:
     """The daemon serves checkpoint tensors as stored: only unquantized models load from it."""
     if quantization:
-        raise WCacheError(
+        raise IncompatibleModelError(
             f"--load-format {LOAD_FORMAT} serves unquantized checkpoints; quantization {quantization!r} is not "
             "supported (use --load-format auto)",
             details={"quantization": quantization},
@@ -103,7 +103,7 @@ def check_parallel(parallel_config: Any) -> None:
         dp = getattr(parallel_config, "data_parallel_size", 1)
         modes.append("expert parallelism (enable_expert_parallel" + (f", data_parallel_size={dp})" if dp > 1 else ")"))
     if modes:
-        raise WCacheError(
+        raise IncompatibleModelError(
             f"--load-format {LOAD_FORMAT} serves tensor-parallel shards only; this engine uses "
             + ", ".join(modes)
             + ": use --load-format auto (or vLLM's own weight cache) for it",
@@ -173,7 +173,7 @@ def _loader_class() -> type:
             params = dict(model.named_parameters(remove_duplicate=False))
             missing = sorted(set(params) - set(weights))
             if missing:
-                raise WCacheError(f"the cache lacks {len(missing)} parameter(s): {missing[:8]}")
+                raise IncompatibleModelError(f"the cache lacks {len(missing)} parameter(s): {missing[:8]}")
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(weights[name])

@@ -30,6 +30,7 @@ from wcache.units import size_arg
 
 if TYPE_CHECKING:
     from wcache.proto import HandedModel
+    from wcache.rank import RankSpec
     from wcache.server.backends.base import Slab
     from wcache.server.keeper import KeeperLink
     from wcache.server.store import ServedModel
@@ -396,6 +397,22 @@ def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> No
             asyncio.run(link.unkeep(m))
 
 
+def rank_spec(args: argparse.Namespace) -> RankSpec:
+    """The rank ``--model``, ``--tp-rank``, ``--tp-size``, ``--dtype``, ``--shard-plan``, ``--transform`` and
+    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank)."""
+    from wcache.rank import RankSpec
+
+    return RankSpec(
+        Path(args.model),
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        dtype=args.dtype,
+        plan_file=args.shard_plan,
+        transform=args.transform,
+        verify_content=args.verify_content,
+    )
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -403,10 +420,10 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wcache.proto import Preload
+    from wcache.rank import RankPlan, plan_rank
     from wcache.server.daemon import Daemon
     from wcache.server.loader import DEFAULT_STAGING
-    from wcache.server.store import Store, load_model, preload_key
+    from wcache.server.store import Store, load_model
 
     if args.takeover is not None:
         sock_path = Path(os.path.abspath(args.takeover))
@@ -429,25 +446,20 @@ def run(args: argparse.Namespace) -> int:
 
             tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
 
-        def loader(req: Preload) -> ServedModel:
-            with checkpoint_errors(req.model):
-                return _load(req)
+        def planner(spec: RankSpec) -> RankPlan:
+            with checkpoint_errors(str(spec.checkpoint)):
+                return plan_rank(spec)
 
-        def _load(req: Preload) -> ServedModel:
-            return load_model(
-                req.model,
-                backend=backend,
-                tp_rank=req.tp_rank,
-                tp_size=req.tp_size,
-                dtype=req.dtype,
-                plan_file=req.plan_file or None,
-                verify_content=args.verify_content,
-                threads=args.threads,
-                staging_bytes=args.staging_bytes or DEFAULT_STAGING,
-                io=args.io,
-                transform=req.transform,
-                tier=tier,
-            )
+        def loader(rp: RankPlan) -> ServedModel:
+            with checkpoint_errors(str(rp.spec.checkpoint)):
+                return load_model(
+                    rp,
+                    backend=backend,
+                    threads=args.threads,
+                    staging_bytes=args.staging_bytes or DEFAULT_STAGING,
+                    io=args.io,
+                    tier=tier,
+                )
 
         link: KeeperLink | None = None
         reclaimed: list[ServedModel] = []
@@ -466,24 +478,17 @@ def run(args: argparse.Namespace) -> int:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
                 drop(store.make_room(0), link, "budget")
             if args.model is not None:
-                first = Preload(
-                    id=1,
-                    model=str(args.model),
-                    tp_rank=args.tp_rank,
-                    tp_size=args.tp_size,
-                    dtype=args.dtype,
-                    plan_file=str(args.shard_plan or ""),
-                    transform=args.transform,
-                )
-                with checkpoint_errors(first.model):
-                    key, nbytes = preload_key(first)
-                held = store.models.get(key)
-                if held is not None:
-                    store.remember_source(held, Path(os.path.abspath(first.model)))
-                    log.info("serving key=%s bytes=%d from the keeper: nothing loaded", key.short(), held.slab_bytes)
-                else:
-                    drop(store.make_room(nbytes), link, "load")
-                    store.add(loader(first))
+                spec = rank_spec(args)
+                with planner(spec) as rp:
+                    held = store.models.get(rp.key)
+                    if held is not None:
+                        store.remember_source(held, spec.checkpoint)
+                        log.info(
+                            "serving key=%s bytes=%d from the keeper: nothing loaded", rp.key.short(), held.slab_bytes
+                        )
+                    else:
+                        drop(store.make_room(rp.layout.total_bytes), link, "load")
+                        store.add(loader(rp))
             if link is not None:
                 import asyncio
 
@@ -500,6 +505,8 @@ def run(args: argparse.Namespace) -> int:
                 frame_timeout=args.frame_timeout,
                 metrics_port=args.metrics_port,
                 loader=loader,
+                planner=planner,
+                verify_content=args.verify_content,
                 load_on_demand=args.load_on_demand,
                 listener=listener,
                 on_handover=lock.release,

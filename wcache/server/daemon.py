@@ -25,8 +25,10 @@ from wcache.channel import DEFAULT_READ_BUDGET, Channel, ReadBudget, peer_creden
 from wcache.errors import (
     DeviceMismatchError,
     InternalError,
+    InUseError,
     KeyMismatchError,
     LimitExceededError,
+    LocalProtocolError,
     NotFoundError,
     PermissionDeniedError,
     ProtocolError,
@@ -56,10 +58,11 @@ from wcache.proto import (
 )
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
+from wcache.rank import RankPlan, RankSpec, plan_rank
 from wcache.server.keeper import KeeperLink
 from wcache.server.listen import ConnectionTable, Peer, accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.store import ServedModel, Store, preload_key
+from wcache.server.store import ServedModel, Store
 from wcache.server.tier import HostTier
 
 __all__ = ["Daemon"]
@@ -84,7 +87,9 @@ class Daemon:
         max_unread_fds: int | None = None,
         shutdown_grace: float = 5.0,
         metrics_port: int = 0,
-        loader: Callable[[Preload], ServedModel] | None = None,
+        loader: Callable[[RankPlan], ServedModel] | None = None,
+        planner: Callable[[RankSpec], RankPlan] = plan_rank,
+        verify_content: bool = False,
         load_on_demand: bool = False,
         listener: socket.socket | None = None,
         on_handover: Callable[[], None] | None = None,
@@ -114,7 +119,11 @@ class Daemon:
         self.shutdown_grace = shutdown_grace
         self.metrics_port = metrics_port
         self.metrics = Metrics()
+        #: PRELOAD and load-on-demand: plan a RankSpec once (headers, fingerprint), then load that plan
         self.loader = loader
+        self.planner = planner
+        #: --verify-content: the fingerprint kind of every rank this daemon plans (not a PRELOAD field)
+        self.verify_content = verify_content
         self.load_on_demand = load_on_demand
         self._preload_lock = asyncio.Lock()
         self.started = time.monotonic()
@@ -292,6 +301,12 @@ class Daemon:
                     self._busy.discard(conn_id)
                     peer.busy = False
                     peer.touch()
+        except LocalProtocolError as exc:  # our own bug, not the peer's: never answered with PROTOCOL_ERROR
+            log.exception("internal protocol error %s pid=%d error=%s", self._tag, pid, exc.message)
+            self.metrics.errors["INTERNAL"] += 1
+            with contextlib.suppress(Exception):
+                bug = InternalError(f"the daemon broke the protocol (a bug; report it): {exc.message}")
+                await asyncio.wait_for(ch.send_bytes(conn.fatal_error(bug)), 1.0)
         except ProtocolError as exc:
             log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
             self.metrics.errors[exc.code.name] += 1
@@ -383,7 +398,8 @@ class Daemon:
                 case Status():
                     await ch.send(self.status_reply(frame.id))
                 case Preload():
-                    await ch.send(await self._preload(frame, pid))
+                    spec = RankSpec.from_preload(frame, verify_content=self.verify_content)
+                    await ch.send(await self._preload(spec, frame.id, pid))
                 case Takeover():
                     await self._hand_over(ch, frame, pid)
                 case Evict():
@@ -404,7 +420,7 @@ class Daemon:
                 case _:
                     assert_never(frame)
         except ProtocolError:
-            raise
+            raise  # the peer's: a fatal ERROR and close; ours (LocalProtocolError): logged as a bug
         except WCacheError as exc:
             log.info("request refused %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
             self.metrics.errors[exc.code.name] += 1
@@ -422,7 +438,7 @@ class Daemon:
         reference the memory, not this process."""
         backend = self.store.backend
         if self._handed_over:
-            raise WCacheError("this daemon is already handing over")
+            raise InUseError("this daemon is already handing over to another: wait for it to stop")
         if req.backend != backend.name or (backend.device.uuid and req.device_uuid != backend.device.uuid):
             raise DeviceMismatchError(
                 f"the new daemon serves {req.backend} {req.device_uuid or '-'}, this one "
@@ -469,13 +485,13 @@ class Daemon:
         if source is None or not isinstance(k.get("tp_rank"), int) or not isinstance(k.get("tp_size"), int):
             return False
         dtype, transform = k.get("dtype", "auto"), k.get("transform", "")
-        preload = Preload(
-            id=req.id,
-            model=str(source),
+        spec = RankSpec(
+            source,
             tp_rank=int(k["tp_rank"]),
             tp_size=int(k["tp_size"]),
             dtype=str(dtype),
             transform=str(transform),
+            verify_content=self.verify_content,
         )
         log.info(
             "load on demand %s pid=%d source=%s tp=%s/%s dtype=%s",
@@ -486,25 +502,29 @@ class Daemon:
             k["tp_size"],
             dtype,
         )
-        await self._preload(preload, pid)
+        await self._preload(spec, req.id, pid)
         return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
 
-    async def _preload(self, req: Preload, pid: int) -> Preloaded:
-        """Load a model in a worker thread (the daemon keeps serving), after making room for it."""
+    async def _preload(self, spec: RankSpec, rid: int, pid: int) -> Preloaded:
+        """Load a model in a worker thread (the daemon keeps serving), after making room for it. The rank
+        is planned once: that plan's key answers "already held", its layout the budget, and it is loaded."""
         if self.loader is None:
             raise NotFoundError("this daemon was started without a loader for PRELOAD")
+        loader = self.loader
         async with self._preload_lock:
-            key, nbytes = await asyncio.to_thread(preload_key, req)
-            held = self.store.models.get(key)
-            if held is not None:
-                self.store.remember_source(held, Path(os.path.abspath(req.model)))
-                return Preloaded(id=req.id, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
-            evicted = self.store.make_room(nbytes)
-            for m in evicted:
-                log.info("evicted %s key=%s bytes=%d reason=preload", self._tag, m.key.short(), m.slab_bytes)
-                if self.keeper is not None:
-                    await self.keeper.unkeep(m)
-            model = await asyncio.to_thread(self.loader, req)
+            rp = await asyncio.to_thread(self.planner, spec)
+            with rp:
+                key = rp.key
+                held = self.store.models.get(key)
+                if held is not None:
+                    self.store.remember_source(held, spec.checkpoint)
+                    return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
+                evicted = self.store.make_room(rp.layout.total_bytes)
+                for m in evicted:
+                    log.info("evicted %s key=%s bytes=%d reason=preload", self._tag, m.key.short(), m.slab_bytes)
+                    if self.keeper is not None:
+                        await self.keeper.unkeep(m)
+                model = await asyncio.to_thread(loader, rp)
             self.store.add(model)
             if self.keeper is not None:
                 await self.keeper.keep(model)
@@ -520,7 +540,7 @@ class Daemon:
             len(self.store.models),
         )
         return Preloaded(
-            id=req.id,
+            id=rid,
             key=model.key.to_wire(),
             bytes=model.slab_bytes,
             tensors=len(model.table),

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from wcache.errors import InsecurePathError
+from wcache.errors import DaemonRunningError, InsecurePathError
 
 __all__ = ["SHARED_DIRS", "DaemonLock", "check_private_dir", "check_socket_path", "ensure_socket_dir"]
 
@@ -155,7 +155,7 @@ class DaemonLock:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise InsecurePathError(
+            raise DaemonRunningError(
                 f"another wcache-server (pid {holder}) already serves {self.path.name[:-5]}: "
                 f"lock {self.path} is held; stop it first or choose another --socket-path",
                 details={"holder_pid": holder},

@@ -25,8 +25,8 @@ from wcache.errors import (
     LimitExceededError,
     NotFoundError,
     OutOfMemoryError,
+    TransformError,
     UnknownLeaseError,
-    WCacheError,
 )
 from wcache.key import WeightCacheKey
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
@@ -36,7 +36,6 @@ from wcache.proto import (
     HandedModel,
     LeaseInfo,
     ModelInfo,
-    Preload,
     Release,
     Released,
     SlabDescriptor,
@@ -44,7 +43,7 @@ from wcache.proto import (
     TensorEntry,
     TensorTable,
 )
-from wcache.rank import plan_rank
+from wcache.rank import RankPlan, RankSpec, plan_rank
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
 from wcache.server.tier import HostTier, TierEntry
@@ -110,35 +109,35 @@ class ServedModel:
 
 
 def load_model(
-    model_dir: str | os.PathLike[str],
+    spec: RankSpec | RankPlan | str | os.PathLike[str],
     *,
     backend: Backend,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    dtype: str | None = None,
-    plan_file: str | os.PathLike[str] | None = None,
-    verify_content: bool = False,
     threads: int = 8,
     staging_bytes: int = DEFAULT_STAGING,
     io: str = "buffered",
-    transform: str = "",
     tier: HostTier | None = None,
+    **fields: Any,
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read.
 
+    ``spec``: the rank's RankPlan (planned once by the caller, which keeps ownership of it), a RankSpec,
+    or a checkpoint directory with RankSpec's fields as keywords (``tp_rank=``..., as before).
     With a host ``tier``: a valid entry for the key fills the slab instead of the checkpoint, and a
     model loaded from the checkpoint is copied into the tier."""
-    rp = plan_rank(
-        model_dir,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype,
-        plan_file=plan_file,
-        transform=transform,
-        verify_content=verify_content,
-    )
+    if isinstance(spec, RankPlan):
+        if fields:
+            raise TypeError(f"load_model(plan, ...) takes no rank fields ({', '.join(fields)}): the plan has them")
+        return _load_planned(spec, backend, threads, staging_bytes, io, tier)
+    with plan_rank(spec, **fields) as rp:
+        return _load_planned(rp, backend, threads, staging_bytes, io, tier)
+
+
+def _load_planned(
+    rp: RankPlan, backend: Backend, threads: int, staging_bytes: int, io: str, tier: HostTier | None
+) -> ServedModel:
     ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
-    source = Path(os.path.abspath(model_dir))
+    transform = rp.spec.transform
+    source = rp.spec.checkpoint
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:
@@ -232,7 +231,7 @@ def _transformed(
     if not isinstance(result, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in result.items()
     ):
-        raise WCacheError(f"transform {spec!r} must return a dict of str -> torch.Tensor")
+        raise TransformError(f"transform {spec!r} must return a dict of str -> torch.Tensor")
     names: dict[int, str] = {}
     aliases: dict[str, str] = {}
     entries: list[TensorEntry] = []
@@ -244,7 +243,10 @@ def _transformed(
             continue
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in DTYPE_SIZES:
-            raise WCacheError(f"transform {spec!r} returned {name!r} of unsupported dtype {dtype}")
+            raise TransformError(
+                f"transform {spec!r} returned {name!r} of unsupported dtype {dtype} "
+                f"(the protocol carries {', '.join(sorted(DTYPE_SIZES))})"
+            )
         names[id(t)] = name
         shape = tuple(t.shape)
         entries.append(TensorEntry(name, dtype, shape, contiguous_strides(shape), 0, offset))
@@ -275,29 +277,19 @@ class Lease:
     created: float = field(default_factory=time.monotonic)
 
 
-def planned_bytes(
-    model_dir: str | os.PathLike[str],
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    dtype: str | None = None,
-    plan_file: str | os.PathLike[str] | None = None,
-) -> tuple[WeightCacheKey, int]:
-    """The key and slab size a load would have, from headers alone (for budget checks)."""
-    rp = plan_rank(model_dir, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, plan_file=plan_file)
-    return rp.key, rp.layout.total_bytes
+def planned_bytes(spec: RankSpec | str | os.PathLike[str], **fields: Any) -> tuple[WeightCacheKey, int]:
+    """The key and slab size a load would have, from headers alone (for budget checks). ``spec``: a
+    RankSpec, or a checkpoint directory with RankSpec's fields as keywords."""
+    with plan_rank(spec, **fields) as rp:
+        return rp.key, rp.layout.total_bytes
 
 
-def preload_key(req: Preload) -> tuple[WeightCacheKey, int]:
-    """The key a PRELOAD's model would be served under and its slab bytes, from headers alone."""
-    key, nbytes = planned_bytes(
-        req.model,
-        tp_rank=req.tp_rank,
-        tp_size=req.tp_size,
-        dtype=None if req.dtype == "auto" else req.dtype,
-        plan_file=req.plan_file or None,
-    )
-    return dataclasses.replace(key, transform=req.transform), nbytes
+def preload_key(spec: RankSpec) -> tuple[WeightCacheKey, int]:
+    """The key a PRELOAD's model would be served under and its slab bytes, from headers alone: the whole
+    spec counts, ``verify_content`` and ``transform`` included (a PRELOAD that planned without
+    ``verify_content`` never found a --verify-content daemon's model already held). The daemon plans
+    once with ``plan_rank`` and loads that plan; this is for callers that only ask."""
+    return planned_bytes(spec)
 
 
 class Store:

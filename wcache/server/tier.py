@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
-from wcache.errors import ProtocolError, WCacheError
+from wcache.errors import ProtocolError, TierEntryError, WCacheError
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import PinnedFile, Slab
@@ -163,14 +163,14 @@ class HostTier:
         try:
             m: Any = msgpack.unpackb(meta.read_bytes(), raw=False, strict_map_key=True)
             if not isinstance(m, dict) or m.get("format") != FORMAT:
-                raise WCacheError(f"unknown tier format {m.get('format') if isinstance(m, dict) else m!r}")
+                raise TierEntryError(f"unknown tier format {m.get('format') if isinstance(m, dict) else m!r}")
             if m.get("key") != key.to_wire():
-                raise WCacheError("its key differs from the checkpoint's key now")
+                raise TierEntryError("its key differs from the checkpoint's key now")
             size = int(m["size"])
             if slab.stat().st_size != size:
-                raise WCacheError(f"slab file has {slab.stat().st_size} bytes, the entry says {size}")
+                raise TierEntryError(f"slab file has {slab.stat().st_size} bytes, the entry says {size}")
             if _digest(slab, size) != m.get("digest"):
-                raise WCacheError("sampled digest of the slab file differs (corrupted or rewritten)")
+                raise TierEntryError("sampled digest of the slab file differs (corrupted or rewritten)")
             table = TensorTable.from_wire(m["tensors"], [size])
             aliases = {str(a): str(t) for a, t in dict(m.get("aliases", {})).items()}
             with self._lock:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wcache import _cuda
-from wcache.errors import UnsupportedPlatformError, WCacheError
+from wcache.errors import DeviceMismatchError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 from wcache.server.backends.base import PinnedFile
 from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
@@ -421,9 +421,11 @@ class CudaBackend:
     def adopt(self, desc: SlabDescriptor, fd: int) -> CudaVmmSlab:
         """A slab handed over by another daemon (its VMM fd); legacy IPC slabs cannot be re-exported."""
         if desc.kind != "cuda_vmm":
-            raise WCacheError(f"a {desc.kind} slab cannot be handed over (only cuda_vmm; start with --cuda-export vmm)")
+            raise UnsupportedPlatformError(
+                f"a {desc.kind} slab cannot be handed over (only cuda_vmm; start with --cuda-export vmm)"
+            )
         if desc.device_uuid != self.device.uuid:
-            raise WCacheError(f"the slab is on GPU {desc.device_uuid}, this daemon serves {self.device.uuid}")
+            raise DeviceMismatchError(f"the slab is on GPU {desc.device_uuid}, this daemon serves {self.device.uuid}")
         return CudaVmmSlab(desc.size, self.index, adopt_fd=fd)
 
     def allocate(self, nbytes: int) -> CudaIpcSlab | CudaVmmSlab:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.errors import OutOfMemoryError, UnsupportedPlatformError, WCacheError
+from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 from wcache.server.backends.base import PinnedFile
 from wcache.server.loader import Files, Job, populate, read_job, send_job
@@ -292,9 +292,11 @@ class HostBackend:
     def adopt(self, desc: SlabDescriptor, fd: int) -> HostSlab:
         """A sealed memfd handed over by another daemon."""
         if desc.kind != "memfd":
-            raise WCacheError(f"a {desc.kind} slab cannot be served by the host backend")
+            raise UnsupportedPlatformError(f"a {desc.kind} slab cannot be served by the host backend")
         if os.fstat(fd).st_size < desc.size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-            raise WCacheError("the handed-over memfd is smaller than its slab or not sealed")
+            raise RemoteProtocolError(
+                "the handed-over memfd is smaller than its slab or not sealed (docs/protocol.md §4.11)"
+            )
         return HostSlab(desc.size, adopt_fd=fd)
 
     def pinner(self) -> Callable[[Path, int], PinnedFile] | None:

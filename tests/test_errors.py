@@ -1,0 +1,95 @@
+"""The exception tree says whose fault an error is, and the wire codes map 1:1 to classes (wcache/errors.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wcache.errors import (
+    ERROR_CLASSES,
+    CheckpointError,
+    DaemonRunningError,
+    ErrorCode,
+    FrameTooLargeError,
+    InsecurePathError,
+    InternalError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    ShardingError,
+    TransformError,
+    UnexpectedFrameError,
+    UnsupportedVersionError,
+    WCacheError,
+    error_from_frame,
+)
+from wcache.proto import ErrorFrame
+
+
+def test_local_and_remote_protocol_errors_are_siblings() -> None:
+    """h11's model: a catch of the peer's violations never catches our own bug, and the reverse."""
+    assert issubclass(LocalProtocolError, ProtocolError) and issubclass(RemoteProtocolError, ProtocolError)
+    assert not issubclass(LocalProtocolError, RemoteProtocolError)
+    assert not issubclass(RemoteProtocolError, LocalProtocolError)
+    for cls in (FrameTooLargeError, UnsupportedVersionError, UnexpectedFrameError):
+        assert issubclass(cls, RemoteProtocolError)
+
+
+def test_a_local_protocol_error_is_never_sent_as_protocol_error() -> None:
+    """Even a handler that converts it blindly tells the peer INTERNAL (our bug), not PROTOCOL_ERROR."""
+    frame = ErrorFrame.from_exception(LocalProtocolError("STATE frame not allowed in phase HANDSHAKE"), 7, fatal=True)
+    assert frame.code == ErrorCode.INTERNAL
+    assert isinstance(error_from_frame(frame.code, frame.message, frame.details), InternalError)
+
+
+def test_every_sent_code_maps_to_its_class_and_back() -> None:
+    assert set(ERROR_CLASSES) == set(ErrorCode)
+    for code, cls in ERROR_CLASSES.items():
+        assert cls.code is code
+        err = error_from_frame(int(code), "m", {"k": 1})
+        assert type(err) is cls and err.details == {"k": 1}
+
+
+@pytest.mark.parametrize(
+    ("cls", "code", "value"),
+    [
+        (CheckpointError, ErrorCode.INVALID_CHECKPOINT, 40),
+        (ShardingError, ErrorCode.INVALID_PLAN, 41),
+        (TransformError, ErrorCode.INVALID_TRANSFORM, 42),
+    ],
+)
+def test_requester_errors_have_their_own_codes(cls: type[WCacheError], code: ErrorCode, value: int) -> None:
+    assert cls.code is code and int(code) == value
+    assert type(error_from_frame(value, "bad", {})) is cls
+
+
+def test_codes_are_unique_and_keep_their_values() -> None:
+    """Values are wire format: the ones that shipped never move (the golden ERROR example carries one)."""
+    assert len({int(c) for c in ErrorCode}) == len(ErrorCode)
+    shipped = {"PROTOCOL_ERROR": 1, "FRAME_TOO_LARGE": 2, "UNSUPPORTED_VERSION": 3, "UNEXPECTED_FRAME": 4}
+    shipped |= {"PERMISSION_DENIED": 10, "NOT_READY": 20, "KEY_MISMATCH": 21, "NOT_FOUND": 28}
+    shipped |= {"UNAVAILABLE": 30, "INTERNAL": 99}
+    assert {name: int(ErrorCode[name]) for name in shipped} == shipped
+
+
+def test_an_unknown_code_is_a_generic_server_error() -> None:
+    err = error_from_frame(77, "from a newer daemon", {})
+    assert type(err).__name__ == "ServerError" and "77" in err.message
+
+
+def test_a_held_daemon_lock_is_not_a_security_failure(tmp_path: Path) -> None:
+    from wcache.server.security import DaemonLock
+
+    first = DaemonLock(tmp_path / "wcache.sock")
+    first.acquire()
+    try:
+        with pytest.raises(DaemonRunningError) as info:
+            DaemonLock(tmp_path / "wcache.sock").acquire()
+        assert not isinstance(info.value, InsecurePathError)
+        assert info.value.details["holder_pid"].isdigit()
+    finally:
+        first.release()
+    second = DaemonLock(tmp_path / "wcache.sock")
+    second.acquire()  # released: the next daemon takes it
+    second.release()
