@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from wcache.server.process import DaemonProcess, spawn_daemon
+from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
 from wcache.synthetic import TINY, LlamaShape, make_llama_checkpoint
 
 READY_TIMEOUT = 60.0
@@ -84,6 +84,16 @@ def daemon_factory(socket_dir: Path) -> Iterator[Callable[..., DaemonProc]]:
     yield factory
     for d in started:
         d.stop()
+
+
+@pytest.fixture
+def keeper(socket_dir: Path) -> Iterator[DaemonProcess]:
+    """A wcache-keeper in the test's socket directory."""
+    k = spawn_keeper(socket_dir)
+    try:
+        yield k
+    finally:
+        k.stop()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import ast
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import DaemonProc
 from wcache import WCacheClient
 from wcache.key import WeightCacheKey
-from wcache.server.process import DaemonProcess, spawn_keeper
+from wcache.server.process import DaemonProcess
 
 SERVER = Path(__file__).resolve().parents[2] / "wcache" / "server"
 SHARED = [SERVER / f"{m}.py" for m in ("loader", "store", "tier", "daemon", "reclaim")]
@@ -97,15 +97,6 @@ def test_importing_the_daemon_start_path_loads_no_torch() -> None:
 def _maps_torch(pid: int) -> bool:
     """Whether process ``pid`` has torch's libraries mapped (it imported torch)."""
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-
-
-@pytest.fixture
-def keeper(socket_dir: Path) -> Iterator[DaemonProcess]:
-    k = spawn_keeper(socket_dir)
-    try:
-        yield k
-    finally:
-        k.stop()
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/PID/maps")

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -105,14 +106,14 @@ async def test_client_killed_holding_lease(daemon: DaemonProc, ckpt: Path) -> No
         assert len(w) > 0
 
 
-def _raw(path: Path) -> socket.socket:
+def _raw(path: Path, timeout: float = 10) -> socket.socket:
     s = socket.socket(socket.AF_UNIX)
-    s.settimeout(10)
+    s.settimeout(timeout)
     s.connect(str(path))
     return s
 
 
-def _read_reply(s: socket.socket) -> dict[str, object] | None:
+def _read_reply(s: socket.socket) -> dict[str, Any] | None:
     """One frame, or None if the daemon just closed."""
     data = b""
     while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:

@@ -48,15 +48,6 @@ from wcache.server.security import DaemonLock
 
 
 @pytest.fixture
-def keeper(socket_dir: Path) -> Iterator[DaemonProcess]:
-    k = spawn_keeper(socket_dir)
-    try:
-        yield k
-    finally:
-        k.stop()
-
-
-@pytest.fixture
 def model(ckpt: Path, tmp_path: Path) -> Path:
     """A private copy of the checkpoint (the test changes it)."""
     return Path(shutil.copytree(ckpt, tmp_path / "model"))

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 
 from tests.conftest import DaemonProc
+from tests.server.test_faults import _raw, _read_reply
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import Channel, ReadBudget
 from wcache.errors import FrameTooLargeError, LimitExceededError
@@ -32,32 +32,11 @@ from wcache.server.store import Store, load_model
 HELLO = pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire())
 
 
-def _raw(path: Path, timeout: float = 20) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(timeout)
-    s.connect(str(path))
-    return s
-
-
-def _read_reply(s: socket.socket) -> dict[str, Any] | None:
-    """One frame, or None if the daemon closed first."""
-    data = b""
-    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
-        chunk = s.recv(65536)
-        if not chunk:
-            return None
-        data += chunk
-    (n,) = struct.unpack(">I", data[:4])
-    reply = msgpack.unpackb(data[4 : 4 + n])
-    assert isinstance(reply, dict)
-    return reply
-
-
 # ------------------------------------------------------------------ class 1: memory before and after HELLO
 async def test_big_frame_before_hello_refused_before_its_body(daemon: DaemonProc, ckpt: Path) -> None:
     """A 1 MiB length prefix before HELLO is FRAME_TOO_LARGE at once, with no byte of the body sent (the
     daemon used to wait for up to 64 MiB from anyone who connected)."""
-    s = _raw(daemon.socket)
+    s = _raw(daemon.socket, 20)
     try:
         s.sendall(struct.pack(">I", 1 << 20) + b"\x80")
         reply = await asyncio.to_thread(_read_reply, s)
@@ -73,7 +52,7 @@ async def test_big_frame_before_hello_refused_before_its_body(daemon: DaemonProc
 async def test_request_above_the_request_limit_refused(daemon: DaemonProc) -> None:
     """After HELLO no request comes near 1 MiB: a 60 MiB length is refused before its body, and HELLO_OK
     announces the limit."""
-    s = _raw(daemon.socket)
+    s = _raw(daemon.socket, 20)
     try:
         s.sendall(HELLO)
         ok = await asyncio.to_thread(_read_reply, s)
@@ -292,20 +271,20 @@ async def test_idle_peers_give_way_to_a_new_engine(daemon: DaemonProc, ckpt: Pat
 
         def open_idle() -> None:
             for _ in range(1003):
-                s = _raw(daemon.socket)
+                s = _raw(daemon.socket, 20)
                 s.sendall(HELLO)
                 reply = _read_reply(s)
                 assert reply is not None and reply["type"] == "HELLO_OK", reply
                 idle.append(s)
 
         await asyncio.to_thread(open_idle)
-        fresh.extend(_raw(daemon.socket) for _ in range(20))
+        fresh.extend(_raw(daemon.socket, 20) for _ in range(20))
         newcomer = await WCacheClient(daemon.socket, timeout=30).fetch(key)  # the 1,025th: served
         assert len(newcomer) > 0
 
         def more_engines() -> None:
             for _ in range(20):  # 19 more take the places of those without HELLO, the 20th an idle one's
-                s = _raw(daemon.socket)
+                s = _raw(daemon.socket, 20)
                 idle.append(s)
                 s.sendall(HELLO)
                 reply = _read_reply(s)

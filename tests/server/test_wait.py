@@ -27,7 +27,7 @@ from wcache.client import client as client_mod
 from wcache.client.wait import lock_holder
 from wcache.nn import load_from_disk
 from wcache.paths import socket_name
-from wcache.server.process import DaemonProcess, spawn_keeper
+from wcache.server.process import DaemonProcess
 
 #: A deadline no test reaches when the client does not wait (so "at once" is "far less than this").
 LONG = 60.0
@@ -39,15 +39,6 @@ fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 print("locked", flush=True)
 sys.stdin.read()  # hold it until the test closes our stdin (or kills us)
 """
-
-
-@pytest.fixture
-def keeper(socket_dir: Path) -> Iterator[DaemonProcess]:
-    k = spawn_keeper(socket_dir)
-    try:
-        yield k
-    finally:
-        k.stop()
 
 
 @pytest.fixture
