@@ -15,6 +15,12 @@ after ``import torch`` and CUDA initialisation, so both exclude interpreter star
 
     python benchmarks/cold_load_bench.py --device cuda:0 --out $OUT/cold_load.json
     python benchmarks/cold_load_bench.py --device cpu --repeats 3      # CPU ratio, medians of 3
+    # issue 20 in a short device call: the read-pattern variants against fastsafetensors, same run
+    python benchmarks/cold_load_bench.py --device cuda:0 --only wcache wcache_stream wcache_stream_512k \
+        wcache_stream_4m fastsafetensors disk_direct disk_direct_512k
+
+``--io stream`` variants read as fastsafetensors 0.5.0 does (docs/performance.md);
+``variants_over_fastsafetensors_cold`` gives each wcache variant's cold ratio and warm seconds.
 """
 
 from __future__ import annotations
@@ -87,7 +93,8 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "tensors": n}))
 DISK = r"""
 import glob, json, mmap, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
-files, direct, threads, chunk = sorted(glob.glob(sys.argv[1] + "/*.safetensors")), sys.argv[2] == "direct", int(sys.argv[3]), 64 << 20
+files, direct, threads = sorted(glob.glob(sys.argv[1] + "/*.safetensors")), sys.argv[2] == "direct", int(sys.argv[3])
+chunk = int(sys.argv[4]) if len(sys.argv) > 4 else 64 << 20
 jobs = [(f, off) for f in files for off in range(0, os.path.getsize(f), chunk)]
 flag = os.O_RDONLY | (os.O_DIRECT if direct else 0)
 fds = {f: os.open(f, flag) for f in files}
@@ -102,7 +109,7 @@ t0 = time.perf_counter()
 with ThreadPoolExecutor(threads) as ex:
     n = sum(ex.map(run, jobs))
 s = time.perf_counter() - t0
-print(json.dumps({"seconds": s, "bytes": n, "gb_s": n / s / 1e9, "threads": threads}))
+print(json.dumps({"seconds": s, "bytes": n, "gb_s": n / s / 1e9, "threads": threads, "read_bytes": chunk}))
 """
 
 
@@ -190,6 +197,8 @@ def main() -> None:
         loaders += [  # the disk's own ceiling: the same reads with no copy at all (64 MiB preads, threads)
             ("disk_direct", lambda: child(DISK, str(model), "direct", t)),
             ("disk_buffered", lambda: child(DISK, str(model), "buffered", t)),
+            # fastsafetensors' nogds pattern with no copy: 512 KiB O_DIRECT reads in file order (issue 20)
+            ("disk_direct_512k", lambda: child(DISK, str(model), "direct", t, str(512 << 10))),
         ]
         loaders += [
             ("wcache_buffered_io", lambda: daemon_load(model, args.device, work, "--io", "buffered")),
@@ -202,6 +211,12 @@ def main() -> None:
                 "wcache_staging_1g",
                 lambda: daemon_load(model, args.device, work, *wextra, "--staging-bytes", "1073741824"),
             ),
+            ("wcache_direct_io", lambda: daemon_load(model, args.device, work, *wextra, "--io", "direct")),
+            # issue 20: fastsafetensors' read pattern (docs/performance.md): O_DIRECT blocks in file order
+            # for uncached files, buffered whole jobs for cached ones (the warm rows)
+            ("wcache_stream", lambda: daemon_load(model, args.device, work, *wextra, "--io", "stream")),
+            ("wcache_stream_512k", lambda: daemon_load(model, args.device, work, *wextra, "--io", "stream:512KiB")),
+            ("wcache_stream_4m", lambda: daemon_load(model, args.device, work, *wextra, "--io", "stream:4MiB")),
             ("fastsafetensors", lambda: child(FASTSAFETENSORS, str(model), args.device)),
             ("runai_model_streamer", lambda: child(RUNAI, str(model), args.device)),
         ]
@@ -240,7 +255,14 @@ def main() -> None:
         "targets": {"cold_s": 7.0, "warm_s": 1.0, "tp2_read_fraction": 0.55} if gpu else {"ratio_max": 1.0},
     }
     # issue 20's figure: wcache's cold load over fastsafetensors' in the same run (target <= 0.95)
-    res["wcache_over_fastsafetensors_cold"] = _ratio(w["cold"], runs.get("fastsafetensors", {}).get("cold", {}))
+    fst = runs.get("fastsafetensors", {}).get("cold", {})
+    res["wcache_over_fastsafetensors_cold"] = _ratio(w["cold"], fst)
+    # every wcache variant of this run against the same fastsafetensors run (cold), and its warm load
+    res["variants_over_fastsafetensors_cold"] = {
+        name: {"cold_ratio": _ratio(r["cold"], fst), "warm_s": r["warm"].get("seconds")}
+        for name, r in runs.items()
+        if name.startswith("wcache")
+    }
     print(json.dumps(res["summary"], indent=2))
     dest = args.out or REPO / "benchmarks" / "results" / f"cold_load-{args.device.replace(':', '')}-{res['date']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,9 @@ if want sweep; then
   step load_sweep "${SWEEP_TIMEOUT:-200}" python3 benchmarks/load_sweep.py --device cuda:0 --model $W/llama3-8b --out "$OUT/load_sweep.json"
 fi
 if want cold; then
-  # the daemon's --threads: the sweep's fastest cold setting when the sweep ran
+  # the daemon's --threads: the sweep's fastest cold setting when the sweep ran. Issue 20's read-pattern
+  # comparison alone (about 3 min, more when the checkpoint must be generated first: COLD_TIMEOUT=360):
+  #   COLD_ARGS="--only wcache wcache_stream wcache_stream_512k wcache_stream_4m fastsafetensors disk_direct disk_direct_512k"
   T=$(python3 -c 'import json,sys; print(min(json.load(open(sys.argv[1]))["cold"], key=lambda r: r["seconds"])["threads"])' \
       "$OUT/load_sweep.json" 2>/dev/null)
   step cold_load "${COLD_TIMEOUT:-240}" python3 benchmarks/cold_load_bench.py --device cuda:0 --work $W --out "$OUT/cold_load.json" \

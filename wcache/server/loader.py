@@ -17,6 +17,13 @@ Reader threads (``os.preadv`` releases the GIL) run the jobs; each job goes to t
   reads into one buffer while the previous one is copied to the slab (double buffering), so
   reads and host-to-device copies overlap and pinned memory stays bounded by ``staging_bytes``.
 
+``io="stream"`` (``--io stream[:BLOCK]``) reads the way fastsafetensors 0.5.0's nogds reader does
+(docs/performance.md): files less than half in the page cache are read with O_DIRECT in blocks of
+``BLOCK`` (1 MiB default) at block-aligned file offsets, handed out in file order to every thread, so
+all threads read neighbouring blocks of one file (a single sequential front, at most 2 x threads blocks
+in flight) instead of each thread reading its own 16 MiB chunk; cached files keep the large buffered jobs
+(the warm load is unchanged).
+
 Placements that need a dtype cast are read whole (their shard's extents) and cast with
 torch on the slab's device. A file that ends early is a CheckpointError naming the file
 and tensor. A progress bar is drawn on a TTY; a summary line is logged otherwise.
@@ -55,11 +62,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ALIGN_IO",
     "DEFAULT_STAGING",
+    "IO_MODES",
+    "STREAM_BLOCK",
     "Files",
     "Job",
     "LoadStats",
     "load_file_into",
     "load_into",
+    "parse_io",
     "placement_extents",
     "populate",
     "read_direct",
@@ -79,6 +89,11 @@ MAX_CHUNK = 64 << 20
 # Host-tier copies (memory to device, no disk): 16 MiB jobs. H200, 16 GB, fresh process, 16 threads
 # (benchmarks/results/tier_reload-*.json): 0.61 s with 16 MiB jobs, 0.71-0.78 s with 32 MiB, ~1.0 s with 64 MiB.
 FLAT_CHUNK = 16 << 20
+# ``--io stream``: O_DIRECT block per read for uncached files (fastsafetensors 0.5.0 reads 512 KiB blocks:
+# its 16 MiB bounce buffer over 16 threads x 2 buffers). Bounds: one 4 KiB-aligned block, at most a chunk.
+STREAM_BLOCK = 1 << 20
+MIN_STREAM_BLOCK = 64 << 10
+IO_MODES = ("buffered", "direct", "auto", "stream")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -201,6 +216,54 @@ def _jobs(layout: Layout, chunk: int) -> list[_Job]:
 ALIGN_IO = 4096  # O_DIRECT offset/length/buffer alignment
 
 
+def parse_io(io: str) -> tuple[str, int]:
+    """``--io`` as (mode, block): ``buffered``, ``direct``, ``auto``, ``stream`` or ``stream:SIZE``
+    (block 0 for the modes that read whole jobs). Raises ValueError naming the accepted forms."""
+    from wcache.units import parse_size
+
+    mode, sep, size = io.partition(":")
+    if mode not in IO_MODES or (sep and mode != "stream"):
+        raise ValueError(f"io must be one of {', '.join(IO_MODES)} or stream:SIZE (e.g. stream:512KiB), got {io!r}")
+    if mode != "stream":
+        return mode, 0
+    block = parse_size(size) if sep else STREAM_BLOCK
+    if block % ALIGN_IO or not MIN_STREAM_BLOCK <= block <= MAX_CHUNK:
+        raise ValueError(
+            f"io {io!r}: the stream block must be a multiple of {ALIGN_IO} bytes in "
+            f"[{MIN_STREAM_BLOCK >> 10}KiB, {MAX_CHUNK >> 20}MiB] (default {STREAM_BLOCK >> 20}MiB)"
+        )
+    return mode, block
+
+
+def _split(jobs: list[_Job], block: int, files: set[Path]) -> list[_Job]:
+    """The jobs reading ``files`` cut into jobs of at most ``block`` bytes (destinations stay contiguous):
+    a one-extent job at block-aligned file offsets (O_DIRECT reads then need no extra pages), a
+    multi-extent one (row pieces of a shard) by bytes. Casts and other files' jobs are kept whole."""
+    out: list[_Job] = []
+    for job in jobs:
+        if job.cast or job.extents[0][0] not in files or (job.nbytes <= block and len(job.extents) == 1):
+            out.append(job)
+            continue
+        aligned = len(job.extents) == 1
+        cur = _Job(job.placement, job.dest, more=job.more)
+        filled = 0
+        for f, start, length in job.extents:
+            off, n = start, length
+            while n:
+                take = min(n, block - off % block) if aligned else min(n, block - filled)
+                cur.add(f, off, take)
+                off, n, filled = off + take, n - take, filled + take
+                if aligned or filled == block:
+                    out.append(cur)
+                    cur, filled = _Job(job.placement, cur.dest + filled, more=job.more), 0
+        if cur.extents:
+            out.append(cur)
+    return out
+
+
+_RESIDENT = bytes(i & 1 for i in range(256))
+
+
 def page_cache_fraction(path: Path | int) -> float:
     """Fraction of a file's pages resident in the page cache (mmap + mincore), 0..1; 1.0 if unknown.
     ``path``: a path, or an open descriptor (mapped as is, not closed)."""
@@ -235,7 +298,7 @@ def page_cache_fraction(path: Path | int) -> float:
             vec = (ctypes.c_ubyte * pages)()
             if libc.mincore(addr, size, vec) != 0:
                 return 1.0
-            return sum(v & 1 for v in bytes(vec)) / pages
+            return bytes(vec).translate(_RESIDENT).count(1) / pages  # bit 0: resident (C speed: 4M pages per 16 GB)
         finally:
             libc.munmap(addr, size)
     except (OSError, AttributeError, ValueError):
@@ -412,27 +475,30 @@ def load_into(
     None to draw on stderr only if it is a TTY, False for none. ``io`` (device slabs only):
     ``direct`` reads with O_DIRECT (parallel reads straight from the disk, no page-cache
     copy), ``buffered`` through the page cache, ``auto`` picks direct for files that are
-    less than half in the page cache (mincore). ``started``: a ``time.perf_counter()`` taken
+    less than half in the page cache (mincore), ``stream`` / ``stream:SIZE`` reads those files in
+    blocks of SIZE (O_DIRECT on device slabs), in file order across all threads. ``started``: a ``time.perf_counter()`` taken
     before the slab was allocated, so that the reported time includes allocation."""
-    if io not in ("auto", "direct", "buffered"):
-        raise ValueError(f"io must be auto, direct or buffered, got {io!r}")
+    mode, block = parse_io(io)
     t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
     chunk = _chunk(threads, staging_bytes)
     jobs = _jobs(layout, chunk)
     ckpt = layout.checkpoint
-    direct: set[Path] = set()
-    if slab.direct_io and io != "buffered" and hasattr(os, "O_DIRECT"):
-        for f in {p.source.file for p in layout.placements}:
-            if io == "direct" or page_cache_fraction(ckpt.fd(f) if ckpt is not None else f) < 0.5:
-                direct.add(f)
+    cold: set[Path] = set()  # files to read from the disk: all with direct, the mostly uncached ones otherwise
+    if mode != "buffered" and (slab.direct_io or block):
+        for f in sorted({p.source.file for p in layout.placements}):
+            if mode == "direct" or page_cache_fraction(ckpt.fd(f) if ckpt is not None else f) < 0.5:
+                cold.add(f)
+    direct = cold if slab.direct_io and hasattr(os, "O_DIRECT") else set()
+    if block:
+        jobs = _split(jobs, block, cold)
     total = _execute(jobs, slab, threads, chunk, direct, progress, ckpt)
     seconds = time.perf_counter() - t0
     ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
     stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
     log.info(
         "loaded bytes_read=%d bytes_stored=%d seconds=%.2f read_gb_s=%.2f read_fraction=%.3f threads=%d chunk=%d "
-        "direct_files=%d",
+        "direct_files=%d io=%s jobs=%d",
         stats.bytes_read,
         stats.bytes_stored,
         seconds,
@@ -441,6 +507,8 @@ def load_into(
         threads,
         chunk,
         len(direct),
+        io,
+        len(jobs),
     )
     return stats
 
