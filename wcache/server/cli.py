@@ -452,6 +452,8 @@ def run(args: argparse.Namespace) -> int:
         lock.acquire()
     try:
         backend = make_backend(args.device, args.cuda_export)
+        if args.keeper is None and args.takeover is None:  # this daemon loads: set loads up first
+            backend.prepare_loads()
         backend.check_platform()
         handed: list[ServedModel] = []
         listener = None

@@ -104,6 +104,12 @@ class Backend(Protocol):
         """Raise UnsupportedPlatformError if this machine cannot share this kind of memory."""
         ...
 
+    def prepare_loads(self) -> None:
+        """Called before ``check_platform`` by a daemon that will load (no keeper or takeover to serve it
+        from): set up whatever loads need first. CUDA: torch's runtime context before the driver's (see
+        CudaBackend.prepare_loads)."""
+        ...
+
     def allocate(self, nbytes: int) -> Slab: ...
 
     def adopt(self, desc: SlabDescriptor, fd: int) -> Slab:

@@ -374,6 +374,17 @@ class CudaBackend:
         self.export = export
         self.device = DeviceInfo(kind="cuda", index=index)
 
+    def prepare_loads(self) -> None:
+        """Initialise torch's CUDA runtime on this device before the driver path (``_cuda``) touches the
+        context. Measured on the H200 (16 GB, page cache warm): a daemon whose driver calls (platform
+        probe, UUID) came first and torch's runtime second loaded at 4.7 GB/s (3.43 s); the same
+        daemon with torch initialised first at 27 GB/s (0.59 s). A daemon that only reclaims from its
+        keeper skips this and never imports torch."""
+        import torch
+
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        torch.empty(1, device=f"cuda:{self.index}")
+
     def check_platform(self) -> None:
         """Before anything loads: can this machine share CUDA memory between processes? Asks the driver
         (cuda-bindings), not torch, so a daemon serving only kept slabs starts without torch; with

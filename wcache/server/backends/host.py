@@ -276,6 +276,9 @@ class HostBackend:
     def __init__(self) -> None:
         self.device = DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory")
 
+    def prepare_loads(self) -> None:
+        """Nothing to set up: host loads need no device context."""
+
     def check_platform(self) -> None:
         if sys.platform != "linux" or not hasattr(os, "memfd_create") or not hasattr(fcntl, "F_ADD_SEALS"):
             raise UnsupportedPlatformError(
