@@ -32,10 +32,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from wcache import __version__
-from wcache.channel import connect
 from wcache.errors import CacheUnavailableError
-from wcache.proto import Status, StatusReply
+from wcache.keeper_probe import keeper_kept
 
 __all__ = ["daemon_coming", "is_absent", "keeper_kept", "lock_holder", "wait_for_daemon"]
 
@@ -43,8 +41,6 @@ log = logging.getLogger("wcache.client")
 
 T = TypeVar("T")
 
-#: How long a keeper may take to answer STATUS before it counts as absent.
-KEEPER_PROBE_TIMEOUT = 0.5
 #: Backoff between connection attempts while waiting: first, factor, most.
 BACKOFF = (0.01, 2.0, 0.1)
 #: How often a wait checks again that a daemon is still coming.
@@ -77,24 +73,6 @@ def lock_holder(socket_path: Path, proc_locks: str = "/proc/locks") -> int | Non
         except ValueError:
             return 0
     return None
-
-
-async def keeper_kept(keeper_path: Path, rank: int | None, timeout: float = KEEPER_PROBE_TIMEOUT) -> int:
-    """How many models the keeper at ``keeper_path`` holds for ``rank`` (any rank if None); 0 when it is
-    absent, refuses, or does not answer within ``timeout``."""
-    try:
-        async with asyncio.timeout(timeout):
-            ch, _ = await connect(keeper_path, software=f"wcache/{__version__}", name="wcache client (wait)")
-            try:
-                await ch.send(Status(id=ch.conn.next_request_id()))
-                frame, _ = await ch.receive()
-            finally:
-                ch.close()
-    except Exception:  # absent, refused, silent, or breaking the protocol: not a keeper to wait on
-        return 0
-    if not isinstance(frame, StatusReply):
-        return 0
-    return sum(1 for m in frame.models if rank is None or m.key.get("tp_rank") == rank)
 
 
 async def daemon_coming(socket_path: Path, keeper_path: Path, rank: int | None) -> str | None:

@@ -376,6 +376,20 @@ def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list
     return models, listener
 
 
+def _keeper_holds_some(args: argparse.Namespace, sock_path: Path) -> bool:
+    """Whether a keeper (``--keeper``) holds models of this rank (STATUS, 0.5 s at most): then start-up
+    reclaims them without torch; otherwise this daemon loads, and its backend sets loads up first."""
+    if args.keeper is None:
+        return False
+    import asyncio
+
+    from wcache.keeper_probe import keeper_kept
+    from wcache.paths import KEEPER_SOCKET
+
+    kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
+    return asyncio.run(keeper_kept(kpath, args.tp_rank)) > 0
+
+
 def reclaim(link: KeeperLink, backend: Backend, plan_file: Path | None = None) -> list[ServedModel]:
     """--keeper: the models the keeper holds for this daemon's socket that pass the checks against their
     checkpoint (wcache/server/reclaim.py), adopted; none if it is not running."""
@@ -452,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
         lock.acquire()
     try:
         backend = make_backend(args.device, args.cuda_export)
-        if args.keeper is None and args.takeover is None:  # this daemon loads: set loads up first
+        if args.takeover is None and not _keeper_holds_some(args, sock_path):  # it will load: set loads up first
             backend.prepare_loads()
         backend.check_platform()
         handed: list[ServedModel] = []

@@ -1,0 +1,35 @@
+"""How many models a wcache-keeper holds for a rank: one STATUS, bounded. Imports no torch, so the daemon's
+start-up (which decides with it whether it will load) and the client's wait for a restarting daemon
+(wcache/client/wait.py) share it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from wcache import __version__
+from wcache.channel import connect
+from wcache.proto import Status, StatusReply
+
+__all__ = ["KEEPER_PROBE_TIMEOUT", "keeper_kept"]
+
+#: a keeper that does not answer within this holds nothing, as far as a caller waiting on it knows
+KEEPER_PROBE_TIMEOUT = 0.5
+
+
+async def keeper_kept(keeper_path: Path, rank: int | None, timeout: float = KEEPER_PROBE_TIMEOUT) -> int:
+    """How many models the keeper at ``keeper_path`` holds for ``rank`` (any rank if None); 0 when it is
+    absent, refuses, or does not answer within ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            ch, _ = await connect(keeper_path, software=f"wcache/{__version__}", name="wcache keeper probe")
+            try:
+                await ch.send(Status(id=ch.conn.next_request_id()))
+                frame, _ = await ch.receive()
+            finally:
+                ch.close()
+    except Exception:  # absent, refused, silent, or breaking the protocol: not a keeper to count on
+        return 0
+    if not isinstance(frame, StatusReply):
+        return 0
+    return sum(1 for m in frame.models if rank is None or m.key.get("tp_rank") == rank)
