@@ -109,6 +109,8 @@ class ServedModel:
             self.payload_bytes,
             self.stats.seconds,
             str(self.source) if self.source is not None else "",
+            self.origin,
+            self.buffers,
         )
 
     def close(self) -> None:
