@@ -260,3 +260,25 @@ def test_bad_dtype_is_refused_by_the_client_and_the_decoder() -> None:
     with pytest.raises(ProtocolError) as info:
         Deposit.from_wire(wire)
     assert info.value.details == {"frame": "DepositTensor", "field": "dtype"}
+
+
+async def test_takeover_keeps_a_deposit_under_its_recipe_key(daemon: DaemonProc, ckpt: Path, socket_dir: Path) -> None:
+    """A new daemon adopts a deposit as a deposit: its recipe key (not the checkpoint's plain key), its
+    origin and its buffers — else the checkpoint's key would map post-processed bytes."""
+    from wcache.server.process import spawn_daemon
+
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    key = recipe_key(base)
+    ts = tensors()
+    await WCacheClient(daemon.socket).deposit(key, ts, kinds={"rotary.inv_freq": "buffer"})
+    new = spawn_daemon(None, socket_dir, takeover=daemon.socket, timeout=60)
+    try:
+        assert daemon.proc.wait(30) == 0
+        assert (await models(new))[key.short()] == "deposit"
+        async with await WCacheClient(new.socket).fetch(key) as w:
+            assert w.buffers == {"rotary.inv_freq"}
+            assert all(torch.equal(bits(w[n]), bits(t)) for n, t in ts.items())
+        async with await WCacheClient(new.socket).fetch(base) as raw:
+            assert "layers.0.weight" not in raw and "model.norm.weight" in raw
+    finally:
+        new.stop()
