@@ -282,3 +282,28 @@ async def test_takeover_keeps_a_deposit_under_its_recipe_key(daemon: DaemonProc,
             assert "layers.0.weight" not in raw and "model.norm.weight" in raw
     finally:
         new.stop()
+
+
+def test_a_backend_without_writable_slabs_refuses_deposits() -> None:
+    """The CUDA backend has no deposit path yet (it would be untested here): UNSUPPORTED_PLATFORM, naming what
+    to do, with nothing allocated."""
+    from typing import cast
+
+    from wcache.errors import UnsupportedPlatformError
+    from wcache.proto import DeviceInfo
+    from wcache.server.backends.base import Backend
+    from wcache.server.store import Store
+
+    class NoDeposits:
+        name = "cuda"
+        device = DeviceInfo(kind="cuda")
+
+        def allocate(self, nbytes: int) -> object:
+            raise AssertionError("nothing may be allocated")
+
+    store = Store(cast("Backend", NoDeposits()))
+    key = RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e")
+    req = Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),))
+    with pytest.raises(UnsupportedPlatformError, match="host backend only"):
+        store.begin_deposit(1, 1, req)
+    assert store.deposits == {} and store.pending_bytes == 0
