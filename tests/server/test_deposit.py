@@ -307,3 +307,40 @@ def test_a_backend_without_writable_slabs_refuses_deposits() -> None:
     with pytest.raises(UnsupportedPlatformError, match="host backend only"):
         store.begin_deposit(1, 1, req)
     assert store.deposits == {} and store.pending_bytes == 0
+
+
+async def test_deposit_module_then_attach_to_a_meta_built_module(daemon: DaemonProc, ckpt: Path) -> None:
+    """wcache.nn.deposit_module: parameters and buffers by module path, a tie deposited once (alias); a module
+    built on meta then attaches the fetched tensors zero-copy and computes what the first one did."""
+    from torch import nn
+
+    from wcache.nn import attach, deposit_module, empty_parameters
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight  # tied
+            self.register_buffer("scale", torch.full((8,), 0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(self.embed(x) * self.get_buffer("scale"))
+            return out
+
+    torch.manual_seed(0)
+    first = Tiny().requires_grad_(False)
+    with torch.no_grad():
+        first.get_buffer("scale").mul_(3)  # "post-processing": a buffer the init would not recreate
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt), postprocess=1)
+    client = WCacheClient(daemon.socket)
+    done = await deposit_module(first, key, client)
+    assert done.tensors == 2  # embed.weight (head.weight its alias) and scale
+    with empty_parameters():
+        second = Tiny()
+    async with await client.fetch(key) as w:
+        assert w.aliases == {"head.weight": "embed.weight"} and w.buffers == {"scale"}
+        attach(second, w)
+        assert second.head.weight is second.embed.weight
+        x = torch.arange(4)
+        assert torch.equal(second(x), first(x))
