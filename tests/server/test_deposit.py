@@ -344,3 +344,27 @@ async def test_deposit_module_then_attach_to_a_meta_built_module(daemon: DaemonP
         assert second.head.weight is second.embed.weight
         x = torch.arange(4)
         assert torch.equal(second(x), first(x))
+
+
+async def test_deposits_in_progress_per_connection_are_limited(daemon: DaemonProc, ckpt: Path) -> None:
+    from wcache.errors import LimitExceededError
+
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    ch, _ = await connect(daemon.socket, software="t", name="many")
+    try:
+        for i in range(4):
+            k = recipe_key(base, postprocess=i)
+            await ch.send(
+                Deposit(id=ch.conn.next_request_id(), key=k.to_wire(), tensors=(DepositTensor("w", "int8", (1,)),))
+            )
+            _, fds = await expect(ch)
+            os.close(fds[0])
+        k = recipe_key(base, postprocess=99)
+        await ch.send(
+            Deposit(id=ch.conn.next_request_id(), key=k.to_wire(), tensors=(DepositTensor("w", "int8", (1,)),))
+        )
+        with pytest.raises(LimitExceededError):
+            await expect(ch)
+    finally:
+        ch.close()
+    assert set(await models(daemon)) == {"ckpt"}

@@ -356,6 +356,7 @@ class Store:
         *,
         budget: int | None = None,
         max_leases_per_connection: int = 64,
+        max_deposits_per_connection: int = 4,
     ) -> None:
         self.backend = backend
         self.budget = budget
@@ -368,6 +369,8 @@ class Store:
         self._by_conn: dict[int, dict[int, Lease]] = {}
         self._per_key: Counter[WeightCacheKey] = Counter()
         self.max_leases_per_connection = max_leases_per_connection
+        #: deposits in progress one connection may hold (each holds a slab the budget counts)
+        self.max_deposits_per_connection = max_deposits_per_connection
         #: (fingerprint, fingerprint_kind) -> checkpoint directory, for every model ever loaded (load-on-demand)
         self.sources: dict[tuple[str, str], Path] = {}
         for m in models or []:
@@ -566,6 +569,12 @@ class Store:
                 details={"backend": backend.name},
             )
         key = RecipeKey.from_wire(dict(req.key))
+        mine = sum(1 for d in self.deposits.values() if d.conn_id == conn_id)
+        if mine >= self.max_deposits_per_connection:
+            raise LimitExceededError(
+                f"connection already has {mine} deposits in progress (limit {self.max_deposits_per_connection}): "
+                "COMMIT them, or deposit from another connection"
+            )
         for d in self.deposits.values():
             if d.key == key:
                 raise InUseError(
