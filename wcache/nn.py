@@ -40,7 +40,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,12 +50,18 @@ from wcache.errors import IncompatibleModelError, WCacheError
 from wcache.key import WeightCacheKey
 from wcache.rank import RankSpec, plan_rank
 
+if TYPE_CHECKING:
+    from wcache.client import WCacheClient
+    from wcache.proto import Deposited
+    from wcache.recipe import RecipeKey
+
 __all__ = [
     "AttachReport",
     "LoadedWeights",
     "ReadOnlyWeightError",
     "WriteGuard",
     "attach",
+    "deposit_module",
     "empty_parameters",
     "guard_writes",
     "load_from_disk",
@@ -351,3 +357,39 @@ async def load_weights(
     log.warning("wcache: loading %s from disk instead of the cache (%s)", spec.checkpoint, reason)
     tensors = load_from_disk(spec, device=device)
     return LoadedWeights(tensors, "disk", reason)
+
+
+async def deposit_module(
+    module: nn.Module,
+    key: RecipeKey,
+    client: WCacheClient | None = None,
+    *,
+    buffers: bool = True,
+    timeout: float | None = None,
+) -> Deposited:
+    """Write-back (docs/protocol.md §4.13): deposit ``module``'s post-processed state — every parameter and
+    (with ``buffers``) every buffer, persistent or not, by its module path — under the recipe ``key``
+    (``RecipeKey.of(checkpoint_key, engine=...)``). A tensor registered under several names (tied weights)
+    is deposited once and its other names become aliases. A later start builds the module on meta
+    (``empty_parameters()``), fetches ``key`` and ``attach``es the result.
+
+    Raises ValueError naming tensors that cannot be deposited (on meta, or of a dtype the protocol does not
+    carry) before anything is sent, and what ``WCacheClient.deposit`` raises."""
+    from wcache.client import WCacheClient
+
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        tensors[name] = p
+    if buffers:
+        for name, b in module.named_buffers(remove_duplicate=False):
+            if b is not None:
+                tensors[name] = b
+                kinds[name] = "buffer"
+    meta = [n for n, t in tensors.items() if t.is_meta]
+    if meta:
+        raise ValueError(f"{len(meta)} tensor(s) are on the meta device (never loaded): " + ", ".join(meta[:20]))
+    c = client if client is not None else WCacheClient()
+    done = await c.deposit(key, tensors, kinds=kinds, timeout=timeout)
+    log.info("deposited %s tensors=%d bytes=%d", key.short(), done.tensors, done.bytes)
+    return done

@@ -9,6 +9,11 @@ from hypothesis import strategies as st
 from wcache.proto import (
     BACKENDS,
     DTYPE_SIZES,
+    Commit,
+    Deposit,
+    Deposited,
+    DepositSlab,
+    DepositTensor,
     DeviceInfo,
     ErrorFrame,
     Evict,
@@ -118,7 +123,50 @@ def states(draw: st.DrawFn) -> State:
         slabs=tuple(slabs),
         tensors=table,
         aliases=aliases,
+        buffers=tuple(draw(st.lists(st.sampled_from(table.names), max_size=3))) if len(table) else (),
     )
+
+
+recipe_keys = st.builds(
+    lambda extra, **base: {**extra, **base},
+    keys,
+    fingerprint=st.text(min_size=1, max_size=40),
+    architecture=st.text(min_size=1, max_size=20),
+    tp_size=st.integers(1, 8),
+    tp_rank=st.integers(0, 7),
+    dtype=st.sampled_from(sorted(DTYPE_SIZES)),
+    engine=st.text(min_size=1, max_size=20),
+)
+
+
+@st.composite
+def deposits(draw: st.DrawFn) -> Deposit:
+    names = draw(st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=6, unique=True))
+    tensors = tuple(
+        DepositTensor(
+            n,
+            draw(st.sampled_from(sorted(DTYPE_SIZES))),
+            tuple(draw(st.lists(st.integers(0, 64), max_size=3))),
+            draw(st.sampled_from(["parameter", "buffer"])),
+        )
+        for n in names
+    )
+    aliases = {a: draw(st.sampled_from(names)) for a in draw(st.lists(st.text(min_size=1, max_size=10), max_size=3))}
+    aliases = {a: t for a, t in aliases.items() if a not in names}
+    return Deposit(id=draw(ids), key=draw(recipe_keys), tensors=tensors, aliases=aliases)
+
+
+@st.composite
+def deposit_slabs(draw: st.DrawFn) -> DepositSlab:
+    size = draw(st.integers(64, 4096))
+    slab = SlabDescriptor(size=size, kind="memfd", fd=draw(st.sampled_from([0, -1])))
+    table = draw(tables([size]))
+    aliases = {}
+    if len(table):
+        for a in draw(st.lists(st.text(min_size=1, max_size=10), max_size=3, unique=True)):
+            if a not in table.names:
+                aliases[a] = draw(st.sampled_from(table.names))
+    return DepositSlab(id=draw(ids), deposit=draw(ids), slabs=(slab,), tensors=table, aliases=aliases)
 
 
 def _handed(draw: st.DrawFn, nfd: int, every_slab: bool) -> tuple[HandedModel, int]:
@@ -211,6 +259,7 @@ frames = st.one_of(
                 leases=uints,
                 load_seconds=floats,
                 last_use=floats,
+                origin=st.sampled_from(["", "disk", "tier", "deposit"]),
             ),
             max_size=3,
         ).map(tuple),
@@ -254,6 +303,19 @@ frames = st.one_of(
     st.builds(Unkeep, id=ids, owner=text, key=keys),
     st.builds(Reclaim, id=ids, owner=text, backend=backends, device_uuid=text, pid=uints),
     reclaimeds(),
+    deposits(),
+    deposit_slabs(),
+    st.builds(Commit, id=ids, deposit=ids),
+    st.builds(
+        Deposited,
+        id=ids,
+        deposit=ids,
+        key=keys,
+        bytes=uints,
+        tensors=uints,
+        replaced=st.booleans(),
+        evicted=st.lists(keys, max_size=2).map(tuple),
+    ),
     st.builds(
         ErrorFrame,
         id=uints,

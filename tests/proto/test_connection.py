@@ -243,3 +243,27 @@ def test_a_frame_announcing_more_descriptors_than_arrived_is_refused() -> None:
     c.receive_data(s.send(EXAMPLES["STATE"]))
     with pytest.raises(ProtocolError, match="announces 1 file descriptor"):
         list(c.received())
+
+
+def test_a_deposit_cycle_pairs_and_its_slab_brings_one_descriptor() -> None:
+    """DEPOSIT -> DEPOSIT_SLAB (one fd) -> COMMIT -> DEPOSITED (docs/protocol.md §4.13); a daemon serves both
+    requests and still refuses descriptors from its clients."""
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER, service=Service.DAEMON)
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+    list(c.events())
+    assert not s.accepts_fds
+    s.receive_data(c.send(EXAMPLES["DEPOSIT"]))
+    assert list(s.events()) == [EXAMPLES["DEPOSIT"]]  # served, not Misdirected
+    c.receive_data(s.send(EXAMPLES["DEPOSIT_SLAB"]), [9])
+    ((slab, fds),) = list(c.received())
+    assert slab == EXAMPLES["DEPOSIT_SLAB"] and fds == [9]
+    s.receive_data(c.send(EXAMPLES["COMMIT"]))
+    assert list(s.events()) == [EXAMPLES["COMMIT"]]
+    c.receive_data(s.send(EXAMPLES["DEPOSITED"]))
+    assert list(c.events()) == [EXAMPLES["DEPOSITED"]]
+    assert c.pending == s.pending == {}
+    with pytest.raises(LocalProtocolError):  # DEPOSITED answers a COMMIT, nothing else
+        s.send(EXAMPLES["DEPOSITED"])

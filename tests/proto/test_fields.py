@@ -48,7 +48,8 @@ def test_every_frame_round_trips_through_the_generic_codec(name: str) -> None:
     frame = EXAMPLES[name]
     wire = frame.to_wire()
     assert next(iter(wire)) == "type" and wire["type"] == name
-    assert list(wire)[1:] == [f.name for f in dataclasses.fields(frame)]
+    omitted = {n for n in type(frame)._OMIT if n not in wire}
+    assert list(wire)[1:] == [f.name for f in dataclasses.fields(frame) if f.name not in omitted]
     assert decode_frame(decode_body(pack_frame(wire)[4:])) == frame
     assert type(frame).from_wire(decode_body(pack_frame(wire)[4:])) == frame
 
@@ -158,7 +159,7 @@ def test_missing_fields_are_refused_or_defaulted(name: str) -> None:
     cls = REGISTRY[name]
     for attr, _kind, absent, factory in cls._SPEC:
         wire = _wire(name)
-        del wire[attr]
+        wire.pop(attr, None)  # an omit_default field at its default is absent already
         if absent is _MISSING and factory is _MISSING:
             with pytest.raises(ProtocolError) as info:
                 decode_frame(wire)
@@ -189,3 +190,16 @@ def test_backend_is_a_choice_in_every_frame() -> None:
 
 def test_int64_bound_is_the_default() -> None:
     assert Int().hi == INT64_MAX
+
+
+def test_an_omit_default_field_keeps_old_bytes_and_travels_when_set() -> None:
+    """Schema evolution (docs/protocol.md §2.1): a field added with ``omit_default`` leaves the frame's bytes as
+    they were while it holds its default, is encoded once set, and an absent one decodes to the default."""
+    from wcache.proto import ModelInfo
+
+    old = ModelInfo(key={"fingerprint": "x"}, backend="host", bytes=1, tensors=1, leases=0)
+    assert "origin" not in old.to_wire()
+    assert ModelInfo.from_wire(old.to_wire()) == old
+    new = dataclasses.replace(old, origin="deposit")
+    assert new.to_wire()["origin"] == "deposit"
+    assert ModelInfo.from_wire(new.to_wire()) == new

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -34,6 +35,12 @@ from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto import (
+    DTYPE_SIZES,
+    Commit,
+    Deposit,
+    Deposited,
+    DepositSlab,
+    DepositTensor,
     ErrorFrame,
     Evict,
     Evicted,
@@ -48,6 +55,7 @@ from wcache.proto import (
     TakeoverState,
 )
 from wcache.rank import RankSpec
+from wcache.recipe import RecipeKey
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -81,8 +89,11 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         hello: HelloOk,
         socket_path: Path,
         keepalive: list[Any],
+        buffers: tuple[str, ...] = (),
     ) -> None:
         self._tensors = tensors
+        #: names deposited as module buffers (docs/protocol.md §4.13); every other name is a parameter
+        self.buffers = frozenset(buffers)
         self.key = key
         self.lease = lease
         self.mode = mode
@@ -350,6 +361,7 @@ class WCacheClient:
             hello=hello,
             socket_path=path,
             keepalive=keepalive,
+            buffers=state.buffers,
         )
         weights.timings = timings
         if mode == "copy":
@@ -400,6 +412,75 @@ class WCacheClient:
             assert isinstance(frame, Evicted)
             return frame
 
+    async def deposit(
+        self,
+        key: RecipeKey,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        kinds: Mapping[str, str] | None = None,
+        aliases: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Deposited:
+        """Write-back (docs/protocol.md §4.13): hand the daemon this engine's final tensors to serve under
+        the recipe ``key`` (``RecipeKey.of(checkpoint_key, engine=..., ...)``); a later ``fetch(key)`` maps
+        them zero-copy. The daemon lays out a writable slab; each tensor is copied into it (from any device),
+        the mapping is dropped, and COMMIT makes the daemon seal and publish it.
+
+        ``kinds``: name -> "parameter" | "buffer" (default parameter). ``aliases``: alias -> name for tied
+        tensors; a name mapping to the very tensor object of an earlier name becomes an alias of it too.
+        Raises ValueError for a tensor the protocol cannot carry (before anything is sent), InUseError (the
+        key is leased, or being deposited by another engine), OutOfMemoryError, UnsupportedPlatformError
+        (the daemon's backend takes no deposits), CacheUnavailableError. Any failure leaves nothing behind
+        on the daemon: the connection closes and the daemon frees the slab."""
+        kinds = dict(kinds or {})
+        links = dict(aliases or {})
+        entries: list[DepositTensor] = []
+        by_id: dict[int, str] = {}
+        payload: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
+            first = by_id.get(id(t))
+            if first is not None and name not in links:
+                links[name] = first
+                continue
+            if name in links:
+                continue
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in DTYPE_SIZES:
+                raise ValueError(
+                    f"{name!r} has dtype {dtype}; a deposit carries {', '.join(sorted(DTYPE_SIZES))} "
+                    "(leave the tensor out, or convert it)"
+                )
+            kind = kinds.get(name, "parameter")
+            if kind not in ("parameter", "buffer"):
+                raise ValueError(f"kind of {name!r} must be 'parameter' or 'buffer', got {kind!r}")
+            by_id[id(t)] = name
+            payload[name] = t
+            entries.append(DepositTensor(name, dtype, tuple(t.shape), kind))
+        for a, target in links.items():
+            if a in payload or target not in payload:
+                raise ValueError(f"alias {a!r} -> {target!r} must name a deposited tensor under a new name")
+        path = self.socket_for(key)
+        async with self._session(path, timeout, keep_open=False) as session:
+            session.ch, session.hello = await self._connect(path, session, key.tp_rank)
+            ch = session.ch
+            await ch.send(
+                Deposit(id=ch.conn.next_request_id(), key=key.to_wire(), tensors=tuple(entries), aliases=links)
+            )
+            frame, fds = await expect(ch)
+            if not isinstance(frame, DepositSlab) or len(fds) != 1:
+                close_fds(fds)
+                raise ProtocolError(f"expected DEPOSIT_SLAB with one descriptor, got {frame.TYPE}")
+            try:
+                await asyncio.to_thread(_write_deposit, frame, fds[0], payload)
+            finally:
+                close_fds(fds)
+            await ch.send(Commit(id=ch.conn.next_request_id(), deposit=frame.deposit))
+            done, _ = await expect(ch)
+            assert isinstance(done, Deposited)
+            return done
+
     def fetch_sync(
         self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
     ) -> CachedWeights:
@@ -409,6 +490,29 @@ class WCacheClient:
         except RuntimeError:
             return asyncio.run(self.fetch(key, mode, timeout=timeout))
         raise RuntimeError("fetch_sync() called from a running event loop; use 'await client.fetch(...)'")
+
+
+def _write_deposit(slab: DepositSlab, fd: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy each tensor to its offset in the deposit slab's memfd, then drop the mapping: the daemon can
+    seal the memfd only once no process maps it shared (docs/protocol.md §4.13)."""
+    (desc,) = slab.slabs
+    if desc.kind != "memfd":
+        raise ProtocolError(f"a deposit slab of kind {desc.kind!r} cannot be written by this client")
+    mm = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+        src: torch.Tensor | None = None
+        for e in slab.tensors:
+            t = tensors.get(e.name)
+            if t is None:
+                raise ProtocolError(f"DEPOSIT_SLAB names {e.name!r}, which this deposit did not list")
+            n = t.numel() * t.element_size()
+            if n:
+                src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                base[e.offset : e.offset + n].copy_(src)
+        del base, src
+    finally:
+        mm.close()  # BufferError here would mean a view escaped: the seal would then fail with IN_USE
 
 
 class _Session:

@@ -40,6 +40,8 @@ from wcache.proto.codec import (
     pack_frame,
 )
 from wcache.proto.frames import (
+    Commit,
+    Deposit,
     ErrorFrame,
     Evict,
     Frame,
@@ -122,6 +124,10 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.OPEN, SEND, "UNKEEP"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "RECLAIM"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "KEPT"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "DEPOSIT"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "DEPOSIT_SLAB"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "COMMIT"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "DEPOSITED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "RECLAIMED"): Phase.OPEN,
     (Role.SERVER, Phase.START, RECV, "HELLO"): Phase.HELLO_RECEIVED,
     (Role.SERVER, Phase.HELLO_RECEIVED, SEND, "HELLO_OK"): Phase.OPEN,
@@ -142,6 +148,10 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, RECV, "UNKEEP"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "RECLAIM"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "KEPT"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "DEPOSIT"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "DEPOSIT_SLAB"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "COMMIT"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "DEPOSITED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "RECLAIMED"): Phase.OPEN,
 }
 #: Request type -> the reply type that answers it (ERROR answers any request).
@@ -155,15 +165,17 @@ REPLY_TO: dict[str, str] = {
     "KEEP": "KEPT",
     "UNKEEP": "KEPT",
     "RECLAIM": "RECLAIMED",
+    "DEPOSIT": "DEPOSIT_SLAB",
+    "COMMIT": "DEPOSITED",
 }
 #: The requests each service answers; a server with a service answers the others' with NOT_FOUND.
 SERVES: dict[Service, frozenset[str]] = {
-    Service.DAEMON: frozenset({"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER"}),
+    Service.DAEMON: frozenset({"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER", "DEPOSIT", "COMMIT"}),
     Service.KEEPER: frozenset({"KEEP", "UNKEEP", "RECLAIM", "STATUS"}),
 }
 #: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
-CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED"})
-DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover
+CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
+DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | Deposit | Commit
 KeeperRequest = Keep | Unkeep | Reclaim | Status
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64

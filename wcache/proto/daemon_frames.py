@@ -25,18 +25,28 @@ from wcache.proto.fields import (
     Nested,
     Plain,
     Str,
+    StrMap,
     fail,
     message,
     wire,
 )
-from wcache.proto.table import Aliases, Table, TensorTable
+from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, Aliases, Table, TensorTable
 
 __all__ = [
     "BACKENDS",
+    "MAX_DEPOSIT_BYTES",
+    "MAX_DEPOSIT_TENSORS",
     "MAX_STATE_SLABS",
     "MAX_VERSIONS",
     "MODES",
+    "RECIPE_FIELDS",
     "SLAB_KINDS",
+    "TENSOR_KINDS",
+    "Commit",
+    "Deposit",
+    "DepositSlab",
+    "DepositTensor",
+    "Deposited",
     "DeviceInfo",
     "ErrorFrame",
     "Evict",
@@ -64,6 +74,21 @@ MODES = ("zero_copy", "copy")
 SLAB_KINDS = ("memfd", "cuda_ipc", "cuda_vmm")
 MAX_VERSIONS = 16
 MAX_STATE_SLABS = 1024
+#: What a deposited tensor is to the module that holds it (docs/protocol.md §4.13).
+TENSOR_KINDS = ("parameter", "buffer")
+#: Tensors in one DEPOSIT (its frame is also capped at the 1 MiB request size, docs/protocol.md §7).
+MAX_DEPOSIT_TENSORS = 1 << 16
+#: Bytes one deposit may lay out (a sanity bound; the daemon's budget and memory are the real ones).
+MAX_DEPOSIT_BYTES = 1 << 48
+#: Key fields a DEPOSIT must name (a recipe key: the checkpoint's rank plus the engine's recipe), with types.
+RECIPE_FIELDS: dict[str, type] = {
+    "fingerprint": str,
+    "architecture": str,
+    "tp_size": int,
+    "tp_rank": int,
+    "dtype": str,
+    "engine": str,
+}
 _ID = Int(lo=1)  # a request id
 
 
@@ -114,6 +139,8 @@ class ModelInfo(Message):
     leases: int = wire(Int())
     load_seconds: float = wire(Float(), default=0.0)
     last_use: float = wire(Float(), default=0.0)  # unix time of the last GET_STATE, 0 if never
+    #: where the bytes came from: "disk", "tier", "deposit" ... ("" unknown, left off the wire)
+    origin: str = wire(Str(max_len=64), default="", omit_default=True)
 
 
 @message()
@@ -225,6 +252,8 @@ class State(Message):
     slabs: tuple[SlabDescriptor, ...] = wire(Array(Nested(SlabDescriptor), max_items=MAX_STATE_SLABS))
     tensors: TensorTable = wire(Table("slabs", preencoded=True))
     aliases: dict[str, str] = wire(Aliases("tensors"), default_factory=dict)
+    #: names of tensors deposited as module buffers (the rest are parameters); left off the wire when none
+    buffers: tuple[str, ...] = wire(Array(Str(), max_items=MAX_DEPOSIT_TENSORS), default=(), omit_default=True)
 
     def _validate(self) -> None:
         fd_positions("STATE", "slabs", [s.fd for s in self.slabs if s.fd >= 0], MAX_STATE_SLABS)
@@ -299,3 +328,91 @@ class Evicted(Message):
     id: int = wire(_ID)
     key: KeyMap = wire(Key())
     bytes: int = wire(Int())
+
+
+# --------------------------------------------------------------------------- write-back (§4.13)
+
+
+@message()
+class DepositTensor(Message):
+    """One tensor an engine will write into a deposit slab: the daemon lays it out contiguously."""
+
+    name: str = wire(Str())
+    dtype: str = wire(Choice(tuple(DTYPE_SIZES)))
+    shape: tuple[int, ...] = wire(Array(Int(hi=(1 << 48) - 1), max_items=MAX_DIMS))
+    kind: str = wire(Choice(TENSOR_KINDS), default="parameter")
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@message("DEPOSIT")
+class Deposit(Message):
+    """Engine -> daemon: "I will write these tensors; publish them under the recipe ``key``"."""
+
+    id: int = wire(_ID)
+    key: KeyMap = wire(Key())
+    tensors: tuple[DepositTensor, ...] = wire(Array(Nested(DepositTensor), min_items=1, max_items=MAX_DEPOSIT_TENSORS))
+    aliases: dict[str, str] = wire(StrMap(), default_factory=dict)
+
+    def _validate(self) -> None:
+        for name, want in RECIPE_FIELDS.items():
+            v = self.key.get(name)
+            if type(v) is not want or v == "":
+                raise fail("DEPOSIT", "key", f"a recipe key needs {name!r} ({want.__name__}, not empty)")
+        names = [t.name for t in self.tensors]
+        known = set(names)
+        if "" in known:
+            raise fail("DEPOSIT", "tensors", "a tensor name is empty")
+        if len(known) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise fail("DEPOSIT", "tensors", f"tensor {dup[:64]!r} is listed twice")
+        for a, t in self.aliases.items():
+            if a in known or t not in known:
+                raise fail("DEPOSIT", "aliases", f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
+        total = sum(t.nbytes for t in self.tensors)
+        if total > MAX_DEPOSIT_BYTES:
+            raise fail("DEPOSIT", "tensors", f"{total} bytes: a deposit lays out at most {MAX_DEPOSIT_BYTES}")
+
+
+@message("DEPOSIT_SLAB")
+class DepositSlab(Message):
+    """Daemon -> engine: the deposit's writable slab (one descriptor) and where each tensor goes in it."""
+
+    id: int = wire(_ID)
+    deposit: int = wire(Int(lo=1))
+    slabs: tuple[SlabDescriptor, ...] = wire(Array(Nested(SlabDescriptor), min_items=1, max_items=1))
+    tensors: TensorTable = wire(Table("slabs"))
+    aliases: dict[str, str] = wire(Aliases("tensors"), default_factory=dict)
+
+    def _validate(self) -> None:
+        fd_positions("DEPOSIT_SLAB", "slabs", [s.fd for s in self.slabs if s.fd >= 0], 1)
+
+    @property
+    def fd_count(self) -> int:
+        return sum(1 for s in self.slabs if s.fd >= 0)
+
+
+@message("COMMIT")
+class Commit(Message):
+    """Engine -> daemon: every tensor of ``deposit`` is written and the engine's mappings are gone."""
+
+    id: int = wire(_ID)
+    deposit: int = wire(Int(lo=1))
+
+
+@message("DEPOSITED")
+class Deposited(Message):
+    """Daemon -> engine: the slab is sealed and served under ``key`` (``replaced``: an unleased model was)."""
+
+    id: int = wire(_ID)
+    deposit: int = wire(Int(lo=1))
+    key: KeyMap = wire(Key())
+    bytes: int = wire(Int())
+    tensors: int = wire(Int())
+    replaced: bool = wire(Bool(), default=False)
+    evicted: tuple[KeyMap, ...] = wire(Array(Key()), default=())

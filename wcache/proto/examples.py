@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from wcache.proto.codec import pack_frame
 from wcache.proto.frames import (
+    Commit,
+    Deposit,
+    Deposited,
+    DepositSlab,
+    DepositTensor,
     DeviceInfo,
     ErrorFrame,
     Evict,
@@ -63,6 +68,17 @@ _HANDED = HandedModel(
     source="/models/llama3-8b",
 )
 _OWNER = "/run/user/1000/wcache/wcache-rank0.sock"
+#: a recipe key (§4.13): the rank's key plus what the engine did to the weights
+_RECIPE: dict[str, str | int] = {
+    **_KEY,
+    "engine": "vllm",
+    "engine_version": "0.11.0",
+    "quantization": "fp8",
+    "quant_config": "3f2a9c1d",
+    "postprocess": 1,
+    "device_type": "cpu",
+    "device_capability": "",
+}
 
 EXAMPLES: dict[str, Frame] = {
     "HELLO": Hello(versions=(2,), software="wcache/0.1.0", name="engine-0"),
@@ -122,6 +138,31 @@ EXAMPLES: dict[str, Frame] = {
     "UNKEEP": Unkeep(id=3, owner=_OWNER, key=_KEY),
     "RECLAIM": Reclaim(id=1, owner=_OWNER, backend="host", device_uuid="", pid=4343),
     "RECLAIMED": Reclaimed(id=1, models=(_HANDED,), dropped=0),
+    "DEPOSIT": Deposit(
+        id=6,
+        key=_RECIPE,
+        tensors=(
+            DepositTensor("model.embed_tokens.weight", "bfloat16", (4, 64), "parameter"),
+            DepositTensor("model.layers.0.mlp.weight_scale_inv", "float32", (1, 1), "parameter"),
+            DepositTensor("model.rotary_emb.inv_freq", "float32", (32,), "buffer"),
+        ),
+        aliases={"lm_head.weight": "model.embed_tokens.weight"},
+    ),
+    "DEPOSIT_SLAB": DepositSlab(
+        id=6,
+        deposit=7001,
+        slabs=(SlabDescriptor(size=1152, kind="memfd", fd=0),),
+        tensors=TensorTable.from_entries(
+            [
+                TensorEntry("model.embed_tokens.weight", "bfloat16", (4, 64), (64, 1), 0, 0),
+                TensorEntry("model.layers.0.mlp.weight_scale_inv", "float32", (1, 1), (1, 1), 0, 512),
+                TensorEntry("model.rotary_emb.inv_freq", "float32", (32,), (1,), 0, 1024),
+            ]
+        ),
+        aliases={"lm_head.weight": "model.embed_tokens.weight"},
+    ),
+    "COMMIT": Commit(id=7, deposit=7001),
+    "DEPOSITED": Deposited(id=7, deposit=7001, key=_RECIPE, bytes=1152, tensors=3, replaced=False, evicted=()),
     "ERROR": ErrorFrame(
         id=1,
         code=21,

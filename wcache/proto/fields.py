@@ -273,10 +273,19 @@ class Array(Kind):
 # --------------------------------------------------------------------------- declarations
 
 
-def wire(kind: Kind, *, default: Any = _MISSING, default_factory: Any = _MISSING, missing: Any = _MISSING) -> Any:
+def wire(
+    kind: Kind,
+    *,
+    default: Any = _MISSING,
+    default_factory: Any = _MISSING,
+    missing: Any = _MISSING,
+    omit_default: bool = False,
+) -> Any:
     """Declare a field: its ``kind``; ``default``/``default_factory`` as ``dataclasses.field``'s; ``missing``:
-    the value an absent wire field decodes to when it differs from the constructor's default (none: required)."""
-    meta = {_DECL: (kind, missing)}
+    the value an absent wire field decodes to when it differs from the constructor's default (none: required).
+    ``omit_default``: not encoded while it equals the value an absent field decodes to — how a field added
+    to an existing frame keeps that frame's bytes for senders that do not use it (docs/protocol.md §2.1)."""
+    meta = {_DECL: (kind, missing, omit_default)}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -290,6 +299,8 @@ class Message:
     TYPE: ClassVar[str] = ""
     #: per field: (attribute, kind, value for an absent field or _MISSING, factory for it or _MISSING)
     _SPEC: ClassVar[tuple[tuple[str, Kind, Any, Any], ...]] = ()
+    #: fields declared ``omit_default``: left off the wire while they equal their absent value
+    _OMIT: ClassVar[frozenset[str]] = frozenset()
     _NAME: ClassVar[str] = ""
 
     @property
@@ -299,8 +310,12 @@ class Message:
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.TYPE} if self.TYPE else {}
-        for name, kind, _, _ in self._SPEC:
-            out[name] = kind.encode(getattr(self, name))
+        omit = self._OMIT
+        for name, kind, absent, factory in self._SPEC:
+            v = getattr(self, name)
+            if name in omit and v == (absent if absent is not _MISSING else factory()):
+                continue
+            out[name] = kind.encode(v)
         return out
 
     @classmethod
@@ -342,15 +357,21 @@ def message(type_: str = "") -> Callable[[type[M]], type[M]]:
     def build(cls: type[M]) -> type[M]:
         out = record(cls)
         spec = []
+        omit = set()
         for f in dataclasses.fields(out):  # type: ignore[arg-type]
             decl = f.metadata.get(_DECL)
             if decl is None:
                 continue  # not on the wire (a cache, say)
-            kind, missing = decl
+            kind, missing, omit_default = decl
             absent = missing if missing is not _MISSING else f.default
             factory = f.default_factory if absent is _MISSING else _MISSING
+            if omit_default:
+                if absent is _MISSING and factory is _MISSING:
+                    raise TypeError(f"{cls.__qualname__}.{f.name}: omit_default needs a default")
+                omit.add(f.name)
             spec.append((f.name, kind, absent, factory))
         out._SPEC = tuple(spec)
+        out._OMIT = frozenset(omit)
         out.TYPE = type_
         out._NAME = type_ or out.__name__
         if type_:

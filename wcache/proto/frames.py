@@ -17,6 +17,12 @@ from wcache.proto.daemon_frames import (
     BACKENDS,
     MODES,
     SLAB_KINDS,
+    TENSOR_KINDS,
+    Commit,
+    Deposit,
+    Deposited,
+    DepositSlab,
+    DepositTensor,
     DeviceInfo,
     ErrorFrame,
     Evict,
@@ -61,6 +67,12 @@ __all__ = [
     "MAX_PATH",
     "MODES",
     "SLAB_KINDS",
+    "TENSOR_KINDS",
+    "Commit",
+    "Deposit",
+    "DepositSlab",
+    "DepositTensor",
+    "Deposited",
     "DeviceInfo",
     "ErrorFrame",
     "Evict",
@@ -116,6 +128,10 @@ Frame = (
     | Kept
     | Reclaim
     | Reclaimed
+    | Deposit
+    | DepositSlab
+    | Commit
+    | Deposited
 )
 #: frame type -> class: every ``@message`` declared with a type (a test checks it equals ``Frame``'s members)
 FRAME_TYPES: dict[str, type[Message]] = REGISTRY

@@ -43,6 +43,10 @@ class HandedModel(Message):
     payload: int = wire(Int(), default=0)
     load_seconds: float = wire(Float(), default=0.0)
     source: str = wire(Str(max_len=MAX_PATH), default="")  # the checkpoint directory it was loaded from ("" unknown)
+    #: where the bytes first came from ("disk", "tier", "deposit"; "" unknown), as STATUS shows it
+    origin: str = wire(Str(max_len=64), default="", omit_default=True)
+    #: names deposited as module buffers (STATE's ``buffers``, docs/protocol.md §4.13)
+    buffers: tuple[str, ...] = wire(Array(Str()), default=(), omit_default=True)
 
 
 def _kept_fds(frame: str, models: Sequence[HandedModel]) -> int:

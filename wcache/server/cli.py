@@ -314,7 +314,7 @@ def checkpoint_errors(model: str) -> Iterator[None]:
 def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> list[ServedModel]:
     """Serve models whose slabs another process handed over (their fd fields index ``fds``). Every fd in
     ``fds`` is consumed: adopted by a slab, or closed (on failure too)."""
-    from wcache.key import WeightCacheKey
+    from wcache.recipe import key_from_wire
     from wcache.server.loader import LoadStats
     from wcache.server.store import ServedModel
 
@@ -330,10 +330,22 @@ def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> 
                 adopted.append(slab)
                 slabs.append(slab)
             stats = LoadStats(0, hm.payload, hm.load_seconds)
-            key = WeightCacheKey.from_wire(dict(hm.key))
+            key = key_from_wire(dict(hm.key))  # a deposit keeps its recipe key (docs/protocol.md §4.13)
             source = Path(hm.source) if hm.source else None
             served.append(
-                ServedModel(key, hm.tensors, dict(hm.aliases), slabs, backend, hm.payload, stats, 0.0, source)
+                ServedModel(
+                    key,
+                    hm.tensors,
+                    dict(hm.aliases),
+                    slabs,
+                    backend,
+                    hm.payload,
+                    stats,
+                    0.0,
+                    source,
+                    origin=hm.origin,
+                    buffers=hm.buffers,
+                )
             )
             hm.tensors.encoded()
     except BaseException:

@@ -37,8 +37,10 @@ from wcache.errors import (
 )
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
+    Commit,
     Connection,
     DaemonRequest,
+    Deposit,
     ErrorFrame,
     Evict,
     Evicted,
@@ -415,6 +417,10 @@ class Daemon:
                         gone.slab_bytes,
                         self.store.resident_bytes,
                     )
+                case Deposit():
+                    await self._deposit(ch, frame, conn_id, pid)
+                case Commit():
+                    await self._commit(ch, frame, conn_id, pid)
                 case Misdirected():  # a keeper's request: the connection says NOT_FOUND, not fatal
                     raise frame.error
                 case _:
@@ -431,6 +437,47 @@ class Daemon:
             log.exception("request failed %s pid=%d", self._tag, pid)
             self.metrics.errors["INTERNAL"] += 1
             await ch.send(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
+
+    async def _deposit(self, ch: Channel, req: Deposit, conn_id: int, pid: int) -> None:
+        """DEPOSIT (docs/protocol.md §4.13): room, a writable slab, DEPOSIT_SLAB with its descriptor. The
+        deposit is the connection's until COMMIT: if it closes first, drop_connection frees the slab."""
+        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)
+        for m in dep.evicted:
+            log.info("evicted %s key=%s bytes=%d reason=deposit", self._tag, m.key.short(), m.slab_bytes)
+            if self.keeper is not None:
+                await self.keeper.unkeep(m)
+        log.info(
+            "deposit started %s pid=%d deposit=%d key=%s tensors=%d bytes=%d pending=%d",
+            self._tag,
+            pid,
+            dep.id,
+            dep.key.short(),
+            len(dep.table),
+            dep.slab.size,
+            self.store.pending_bytes,
+        )
+        await ch.send(reply, fds)
+
+    async def _commit(self, ch: Channel, req: Commit, conn_id: int, pid: int) -> None:
+        """COMMIT: seal the slab read-only, serve it under the recipe key, tell the keeper."""
+        reply, model, old = self.store.commit_deposit(conn_id, req)
+        if self.keeper is not None:
+            if old is not None:
+                await self.keeper.unkeep(old)
+            await self.keeper.keep(model)
+        log.info(
+            "deposited %s pid=%d deposit=%d key=%s tensors=%d bytes=%d seconds=%.3f replaced=%s resident=%d",
+            self._tag,
+            pid,
+            req.deposit,
+            model.key.short(),
+            len(model.table),
+            model.slab_bytes,
+            model.stats.seconds,
+            old is not None,
+            self.store.resident_bytes,
+        )
+        await ch.send(reply)
 
     async def _hand_over(self, ch: Channel, req: Takeover, pid: int) -> None:
         """TAKEOVER: give a new daemon (same uid, same device) every model's slabs and the listening

@@ -44,6 +44,7 @@ from wcache.key import WeightCacheKey
 from wcache.layout import Layout, Placement
 from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.rank import plan_rank
+from wcache.recipe import key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper import KeeperLink
 from wcache.server.loader import placement_extents, torch_dtype
@@ -90,7 +91,7 @@ def admit(
         for hm in state.models:
             mine = [s.fd for s in hm.slabs]
             used.update(mine)
-            key = WeightCacheKey.from_wire(dict(hm.key))
+            key = key_from_wire(dict(hm.key))  # a deposit keeps its recipe key (docs/protocol.md §4.13)
             sub = replace(hm, slabs=tuple(replace(s, fd=i) for i, s in enumerate(hm.slabs)))
             try:
                 (model,) = adopt((sub,), [os.dup(fds[i]) for i in mine], backend)

@@ -8,6 +8,7 @@ connection ends all of its leases. No I/O here: the daemon calls in with decoded
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import secrets
@@ -15,7 +16,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from wcache.errors import (
     CheckpointError,
@@ -27,11 +28,16 @@ from wcache.errors import (
     OutOfMemoryError,
     TransformError,
     UnknownLeaseError,
+    UnsupportedPlatformError,
 )
 from wcache.key import WeightCacheKey
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.proto import (
     DTYPE_SIZES,
+    Commit,
+    Deposit,
+    Deposited,
+    DepositSlab,
     GetState,
     HandedModel,
     LeaseInfo,
@@ -44,6 +50,7 @@ from wcache.proto import (
     TensorTable,
 )
 from wcache.rank import RankPlan, RankSpec, plan_rank
+from wcache.recipe import RecipeKey
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
 from wcache.server.tier import HostTier, TierEntry
@@ -53,7 +60,7 @@ if TYPE_CHECKING:
 
     from wcache.transforms import Transform
 
-__all__ = ["Lease", "ServedModel", "Store", "load_model"]
+__all__ = ["Lease", "PendingDeposit", "ServedModel", "Store", "load_model"]
 
 log = logging.getLogger("wcache.server")
 
@@ -69,6 +76,8 @@ class ServedModel:
     stats: LoadStats
     last_use: float = 0.0
     source: Path | None = None  # the checkpoint directory it was loaded from
+    origin: str = ""  # where the bytes came from: "disk", "tier", "deposit" ("" unknown: adopted)
+    buffers: tuple[str, ...] = ()  # tensors deposited as module buffers (STATE's ``buffers``)
 
     def __post_init__(self) -> None:
         self._slab_bytes = sum(s.size for s in self.slabs)
@@ -100,6 +109,8 @@ class ServedModel:
             self.payload_bytes,
             self.stats.seconds,
             str(self.source) if self.source is not None else "",
+            self.origin,
+            self.buffers,
         )
 
     def close(self) -> None:
@@ -164,7 +175,7 @@ def _load_planned(
         slab.close()
         raise
     table.encoded()  # encode the tensor table once; every STATE reuses it
-    model = ServedModel(key, table, aliases, [slab], backend, payload, stats, source=source)
+    model = ServedModel(key, table, aliases, [slab], backend, payload, stats, source=source, origin="disk")
     if tier is not None:
         try:
             tier.save(key, slab, table, aliases, payload)
@@ -210,7 +221,9 @@ def _load_from_tier(
     )
     tier.pin_later(entry)
     entry.table.encoded()
-    return ServedModel(key, entry.table, entry.aliases, [slab], backend, entry.payload, stats, source=source)
+    return ServedModel(
+        key, entry.table, entry.aliases, [slab], backend, entry.payload, stats, source=source, origin="tier"
+    )
 
 
 def _transformed(
@@ -267,6 +280,43 @@ def _transformed(
     return out, TensorTable.from_entries(entries), aliases, sum(t.numel() * t.element_size() for _, t in placed)
 
 
+@runtime_checkable
+class _Depositable(Protocol):
+    """A backend that can hand an engine a writable slab and seal it afterwards (docs/protocol.md §4.13)."""
+
+    def allocate_deposit(self, nbytes: int) -> Slab: ...
+
+
+@dataclass
+class PendingDeposit:
+    """A deposit between DEPOSIT_SLAB and COMMIT: its slab is the engine's to write, not served yet."""
+
+    id: int
+    conn_id: int
+    pid: int
+    key: RecipeKey
+    slab: Slab
+    table: TensorTable
+    aliases: dict[str, str]
+    buffers: tuple[str, ...]
+    payload: int
+    evicted: tuple[ServedModel, ...]
+    started: float = field(default_factory=time.perf_counter)
+
+
+def deposit_layout(req: Deposit) -> tuple[TensorTable, int, int]:
+    """Where each tensor of a DEPOSIT goes: contiguous, ALIGN-aligned, in the order listed. Returns the
+    table, the slab size (at least ALIGN) and the payload bytes."""
+    entries: list[TensorEntry] = []
+    offset = payload = 0
+    for t in req.tensors:
+        entries.append(TensorEntry(t.name, t.dtype, t.shape, contiguous_strides(t.shape), 0, offset))
+        n = t.nbytes
+        payload += n
+        offset = align_up(offset + n)
+    return TensorTable.from_entries(entries), max(offset, ALIGN), payload
+
+
 @dataclass
 class Lease:
     id: int
@@ -306,6 +356,7 @@ class Store:
         *,
         budget: int | None = None,
         max_leases_per_connection: int = 64,
+        max_deposits_per_connection: int = 4,
     ) -> None:
         self.backend = backend
         self.budget = budget
@@ -318,15 +369,25 @@ class Store:
         self._by_conn: dict[int, dict[int, Lease]] = {}
         self._per_key: Counter[WeightCacheKey] = Counter()
         self.max_leases_per_connection = max_leases_per_connection
+        #: deposits in progress one connection may hold (each holds a slab the budget counts)
+        self.max_deposits_per_connection = max_deposits_per_connection
         #: (fingerprint, fingerprint_kind) -> checkpoint directory, for every model ever loaded (load-on-demand)
         self.sources: dict[tuple[str, str], Path] = {}
         for m in models or []:
             self._remember(m)
         self._next_lease = secrets.randbits(31) + 1  # not reused across daemon restarts
+        #: deposit id -> deposit between DEPOSIT_SLAB and COMMIT (its bytes count against the budget)
+        self.deposits: dict[int, PendingDeposit] = {}
+        self._next_deposit = secrets.randbits(31) + 1
 
     @property
     def resident_bytes(self) -> int:
         return sum(m.slab_bytes for m in self.models.values())
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of deposits in progress: allocated, not yet served."""
+        return sum(d.slab.size for d in self.deposits.values())
 
     def leased(self, key: WeightCacheKey) -> int:
         """Live leases on the model served under ``key`` (O(1))."""
@@ -375,7 +436,7 @@ class Store:
         Returns them (closed). Raises OutOfMemoryError, evicting nothing, if it cannot."""
         if self.budget is None:
             return []
-        free = self.budget - self.resident_bytes
+        free = self.budget - self.resident_bytes - self.pending_bytes
         victims: list[ServedModel] = []
         for m in self.models.values():
             if free >= nbytes:
@@ -388,7 +449,13 @@ class Store:
             raise OutOfMemoryError(
                 f"{nbytes} bytes do not fit the {self.budget}-byte budget: {self.resident_bytes} bytes resident, "
                 f"pinned by leases: {', '.join(pinned) or 'none'}",
-                details={"needed": nbytes, "budget": self.budget, "resident": self.resident_bytes, "pinned": pinned},
+                details={
+                    "needed": nbytes,
+                    "budget": self.budget,
+                    "resident": self.resident_bytes,
+                    "pending": self.pending_bytes,
+                    "pinned": pinned,
+                },
             )
         for m in victims:
             del self.models[m.key]
@@ -461,6 +528,7 @@ class Store:
             slabs=m.export(fds),
             tensors=m.table,
             aliases=m.aliases,
+            buffers=m.buffers,
         )
         return state, fds, m
 
@@ -479,11 +547,138 @@ class Store:
             self._end(lease)
 
     def drop_connection(self, conn_id: int) -> list[Lease]:
-        """End every lease of a closed connection: O(its own leases)."""
+        """End every lease of a closed connection: O(its own leases); abandon its deposits in progress."""
         ended = list(self._by_conn.get(conn_id, {}).values())
         for lease in ended:
             self._end(lease)
+        for d in [d for d in self.deposits.values() if d.conn_id == conn_id]:
+            self._abandon(d, "connection closed before COMMIT")
         return ended
+
+    # ------------------------------------------------------------------ write-back (docs/protocol.md §4.13)
+    def begin_deposit(self, conn_id: int, pid: int, req: Deposit) -> tuple[DepositSlab, list[int], PendingDeposit]:
+        """Lay out and allocate a writable slab for ``req``. Refuses, allocating nothing: IN_USE (a leased
+        model under the key, or a deposit of it in progress), OUT_OF_MEMORY (budget, then memory),
+        UNSUPPORTED_PLATFORM (a backend without writable slabs). Models evicted for room are in the result."""
+        backend = self.backend
+        if not isinstance(backend, _Depositable):
+            raise UnsupportedPlatformError(
+                f"the {backend.name} backend cannot take deposits yet (write-back needs a writable slab the engine "
+                "maps and the daemon seals: host backend only); serve this engine's recipe from a host daemon, "
+                "or let the engine post-process on every start",
+                details={"backend": backend.name},
+            )
+        key = RecipeKey.from_wire(dict(req.key))
+        mine = sum(1 for d in self.deposits.values() if d.conn_id == conn_id)
+        if mine >= self.max_deposits_per_connection:
+            raise LimitExceededError(
+                f"connection already has {mine} deposits in progress (limit {self.max_deposits_per_connection}): "
+                "COMMIT them, or deposit from another connection"
+            )
+        for d in self.deposits.values():
+            if d.key == key:
+                raise InUseError(
+                    f"a deposit of {key.short()} is in progress (pid {d.pid}): wait for it and fetch the key, or "
+                    "load normally",
+                    details={"in_progress": True, "pid": d.pid},
+                )
+        held = self.models.get(key)
+        if held is not None and self.leased(key):
+            n = self.leased(key)
+            raise InUseError(
+                f"{key.short()} is served and held by {n} lease(s): a deposit never replaces it; fetch it instead",
+                details={"leases": n},
+            )
+        table, size, payload = deposit_layout(req)
+        evicted = self.make_room(size)
+        slab = backend.allocate_deposit(size)  # OUT_OF_MEMORY before any byte when memory cannot hold it
+        dep = PendingDeposit(
+            self._next_deposit,
+            conn_id,
+            pid,
+            key,
+            slab,
+            table,
+            dict(req.aliases),
+            tuple(t.name for t in req.tensors if t.kind == "buffer"),
+            payload,
+            tuple(evicted),
+        )
+        self._next_deposit += 1
+        self.deposits[dep.id] = dep
+        desc, fds = slab.export()
+        reply = DepositSlab(id=req.id, deposit=dep.id, slabs=(desc,), tensors=table, aliases=dep.aliases)
+        return reply, fds, dep
+
+    def commit_deposit(self, conn_id: int, req: Commit) -> tuple[Deposited, ServedModel, ServedModel | None]:
+        """Seal the deposit's slab and serve it under its key. Any outcome ends the deposit: on an error
+        (UNKNOWN_LEASE: not this connection's; IN_USE: still mapped writable, or leases appeared on the
+        model under the key) its slab is freed and nothing is published. Returns the reply, the model and
+        the unleased model it replaced (closed), if any."""
+        dep = self.deposits.get(req.deposit)
+        if dep is None or dep.conn_id != conn_id:
+            raise UnknownLeaseError(f"deposit {req.deposit} is not open on this connection")
+        del self.deposits[dep.id]
+        try:
+            n = self.leased(dep.key)
+            if n:
+                raise InUseError(
+                    f"{dep.key.short()} got {n} lease(s) during the deposit: it is not replaced; the deposit is "
+                    "dropped, fetch the key instead",
+                    details={"leases": n},
+                )
+            try:
+                dep.slab.seal()
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                raise InUseError(
+                    "the deposit slab is still mapped shared by the engine, so it cannot be sealed read-only: "
+                    "unmap every mapping of it before COMMIT (the deposit is dropped; deposit again)",
+                    details={"deposit": dep.id},
+                ) from None
+        except BaseException:
+            dep.slab.close()
+            raise
+        dep.table.encoded()
+        stats = LoadStats(dep.payload, dep.payload, time.perf_counter() - dep.started)
+        model = ServedModel(
+            dep.key,
+            dep.table,
+            dep.aliases,
+            [dep.slab],
+            self.backend,
+            dep.payload,
+            stats,
+            origin="deposit",
+            buffers=dep.buffers,
+        )
+        old = self.models.pop(dep.key, None)
+        if old is not None:
+            old.close()
+        self.add(model)
+        reply = Deposited(
+            id=req.id,
+            deposit=dep.id,
+            key=dep.key.to_wire(),
+            bytes=model.slab_bytes,
+            tensors=len(dep.table),
+            replaced=old is not None,
+            evicted=tuple(m.key.to_wire() for m in dep.evicted),
+        )
+        return reply, model, old
+
+    def _abandon(self, dep: PendingDeposit, why: str) -> None:
+        del self.deposits[dep.id]
+        dep.slab.close()
+        log.info(
+            "deposit abandoned deposit=%d pid=%d key=%s bytes=%d reason=%s",
+            dep.id,
+            dep.pid,
+            dep.key.short(),
+            dep.slab.size,
+            why,
+        )
 
     def model_infos(self) -> tuple[ModelInfo, ...]:
         return tuple(
@@ -495,6 +690,7 @@ class Store:
                 leases=self.leased(m.key),
                 load_seconds=m.stats.seconds,
                 last_use=m.last_use,
+                origin=m.origin,
             )
             for m in self.models.values()
         )
@@ -507,3 +703,5 @@ class Store:
         for m in self.models.values():
             m.close()
         self.models.clear()
+        for d in list(self.deposits.values()):
+            self._abandon(d, "daemon stopping")

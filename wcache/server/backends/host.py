@@ -33,6 +33,8 @@ _UNLIMITED = 1 << 62
 _SEALS = (
     fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
 )
+#: a deposit slab, while the engine writes it: its size is fixed, its bytes are not yet
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if sys.platform == "linux" else 0
 
 
 class MemoryRoom:
@@ -239,11 +241,15 @@ class HostSlab:
         return os.pread(self.fd, n, offset)  # through the memfd: works sealed
 
     def seal(self) -> None:
+        """Make the bytes immutable for every process. OSError EBUSY while any process still maps the memfd
+        shared and writable-capable (a deposit whose engine did not unmap: docs/protocol.md §4.13)."""
         self._tensor = None  # releases torch's export of the mmap buffer
         if self._mm is not None:
             self._mm.close()
             self._mm = None
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        if os.fstat(self.fd).st_size != self.size:  # the size seals make this impossible; checked, not assumed
+            raise RemoteProtocolError(f"slab of {self.size} bytes is now {os.fstat(self.fd).st_size} bytes")
         self.sealed = True
 
     def export(self) -> tuple[SlabDescriptor, list[int]]:
@@ -291,6 +297,18 @@ class HostBackend:
         """A slab of ``nbytes``; raises OutOfMemoryError first if the memory cgroup (or the host) cannot hold it."""
         check_room(nbytes, memory_room())
         return HostSlab(nbytes)
+
+    def allocate_deposit(self, nbytes: int) -> HostSlab:
+        """A slab an engine writes (DEPOSIT_SLAB hands it the memfd, docs/protocol.md §4.13): sealed against
+        resizing now, against writes by ``seal()`` at COMMIT. OutOfMemoryError first, as ``allocate``."""
+        check_room(nbytes, memory_room())
+        slab = HostSlab(nbytes, name="wcache-deposit")
+        try:
+            fcntl.fcntl(slab.fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
+        except BaseException:
+            slab.close()
+            raise
+        return slab
 
     def adopt(self, desc: SlabDescriptor, fd: int) -> HostSlab:
         """A sealed memfd handed over by another daemon."""

@@ -1,0 +1,370 @@
+"""Write-back (docs/protocol.md §4.13) against real daemons on the host backend: DEPOSIT, write, COMMIT,
+then GET_STATE maps the deposited tensors zero-copy; leases, concurrency, budgets, bad tables, and an
+engine SIGKILLed at each step of a deposit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from tests.server.deposit_engine import STEPS, recipe_key, tensors
+from wcache import WCacheClient, WeightCacheKey
+from wcache.channel import connect, expect
+from wcache.errors import (
+    InUseError,
+    KeyMismatchError,
+    OutOfMemoryError,
+    ProtocolError,
+    UnknownLeaseError,
+)
+from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor, ErrorFrame
+from wcache.recipe import RecipeKey
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def wait_for(what: Callable[[], object], deadline_s: float = 20.0, why: str = "") -> None:
+    """Poll ``what`` until it is true (a state, not a duration): fail with ``why`` at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not what():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {deadline_s} s: {why}")
+        await asyncio.sleep(0.02)
+
+
+async def models(daemon: DaemonProc) -> dict[str, str]:
+    """key short-name -> origin of every model the daemon serves."""
+    st = await WCacheClient(daemon.socket).status()
+    return {RecipeKey.from_wire(dict(m.key)).short() if "engine" in m.key else "ckpt": m.origin for m in st.models}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+async def test_deposit_then_fetch_is_bit_identical_and_zero_copy(daemon: DaemonProc, ckpt: Path) -> None:
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    ts = tensors()
+    ts["lm_head.weight"] = ts["layers.1.weight"]  # a tie: the same tensor object under two names
+    client = WCacheClient(daemon.socket)
+    done = await client.deposit(key, ts, kinds={"rotary.inv_freq": "buffer"})
+    assert done.tensors == 4 and not done.replaced and done.key == key.to_wire()
+    assert (await models(daemon))[key.short()] == "deposit"
+    async with await client.fetch(key) as w:
+        assert set(w) == set(ts)
+        assert w.aliases == {"lm_head.weight": "layers.1.weight"}
+        assert w.buffers == {"rotary.inv_freq"}
+        for name, t in ts.items():
+            assert w[name].dtype == t.dtype and w[name].shape == t.shape, name
+            assert torch.equal(bits(w[name]), bits(t)), name
+        assert len({w[n].untyped_storage().data_ptr() for n in w}) == 1  # one mapped slab
+    # the checkpoint's own key still maps the checkpoint, and a recipe that differs is refused by field
+    async with await client.fetch(WeightCacheKey.from_checkpoint(ckpt)) as raw:
+        assert "model.norm.weight" in raw
+    with pytest.raises(KeyMismatchError) as info:
+        await client.fetch(recipe_key(WeightCacheKey.from_checkpoint(ckpt), postprocess=2))
+    assert "postprocess" in info.value.details["fields"]
+
+
+async def test_leased_model_is_never_replaced(daemon: DaemonProc, ckpt: Path) -> None:
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    client = WCacheClient(daemon.socket)
+    idle = fd_count(daemon.pid)  # no connection yet: the listener, logs and the checkpoint's slab
+    await client.deposit(key, tensors())
+    async with await client.fetch(key) as w:
+        with pytest.raises(InUseError) as info:
+            await client.deposit(key, tensors())
+        assert info.value.details["leases"] == 1
+        assert torch.equal(bits(w["layers.0.weight"]), bits(tensors()["layers.0.weight"]))
+    # unleased, a second deposit replaces it
+    again = await client.deposit(key, {"x": torch.ones(3)})
+    assert again.replaced
+    async with await client.fetch(key) as w:
+        assert set(w) == {"x"}
+    await wait_for(lambda: fd_count(daemon.pid) == idle + 1, why="one deposit slab open, the replaced one closed")
+
+
+async def test_concurrent_second_deposit_of_a_key_is_refused(daemon: DaemonProc, ckpt: Path) -> None:
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    table = (DepositTensor("w", "float32", (4,)),)
+    ch, _ = await connect(daemon.socket, software="t", name="first")
+    try:
+        await ch.send(Deposit(id=ch.conn.next_request_id(), key=key.to_wire(), tensors=table))
+        slab, fds = await expect(ch)
+        assert isinstance(slab, DepositSlab) and len(fds) == 1
+        os.close(fds[0])
+        with pytest.raises(InUseError) as info:
+            await WCacheClient(daemon.socket).deposit(key, {"w": torch.ones(4)})
+        assert info.value.details["in_progress"] is True
+        await ch.send(Commit(id=ch.conn.next_request_id(), deposit=slab.deposit))
+        await expect(ch)
+    finally:
+        ch.close()
+    async with await WCacheClient(daemon.socket).fetch(key) as w:
+        assert torch.equal(w["w"], torch.zeros(4))  # the first deposit's bytes (never written: zeros)
+
+
+async def test_commit_while_still_mapped_is_refused_and_leaves_nothing(daemon: DaemonProc, ckpt: Path) -> None:
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    before = fd_count(daemon.pid)
+    ch, _ = await connect(daemon.socket, software="t", name="mapper")
+    try:
+        await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
+        slab, fds = await expect(ch)
+        assert isinstance(slab, DepositSlab)
+        mm = mmap.mmap(fds[0], slab.slabs[0].size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        await ch.send(Commit(id=2, deposit=slab.deposit))
+        with pytest.raises(InUseError):
+            await expect(ch)
+        mm.close()
+        os.close(fds[0])
+        await ch.send(Commit(id=3, deposit=slab.deposit))
+        with pytest.raises(UnknownLeaseError):  # any answer to COMMIT ended the deposit
+            await expect(ch)
+    finally:
+        ch.close()
+    assert key.short() not in await models(daemon)
+    await wait_for(lambda: fd_count(daemon.pid) == before, why="the refused slab's fd closed")
+
+
+@pytest.mark.parametrize("step", STEPS)
+async def test_engine_killed_mid_deposit_leaves_nothing(
+    daemon: DaemonProc, ckpt: Path, tmp_path: Path, step: str
+) -> None:
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    key = recipe_key(base)
+    before = fd_count(daemon.pid)  # no connection yet
+    marker = tmp_path / "at-step"
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tests.server.deposit_engine", str(daemon.socket), step, str(marker)]
+        + [json.dumps(base.to_wire())],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    try:
+        await wait_for(lambda: marker.exists() or engine.poll() is not None, 60, f"engine reached {step}")
+        assert engine.poll() is None, f"the engine exited with {engine.returncode} before {step}"
+        os.kill(engine.pid, signal.SIGKILL)
+        assert engine.wait(30) == -signal.SIGKILL
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert key.short() not in await models(daemon)
+    await wait_for(lambda: fd_count(daemon.pid) == before, why=f"the daemon's fds back to {before} after {step}")
+    # and the key is free for the next engine: a deposit now succeeds
+    await WCacheClient(daemon.socket).deposit(key, tensors())
+    assert (await models(daemon))[key.short()] == "deposit"
+
+
+async def test_deposit_over_budget_is_refused_before_allocation(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    daemon = daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20)))
+    client = WCacheClient(daemon.socket)
+    before = fd_count(daemon.pid)  # no connection yet
+    async with await client.fetch(base):  # the checkpoint is leased: it cannot make room
+        with pytest.raises(OutOfMemoryError) as info:
+            await client.deposit(recipe_key(base), {"big": torch.zeros(1 << 20, dtype=torch.float32)})
+        assert info.value.details["needed"] >= 4 << 20
+    assert set(await models(daemon)) == {"ckpt"}
+    await wait_for(lambda: fd_count(daemon.pid) == before, why="no slab left open")
+
+
+async def test_deposit_larger_than_memory_is_refused_before_allocation(daemon: DaemonProc, ckpt: Path) -> None:
+    """No budget: the host's memory (or the daemon's cgroup) refuses a 128 TiB table before a byte is allocated."""
+    ch, _ = await connect(daemon.socket, software="t", name="huge")
+    try:
+        key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+        await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "uint8", (1 << 37, 1024)),)))
+        with pytest.raises(OutOfMemoryError):
+            await expect(ch)
+    finally:
+        ch.close()
+    assert set(await models(daemon)) == {"ckpt"}
+
+
+@pytest.mark.parametrize(
+    ("tensors_", "aliases", "what"),
+    [
+        ((DepositTensor("w", "float32", (4,)), DepositTensor("w", "float32", (2,))), {}, "listed twice"),
+        ((DepositTensor("w", "float32", (4,)),), {"w": "w"}, "not a new name"),  # overlapping names
+        ((DepositTensor("w", "float32", (4,)),), {"tied": "missing"}, "not a new name"),
+        ((DepositTensor("w", "float32", (1 << 47, 4)),), {}, "at most"),  # too big to lay out
+    ],
+)
+async def test_malformed_table_is_refused(
+    daemon: DaemonProc, ckpt: Path, tensors_: tuple[DepositTensor, ...], aliases: dict[str, str], what: str
+) -> None:
+    """Bad tables never reach the store: a fatal PROTOCOL_ERROR naming the DEPOSIT field, nothing allocated."""
+    import socket as socketlib
+
+    from wcache.proto import Connection, Hello, Role, decode_body, decode_frame, pack_frame
+
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    bad = Deposit(id=1, key=key.to_wire(), tensors=tensors_, aliases=aliases).to_wire()
+    with socketlib.socket(socketlib.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(daemon.socket))
+        conn = Connection(Role.CLIENT)
+        s.sendall(conn.send(Hello(versions=(2,))))
+        s.sendall(pack_frame(bad))  # raw: this side's encoder does not check the rules
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    frames = []
+    while data:
+        n = int.from_bytes(data[:4], "big")
+        frames.append(decode_frame(decode_body(data[4 : 4 + n])))
+        data = data[4 + n :]
+    err = frames[-1]
+    assert isinstance(err, ErrorFrame) and err.fatal and err.code == 1 and what in err.message, err
+    assert set(await models(daemon)) == {"ckpt"}
+
+
+def test_bad_dtype_is_refused_by_the_client_and_the_decoder() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        asyncio.run(
+            WCacheClient("/nonexistent.sock").deposit(
+                RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e"),
+                {"c": torch.zeros(2, dtype=torch.complex64)},
+            )
+        )
+    wire = Deposit(
+        id=1,
+        key=RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e").to_wire(),
+        tensors=(DepositTensor("w", "float32", (4,)),),
+    ).to_wire()
+    wire["tensors"][0]["dtype"] = "complex64"
+    with pytest.raises(ProtocolError) as info:
+        Deposit.from_wire(wire)
+    assert info.value.details == {"frame": "DepositTensor", "field": "dtype"}
+
+
+async def test_takeover_keeps_a_deposit_under_its_recipe_key(daemon: DaemonProc, ckpt: Path, socket_dir: Path) -> None:
+    """A new daemon adopts a deposit as a deposit: its recipe key (not the checkpoint's plain key), its
+    origin and its buffers — else the checkpoint's key would map post-processed bytes."""
+    from wcache.server.process import spawn_daemon
+
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    key = recipe_key(base)
+    ts = tensors()
+    await WCacheClient(daemon.socket).deposit(key, ts, kinds={"rotary.inv_freq": "buffer"})
+    new = spawn_daemon(None, socket_dir, takeover=daemon.socket, timeout=60)
+    try:
+        assert daemon.proc.wait(30) == 0
+        assert (await models(new))[key.short()] == "deposit"
+        async with await WCacheClient(new.socket).fetch(key) as w:
+            assert w.buffers == {"rotary.inv_freq"}
+            assert all(torch.equal(bits(w[n]), bits(t)) for n, t in ts.items())
+        async with await WCacheClient(new.socket).fetch(base) as raw:
+            assert "layers.0.weight" not in raw and "model.norm.weight" in raw
+    finally:
+        new.stop()
+
+
+def test_a_backend_without_writable_slabs_refuses_deposits() -> None:
+    """The CUDA backend has no deposit path yet (it would be untested here): UNSUPPORTED_PLATFORM, naming what
+    to do, with nothing allocated."""
+    from typing import cast
+
+    from wcache.errors import UnsupportedPlatformError
+    from wcache.proto import DeviceInfo
+    from wcache.server.backends.base import Backend
+    from wcache.server.store import Store
+
+    class NoDeposits:
+        name = "cuda"
+        device = DeviceInfo(kind="cuda")
+
+        def allocate(self, nbytes: int) -> object:
+            raise AssertionError("nothing may be allocated")
+
+    store = Store(cast("Backend", NoDeposits()))
+    key = RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e")
+    req = Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),))
+    with pytest.raises(UnsupportedPlatformError, match="host backend only"):
+        store.begin_deposit(1, 1, req)
+    assert store.deposits == {} and store.pending_bytes == 0
+
+
+async def test_deposit_module_then_attach_to_a_meta_built_module(daemon: DaemonProc, ckpt: Path) -> None:
+    """wcache.nn.deposit_module: parameters and buffers by module path, a tie deposited once (alias); a module
+    built on meta then attaches the fetched tensors zero-copy and computes what the first one did."""
+    from torch import nn
+
+    from wcache.nn import attach, deposit_module, empty_parameters
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight  # tied
+            self.register_buffer("scale", torch.full((8,), 0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(self.embed(x) * self.get_buffer("scale"))
+            return out
+
+    torch.manual_seed(0)
+    first = Tiny().requires_grad_(False)
+    with torch.no_grad():
+        first.get_buffer("scale").mul_(3)  # "post-processing": a buffer the init would not recreate
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt), postprocess=1)
+    client = WCacheClient(daemon.socket)
+    done = await deposit_module(first, key, client)
+    assert done.tensors == 2  # embed.weight (head.weight its alias) and scale
+    with empty_parameters():
+        second = Tiny()
+    async with await client.fetch(key) as w:
+        assert w.aliases == {"head.weight": "embed.weight"} and w.buffers == {"scale"}
+        attach(second, w)
+        assert second.head.weight is second.embed.weight
+        x = torch.arange(4)
+        assert torch.equal(second(x), first(x))
+
+
+async def test_deposits_in_progress_per_connection_are_limited(daemon: DaemonProc, ckpt: Path) -> None:
+    from wcache.errors import LimitExceededError
+
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    ch, _ = await connect(daemon.socket, software="t", name="many")
+    try:
+        for i in range(4):
+            k = recipe_key(base, postprocess=i)
+            await ch.send(
+                Deposit(id=ch.conn.next_request_id(), key=k.to_wire(), tensors=(DepositTensor("w", "int8", (1,)),))
+            )
+            _, fds = await expect(ch)
+            os.close(fds[0])
+        k = recipe_key(base, postprocess=99)
+        await ch.send(
+            Deposit(id=ch.conn.next_request_id(), key=k.to_wire(), tensors=(DepositTensor("w", "int8", (1,)),))
+        )
+        with pytest.raises(LimitExceededError):
+            await expect(ch)
+    finally:
+        ch.close()
+    assert set(await models(daemon)) == {"ckpt"}
