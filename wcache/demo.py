@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from wcache import __version__
 from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
@@ -81,6 +82,7 @@ def engine_restart(label: str, model: Path, sock: str, device: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wcache-demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--restarts", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", type=Path, help="use this checkpoint instead of building the demo one")

@@ -69,6 +69,8 @@ def test_subcommands_have_help() -> None:
         server_cmd("--version"),
         [sys.executable, "-m", "wcache", "--version"],
         [sys.executable, "-m", "wcache.cli", "--version"],
+        [sys.executable, "-m", "wcache.server.keeper", "--version"],
+        [sys.executable, "-m", "wcache.demo", "--version"],
     ],
 )
 def test_version(cmd: list[str]) -> None:

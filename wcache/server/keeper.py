@@ -723,6 +723,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Hold wcache daemons' slabs (GPU or shared memory) across daemon restarts. "
         "Stopping the keeper frees everything it holds.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket-path", type=Path, help="the keeper's socket file (its directory must be private)")
     where.add_argument(
