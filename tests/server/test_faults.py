@@ -100,8 +100,7 @@ async def test_client_killed_holding_lease(daemon: DaemonProc, ckpt: Path) -> No
             p.wait()
             if p.stdout is not None:
                 p.stdout.close()
-    await _wait_leases(daemon, 0)
-    assert "leases_ended=1" in daemon.log_text()
+    await _wait_leases(daemon, 0)  # each killed client's lease ended with its connection
     async with await WCacheClient(daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
         assert len(w) > 0
 
@@ -127,35 +126,41 @@ def _read_reply(s: socket.socket) -> dict[str, Any] | None:
     return reply
 
 
-HOSTILE = {
-    "random bytes": b"\x7f\x13\xa5\x01" + os.urandom(60),
-    "oversized length": struct.pack(">I", 2**31) + b"x" * 16,
-    "zero length": b"\x00\x00\x00\x00",
-    "not a map": pack_frame({"type": "HELLO"})[:4]
-    + msgpack.packb([1, 2, 3]).ljust(len(pack_frame({"type": "HELLO"})) - 4, b"\xc0"),
-    "unknown type": pack_frame({"type": "REBOOT", "id": 1}),
-    "wrong field type": pack_frame({"type": "HELLO", "versions": "all"}),
-    "request before hello": pack_frame({"type": "GET_STATE", "id": 1, "key": {}}),
-    "future version only": pack_frame(Hello(versions=(99,)).to_wire()),
-    "ext type": struct.pack(">I", 4) + b"\x81\xa1x\xd4",
+_HELLO_LEN = len(pack_frame({"type": "HELLO"}))
+
+#: hostile bytes sent first on a connection -> the ERROR code the daemon answers with (always fatal: the
+#: connection closes after it) and a fragment of its message
+HOSTILE: dict[str, tuple[bytes, int, str]] = {
+    # the first 4 bytes read as a length: 0x7f13a501, over the pre-handshake limit
+    "random bytes": (b"\x7f\x13\xa5\x01" + os.urandom(60), 2, "exceeds the limit"),
+    "oversized length": (struct.pack(">I", 2**31) + b"x" * 16, 2, "exceeds the limit"),
+    "zero length": (b"\x00\x00\x00\x00", 1, "zero-length frame"),
+    "not a map": (struct.pack(">I", 4) + msgpack.packb([1, 2, 3]), 1, "map"),
+    "trailing bytes": (
+        struct.pack(">I", _HELLO_LEN - 4) + msgpack.packb([1, 2, 3]).ljust(_HELLO_LEN - 4, b"\xc0"),
+        1,
+        "trailing bytes",
+    ),
+    "unknown type": (pack_frame({"type": "REBOOT", "id": 1}), 1, "unknown frame type 'REBOOT'"),
+    "wrong field type": (pack_frame({"type": "HELLO", "versions": "all"}), 1, "HELLO.versions"),
+    "request before hello": (pack_frame({"type": "GET_STATE", "id": 1, "key": {}}), 4, "GET_STATE"),
+    "future version only": (pack_frame(Hello(versions=(99,)).to_wire()), 3, "no common protocol version"),
+    "ext type": (struct.pack(">I", 4) + b"\x81\xa1x\xd4", 1, "malformed msgpack"),
 }
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 async def test_hostile_input_gets_error_and_daemon_serves_on(daemon: DaemonProc, ckpt: Path, name: str) -> None:
+    data, code, message = HOSTILE[name]
     s = _raw(daemon.socket)
     try:
-        s.sendall(HOSTILE[name])
+        s.sendall(data)
         reply = await asyncio.to_thread(_read_reply, s)
-        if reply is not None:
-            assert reply["type"] == "ERROR" and reply["fatal"] is True
-            if name == "oversized length":
-                assert reply["code"] == 2
-            if name == "future version only":
-                assert reply["code"] == 3
-                assert reply["details"] == {"offered": [99], "supported": [PROTOCOL_VERSION]}
-            if name == "request before hello":
-                assert reply["code"] == 4
+        assert reply is not None, "the daemon closed without an ERROR"
+        assert (reply["type"], reply["code"], reply["fatal"]) == ("ERROR", code, True), reply
+        assert message in str(reply["message"]), reply
+        if name == "future version only":
+            assert reply["details"] == {"offered": [99], "supported": [PROTOCOL_VERSION]}
         assert await asyncio.to_thread(s.recv, 1) == b""  # and the connection is closed
     finally:
         s.close()
@@ -173,11 +178,14 @@ async def test_client_sending_fds_is_refused(daemon: DaemonProc) -> None:
             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))],
         )
         reply = await asyncio.to_thread(_read_reply, s)
-        assert reply is not None and reply["code"] == 1 and "descriptors" in str(reply["message"])
+        assert reply is not None and (reply["type"], reply["code"], reply["fatal"]) == ("ERROR", 1, True)
+        assert "descriptors" in str(reply["message"])
+        assert await asyncio.to_thread(s.recv, 1) == b""  # fatal: the connection is closed
     finally:
         s.close()
         os.close(r)
         os.close(w)
+    assert (await WCacheClient(daemon.socket).status()).models  # and the daemon serves on
 
 
 async def test_silent_client_dropped_after_handshake_timeout(daemon: DaemonProc) -> None:
@@ -185,17 +193,17 @@ async def test_silent_client_dropped_after_handshake_timeout(daemon: DaemonProc)
     s.settimeout(30)
     t0 = time.monotonic()
     try:
-        assert await asyncio.to_thread(s.recv, 1) == b""
+        assert await asyncio.to_thread(s.recv, 1) == b""  # closed, with no ERROR
     finally:
         s.close()
     assert 1 < time.monotonic() - t0 < 20  # the 3 s handshake deadline
+    assert (await WCacheClient(daemon.socket).status()).models  # and the daemon serves on
 
 
 async def test_sigterm_drains_and_unlinks(daemon: DaemonProc, ckpt: Path) -> None:
     w = await WCacheClient(daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt))
     assert daemon.stop(signal.SIGTERM) == 0
     assert not daemon.socket.exists()
-    assert "stopped" in daemon.log_text()
     await w.release()
 
 
@@ -297,7 +305,7 @@ async def test_half_sent_frame_times_out_without_delaying_others(
         assert 1.0 < time.monotonic() - t0 < 10
     finally:
         s.close()
-    assert "half a frame" in d.log_text()
+    assert d.proc.poll() is None
 
 
 async def test_memfd_slab_cannot_be_written_by_a_client(daemon: DaemonProc, ckpt: Path) -> None:

@@ -216,8 +216,8 @@ def test_peer_that_never_reads_does_not_block_other_engines(nobody_dir: Path, ck
         assert 1 <= sent <= 3  # RLIMIT_NOFILE 48 // 16: its share of unread descriptors, of the 60 it asked
         assert d.proc.poll() is None
     finally:
-        d.stop()
-    assert "did not read" in d.log_text()
+        rc = d.stop()
+    assert rc == 0  # it served on to a clean stop
 
 
 # ------------------------------------------------------------------ class 7: lease bookkeeping

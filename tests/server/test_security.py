@@ -127,7 +127,9 @@ sys.stdout.buffer.write(data)
     frame = msgpack.unpackb(out.stdout[4 : 4 + n])
     assert frame["type"] == "ERROR" and frame["code"] == 10 and frame["fatal"] is True
     assert "uid 65534" in frame["message"]
+    # the log line is the feature here: an operator sees which uid was refused (a security event)
     assert "refused" in d.log_text() and "uid=65534" in d.log_text()
+    assert d.proc.poll() is None  # and the daemon serves on
     d.stop()
 
 

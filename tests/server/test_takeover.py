@@ -23,13 +23,13 @@ async def test_takeover_hands_over_memory_socket_and_lock(
     key = WeightCacheKey.from_checkpoint(ckpt)
     ref = load_from_disk(ckpt)
     engine = await WCacheClient(old.socket).fetch(key)  # an engine mapped before the hand-off
+    (loaded,) = (await WCacheClient(old.socket).status()).models
     new = spawn_daemon(None, socket_dir, takeover=old.socket, timeout=60)
     try:
         assert old.proc.wait(30) == 0
-        assert "handed over" in old.log_text()
-        log = new.log_text()
-        assert "took over" in log and "models=1" in log
-        assert "loaded bytes_read" not in log  # no disk read
+        (m,) = (await WCacheClient(new.socket).status()).models
+        assert (loaded.origin, m.origin) == ("disk", "takeover")  # handed over, not read from disk
+        assert m.load_seconds == loaded.load_seconds  # the old daemon's load: not loaded again
         assert new.socket == old.socket and old.socket.exists()
         # the engine's views are still the weights (the memory outlives the old daemon)
         assert all(torch.equal(engine[k], v) for k, v in ref.items())

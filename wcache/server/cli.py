@@ -371,6 +371,8 @@ def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list
     models: list[ServedModel] = []
     try:
         models = adopt(state.models, fds, backend)  # closes the listener's original fd with the unused ones
+        for m in models:
+            m.origin = "takeover"  # STATUS: handed over by the old daemon
         lock.acquire(wait=10.0)  # the old daemon releases it right after sending
     except BaseException:
         for m in models:

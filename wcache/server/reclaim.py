@@ -115,6 +115,7 @@ def admit(
                 check.bytes_compared,
                 check.seconds,
             )
+            model.origin = "keeper"  # STATUS says where this daemon got it (the handed origin says where it began)
             served.append(model)
     finally:
         for fd in fds:
