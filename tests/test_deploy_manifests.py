@@ -123,7 +123,7 @@ def test_daemon_and_keeper_command_lines_parse_with_the_real_cli() -> None:
     containers = {c["name"]: c for c in _containers(ds)}
     keeper = containers["keeper"]["args"]
     assert keeper[:1] == ["wcache-keeper"]
-    from wcache.server import keeper as keeper_mod
+    from wcache.server import keeper_cli as keeper_mod
 
     assert keeper_mod.parse_args(keeper[1:]).socket_dir == Path("/run/wcache")
     script = containers["daemons"]["args"][0]

@@ -34,6 +34,7 @@ START_MODULES = [
     "wcache.server.tier",
     "wcache.server.reclaim",
     "wcache.server.keeper",
+    "wcache.server.keeper_link",
     "wcache.server.backends.host",
     "wcache.server.backends.cuda",
     "wcache._cuda",

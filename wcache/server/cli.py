@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from wcache.proto import HandedModel
     from wcache.rank import RankSpec
     from wcache.server.backends.base import Slab
-    from wcache.server.keeper import KeeperLink
+    from wcache.server.keeper_link import KeeperLink
     from wcache.server.store import ServedModel
 
 __all__ = ["build_parser", "checkpoint_errors", "main", "make_backend", "parse_args", "pytorch_bin_hint"]
@@ -512,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
         reclaimed: list[ServedModel] = []
         if args.keeper is not None:
             from wcache.paths import KEEPER_SOCKET
-            from wcache.server.keeper import KeeperLink
+            from wcache.server.keeper_link import KeeperLink
 
             kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
             link = KeeperLink(

@@ -61,7 +61,7 @@ from wcache.proto import (
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.rank import RankPlan, RankSpec, plan_rank
-from wcache.server.keeper import KeeperLink
+from wcache.server.keeper_link import KeeperLink
 from wcache.server.listen import ConnectionTable, Peer, accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.store import ServedModel, Store

@@ -31,34 +31,34 @@ What the keeper does not take on trust (docs/security.md, "The keeper"):
 The daemon in turn checks what it reclaims against the checkpoint on disk before serving it
 (wcache/server/reclaim.py).
 
+This module is the keeper server (``Keeper``, its limits, its dispatch); a daemon's side of it is
+wcache/server/keeper_link.py, the ``wcache-keeper`` command wcache/server/keeper_cli.py:
+
     wcache-keeper [--socket-dir DIR | --socket-path PATH]
     wcache-server --model DIR --keeper [PATH] ...
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import fcntl
 import logging
 import os
-import resource
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar, assert_never, cast
+from typing import assert_never, cast
 
 import msgpack
 
 from wcache import __version__
-from wcache.channel import Channel, close_fds, connect, expect, peer_credentials
+from wcache.channel import Channel, close_fds, peer_credentials
 from wcache.errors import (
-    CacheUnavailableError,
     DeviceMismatchError,
     LimitExceededError,
     NotFoundError,
@@ -71,7 +71,6 @@ from wcache.proto import (
     Connection,
     DeviceInfo,
     ErrorFrame,
-    Frame,
     HandedModel,
     Hello,
     Keep,
@@ -89,20 +88,17 @@ from wcache.proto import (
     Unkeep,
 )
 from wcache.proto.frames import MAX_KEPT_FDS
+from wcache.server.keeper_link import KeeperLink, keep, reclaim, unkeep
 from wcache.server.listen import accept_loop, bind_private_socket
-from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
 
-if TYPE_CHECKING:
-    from wcache.server.store import ServedModel
-
-__all__ = ["Keeper", "KeeperLimits", "KeeperLink", "keep", "keeper_socket", "main", "reclaim", "unkeep"]
+__all__ = ["HOST_SEALS", "SLAB_KINDS", "Keeper", "KeeperLimits", "lock_holder", "slab_problem"]
+# re-exported for tests/server/test_keeper.py (kp.keep ...) until its call sites name wcache.server.keeper_link;
+# nothing in wcache/ imports them from here
+__all__ += ["KeeperLink", "keep", "reclaim", "unkeep"]
 
 log = logging.getLogger("wcache.keeper")
 
-_F = TypeVar("_F", Kept, Reclaimed)
-
 SOFTWARE = f"wcache-keeper/{__version__}"
-
 
 #: seals a host slab must carry to be kept or reclaimed (those the host backend adds, and demands to adopt
 #: one): nobody, its creator included, can change its bytes (F_SEAL_WRITE: no write, no writable mapping)
@@ -529,318 +525,7 @@ class Keeper:
         )
 
 
-# ---------------------------------------------------------------------- the daemon's side
+if __name__ == "__main__":  # python -m wcache.server.keeper: the wcache-keeper command
+    from wcache.server.keeper_cli import main
 
-
-async def call(
-    path: Path, frame: Frame, fds: Sequence[int] = (), timeout: float = 10.0
-) -> tuple[Frame, list[int], int]:
-    """One request to the keeper at ``path`` on a connection of its own: (reply, its fds, the keeper's pid).
-    ``fds`` stay the caller's. An ERROR reply raises its exception class."""
-    async with asyncio.timeout(timeout):
-        ch, hello = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
-        try:
-            await ch.send(frame, list(fds))
-            reply, got = await expect(ch)
-        finally:
-            ch.close()
-    return reply, got, hello.server_pid
-
-
-async def keep(
-    path: Path, *, owner: str, backend: str, device_uuid: str, model: HandedModel, fds: list[int], timeout: float = 10.0
-) -> tuple[Kept, int]:
-    """KEEP ``model`` (its slabs' fd fields index ``fds``, which stay the caller's) in the keeper at ``path``;
-    returns the reply and the keeper's pid."""
-    req = Keep(id=1, owner=owner, backend=backend, device_uuid=device_uuid, model=model, pid=os.getpid())
-    reply, _, pid = await call(path, req, fds, timeout)
-    return _reply(reply, Kept), pid
-
-
-async def unkeep(path: Path, *, owner: str, key: dict[str, str | int], timeout: float = 10.0) -> Kept:
-    reply, _, _ = await call(path, Unkeep(id=1, owner=owner, key=key), [], timeout)
-    return _reply(reply, Kept)
-
-
-async def reclaim(
-    path: Path, *, owner: str, backend: str, device_uuid: str, timeout: float = 10.0
-) -> tuple[Reclaimed, list[int], int]:
-    """RECLAIM: the models kept for ``owner``, their fds (the caller owns and must close them), the keeper's pid."""
-    req = Reclaim(id=1, owner=owner, backend=backend, device_uuid=device_uuid, pid=os.getpid())
-    reply, fds, pid = await call(path, req, [], timeout)
-    return _reply(reply, Reclaimed, fds), fds, pid
-
-
-def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
-    if not isinstance(frame, cls):
-        close_fds(fds or [])
-        raise ProtocolError(f"expected {cls.__name__}, got {frame.TYPE}")
-    return frame
-
-
-class KeeperLink:
-    """A daemon's side of its keeper: RECLAIM at start, KEEP what it loads, UNKEEP what it evicts, and
-    KEEP everything again when the keeper has restarted (``check``, run periodically: a restarted
-    keeper holds nothing). The keeper is an optimisation: when it is down or refuses, the daemon logs
-    one line and serves on."""
-
-    def __init__(self, path: Path, *, owner: Path, backend: str, device_uuid: str) -> None:
-        self.path, self.owner, self.backend, self.device_uuid = path, str(owner), backend, device_uuid
-        #: model key -> the keeper process that holds it (a restarted keeper holds nothing)
-        self.kept_in: dict[WeightCacheKey, int] = {}
-        self._unreachable = False
-        self._reclaimed_from = 0
-        self._keeper_now = 0  # the keeper process last reached (0: unreachable or never)
-        #: models not to offer again: key -> the keeper pid that refused it (0: no keeper can hold it, an IPC slab)
-        self._skip: dict[WeightCacheKey, int] = {}
-        # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
-        self._lock = asyncio.Lock()
-
-    async def reclaim(self) -> tuple[Reclaimed, list[int]]:
-        """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
-        state, fds, self._reclaimed_from = await reclaim(
-            self.path, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid
-        )
-        self._keeper_now = self._reclaimed_from
-        return state, fds
-
-    def reclaimed(self, models: Sequence[ServedModel]) -> None:
-        for m in models:
-            self.kept_in[m.key] = self._reclaimed_from
-
-    async def keep(self, model: ServedModel) -> None:
-        async with self._lock:
-            await self._keep(model)
-
-    async def _keep(self, model: ServedModel) -> str:
-        """KEEP ``model``: "kept", "unkeepable" (a slab without an fd), "refused" (an ERROR from the keeper)
-        or "unreachable"."""
-        fds: list[int] = []
-        descs = model.export(fds)  # the slabs' own descriptors: nothing to close here
-        if any(d.fd < 0 for d in descs):
-            log.info(
-                "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)", model.key.short(), descs[0].kind
-            )
-            self._skip[model.key] = 0
-            return "unkeepable"
-        try:
-            kept, pid = await keep(
-                self.path,
-                owner=self.owner,
-                backend=self.backend,
-                device_uuid=self.device_uuid,
-                model=model.handed(descs),
-                fds=fds,
-            )
-        except (WCacheError, OSError, TimeoutError) as exc:
-            log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
-            unreachable = isinstance(exc, (CacheUnavailableError, OSError, TimeoutError))
-            return "unreachable" if unreachable else "refused"
-        self.kept_in[model.key] = self._keeper_now = pid
-        log.info(
-            "kept in keeper=%s key=%s bytes=%d keeper_models=%d keeper_bytes=%d",
-            self.path,
-            model.key.short(),
-            model.slab_bytes,
-            kept.models,
-            kept.bytes,
-        )
-        return "kept"
-
-    async def unkeep(self, model: ServedModel) -> None:
-        async with self._lock:
-            await self._unkeep(model)
-
-    async def _unkeep(self, model: ServedModel) -> None:
-        await self._unkeep_key(model.key)
-
-    async def drop(self, key: WeightCacheKey) -> None:
-        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks)."""
-        async with self._lock:
-            await self._unkeep_key(key)
-
-    async def _unkeep_key(self, key: WeightCacheKey) -> None:
-        self.kept_in.pop(key, None)
-        self._skip.pop(key, None)
-        try:
-            await unkeep(self.path, owner=self.owner, key=key.to_wire())
-        except NotFoundError:
-            pass  # never kept (an IPC slab, or the keeper restarted meanwhile)
-        except (WCacheError, OSError, TimeoutError) as exc:
-            log.warning(
-                "keeper %s did not drop key=%s (its memory stays held until the keeper stops): %s",
-                self.path,
-                key.short(),
-                exc,
-            )
-
-    def kept(self, models: Sequence[ServedModel]) -> int:
-        """How many of ``models`` the keeper process last reached holds (as far as this daemon knows)."""
-        return sum(1 for m in models if self._keeper_now and self.kept_in.get(m.key) == self._keeper_now)
-
-    async def check(self, served: Callable[[], Sequence[ServedModel]]) -> None:
-        """KEEP again every model (``served()``: the daemon's models now) that the keeper process now
-        running does not hold (it restarted, or was not running when the model was loaded). One
-        handshake when nothing is missing."""
-        async with self._lock:
-            try:
-                async with asyncio.timeout(10.0):
-                    ch, hello = await connect(self.path, software=f"wcache/{__version__}", name="wcache-server")
-                    ch.close()
-            except (WCacheError, OSError, TimeoutError) as exc:
-                if not self._unreachable:
-                    log.warning("keeper %s unreachable (%s): a daemon crash now would mean reloading", self.path, exc)
-                self._unreachable = True
-                self._keeper_now = 0
-                return
-            self._unreachable = False
-            self._keeper_now = hello.server_pid
-            pid = hello.server_pid
-            missing = [
-                m.key for m in served() if self.kept_in.get(m.key) != pid and self._skip.get(m.key) not in (0, pid)
-            ]
-            if missing:
-                log.info(
-                    "keeper %s (pid %d) does not hold %d model(s) of this daemon: keeping them",
-                    self.path,
-                    pid,
-                    len(missing),
-                )
-            for key in missing:
-                m = next((m for m in served() if m.key == key), None)  # evicted meanwhile: not kept
-                if m is not None and await self._keep(m) == "refused":
-                    self._skip[key] = pid  # not offered to this keeper again (one warning, not one per check)
-
-
-# ---------------------------------------------------------------------- CLI
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from wcache.paths import KEEPER_SOCKET, default_socket_dir
-
-    p = argparse.ArgumentParser(
-        prog="wcache-keeper",
-        description="Hold wcache daemons' slabs (GPU or shared memory) across daemon restarts. "
-        "Stopping the keeper frees everything it holds.",
-    )
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket-path", type=Path, help="the keeper's socket file (its directory must be private)")
-    where.add_argument(
-        "--socket-dir", type=Path, help=f"directory for {KEEPER_SOCKET} (default: {default_socket_dir()})"
-    )
-    d = KeeperLimits()
-    p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
-    p.add_argument(
-        "--max-connections", type=int, default=d.connections, help=f"connections open at once (default {d.connections})"
-    )
-    p.add_argument(
-        "--max-owners", type=int, default=d.owners, help=f"daemons (sockets) it holds slabs for (default {d.owners})"
-    )
-    p.add_argument(
-        "--max-fds",
-        type=int,
-        default=d.fds,
-        help=f"slabs (descriptors) held in all (default {d.fds}; each daemon at most {MAX_KEPT_FDS})",
-    )
-    p.add_argument("--max-bytes", type=int, default=d.bytes, help="bytes of slabs held in all (default 0: no cap)")
-    p.add_argument(
-        "--no-owner-check",
-        action="store_true",
-        help="accept KEEP/UNKEEP/RECLAIM for a socket from any process of the uid, not only the holder of its "
-        "lock (for daemons in a pid namespace the keeper cannot see; the daemons still check what they reclaim)",
-    )
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
-    args = p.parse_args(argv)
-    for name in ("max_connections", "max_owners", "max_fds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_bytes < 0:
-        p.error("--max-bytes must be 0 (no cap) or a positive number of bytes")
-    return args
-
-
-def fd_budget(limits: KeeperLimits) -> KeeperLimits:
-    """Raise the soft RLIMIT_NOFILE to what ``limits`` need (every slab held, plus each connection's socket
-    and the descriptors one frame may bring, plus 64 of its own), up to the hard limit; where even that is
-    too little, lower ``fds`` to fit, so that a full keeper refuses KEEPs instead of failing to accept."""
-    need = limits.fds + limits.connections * (1 + MAX_KEPT_FDS) + 64
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft != resource.RLIM_INFINITY and soft < need:
-        fds = max(MAX_KEPT_FDS, soft - (need - limits.fds))
-        log.warning(
-            "RLIMIT_NOFILE is %d (hard %d): holding at most %d slabs instead of %d", soft, hard, fds, limits.fds
-        )
-        return replace(limits, fds=fds)
-    return limits
-
-
-def keeper_socket(socket_path: Path | None, socket_dir: Path | None) -> Path:
-    """The keeper socket for --socket-path / --socket-dir (the default private directory if neither)."""
-    from wcache.paths import KEEPER_SOCKET, default_socket_dir
-
-    if socket_path is not None:
-        path = Path(os.path.abspath(socket_path))
-        check_private_dir(path.parent)
-        return path
-    if socket_dir is None:
-        return ensure_socket_dir(default_socket_dir()) / KEEPER_SOCKET
-    d = Path(os.path.abspath(socket_dir))
-    check_private_dir(d)
-    return d / KEEPER_SOCKET
-
-
-def main(argv: list[str] | None = None) -> int:
-    import json
-
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s wcache-keeper[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        path = keeper_socket(args.socket_path, args.socket_dir)
-        lock = DaemonLock(path)
-        lock.acquire()
-    except WCacheError as exc:
-        print(f"wcache-keeper: error: {exc.message}", file=sys.stderr)
-        return 1
-    try:
-        limits = fd_budget(
-            KeeperLimits(
-                connections=args.max_connections, owners=args.max_owners, fds=args.max_fds, bytes=args.max_bytes
-            )
-        )
-        keeper = Keeper(path, limits=limits, check_owner=not args.no_owner_check)
-
-        def ready() -> None:
-            log.info(
-                "ready socket=%s max_connections=%d max_owners=%d max_fds=%d max_bytes=%d owner_check=%s",
-                path,
-                limits.connections,
-                limits.owners,
-                limits.fds,
-                limits.bytes,
-                "off" if args.no_owner_check else "lock-holder",
-            )
-            if args.ready_file is not None:
-                tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
-                tmp.write_text(json.dumps({"socket": str(path), "pid": os.getpid()}) + "\n")
-                os.replace(tmp, args.ready_file)
-
-        import uvloop
-
-        uvloop.run(keeper.serve(ready))
-    finally:
-        lock.release()
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

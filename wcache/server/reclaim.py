@@ -46,7 +46,7 @@ from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.rank import plan_rank
 from wcache.recipe import key_from_wire
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.keeper import KeeperLink
+from wcache.server.keeper_link import KeeperLink
 from wcache.server.loader import placement_extents, torch_dtype
 from wcache.server.store import ServedModel
 

@@ -1,0 +1,208 @@
+"""A daemon's side of its wcache-keeper (wcache/server/keeper.py; docs/protocol.md §4.11): one request per
+connection (``call``), KEEP / UNKEEP / RECLAIM (``keep``, ``unkeep``, ``reclaim``), and ``KeeperLink``, what
+the daemon holds to deposit what it loads, withdraw what it evicts, take back what it deposited when it
+starts, and deposit everything again when the keeper has restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from wcache import __version__
+from wcache.channel import close_fds, connect, expect
+from wcache.errors import CacheUnavailableError, NotFoundError, ProtocolError, WCacheError
+from wcache.key import WeightCacheKey
+from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
+
+if TYPE_CHECKING:
+    from wcache.server.store import ServedModel
+
+__all__ = ["KeeperLink", "call", "keep", "reclaim", "unkeep"]
+
+log = logging.getLogger("wcache.keeper")
+
+_F = TypeVar("_F", Kept, Reclaimed)
+
+
+async def call(
+    path: Path, frame: Frame, fds: Sequence[int] = (), timeout: float = 10.0
+) -> tuple[Frame, list[int], int]:
+    """One request to the keeper at ``path`` on a connection of its own: (reply, its fds, the keeper's pid).
+    ``fds`` stay the caller's. An ERROR reply raises its exception class."""
+    async with asyncio.timeout(timeout):
+        ch, hello = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
+        try:
+            await ch.send(frame, list(fds))
+            reply, got = await expect(ch)
+        finally:
+            ch.close()
+    return reply, got, hello.server_pid
+
+
+async def keep(
+    path: Path, *, owner: str, backend: str, device_uuid: str, model: HandedModel, fds: list[int], timeout: float = 10.0
+) -> tuple[Kept, int]:
+    """KEEP ``model`` (its slabs' fd fields index ``fds``, which stay the caller's) in the keeper at ``path``;
+    returns the reply and the keeper's pid."""
+    req = Keep(id=1, owner=owner, backend=backend, device_uuid=device_uuid, model=model, pid=os.getpid())
+    reply, _, pid = await call(path, req, fds, timeout)
+    return _reply(reply, Kept), pid
+
+
+async def unkeep(path: Path, *, owner: str, key: dict[str, str | int], timeout: float = 10.0) -> Kept:
+    reply, _, _ = await call(path, Unkeep(id=1, owner=owner, key=key), [], timeout)
+    return _reply(reply, Kept)
+
+
+async def reclaim(
+    path: Path, *, owner: str, backend: str, device_uuid: str, timeout: float = 10.0
+) -> tuple[Reclaimed, list[int], int]:
+    """RECLAIM: the models kept for ``owner``, their fds (the caller owns and must close them), the keeper's pid."""
+    req = Reclaim(id=1, owner=owner, backend=backend, device_uuid=device_uuid, pid=os.getpid())
+    reply, fds, pid = await call(path, req, [], timeout)
+    return _reply(reply, Reclaimed, fds), fds, pid
+
+
+def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
+    if not isinstance(frame, cls):
+        close_fds(fds or [])
+        raise ProtocolError(f"expected {cls.__name__}, got {frame.TYPE}")
+    return frame
+
+
+class KeeperLink:
+    """A daemon's side of its keeper: RECLAIM at start, KEEP what it loads, UNKEEP what it evicts, and
+    KEEP everything again when the keeper has restarted (``check``, run periodically: a restarted
+    keeper holds nothing). The keeper is an optimisation: when it is down or refuses, the daemon logs
+    one line and serves on."""
+
+    def __init__(self, path: Path, *, owner: Path, backend: str, device_uuid: str) -> None:
+        self.path, self.owner, self.backend, self.device_uuid = path, str(owner), backend, device_uuid
+        #: model key -> the keeper process that holds it (a restarted keeper holds nothing)
+        self.kept_in: dict[WeightCacheKey, int] = {}
+        self._unreachable = False
+        self._reclaimed_from = 0
+        self._keeper_now = 0  # the keeper process last reached (0: unreachable or never)
+        #: models not to offer again: key -> the keeper pid that refused it (0: no keeper can hold it, an IPC slab)
+        self._skip: dict[WeightCacheKey, int] = {}
+        # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
+        self._lock = asyncio.Lock()
+
+    async def reclaim(self) -> tuple[Reclaimed, list[int]]:
+        """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
+        state, fds, self._reclaimed_from = await reclaim(
+            self.path, owner=self.owner, backend=self.backend, device_uuid=self.device_uuid
+        )
+        self._keeper_now = self._reclaimed_from
+        return state, fds
+
+    def reclaimed(self, models: Sequence[ServedModel]) -> None:
+        for m in models:
+            self.kept_in[m.key] = self._reclaimed_from
+
+    async def keep(self, model: ServedModel) -> None:
+        async with self._lock:
+            await self._keep(model)
+
+    async def _keep(self, model: ServedModel) -> str:
+        """KEEP ``model``: "kept", "unkeepable" (a slab without an fd), "refused" (an ERROR from the keeper)
+        or "unreachable"."""
+        fds: list[int] = []
+        descs = model.export(fds)  # the slabs' own descriptors: nothing to close here
+        if any(d.fd < 0 for d in descs):
+            log.info(
+                "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)", model.key.short(), descs[0].kind
+            )
+            self._skip[model.key] = 0
+            return "unkeepable"
+        try:
+            kept, pid = await keep(
+                self.path,
+                owner=self.owner,
+                backend=self.backend,
+                device_uuid=self.device_uuid,
+                model=model.handed(descs),
+                fds=fds,
+            )
+        except (WCacheError, OSError, TimeoutError) as exc:
+            log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
+            unreachable = isinstance(exc, (CacheUnavailableError, OSError, TimeoutError))
+            return "unreachable" if unreachable else "refused"
+        self.kept_in[model.key] = self._keeper_now = pid
+        log.info(
+            "kept in keeper=%s key=%s bytes=%d keeper_models=%d keeper_bytes=%d",
+            self.path,
+            model.key.short(),
+            model.slab_bytes,
+            kept.models,
+            kept.bytes,
+        )
+        return "kept"
+
+    async def unkeep(self, model: ServedModel) -> None:
+        async with self._lock:
+            await self._unkeep(model)
+
+    async def _unkeep(self, model: ServedModel) -> None:
+        await self._unkeep_key(model.key)
+
+    async def drop(self, key: WeightCacheKey) -> None:
+        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks)."""
+        async with self._lock:
+            await self._unkeep_key(key)
+
+    async def _unkeep_key(self, key: WeightCacheKey) -> None:
+        self.kept_in.pop(key, None)
+        self._skip.pop(key, None)
+        try:
+            await unkeep(self.path, owner=self.owner, key=key.to_wire())
+        except NotFoundError:
+            pass  # never kept (an IPC slab, or the keeper restarted meanwhile)
+        except (WCacheError, OSError, TimeoutError) as exc:
+            log.warning(
+                "keeper %s did not drop key=%s (its memory stays held until the keeper stops): %s",
+                self.path,
+                key.short(),
+                exc,
+            )
+
+    def kept(self, models: Sequence[ServedModel]) -> int:
+        """How many of ``models`` the keeper process last reached holds (as far as this daemon knows)."""
+        return sum(1 for m in models if self._keeper_now and self.kept_in.get(m.key) == self._keeper_now)
+
+    async def check(self, served: Callable[[], Sequence[ServedModel]]) -> None:
+        """KEEP again every model (``served()``: the daemon's models now) that the keeper process now
+        running does not hold (it restarted, or was not running when the model was loaded). One
+        handshake when nothing is missing."""
+        async with self._lock:
+            try:
+                async with asyncio.timeout(10.0):
+                    ch, hello = await connect(self.path, software=f"wcache/{__version__}", name="wcache-server")
+                    ch.close()
+            except (WCacheError, OSError, TimeoutError) as exc:
+                if not self._unreachable:
+                    log.warning("keeper %s unreachable (%s): a daemon crash now would mean reloading", self.path, exc)
+                self._unreachable = True
+                self._keeper_now = 0
+                return
+            self._unreachable = False
+            self._keeper_now = hello.server_pid
+            pid = hello.server_pid
+            missing = [
+                m.key for m in served() if self.kept_in.get(m.key) != pid and self._skip.get(m.key) not in (0, pid)
+            ]
+            if missing:
+                log.info(
+                    "keeper %s (pid %d) does not hold %d model(s) of this daemon: keeping them",
+                    self.path,
+                    pid,
+                    len(missing),
+                )
+            for key in missing:
+                m = next((m for m in served() if m.key == key), None)  # evicted meanwhile: not kept
+                if m is not None and await self._keep(m) == "refused":
+                    self._skip[key] = pid  # not offered to this keeper again (one warning, not one per check)
