@@ -43,6 +43,7 @@ from wcache.proto.examples import EXAMPLES
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.rank import plan_rank
 from wcache.server import keeper as kp
+from wcache.server import keeper_link as kl
 from wcache.server.process import DaemonProcess, spawn_keeper
 from wcache.server.security import DaemonLock
 
@@ -290,7 +291,7 @@ async def test_without_a_running_keeper_the_daemon_loads_and_serves(
 
 async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:
     with pytest.raises(NotFoundError, match="is a wcache daemon: RECLAIM goes to a wcache-keeper"):
-        await kp.reclaim(daemon.socket, owner=str(daemon.socket), backend="host", device_uuid="")
+        await kl.reclaim(daemon.socket, owner=str(daemon.socket), backend="host", device_uuid="")
     assert (await WCacheClient(daemon.socket).status()).models  # the daemon serves on
 
 
@@ -378,7 +379,7 @@ async def _keep_reclaim_unkeep(keeper: DaemonProcess, owner: str, elsewhere: str
     for rank in range(MAX_KEPT_FDS):
         m, fd = _memfd_model(rank)
         try:
-            kept, _ = await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+            kept, _ = await kl.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
         finally:
             os.close(fd)  # the keeper holds its own copy
         assert (kept.models, kept.bytes) == (rank + 1, (rank + 1) * m.slabs[0].size)
@@ -386,15 +387,15 @@ async def _keep_reclaim_unkeep(keeper: DaemonProcess, owner: str, elsewhere: str
     assert await _fds_reach(keeper.pid, idle + MAX_KEPT_FDS) == idle + MAX_KEPT_FDS
     m, fd = _memfd_model(MAX_KEPT_FDS)
     with pytest.raises(LimitExceededError, match="one RECLAIM carries at most"):
-        await kp.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+        await kl.keep(path, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
     with pytest.raises(ProtocolError, match="owner"):  # fatal: the connection ends
-        await kp.keep(path, owner="", backend="host", device_uuid="", model=m, fds=[fd])
+        await kl.keep(path, owner="", backend="host", device_uuid="", model=m, fds=[fd])
     os.close(fd)
     # what it refused, it did not keep open (nor the connections it ended)
     assert await _fds_reach(keeper.pid, idle + MAX_KEPT_FDS) == idle + MAX_KEPT_FDS
     assert _open_fds(keeper.pid) == idle + MAX_KEPT_FDS  # and it stays so
 
-    state, fds, _ = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
+    state, fds, _ = await kl.reclaim(path, owner=owner, backend="host", device_uuid="")
     try:
         assert len(state.models) == MAX_KEPT_FDS and state.dropped == 0 and len(fds) == MAX_KEPT_FDS
         assert sorted(s.fd for m in state.models for s in m.slabs) == list(range(MAX_KEPT_FDS))
@@ -402,16 +403,16 @@ async def _keep_reclaim_unkeep(keeper: DaemonProcess, owner: str, elsewhere: str
     finally:
         for fd in fds:
             os.close(fd)
-    other, _, _ = await kp.reclaim(path, owner=elsewhere, backend="host", device_uuid="")
+    other, _, _ = await kl.reclaim(path, owner=elsewhere, backend="host", device_uuid="")
     assert other.models == () and other.dropped == 0
 
-    kept = await kp.unkeep(path, owner=owner, key=state.models[0].key)
+    kept = await kl.unkeep(path, owner=owner, key=state.models[0].key)
     assert kept.models == MAX_KEPT_FDS - 1
     with pytest.raises(NotFoundError, match="holds no model"):
-        await kp.unkeep(path, owner=owner, key=state.models[0].key)
+        await kl.unkeep(path, owner=owner, key=state.models[0].key)
 
     # the owner now runs on another backend: what it kept there cannot be served, and is freed
-    moved, fds, _ = await kp.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
+    moved, fds, _ = await kl.reclaim(path, owner=owner, backend="cuda", device_uuid="GPU-1")
     assert moved.models == () and moved.dropped == MAX_KEPT_FDS - 1 and fds == []
     assert (await WCacheClient(path).status()).models == ()
     assert await _fds_reach(keeper.pid, idle) == idle  # dropped entries are closed
@@ -446,13 +447,13 @@ def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonPr
     assert f"pid {keeper.pid}" in second.log_text()  # the start-up error (the feature) names the lock's holder
     m, fd = _memfd_model(0)
     with _holding_lock(socket_dir / "o.sock") as owner:
-        asyncio.run(kp.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd]))
+        asyncio.run(kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd]))
         os.close(fd)
         assert len(asyncio.run(WCacheClient(keeper.socket).status()).models) == 1
         assert keeper.stop() == 0
         assert not keeper.socket.exists()
         with pytest.raises(CacheUnavailableError):
-            asyncio.run(kp.reclaim(keeper.socket, owner=owner, backend="host", device_uuid=""))
+            asyncio.run(kl.reclaim(keeper.socket, owner=owner, backend="host", device_uuid=""))
 
 
 # ---------------------------------------------------------------------- what the keeper and the daemon do not trust
@@ -477,7 +478,7 @@ def _forged(ckpt: Path, *, key: WeightCacheKey | None = None) -> tuple[HandedMod
 
 async def _deposit(keeper: Path, owner: str, model: HandedModel, fd: int) -> None:
     try:
-        await kp.keep(keeper, owner=owner, backend="host", device_uuid="", model=model, fds=[fd])
+        await kl.keep(keeper, owner=owner, backend="host", device_uuid="", model=model, fds=[fd])
     finally:
         os.close(fd)
 
@@ -496,9 +497,9 @@ async def test_only_the_daemon_holding_its_socket_lock_may_keep_reclaim_or_unkee
     with pytest.raises(PermissionDeniedError, match=f"pid {d.pid}"):
         await _deposit(keeper.socket, owner, m, fd)
     with pytest.raises(PermissionDeniedError, match="only the daemon serving that socket"):
-        await kp.reclaim(keeper.socket, owner=owner, backend="host", device_uuid="")
+        await kl.reclaim(keeper.socket, owner=owner, backend="host", device_uuid="")
     with pytest.raises(PermissionDeniedError):
-        await kp.unkeep(keeper.socket, owner=owner, key=key.to_wire())
+        await kl.unkeep(keeper.socket, owner=owner, key=key.to_wire())
     m, fd = _forged(model)
     with pytest.raises(PermissionDeniedError, match="nobody holds it"):
         await _deposit(keeper.socket, str(socket_dir / "nobody.sock"), m, fd)
@@ -513,7 +514,7 @@ async def test_keeper_refuses_slabs_it_could_not_serve(keeper: DaemonProcess, so
 
         async def keep(m: HandedModel, fd: int, backend: str = "host") -> None:
             try:
-                await kp.keep(keeper.socket, owner=owner, backend=backend, device_uuid="", model=m, fds=[fd])
+                await kl.keep(keeper.socket, owner=owner, backend=backend, device_uuid="", model=m, fds=[fd])
             finally:
                 os.close(fd)
 
@@ -562,7 +563,7 @@ async def test_keeper_caps_refuse_with_limit_exceeded_and_spare_other_owners(soc
                 await _deposit(path, c, *_memfd_model(0))
             await _deposit(path, a, *_memfd_model(1))  # replacing an entry stays within the caps
             for owner, n in ((a, 2), (b, 1)):
-                state, fds, _ = await kp.reclaim(path, owner=owner, backend="host", device_uuid="")
+                state, fds, _ = await kl.reclaim(path, owner=owner, backend="host", device_uuid="")
                 for fd in fds:
                     os.close(fd)
                 assert len(state.models) == n and state.dropped == 0
@@ -575,12 +576,12 @@ async def test_keeper_caps_refuse_with_limit_exceeded_and_spare_other_owners(soc
                     await asyncio.get_running_loop().sock_connect(s, str(path))
                 await _connections_reach(keeper, limits.connections)
                 with pytest.raises(LimitExceededError, match="connections open"):
-                    await kp.reclaim(path, owner=a, backend="host", device_uuid="")
+                    await kl.reclaim(path, owner=a, backend="host", device_uuid="")
             finally:
                 for s in idle:
                     s.close()
             await _connections_reach(keeper, 0)
-            state, fds, _ = await kp.reclaim(path, owner=a, backend="host", device_uuid="")
+            state, fds, _ = await kl.reclaim(path, owner=a, backend="host", device_uuid="")
             for fd in fds:
                 os.close(fd)
             assert len(state.models) == 2
@@ -653,7 +654,7 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
         bad, bad_fd = _memfd_model(0)
         bad = HandedModel(bad.key, (SlabDescriptor(size=1 << 30, kind="memfd", fd=1),), bad.tensors)
         state = Reclaimed(id=1, models=(bad, good.handed(descs)), dropped=0)
-        link = kp.KeeperLink(tmp_path / "no-keeper.sock", owner=tmp_path / "d.sock", backend="host", device_uuid="")
+        link = kl.KeeperLink(tmp_path / "no-keeper.sock", owner=tmp_path / "d.sock", backend="host", device_uuid="")
         served, dropped = admit(link, state, [*fds, bad_fd], backend, adopt)
         try:
             assert [m.key for m in served] == [good.key] and dropped == 1

@@ -88,13 +88,9 @@ from wcache.proto import (
     Unkeep,
 )
 from wcache.proto.frames import MAX_KEPT_FDS
-from wcache.server.keeper_link import KeeperLink, keep, reclaim, unkeep
 from wcache.server.listen import accept_loop, bind_private_socket
 
 __all__ = ["HOST_SEALS", "SLAB_KINDS", "Keeper", "KeeperLimits", "lock_holder", "slab_problem"]
-# re-exported for tests/server/test_keeper.py (kp.keep ...) until its call sites name wcache.server.keeper_link;
-# nothing in wcache/ imports them from here
-__all__ += ["KeeperLink", "keep", "reclaim", "unkeep"]
 
 log = logging.getLogger("wcache.keeper")
 
