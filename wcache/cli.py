@@ -121,7 +121,7 @@ async def _manage(args: argparse.Namespace) -> int:
             ev = await client.evict(key, timeout=args.timeout)
             print(f"evicted: {ev.bytes / 1e9:.2f} GB freed")
     except WCacheError as exc:
-        from wcache.server.cli import pytorch_bin_hint
+        from wcache.server.startup import pytorch_bin_hint
 
         hint = (
             pytorch_bin_hint(args.model)

@@ -28,6 +28,7 @@ DEVICE_NAMES = ("torch.cuda", "cudaHost", "is_cuda", "cuda.bindings", "cuda.cuda
 #: modules a daemon imports to start: none may import torch when imported
 START_MODULES = [
     "wcache.server.cli",
+    "wcache.server.startup",
     "wcache.server.daemon",
     "wcache.server.store",
     "wcache.server.loader",

@@ -1,0 +1,399 @@
+"""``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
+goes through, in an order where a bad start costs nothing: socket directory checks -> one-daemon lock ->
+platform check -> takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) -> load
+into one slab -> listen -> ready line (and ready file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from wcache import __version__
+from wcache.errors import CheckpointError, WCacheError
+from wcache.paths import default_socket_dir, socket_name
+from wcache.server.backends.base import Backend
+from wcache.server.security import DaemonLock, check_private_dir, check_socket_path, ensure_socket_dir
+
+if TYPE_CHECKING:
+    from wcache.proto import HandedModel
+    from wcache.rank import RankSpec
+    from wcache.server.backends.base import Slab
+    from wcache.server.keeper_link import KeeperLink
+    from wcache.server.store import ServedModel
+
+__all__ = [
+    "adopt",
+    "checkpoint_errors",
+    "make_backend",
+    "pytorch_bin_hint",
+    "rank_spec",
+    "reclaim",
+    "resolve_socket",
+    "run",
+    "take_over",
+]
+
+log = logging.getLogger("wcache.server")
+
+
+def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
+    if device == "cpu":
+        from wcache.server.backends.host import HostBackend
+
+        return HostBackend()
+    if device == "cuda" or device.startswith("cuda:"):
+        from wcache.server.backends.cuda import CudaBackend
+
+        backend: Backend = CudaBackend(int(device.split(":", 1)[1]) if ":" in device else 0, cuda_export)
+        return backend
+    raise SystemExit(f"wcache-server: error: --device must be cpu or cuda:K, got {device!r}")
+
+
+def resolve_socket(args: argparse.Namespace) -> Path:
+    if args.socket_path is not None:
+        path = Path(os.path.abspath(args.socket_path))
+        if path.parent == Path(os.path.abspath(default_socket_dir())):
+            ensure_socket_dir(path.parent)  # the default directory is ours to create, 0700
+        check_private_dir(path.parent)
+        check_socket_path(path)
+        return path
+    d = args.socket_dir if args.socket_dir is not None else default_socket_dir()
+    if args.socket_dir is None:
+        ensure_socket_dir(d)
+    else:
+        check_private_dir(Path(os.path.abspath(d)))
+    path = Path(os.path.abspath(d)) / socket_name(args.tp_rank)
+    check_socket_path(path)
+    return path
+
+
+def pytorch_bin_hint(root: Path) -> str:
+    """What to do with a checkpoint that has PyTorch ``.bin`` weights but no safetensors ("" otherwise):
+    wcache reads safetensors only (it never unpickles), so they must be converted once."""
+    try:
+        bins = sorted(root.glob("*.bin"))
+        if not bins or any(root.glob("*.safetensors")):
+            return ""
+    except OSError:
+        return ""
+    return (
+        f"{root} holds PyTorch .bin weights ({bins[0].name}{' ...' if len(bins) > 1 else ''}) and no .safetensors: "
+        "wcache reads safetensors only (it never unpickles). Convert once, e.g. with transformers: python -c "
+        f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{root}')"
+        f".save_pretrained('{root}-safetensors', safe_serialization=True)\" and serve {root}-safetensors"
+    )
+
+
+@contextlib.contextmanager
+def checkpoint_errors(model: str) -> Iterator[None]:
+    """Errors a malformed checkpoint raises from deep inside a parser, as the CheckpointError they are:
+    JSON nested past the recursion limit (config.json, the index, a header, a plan) and a tensor name
+    that is not valid UTF-8 (a lone surrogate from a JSON escape) when its table is encoded."""
+    try:
+        yield
+    except CheckpointError as exc:
+        hint = pytorch_bin_hint(Path(model))
+        if not hint:
+            raise
+        raise CheckpointError(f"{exc.message}. {hint}", details=exc.details) from exc
+    except RecursionError as exc:
+        raise CheckpointError(f"checkpoint {model}: a JSON file there is nested too deeply to parse ({exc})") from None
+    except UnicodeError as exc:
+        raise CheckpointError(
+            f"checkpoint {model}: a tensor name or string is not valid UTF-8 ({exc}); fix the checkpoint's names"
+        ) from None
+
+
+def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> list[ServedModel]:
+    """Serve models whose slabs another process handed over (their fd fields index ``fds``). Every fd in
+    ``fds`` is consumed: adopted by a slab, or closed (on failure too)."""
+    from wcache.recipe import key_from_wire
+    from wcache.server.loader import LoadStats
+    from wcache.server.store import ServedModel
+
+    served: list[ServedModel] = []
+    adopted: list[Slab] = []  # each owns its fd from here on
+    used: set[int] = set()
+    try:
+        for hm in models:
+            slabs = []
+            for desc in hm.slabs:
+                slab = backend.adopt(desc, fds[desc.fd])
+                used.add(desc.fd)
+                adopted.append(slab)
+                slabs.append(slab)
+            stats = LoadStats(0, hm.payload, hm.load_seconds)
+            key = key_from_wire(dict(hm.key))  # a deposit keeps its recipe key (docs/protocol.md §4.13)
+            source = Path(hm.source) if hm.source else None
+            served.append(
+                ServedModel(
+                    key,
+                    hm.tensors,
+                    dict(hm.aliases),
+                    slabs,
+                    backend,
+                    hm.payload,
+                    stats,
+                    0.0,
+                    source,
+                    origin=hm.origin,
+                    buffers=hm.buffers,
+                )
+            )
+            hm.tensors.encoded()
+    except BaseException:
+        for s in adopted:
+            s.close()
+        raise
+    finally:
+        for i, fd in enumerate(fds):
+            if i not in used:
+                os.close(fd)
+    return served
+
+
+def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list[ServedModel], socket.socket]:
+    """--takeover: the running daemon's models (adopted slabs) and its listening socket; then its lock."""
+    import asyncio
+
+    from wcache.client.client import take_over as request
+
+    t0 = time.perf_counter()
+    state, fds = asyncio.run(request(sock_path, backend=backend.name, device_uuid=backend.device.uuid))
+    listener = socket.socket(fileno=os.dup(fds[state.listener_fd]))
+    models: list[ServedModel] = []
+    try:
+        models = adopt(state.models, fds, backend)  # closes the listener's original fd with the unused ones
+        for m in models:
+            m.origin = "takeover"  # STATUS: handed over by the old daemon
+        lock.acquire(wait=10.0)  # the old daemon releases it right after sending
+    except BaseException:
+        for m in models:
+            m.close()
+        listener.close()
+        raise
+    log.info(
+        "took over socket=%s from pid=%d models=%d bytes=%d seconds=%.3f",
+        sock_path,
+        state.pid,
+        len(models),
+        sum(m.slab_bytes for m in models),
+        time.perf_counter() - t0,
+    )
+    return models, listener
+
+
+def _keeper_holds_some(args: argparse.Namespace, sock_path: Path) -> bool:
+    """Whether a keeper (``--keeper``) holds models of this rank (STATUS, 0.5 s at most): then start-up
+    reclaims them without torch; otherwise this daemon loads, and its backend sets loads up first."""
+    if args.keeper is None:
+        return False
+    import asyncio
+
+    from wcache.keeper_probe import keeper_kept
+    from wcache.paths import KEEPER_SOCKET
+
+    kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
+    return asyncio.run(keeper_kept(kpath, args.tp_rank)) > 0
+
+
+def reclaim(link: KeeperLink, backend: Backend, plan_file: Path | None = None) -> list[ServedModel]:
+    """--keeper: the models the keeper holds for this daemon's socket that pass the checks against their
+    checkpoint (wcache/server/reclaim.py), adopted; none if it is not running."""
+    import asyncio
+
+    from wcache.server.reclaim import admit
+
+    t0 = time.perf_counter()
+    try:
+        state, fds = asyncio.run(link.reclaim())
+    except (WCacheError, OSError, TimeoutError) as exc:
+        log.warning("keeper %s: nothing reclaimed (%s); loading as usual", link.path, exc)
+        return []
+    models, stale = admit(link, state, fds, backend, adopt, plan_file=plan_file)  # one bad model drops alone
+    link.reclaimed(models)
+    log.info(
+        "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d stale=%d seconds=%.3f",
+        link.path,
+        link.owner,
+        len(models),
+        sum(m.slab_bytes for m in models),
+        state.dropped,
+        stale,
+        time.perf_counter() - t0,
+    )
+    return models
+
+
+def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> None:
+    """Log models evicted at start (already closed) and tell the keeper to drop them."""
+    import asyncio
+
+    for m in evicted:
+        log.info("evicted key=%s bytes=%d reason=%s", m.key.short(), m.slab_bytes, reason)
+        if link is not None:
+            asyncio.run(link.unkeep(m))
+
+
+def rank_spec(args: argparse.Namespace) -> RankSpec:
+    """The rank ``--model``, ``--tp-rank``, ``--tp-size``, ``--dtype``, ``--shard-plan``, ``--transform`` and
+    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank)."""
+    from wcache.rank import RankSpec
+
+    return RankSpec(
+        Path(args.model),
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        dtype=args.dtype,
+        plan_file=args.shard_plan,
+        transform=args.transform,
+        verify_content=args.verify_content,
+    )
+
+
+def write_ready(path: Path, payload: dict[str, object]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload) + "\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wcache.rank import RankPlan, plan_rank
+    from wcache.server.daemon import Daemon
+    from wcache.server.loader import DEFAULT_STAGING
+    from wcache.server.store import Store, load_model
+
+    if args.takeover is not None:
+        sock_path = Path(os.path.abspath(args.takeover))
+        check_private_dir(sock_path.parent)
+    else:
+        sock_path = resolve_socket(args)
+    lock = DaemonLock(sock_path)
+    if args.takeover is None:
+        lock.acquire()
+    try:
+        backend = make_backend(args.device, args.cuda_export)
+        if args.takeover is None and not _keeper_holds_some(args, sock_path):  # it will load: set loads up first
+            backend.prepare_loads()
+        backend.check_platform()
+        handed: list[ServedModel] = []
+        listener = None
+        if args.takeover is not None:
+            handed, listener = take_over(sock_path, backend, lock)
+        tier = None
+        if args.host_tier > 0:
+            from wcache.server.tier import HostTier, default_tier_dir
+
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
+
+        def planner(spec: RankSpec) -> RankPlan:
+            with checkpoint_errors(str(spec.checkpoint)):
+                return plan_rank(spec)
+
+        def loader(rp: RankPlan) -> ServedModel:
+            with checkpoint_errors(str(rp.spec.checkpoint)):
+                return load_model(
+                    rp,
+                    backend=backend,
+                    threads=args.threads,
+                    staging_bytes=args.staging_bytes or DEFAULT_STAGING,
+                    io=args.io,
+                    tier=tier,
+                )
+
+        link: KeeperLink | None = None
+        reclaimed: list[ServedModel] = []
+        if args.keeper is not None:
+            from wcache.paths import KEEPER_SOCKET
+            from wcache.server.keeper_link import KeeperLink
+
+            kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
+            link = KeeperLink(
+                Path(os.path.abspath(kpath)), owner=sock_path, backend=backend.name, device_uuid=backend.device.uuid
+            )
+            if args.takeover is None:  # after a takeover the keeper already holds what was handed over
+                reclaimed = handed = reclaim(link, backend, args.shard_plan)
+        store = Store(backend, handed, budget=args.memory_budget or None)
+        try:
+            if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
+                drop(store.make_room(0), link, "budget")
+            if args.model is not None:
+                spec = rank_spec(args)
+                with planner(spec) as rp:
+                    held = store.models.get(rp.key)
+                    if held is not None:
+                        store.remember_source(held, spec.checkpoint)
+                        log.info(
+                            "serving key=%s bytes=%d from the keeper: nothing loaded", rp.key.short(), held.slab_bytes
+                        )
+                    else:
+                        drop(store.make_room(rp.layout.total_bytes), link, "load")
+                        store.add(loader(rp))
+            if link is not None:
+                import asyncio
+
+                have = {id(m) for m in reclaimed}
+                for m in list(store.models.values()):
+                    if id(m) not in have:
+                        asyncio.run(link.keep(m))
+            daemon = Daemon(
+                store,
+                sock_path,
+                software=f"wcache/{__version__}",
+                max_frame_size=args.max_frame_size,
+                idle_timeout=args.idle_timeout or None,
+                frame_timeout=args.frame_timeout,
+                metrics_port=args.metrics_port,
+                loader=loader,
+                planner=planner,
+                verify_content=args.verify_content,
+                load_on_demand=args.load_on_demand,
+                listener=listener,
+                on_handover=lock.release,
+                tier=tier,
+                keeper=link,
+                keeper_check=args.keeper_check,
+            )
+
+            def ready() -> None:
+                models = list(store.models.values())
+                m = models[0] if models else None
+                log.info(
+                    "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f "
+                    "models=%d budget=%s",
+                    sock_path,
+                    m.key.short() if m else "-",
+                    backend.name,
+                    backend.device.uuid or backend.device.kind,
+                    len(m.table) if m else 0,
+                    store.resident_bytes,
+                    m.stats.seconds if m else 0.0,
+                    m.stats.gb_per_s if m else 0.0,
+                    len(models),
+                    store.budget if store.budget is not None else "none",
+                )
+                if args.ready_file is not None:
+                    write_ready(
+                        args.ready_file,
+                        {"socket": str(sock_path), "pid": os.getpid(), "key": m.key.to_wire() if m else None},
+                    )
+
+            import uvloop
+
+            uvloop.run(daemon.serve(ready))
+        finally:
+            store.close()
+            if tier is not None:
+                tier.close()
+    finally:
+        lock.release()
+    return 0
