@@ -263,8 +263,9 @@ def test_bad_dtype_is_refused_by_the_client_and_the_decoder() -> None:
 
 
 async def test_takeover_keeps_a_deposit_under_its_recipe_key(daemon: DaemonProc, ckpt: Path, socket_dir: Path) -> None:
-    """A new daemon adopts a deposit as a deposit: its recipe key (not the checkpoint's plain key), its
-    origin and its buffers — else the checkpoint's key would map post-processed bytes."""
+    """A new daemon adopts a deposit as a deposit: under its recipe key (not the checkpoint's plain key) and
+    with its buffers — else the checkpoint's key would map post-processed bytes. STATUS says how this daemon
+    got it (origin "takeover")."""
     from wcache.server.process import spawn_daemon
 
     base = WeightCacheKey.from_checkpoint(ckpt)
@@ -274,7 +275,7 @@ async def test_takeover_keeps_a_deposit_under_its_recipe_key(daemon: DaemonProc,
     new = spawn_daemon(None, socket_dir, takeover=daemon.socket, timeout=60)
     try:
         assert daemon.proc.wait(30) == 0
-        assert (await models(new))[key.short()] == "deposit"
+        assert (await models(new))[key.short()] == "takeover"
         async with await WCacheClient(new.socket).fetch(key) as w:
             assert w.buffers == {"rotary.inv_freq"}
             assert all(torch.equal(bits(w[n]), bits(t)) for n, t in ts.items())
