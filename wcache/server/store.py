@@ -76,7 +76,7 @@ class ServedModel:
     stats: LoadStats
     last_use: float = 0.0
     source: Path | None = None  # the checkpoint directory it was loaded from
-    origin: str = ""  # where the bytes came from: "disk", "tier", "deposit" ("" unknown: adopted)
+    origin: str = ""  # how this daemon got it (STATUS): "disk", "tier", "keeper", "takeover", "deposit"
     buffers: tuple[str, ...] = ()  # tensors deposited as module buffers (STATE's ``buffers``)
 
     def __post_init__(self) -> None:
