@@ -109,9 +109,24 @@ def align_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_layout(ckpt: Checkpoint, *, tp_rank: int, tp_size: int, dtype: str, plan: ShardPlan | None) -> Layout:
+def plan_layout(
+    ckpt: Checkpoint,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dtype: str,
+    plan: ShardPlan | None,
+    vocab_padding: int | None = None,
+) -> Layout:
     """Place every tensor of the rank; raises ShardingError before any data is read."""
-    shards = shard_tensors(ckpt.tensors.values(), plan, tp_rank, tp_size, block=fp8_block_size(ckpt.config))
+    shards = shard_tensors(
+        ckpt.tensors.values(),
+        plan,
+        tp_rank,
+        tp_size,
+        block=fp8_block_size(ckpt.config),
+        vocab_padding=vocab_padding,
+    )
     as_stored = is_fp8_checkpoint(ckpt.tensors, ckpt.config)
     order = sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.start))
     placements: list[Placement] = []

@@ -320,10 +320,10 @@ def load_from_disk(
         for alias, target in layout.aliases.items():
             out[alias] = out[target]
         if spec.transform:
-            from wcache.transforms import load_transform
+            from wcache.transforms import load_transform, rank_config
 
             with torch.no_grad():
-                out = load_transform(spec.transform)(out, ckpt.config)
+                out = load_transform(spec.transform)(out, rank_config(ckpt.config, spec.tp_rank, spec.tp_size))
     return out
 
 

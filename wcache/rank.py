@@ -23,7 +23,7 @@ from wcache.checkpoint import Checkpoint
 from wcache.key import WeightCacheKey
 from wcache.layout import Layout, plan_layout
 from wcache.proto import Preload
-from wcache.sharding import ShardPlan, resolve_plan
+from wcache.sharding import VOCAB_PADDED_TRANSFORMS, ShardPlan, resolve_plan
 
 __all__ = ["RankPlan", "RankSpec", "plan_rank"]
 
@@ -124,7 +124,14 @@ def plan_rank(spec: RankSpec | PathLike, **fields: Any) -> RankPlan:
     try:
         plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
         key = WeightCacheKey.from_spec(spec, checkpoint=ckpt, plan=plan)
-        layout = plan_layout(ckpt, tp_rank=spec.tp_rank, tp_size=spec.tp_size, dtype=key.dtype, plan=plan)
+        layout = plan_layout(
+            ckpt,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
+            dtype=key.dtype,
+            plan=plan,
+            vocab_padding=VOCAB_PADDED_TRANSFORMS.get(spec.transform),
+        )
     except BaseException:
         ckpt.close()
         raise

@@ -132,6 +132,34 @@ def resolve_plan(architecture: str, tp_size: int, plan_file: str | os.PathLike[s
     return plan
 
 
+#: Load-time transforms whose layout pads the vocabulary (embedding and LM-head rows) to a multiple before the
+#: engine splits it across ranks: spec -> the multiple. Torch-free, so planning a rank (and the keeper's
+#: reclaim check) need not import the transform. vLLM: ``DEFAULT_VOCAB_PADDING_SIZE``.
+VOCAB_PADDED_TRANSFORMS: dict[str, int] = {"wcache.transforms:vllm_layout": 64}
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def padded_vocab_shard(name: str, rows: int, tp_rank: int, tp_size: int, padding: int) -> Shard:
+    """vLLM's split of a vocabulary-parallel tensor: the vocabulary padded to ``padding`` rows is split evenly
+    (``VocabParallelEmbedding``); this rank holds the real rows of its range (the transform pads the rest
+    with zeros). Ranks of a 32016-row vocabulary at TP=2: rows 0..16031 and 16032..32015 (+48 zero rows)."""
+    padded = -(-rows // padding) * padding
+    if padded % tp_size:
+        raise ShardingError(
+            f"{name}: the vocabulary of {rows} rows padded to {padded} cannot be split into {tp_size} ranks",
+            details={"tensor": name, "rows": rows, "padded": padded, "tp_size": tp_size},
+        )
+    per = padded // tp_size
+    start = tp_rank * per
+    length = min(per, rows - start)
+    if length <= 0:
+        raise ShardingError(
+            f"{name}: rank {tp_rank} of {tp_size} would hold only padding rows of the {rows}-row vocabulary",
+            details={"tensor": name, "rows": rows, "tp_rank": tp_rank, "tp_size": tp_size},
+        )
+    return Shard(0, start, length)
+
+
 def shard_tensors(
     tensors: Iterable[TensorInfo],
     plan: ShardPlan | None,
@@ -139,6 +167,7 @@ def shard_tensors(
     tp_size: int,
     *,
     block: tuple[int, int] | None = None,
+    vocab_padding: int | None = None,
 ) -> dict[str, Shard | None]:
     """Each tensor's slice for this rank (None = whole tensor); raises ShardingError first.
 
@@ -147,6 +176,9 @@ def shard_tensors(
     split on the same dimension by whole blocks, so a rank's scales are exactly those of its weight
     rows/columns. A weight whose shard is not a multiple of the block is refused (its edge block's
     scale would be split across ranks), as is a scale whose shape does not match its weight.
+
+    ``vocab_padding`` (``VOCAB_PADDED_TRANSFORMS`` of the key's transform): the embedding and LM head are split
+    as the engine splits its padded vocabulary (:func:`padded_vocab_shard`), not evenly.
     """
     if not 0 <= tp_rank < tp_size:
         raise ShardingError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
@@ -169,6 +201,9 @@ def shard_tensors(
             continue
         if dim is None:
             out[t.name] = None
+            continue
+        if vocab_padding and dim == 0 and t.name in VOCAB_ROWS and t.shape:  # the engine's padded split
+            out[t.name] = padded_vocab_shard(t.name, t.shape[0], tp_rank, tp_size, vocab_padding)
             continue
         if dim >= len(t.shape) or t.shape[dim] % tp_size:
             bad.append(f"{t.name} (shape {list(t.shape)}, dim {dim})")

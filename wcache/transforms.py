@@ -1,7 +1,8 @@
 """Load-time transforms: rewrite a rank's tensors once in the daemon, so engines skip their own
 post-processing (``wcache-server --transform module:function``).
 
-A transform is ``fn(tensors: dict[str, Tensor], config: dict) -> dict[str, Tensor]``; it runs on
+A transform is ``fn(tensors: dict[str, Tensor], config: dict) -> dict[str, Tensor]``; ``config`` is
+config.json plus ``wcache_tp_rank`` / ``wcache_tp_size`` (the rank it works for). It runs on
 the slab's device after loading, and its result is packed into a fresh slab. The spec string is
 the transform's id in the cache key (field ``transform``): give a changed transform a new name.
 Names that map to the very same tensor object in the result are served as aliases.
@@ -18,12 +19,14 @@ import torch
 
 from wcache.errors import ShardingError, TransformError
 from wcache.quant import SCALE_SUFFIX, fp8_block_size
+from wcache.sharding import VOCAB_PADDED_TRANSFORMS, VOCAB_ROWS
 
 __all__ = [
     "VLLM_VOCAB_PADDING",
     "Transform",
     "fuse_llama_qkv_gate_up",
     "load_transform",
+    "rank_config",
     "stack_experts",
     "vllm_layout",
 ]
@@ -31,6 +34,11 @@ __all__ = [
 Transform = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
 FUSE_SPEC = "wcache.transforms:fuse_llama_qkv_gate_up"
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def rank_config(config: dict[str, Any], tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """The ``config`` a transform receives: config.json plus the rank it works for."""
+    return {**config, "wcache_tp_rank": tp_rank, "wcache_tp_size": tp_size}
 
 
 def load_transform(spec: str) -> Transform:
@@ -81,8 +89,7 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
 
 
 #: vLLM pads embedding and LM-head rows to a multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``).
-VLLM_VOCAB_PADDING = 64
-_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+VLLM_VOCAB_PADDING = VOCAB_PADDED_TRANSFORMS["wcache.transforms:vllm_layout"]
 
 
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -121,34 +128,39 @@ def vllm_layout(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dic
     """vLLM's parameter layout for the Llama family and Qwen/Mixtral MoE: :func:`fuse_llama_qkv_gate_up`,
     MoE experts stacked as FusedMoE holds them (:func:`stack_experts`), and the embedding and LM
     head padded with zero rows to vLLM's padded vocabulary (``VocabParallelEmbedding`` /
-    ``ParallelLMHead`` hold ``round_up(vocab, 64)`` rows and zero the padding).
+    ``ParallelLMHead`` hold ``round_up(vocab, 64) / tp_size`` rows per rank and zero the padding).
 
-    Tied weights stay one tensor. At tensor-parallel size > 1 vLLM splits the *padded* vocabulary evenly,
-    which an even split of the checkpoint rows matches only when the vocabulary needs no padding: other
-    sizes are refused here (ShardingError) rather than served in the wrong layout.
+    At tensor-parallel size > 1 the daemon already cut this rank's rows as vLLM splits the *padded* vocabulary
+    (``wcache.sharding.padded_vocab_shard``, keyed by this transform's name); here they are padded to the
+    rank's share. Tied weights stay one tensor.
     """
     out = fuse_llama_qkv_gate_up(stack_experts(tensors), config)
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
-        raise ShardingError("vllm_layout: config.json has no positive integer vocab_size")
+        raise TransformError("vllm_layout: config.json has no positive integer vocab_size")
+    tp_size = config.get("wcache_tp_size", 1)
     padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if not isinstance(tp_size, int) or tp_size < 1 or padded % tp_size:
+        raise ShardingError(f"vllm_layout: a vocabulary padded to {padded} rows cannot be split into {tp_size} ranks")
+    per = padded // tp_size
     done: dict[int, torch.Tensor] = {}
-    for name in _VOCAB_ROWS:
-        t = out.get(name)
-        if t is None or padded == vocab:
+    for name in VOCAB_ROWS:
+        orig = out.get(name)
+        if orig is None:
             continue
-        if id(t) in done:  # tied: the same padded tensor
-            out[name] = done[id(t)]
+        if id(orig) in done:  # tied: the same padded tensor
+            out[name] = done[id(orig)]
             continue
+        t = orig
         rows = t.shape[0]
-        if rows != vocab:
+        if rows > per:
             raise ShardingError(
-                f"vllm_layout: {name} has {rows} of {vocab} rows (a tensor-parallel shard); vLLM pads the vocabulary "
-                f"to {padded} before splitting it, which an even split of {vocab} rows does not match: serve this "
-                "model at tensor-parallel size 1 or load it with vLLM's default loader"
+                f"vllm_layout: {name} has {rows} rows on this rank, more than vLLM's {per} (vocabulary {vocab} padded "
+                f"to {padded}, {tp_size} ranks): the rank was not split as vLLM splits it"
             )
-        pad = torch.zeros((padded - rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        out[name] = done[id(t)] = torch.cat([t, pad], dim=0)
+        if rows < per:
+            t = torch.cat([t, torch.zeros((per - rows, *t.shape[1:]), dtype=t.dtype, device=t.device)], dim=0)
+        out[name] = done[id(orig)] = t
     return out
 
 

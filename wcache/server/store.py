@@ -157,7 +157,7 @@ def _load_planned(
                 return served
     fn = None
     if transform:
-        from wcache.transforms import load_transform  # imports torch: only a load with a transform needs it
+        from wcache.transforms import load_transform, rank_config  # imports torch: only loads with a transform
 
         fn = load_transform(transform)
     started = time.perf_counter()
@@ -166,7 +166,8 @@ def _load_planned(
         stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io, started=started)
         if fn is not None:
             loaded = slab
-            slab, table, aliases, payload = _transformed(fn, layout, loaded, backend, ckpt.config, transform)
+            config = rank_config(ckpt.config, key.tp_rank, key.tp_size)
+            slab, table, aliases, payload = _transformed(fn, layout, loaded, backend, config, transform)
             loaded.close()
         else:
             table, aliases, payload = layout.table(), layout.aliases, layout.payload_bytes
