@@ -24,7 +24,7 @@ import torch
 from tests.conftest import DaemonProc
 from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey, channel
 from wcache.client import client as client_mod
-from wcache.client.wait import lock_holder
+from wcache.locks import lock_holder
 from wcache.nn import load_from_disk
 from wcache.paths import socket_name
 from wcache.server.process import DaemonProcess

@@ -16,7 +16,7 @@ evidently on its way before it gives up:
   there and gets it back when it restarts. The keeper's STATUS does not name owners (§4.11), so the
   client matches kept models by the ``tp_rank`` of the key it asks for (one daemon per rank in a
   socket directory; without a key, any kept model counts). A keeper that is absent, refuses, or does
-  not answer within ``KEEPER_PROBE_TIMEOUT`` means "nothing kept".
+  not answer within ``wcache.keeper_probe.KEEPER_PROBE_TIMEOUT`` means "nothing kept".
 
 When neither holds, the first error is raised at once. Otherwise the client retries the connection
 with a backoff (10 ms doubling to 100 ms) until the caller's deadline, checking every
@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 from wcache.errors import CacheUnavailableError
 from wcache.keeper_probe import keeper_kept
+from wcache.locks import lock_holder
 
-__all__ = ["daemon_coming", "is_absent", "keeper_kept", "lock_holder", "wait_for_daemon"]
+__all__ = ["daemon_coming", "is_absent", "keeper_kept", "wait_for_daemon"]
 
 log = logging.getLogger("wcache.client")
 
@@ -50,29 +50,6 @@ RECHECK_SECONDS = 0.5
 def is_absent(exc: CacheUnavailableError) -> bool:
     """True when ``exc`` is a connect that found no socket file or a socket nobody listens on."""
     return isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError))
-
-
-def lock_holder(socket_path: Path, proc_locks: str = "/proc/locks") -> int | None:
-    """The pid holding the ``flock`` of ``<socket_path>.lock`` (0: held by a process whose pid is not
-    visible here, e.g. in another pid namespace), or None when nobody holds it or it cannot be told
-    (no lock file, no ``/proc/locks``). Never touches the lock itself."""
-    try:
-        st = os.stat(str(socket_path) + ".lock")
-        with open(proc_locks) as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    for line in text.splitlines():
-        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF"; waiters' lines have "->" after the number
-        fields = line.split()
-        if len(fields) < 6 or fields[1] != "FLOCK" or fields[5] != want:
-            continue
-        try:
-            return max(int(fields[4]), 0)
-        except ValueError:
-            return 0
-    return None
 
 
 async def daemon_coming(socket_path: Path, keeper_path: Path, rank: int | None) -> str | None:

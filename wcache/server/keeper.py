@@ -67,6 +67,7 @@ from wcache.errors import (
     WCacheError,
 )
 from wcache.key import WeightCacheKey
+from wcache.locks import lock_holder
 from wcache.proto import (
     Connection,
     DeviceInfo,
@@ -90,7 +91,7 @@ from wcache.proto import (
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server.listen import accept_loop, bind_private_socket
 
-__all__ = ["HOST_SEALS", "SLAB_KINDS", "Keeper", "KeeperLimits", "lock_holder", "slab_problem"]
+__all__ = ["HOST_SEALS", "SLAB_KINDS", "Keeper", "KeeperLimits", "slab_problem"]
 
 log = logging.getLogger("wcache.keeper")
 
@@ -169,31 +170,6 @@ def slab_problem(backend: str, desc: SlabDescriptor, fd: int) -> str | None:
     return None
 
 
-def lock_holder(owner: str) -> int:
-    """The pid that holds the ``flock`` of the daemon lock ``<owner>.lock`` (0: none, or not visible to us).
-    Read from /proc/locks, matched by device and inode: the lock file's content is not trusted (any
-    process of the uid can write it)."""
-    try:
-        st = os.stat(owner + ".lock")
-        with open("/proc/locks") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return 0
-    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    for line in lines:
-        f = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 12345 fe:00:2148881 0 EOF"; waiters ("1: -> FLOCK ...") hold nothing
-        if len(f) < 6 or f[1] != "FLOCK" or f[3] != "WRITE":
-            continue
-        try:
-            maj, mnr, ino = f[5].split(":")
-            if (int(maj, 16), int(mnr, 16), int(ino)) == want:
-                return int(f[4])
-        except ValueError:
-            continue
-    return 0
-
-
 class Keeper:
     """The asyncio server. ``entries``: (owner, packed key) -> what is held.
 
@@ -244,7 +220,7 @@ class Keeper:
             raise ProtocolError(f"{what}.owner: the depositing daemon's socket path is required")
         if not self.check_owner:
             return
-        holder = lock_holder(owner)
+        holder = lock_holder(owner) or 0  # 0: nobody (or not visible to us)
         if holder != pid or pid <= 0:
             raise PermissionDeniedError(
                 f"{what} for {owner}: only the daemon serving that socket (the holder of {owner}.lock"
