@@ -1,12 +1,15 @@
 """``--io stream[:BLOCK]`` (issue 20, docs/performance.md): files mostly not in the page cache are read in
-block-aligned blocks that every thread takes in file order (O_DIRECT on slabs that read with it), cached
-files as with buffered. The slab must hold the same bytes as a buffered load, shards and TP slices alike."""
+block-aligned O_DIRECT blocks that every thread takes in file order (one front), into one staging buffer
+per job on slabs whose writer stages; cached files, and slabs that do not stage, read whole jobs as with
+buffered. The slab must hold the same bytes as a buffered load, shards and TP slices alike."""
 
 from __future__ import annotations
 
 import glob
 import mmap
 import os
+import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,10 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 from wcache.checkpoint import Checkpoint
+from wcache.errors import CheckpointError
 from wcache.layout import Layout, plan_layout
 from wcache.server import loader
 from wcache.server.backends.host import HostBackend
-from wcache.server.loader import ALIGN_IO, Files, Job, load_into, parse_io, read_direct, read_job
+from wcache.server.loader import ALIGN_IO, Files, Job, load_into, parse_io, read_job
 from wcache.sharding import resolve_plan
 from wcache.synthetic import TINY, make_llama_checkpoint
 
@@ -64,59 +68,157 @@ def _uncached(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "page_cache_fraction", lambda path: 0.0)
 
 
+class _StagedSlab:
+    """A bytearray slab with a staging writer like the CUDA one (``StagedWriter``): whole jobs through
+    per-call buffers, staged jobs through a pool of ``pool`` job-sized page-aligned buffers."""
+
+    direct_io = True
+
+    def __init__(self, size: int, pool: int = 2) -> None:
+        self.size = size
+        self.buf = bytearray(size)
+        self.pool = pool
+        self.stages = 0
+        self.commits = 0
+        self.whole = 0
+        self.direct: set[Path] = set()
+        self.staged: list[Job] = []
+        self.lock = threading.Lock()
+        self.aborted = False
+
+    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()) -> _StagedSlab:
+        self.direct, self.staged = set(direct), list(staged)
+        room = -(-max(j.nbytes for j in jobs) // ALIGN_IO) * ALIGN_IO + 2 * ALIGN_IO
+        self.bufs = [mmap.mmap(-1, room) for _ in range(self.pool)]
+        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(self.pool):
+            self.free.put(i)
+        return self
+
+    def write(self, job: Job, files: Files) -> None:
+        tmp = bytearray(job.nbytes)
+        read_job(files, job, memoryview(tmp))
+        self.buf[job.dest : job.dest + job.nbytes] = tmp
+        with self.lock:
+            self.whole += 1
+
+    def stage(self, job: Job) -> tuple[int, memoryview]:
+        while True:
+            if self.aborted:
+                raise RuntimeError("load aborted")
+            try:
+                slot = self.free.get(timeout=0.05)
+                break
+            except queue.Empty:
+                continue
+        with self.lock:
+            self.stages += 1
+        return slot, memoryview(self.bufs[slot])
+
+    def commit(self, job: Job, slot: int, start: int) -> None:
+        n = job.nbytes
+        self.buf[job.dest : job.dest + n] = self.bufs[slot][start : start + n]
+        with self.lock:
+            self.commits += 1
+        self.free.put(slot)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _o_direct_or_skip(ckpt: Path) -> None:
+    try:
+        os.close(os.open(next(iter(ckpt.glob("*.safetensors"))), os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError as exc:
+        pytest.skip(f"this filesystem refuses O_DIRECT ({exc})")
+
+
 @pytest.mark.parametrize(("rank", "tp"), [(0, 1), (1, 2)], ids=["tp1", "tp2-rank1"])
 def test_stream_load_is_bit_identical(shards4: Path, monkeypatch: pytest.MonkeyPatch, rank: int, tp: int) -> None:
-    """4 shards, 64 KiB blocks (many cuts, TP row pieces included): the same slab as a buffered load, and
-    every tensor equal to safetensors' own."""
+    """4 shards, 64 KiB blocks (many blocks per job, TP row pieces included): the same slab as a buffered
+    load, and every tensor equal to safetensors' own. Every one-extent job is staged and committed once;
+    the row-piece jobs of a TP=2 rank are read whole."""
     lay = _layout(shards4, rank, tp)
     want = _host_load(lay, "buffered")
+    _o_direct_or_skip(shards4)
     _uncached(monkeypatch)
-    seen = _spy_jobs(monkeypatch)
-    got = _host_load(lay, "stream:64KiB")
+    slab = _StagedSlab(lay.total_bytes)
+    load_into(lay, slab, threads=4, staging_bytes=8 << 20, progress=False, io="stream:64KiB")  # type: ignore[arg-type]
+    got = bytes(slab.buf)
     assert got == want
-    assert len(seen[0]) > len(lay.placements)  # split into blocks, not read as whole jobs
+    assert slab.direct == {p.source.file for p in lay.placements}
+    assert slab.staged and slab.stages == slab.commits == len(slab.staged)
+    jobs = loader._jobs(lay, loader._chunk(4, 8 << 20))
+    assert slab.whole == len(jobs) - len(slab.staged)
+    assert sum(len(loader._pieces(j, 64 << 10)) for j in slab.staged) > len(slab.staged)  # read in blocks
     ref: dict[str, torch.Tensor] = {}
     for f in sorted(glob.glob(str(shards4 / "*.safetensors"))):
         ref.update(load_file(f))
-    slab = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+    t_slab = torch.frombuffer(bytearray(got), dtype=torch.uint8)
     for p in lay.placements:
-        t = slab[p.offset : p.offset + p.nbytes].view(torch.bfloat16).reshape(p.shape)
+        t = t_slab[p.offset : p.offset + p.nbytes].view(torch.bfloat16).reshape(p.shape)
         w = ref[p.source.name]
         if p.shard is not None:
             w = w.narrow(p.shard.dim, p.shard.start, p.shard.length)
         assert torch.equal(t, w), p.source.name
 
 
-def test_split_blocks_cover_the_same_bytes(shards4: Path) -> None:
-    """Each block job holds at most BLOCK bytes and lands contiguously; a one-extent job's blocks stay
-    inside block-aligned ranges of its file (O_DIRECT reads no extra pages); together they read exactly the bytes of the whole jobs, in order."""
-    lay = _layout(shards4, 1, 2)
-    jobs = loader._jobs(lay, 1 << 20)
+def test_pieces_cover_the_aligned_job() -> None:
+    """A staged job's reads cover its 4 KiB-aligned superset exactly, back to back, each inside one
+    block-aligned range of the file (the front's blocks), none longer than the block."""
     block = 64 << 10
-    files = {p.source.file for p in lay.placements}
-    split = loader._split(jobs, block, files)
+    for off, n in [(0, 1), (8, 200_000), (4096, 65536), (65535, 2), (123_457, 1 << 20), (block * 3, block)]:
+        job = Job(None, 0, [(Path("f"), off, n)])
+        pieces = loader._pieces(job, block)
+        start, end = off - off % ALIGN_IO, -(-(off + n) // ALIGN_IO) * ALIGN_IO
+        assert pieces[0][0] == start
+        assert sum(k for _, k in pieces) == end - start
+        for (p, k), (q, _) in zip(pieces, pieces[1:], strict=False):
+            assert p + k == q
+        assert all(0 < k <= block and p // block == (p + k - 1) // block for p, k in pieces)
 
-    def spans(js: Sequence[Job]) -> list[tuple[Path, int, int, int]]:  # (file, offset, length, dest), merged
-        out: list[tuple[Path, int, int, int]] = []
-        for j in js:
-            dest = j.dest
-            for f, off, n in j.extents:
-                last = out[-1] if out else None
-                if last and last[0] == f and last[1] + last[2] == off and last[3] + last[2] == dest:
-                    out[-1] = (f, last[1], last[2] + n, last[3])
-                else:
-                    out.append((f, off, n, dest))
-                dest += n
-        return out
 
-    assert spans(split) == spans(jobs)
-    assert len(split) > len(jobs)
-    assert all(0 < j.nbytes <= block for j in split)
-    for whole in (j for j in jobs if len(j.extents) == 1):  # a file range: cut at block-aligned offsets
-        for j in loader._split([whole], block, files):
-            _, off, n = j.extents[0]
-            assert off // block == (off + n - 1) // block
-    assert loader._split(jobs, block, set()) == jobs  # other files' jobs are kept whole
+def test_host_slab_reads_stream_jobs_whole(shards4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host slab does not stage: ``--io stream`` reads its jobs whole, the same bytes."""
+    lay = _layout(shards4)
+    want = _host_load(lay, "buffered")
+    _uncached(monkeypatch)
+    seen = _spy_jobs(monkeypatch)
+    assert _host_load(lay, "stream:64KiB") == want
+    assert len(seen[0]) == len(loader._jobs(lay, loader._chunk(4, 8 << 20)))
+
+
+def test_failed_block_ends_the_load(shards4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file truncated after planning: the block that finds it short raises CheckpointError naming the
+    file, and the threads waiting for the staging buffer the failed job holds are woken (no hang)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(shards4, ckpt)
+    _o_direct_or_skip(ckpt)
+    lay = _layout(ckpt)
+    last = max(lay.placements, key=lambda p: p.source.start + p.source.nbytes).source.file
+    os.truncate(last, os.path.getsize(last) // 2)
+    _uncached(monkeypatch)
+    slab = _StagedSlab(lay.total_bytes, pool=1)
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_into(lay, slab, threads=4, staging_bytes=8 << 20, progress=False, io="stream:64KiB")  # type: ignore[arg-type]
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=load)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the load hung after a failed block"
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointError), errors
+    assert str(last) in str(errors[0])
 
 
 def test_cached_files_keep_whole_jobs(shards4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,68 +231,8 @@ def test_cached_files_keep_whole_jobs(shards4: Path, monkeypatch: pytest.MonkeyP
     assert [j.extents for j in seen[0]] == [j.extents for j in seen[1]]
 
 
-class _DirectSlab:
-    """A bytearray slab that reads with O_DIRECT like the CUDA writer: aligned per-thread buffers,
-    ``read_direct`` for one-extent jobs of the files in ``direct``."""
-
-    direct_io = True
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.buf = bytearray(size)
-        self.direct_reads = 0
-        self.direct: set[Path] = set()
-        self.lock = threading.Lock()
-
-    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path]) -> _DirectSlab:
-        self.direct = set(direct)
-        self.local = threading.local()
-        self.room = -(-max(j.nbytes for j in jobs) // ALIGN_IO) * ALIGN_IO + 2 * ALIGN_IO
-        return self
-
-    def write(self, job: Job, files: Files) -> None:
-        mm = getattr(self.local, "mm", None)
-        if mm is None:
-            mm = self.local.mm = mmap.mmap(-1, self.room)
-        view = memoryview(mm)
-        try:
-            f, off, _ = job.extents[0]
-            n = job.nbytes
-            dfd = files.direct_fd(f) if f in self.direct and len(job.extents) == 1 else -1
-            start = 0
-            if dfd >= 0:
-                start = read_direct(dfd, view, off, n, str(f))
-                with self.lock:
-                    self.direct_reads += 1
-            else:
-                read_job(files, job, view[:n])
-            self.buf[job.dest : job.dest + n] = view[start : start + n]
-        finally:
-            view.release()
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def test_stream_reads_direct_blocks(shards4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a slab that reads with O_DIRECT, every uncached file is read direct in blocks; same bytes."""
-    lay = _layout(shards4)
-    want = _host_load(lay, "buffered")
-    probe = os.open(next(iter(shards4.glob("*.safetensors"))), os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    os.close(probe)  # (raises where this filesystem refuses O_DIRECT: then the test cannot run here)
-    _uncached(monkeypatch)
-    slab = _DirectSlab(lay.total_bytes)
-    load_into(lay, slab, threads=4, staging_bytes=8 << 20, progress=False, io="stream:128KiB")  # type: ignore[arg-type]
-    assert bytes(slab.buf) == want
-    assert slab.direct == {p.source.file for p in lay.placements}
-    assert slab.direct_reads > len(lay.placements)
-
-
 def test_parse_io_refuses_bad_blocks() -> None:
-    assert parse_io("stream") == ("stream", loader.STREAM_BLOCK)
+    assert parse_io("stream") == ("stream", loader.STREAM_BLOCK) == ("stream", 512 << 10)
     assert parse_io("stream:512KiB") == ("stream", 512 << 10)
     assert parse_io("auto") == ("auto", 0)
     for bad in ("stream:1000", "stream:32K", "stream:128M", "direct:1M", "fast"):

@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_io_arg,
         metavar="{buffered,direct,auto,stream[:BLOCK]}",
         help="GPU loads: page-cache reads (default), O_DIRECT reads, auto (direct for files mostly not cached), "
-        "or stream: files mostly not cached read with O_DIRECT in BLOCK-sized reads (default 1MiB) that all "
-        "threads take in file order, the way fastsafetensors reads (docs/performance.md); cached files are read "
-        "as with buffered. Measured on the H200's disk: direct was not faster cold (9.19 vs 9.15 s for 16 GB) "
+        "or stream: files mostly not cached read with O_DIRECT in BLOCK-sized reads (default 512KiB) that all "
+        "threads take in file order, the way fastsafetensors reads, one copy per job (docs/performance.md); cached "
+        "files are read as with buffered. Measured on the H200's disk: direct was not faster cold (9.19 vs 9.15 s for 16 GB) "
         "and leaves the page cache empty for the next start",
     )
     p.add_argument(

@@ -18,11 +18,13 @@ Reader threads (``os.preadv`` releases the GIL) run the jobs; each job goes to t
   reads and host-to-device copies overlap and pinned memory stays bounded by ``staging_bytes``.
 
 ``io="stream"`` (``--io stream[:BLOCK]``) reads the way fastsafetensors 0.5.0's nogds reader does
-(docs/performance.md): files less than half in the page cache are read with O_DIRECT in blocks of
-``BLOCK`` (1 MiB default) at block-aligned file offsets, handed out in file order to every thread, so
-all threads read neighbouring blocks of one file (a single sequential front, at most 2 x threads blocks
-in flight) instead of each thread reading its own 16 MiB chunk; cached files keep the large buffered jobs
-(the warm load is unchanged).
+(docs/performance.md): files less than half in the page cache are read with O_DIRECT in one sequential
+front of BLOCK-sized reads (512 KiB default) at block-aligned file offsets, each thread taking the next
+block, so all threads read neighbouring blocks of one file instead of each reading its own 16 MiB chunk.
+The blocks of one job land in one staging buffer, and the thread that reads a job's last block copies the
+whole job to the slab (one copy per job, not per block) — on slabs whose writer stages (CUDA,
+``StagedWriter``); elsewhere, and for cached files, jobs are read whole as with buffered (the warm load is
+unchanged).
 
 Placements that need a dtype cast are read whole (their shard's extents) and cast with
 torch on the slab's device. A file that ends early is a CheckpointError naming the file
@@ -54,7 +56,7 @@ from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
 from wcache.layout import Layout, Placement
-from wcache.server.backends.base import Slab
+from wcache.server.backends.base import Slab, StagedWriter
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +93,10 @@ MAX_CHUNK = 64 << 20
 FLAT_CHUNK = 16 << 20
 # ``--io stream``: O_DIRECT block per read for uncached files (fastsafetensors 0.5.0 reads 512 KiB blocks:
 # its 16 MiB bounce buffer over 16 threads x 2 buffers). Bounds: one 4 KiB-aligned block, at most a chunk.
-STREAM_BLOCK = 1 << 20
+# H200 VM, 16 GB cold, 16 threads, no copy (benchmarks/results/disk_pattern-cuda0-2026-12-01.json): 512 KiB
+# 8.44 s, 1 MiB 14.9 s, 4 MiB 13.3 s (the virtio disk takes at most 254 4 KiB segments per request: a
+# 1 MiB read into 4 KiB pages becomes a 1016 KiB request and an 8 KiB one).
+STREAM_BLOCK = 512 << 10
 MIN_STREAM_BLOCK = 64 << 10
 IO_MODES = ("buffered", "direct", "auto", "stream")
 
@@ -230,34 +235,28 @@ def parse_io(io: str) -> tuple[str, int]:
     if block % ALIGN_IO or not MIN_STREAM_BLOCK <= block <= MAX_CHUNK:
         raise ValueError(
             f"io {io!r}: the stream block must be a multiple of {ALIGN_IO} bytes in "
-            f"[{MIN_STREAM_BLOCK >> 10}KiB, {MAX_CHUNK >> 20}MiB] (default {STREAM_BLOCK >> 20}MiB)"
+            f"[{MIN_STREAM_BLOCK >> 10}KiB, {MAX_CHUNK >> 20}MiB] (default {STREAM_BLOCK >> 10}KiB)"
         )
     return mode, block
 
 
-def _split(jobs: list[_Job], block: int, files: set[Path]) -> list[_Job]:
-    """The jobs reading ``files`` cut into jobs of at most ``block`` bytes (destinations stay contiguous):
-    a one-extent job at block-aligned file offsets (O_DIRECT reads then need no extra pages), a
-    multi-extent one (row pieces of a shard) by bytes. Casts and other files' jobs are kept whole."""
-    out: list[_Job] = []
-    for job in jobs:
-        if job.cast or job.extents[0][0] not in files or (job.nbytes <= block and len(job.extents) == 1):
-            out.append(job)
-            continue
-        aligned = len(job.extents) == 1
-        cur = _Job(job.placement, job.dest, more=job.more)
-        filled = 0
-        for f, start, length in job.extents:
-            off, n = start, length
-            while n:
-                take = min(n, block - off % block) if aligned else min(n, block - filled)
-                cur.add(f, off, take)
-                off, n, filled = off + take, n - take, filled + take
-                if aligned or filled == block:
-                    out.append(cur)
-                    cur, filled = _Job(job.placement, cur.dest + filled, more=job.more), 0
-        if cur.extents:
-            out.append(cur)
+def _streamed(jobs: list[_Job], files: set[Path]) -> list[_Job]:
+    """The jobs a stream load reads as a front of blocks: one file range (no row pieces), no cast, in ``files``."""
+    return [j for j in jobs if not j.cast and len(j.extents) == 1 and j.extents[0][0] in files]
+
+
+def _pieces(job: _Job, block: int) -> list[tuple[int, int]]:
+    """The O_DIRECT reads of a one-extent job: (file offset, length) covering the job's 4 KiB-aligned
+    superset, cut at multiples of ``block`` in the file (the front's blocks), in order."""
+    _, off, n = job.extents[0]
+    start = off - off % ALIGN_IO
+    end = -(-(off + n) // ALIGN_IO) * ALIGN_IO
+    out = []
+    p = start
+    while p < end:
+        q = min(end, (p // block + 1) * block)
+        out.append((p, q - p))
+        p = q
     return out
 
 
@@ -490,9 +489,7 @@ def load_into(
             if mode == "direct" or page_cache_fraction(ckpt.fd(f) if ckpt is not None else f) < 0.5:
                 cold.add(f)
     direct = cold if slab.direct_io and hasattr(os, "O_DIRECT") else set()
-    if block:
-        jobs = _split(jobs, block, cold)
-    total = _execute(jobs, slab, threads, chunk, direct, progress, ckpt)
+    total = _execute(jobs, slab, threads, chunk, direct, progress, ckpt, block=block)
     seconds = time.perf_counter() - t0
     ckpt_bytes = sum({(p.source.file, p.source.name): p.source.nbytes for p in layout.placements}.values())
     stats = LoadStats(total, layout.payload_bytes, seconds, ckpt_bytes)
@@ -545,36 +542,113 @@ def _execute(
     direct: set[Path],
     progress: TextIO | bool | None,
     checkpoint: Checkpoint | None = None,
+    *,
+    block: int = 0,
 ) -> int:
     """Run the jobs on ``threads`` readers; returns the bytes read. How bytes reach the slab (the
-    host's sendfile / mapping, the device's pinned staging and streams) is the slab's writer."""
+    host's sendfile / mapping, the device's pinned staging and streams) is the slab's writer.
+    ``block`` (``--io stream``): the one-extent jobs of ``direct`` files are read as a front of
+    ``block``-sized O_DIRECT reads into one staging buffer per job, where the writer stages."""
     total = sum(j.nbytes for j in jobs)
     stream: TextIO | None = sys.stderr if progress is None and sys.stderr.isatty() else None
     if progress not in (None, False, True):
         stream = progress  # type: ignore[assignment]
     bar = _Progress(total, stream)
     files = _Files(checkpoint)
-    writer = slab.writer(jobs, threads, direct)
+    staged = _streamed(jobs, direct) if block else []
+    writer = slab.writer(jobs, threads, direct, staged)
+    if not isinstance(writer, StagedWriter):
+        staged = []
     target = slab.tensor() if any(j.cast for j in jobs) else None  # casts run in torch (imported then)
-
-    def run(job: _Job) -> None:
-        if job.cast:
-            assert target is not None
-            _cast_job(files, job, target)
+    front = {id(j) for j in staged}
+    items: list[_Job | _Block] = []
+    for job in _ordered(jobs):
+        if id(job) in front:
+            st = _StagedJob(job, len(pieces := _pieces(job, block)))
+            items.extend(_Block(st, p, n) for p, n in pieces)
         else:
-            writer.write(job, files)
-        bar.add(job.nbytes)
+            items.append(job)
+
+    def run(item: _Job | _Block) -> None:
+        if isinstance(item, _Block):
+            assert isinstance(writer, StagedWriter)
+            if item.read(files, writer):
+                bar.add(item.job.job.nbytes)
+            return
+        if item.cast:
+            assert target is not None
+            _cast_job(files, item, target)
+        else:
+            writer.write(item, files)
+        bar.add(item.nbytes)
 
     try:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wcache-load") as pool:
-            for _ in pool.map(run, _ordered(jobs)):
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wcache-load")
+        try:
+            for _ in pool.map(run, items):
                 pass
+        except BaseException:
+            if isinstance(writer, StagedWriter):
+                writer.abort()  # a thread waiting for a staging buffer the failed job holds would wait forever
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         writer.finish()
     finally:
         writer.close()
         bar.close()
         files.close()
     return total
+
+
+class _StagedJob:
+    """A job read in blocks by several threads into one staging buffer (``--io stream``)."""
+
+    def __init__(self, job: _Job, blocks: int) -> None:
+        self.job = job
+        self.left = blocks
+        self.lock = threading.Lock()
+        self.slot = -1
+        self.view: memoryview | None = None
+        _, off, n = job.extents[0]
+        self.base = off - off % ALIGN_IO  # the buffer holds the file from here
+        self.end = off + n
+
+
+@dataclass
+class _Block:
+    """One O_DIRECT read of the front: ``n`` bytes of the job's file at ``offset``."""
+
+    job: _StagedJob
+    offset: int
+    n: int
+
+    def read(self, files: _Files, writer: StagedWriter) -> bool:
+        """Read this block into the job's buffer; True when it was the job's last (then it is committed)."""
+        st = self.job
+        f, off, n = st.job.extents[0]
+        with st.lock:
+            if st.view is None:
+                st.slot, st.view = writer.stage(st.job)
+            view = st.view
+        fd = files.direct_fd(f)
+        if fd < 0:  # this filesystem refuses O_DIRECT (tmpfs): the same aligned reads, through the page cache
+            fd = files.fd(f)
+        pos = self.offset - st.base
+        need = min(self.n, st.end - self.offset)  # the file may end inside the last (aligned) block
+        got = 0
+        while got < need:
+            r = os.preadv(fd, [view[pos + got : pos + self.n]], self.offset + got)
+            if r == 0 or (r % ALIGN_IO and got + r < need):
+                raise CheckpointError(f"{f}: {st.job.label}: file ended early (truncated while loading?)")
+            got += r
+        with st.lock:
+            st.left -= 1
+            last = st.left == 0
+        if last:
+            st.view = None
+            writer.commit(st.job, st.slot, off - st.base)
+        return last
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: allocate the pages of a range now, failing with an errno

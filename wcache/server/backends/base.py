@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from wcache.proto import DeviceInfo, SlabDescriptor
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from wcache.server.loader import Files, Job
 
-__all__ = ["Backend", "PinnedFile", "Slab", "Writer"]
+__all__ = ["Backend", "PinnedFile", "Slab", "StagedWriter", "Writer"]
 
 
 class Writer(Protocol):
@@ -43,6 +43,27 @@ class Writer(Protocol):
         ...
 
 
+@runtime_checkable
+class StagedWriter(Writer, Protocol):
+    """A writer that also takes jobs read in pieces by several threads (``--io stream``): the loader asks
+    for one staging buffer per job, every thread reads its next block of the front into it, and the thread
+    that reads a job's last block commits it. Offered by writers whose slab is filled from staging (CUDA)."""
+
+    def stage(self, job: Job) -> tuple[int, memoryview]:
+        """A page-aligned buffer of at least ``job.nbytes + 2 * ALIGN_IO`` bytes, the job's alone until its
+        commit, and its slot number. Blocks while every buffer is in use; raises once ``abort`` was called."""
+        ...
+
+    def commit(self, job: Job, slot: int, start: int) -> None:
+        """Bytes ``[start, start + job.nbytes)`` of the slot's buffer are the job's: copy them to
+        ``job.dest`` (may return before they land) and give the buffer back once the copy has read it."""
+        ...
+
+    def abort(self) -> None:
+        """The load failed: wake every ``stage`` waiting for a buffer (they raise)."""
+        ...
+
+
 class PinnedFile(Protocol):
     """A host-tier slab file kept page-locked for this backend's refills (see ``Backend.pinner``)."""
 
@@ -58,9 +79,10 @@ class Slab(Protocol):
     #: whether O_DIRECT reads make sense for loads into it (device slabs: reads land in staging buffers)
     direct_io: bool
 
-    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path]) -> Writer:
+    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()) -> Writer:
         """A writer for ``jobs`` run by up to ``threads`` readers; files in ``direct`` may be read with
-        O_DIRECT (only offered where ``direct_io``)."""
+        O_DIRECT (only offered where ``direct_io``). ``staged``: the jobs the loader would read in pieces
+        (``StagedWriter``) if the writer offers it; a writer that does not gets them through ``write``."""
         ...
 
     def tensor(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import platform
+import queue
 import sys
 import threading
 import warnings
@@ -129,19 +130,37 @@ class _DeviceWriter:
     """Device slab writes: each reader thread reads into one of its two pinned buffers (O_DIRECT for the
     files in ``direct``) while the other is copied to the slab on its own stream (double buffering).
     2 buffers per thread that can run a copy job, each as large as the largest job (<= chunk) + 2 pages:
-    room to read an aligned superset with O_DIRECT. A small model does not pin the whole staging budget."""
+    room to read an aligned superset with O_DIRECT. A small model does not pin the whole staging budget.
 
-    def __init__(self, target: torch.Tensor, jobs: Sequence[Job], threads: int, direct: set[Path]) -> None:
+    ``staged`` jobs (``--io stream``) are read in blocks by every thread into a shared pool of job-sized
+    buffers (``stage`` / ``commit``, the loader's front): one copy per job; a buffer comes back to the pool
+    with the event of its copy, synchronised before it is filled again."""
+
+    #: staging buffers for the staged front: jobs being read + jobs being copied (16 threads x 512 KiB
+    #: blocks span at most 2 jobs of 16 MiB)
+    STAGED_BUFFERS = 6
+
+    def __init__(
+        self, target: torch.Tensor, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()
+    ) -> None:
         self.target = target
         self.direct = direct
         self.local = threading.local()
         self.workers: list[_DeviceWorker] = []
         self.lock = threading.Lock()
-        copies = [j.nbytes for j in jobs if not j.cast]
+        front = {id(j) for j in staged}
+        copies = [j.nbytes for j in jobs if not j.cast and id(j) not in front]
         self.staging: _Staging | None = None
-        if copies:
-            size = -(-max(copies) // ALIGN_IO) * ALIGN_IO + 2 * ALIGN_IO
-            self.staging = _Staging(2 * min(threads, len(copies)), size)
+        self.pool_size = min(len(staged), self.STAGED_BUFFERS)
+        sizes = copies + [j.nbytes for j in staged]
+        if sizes:
+            size = -(-max(sizes) // ALIGN_IO) * ALIGN_IO + 2 * ALIGN_IO
+            self.staging = _Staging(2 * min(threads, len(copies)) + self.pool_size, size)
+        #: the staged pool: (slot, the event of the copy last made from it, or None), and its buffers
+        self.free: queue.SimpleQueue[tuple[int, torch.cuda.Event | None]] = queue.SimpleQueue()
+        self.pool: list[torch.Tensor] = []
+        self.aborted = False
+        self.streams: list[torch.cuda.Stream] = []
 
     def _worker(self) -> _DeviceWorker:
         w: _DeviceWorker | None = getattr(self.local, "w", None)
@@ -171,15 +190,57 @@ class _DeviceWriter:
             ev.record(w.stream)
         w.events[i] = ev
 
+    def stage(self, job: Job) -> tuple[int, memoryview]:
+        with self.lock:
+            grow = len(self.pool) < self.pool_size
+            if grow:
+                assert self.staging is not None
+                self.pool.append(self.staging.take(1)[0])  # page-locked as it is first needed
+                slot, ev = len(self.pool) - 1, None
+        while not grow:
+            if self.aborted:
+                raise RuntimeError("load aborted")
+            try:
+                slot, ev = self.free.get(timeout=0.1)
+                break
+            except queue.Empty:
+                continue
+        if ev is not None:
+            ev.synchronize()  # the copy out of this buffer has finished: refill it
+        buf = self.pool[slot]
+        return slot, memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
+
+    def commit(self, job: Job, slot: int, start: int) -> None:
+        import torch
+
+        stream = getattr(self.local, "stream", None)
+        if stream is None:
+            stream = self.local.stream = torch.cuda.Stream(self.target.device)  # type: ignore[no-untyped-call]
+            with self.lock:
+                self.streams.append(stream)
+        n = job.nbytes
+        with torch.cuda.stream(stream):
+            self.target[job.dest : job.dest + n].copy_(self.pool[slot][start : start + n], non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(stream)
+        self.free.put((slot, ev))
+
+    def abort(self) -> None:
+        self.aborted = True
+
     def finish(self) -> None:
         import torch
 
         for w in self.workers:
             w.finish()
+        for s in self.streams:
+            s.synchronize()
         torch.cuda.synchronize(self.target.device)  # also the casts' copies (default stream)
 
     def close(self) -> None:
         self.workers.clear()
+        self.streams.clear()
+        self.pool.clear()
         if self.staging is not None:
             self.staging.close()
             self.staging = None
@@ -239,8 +300,8 @@ class _CudaSlab:
             raise RuntimeError("slab is closed")
         return self._t
 
-    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path]) -> _DeviceWriter:
-        return _DeviceWriter(self.tensor(), jobs, threads, direct)
+    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()) -> _DeviceWriter:
+        return _DeviceWriter(self.tensor(), jobs, threads, direct, staged)
 
     def synchronize(self) -> None:
         import torch

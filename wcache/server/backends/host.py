@@ -226,7 +226,7 @@ class HostSlab:
                 self._tensor = torch.frombuffer(self._mapping(), dtype=torch.uint8)
         return self._tensor
 
-    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path]) -> _HostWriter:
+    def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()) -> _HostWriter:
         if self.sealed:
             raise RuntimeError("slab is sealed")
         return _HostWriter(self, threads)
