@@ -33,10 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_bench import drop_caches  # noqa: E402
 
-# argv: model pattern threads block direct(0|1) files_at_once
+# argv: model pattern threads block direct(0|1) files_at_once huge(0|1)
 READER = r"""
 import glob, json, mmap, os, sys, threading, time
 model, pattern, threads, block, direct, per = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", int(sys.argv[6])
+huge = sys.argv[7] == "1"   # read into 2 MiB-aligned transparent huge pages: fewer DMA segments per read
 files = sorted(glob.glob(model + "/*.safetensors"))
 flag = os.O_RDONLY | (os.O_DIRECT if direct else 0)
 fds = [os.open(f, flag) for f in files]
@@ -50,8 +51,18 @@ else:   # front and chunks: one queue in file order; chunks = front with a big b
 lock = threading.Lock()
 cursor = [0] * len(queues)
 total = [0]
+def buffer():
+    if not huge:
+        return memoryview(mmap.mmap(-1, block))
+    mm = mmap.mmap(-1, block + (4 << 20))
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    addr = __import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(mm))
+    skip = (-addr) % (2 << 20)
+    view = memoryview(mm)[skip : skip + block]
+    view[::4096] = b"\x00" * len(view[::4096])   # fault the pages in now
+    return view
 def worker(q):
-    buf = mmap.mmap(-1, block)
+    buf = buffer()
     mine = 0
     while True:
         with lock:
@@ -61,7 +72,7 @@ def worker(q):
             cursor[q] = k + 1
         fd, off, n = queues[q][k]
         want = -(-n // 4096) * 4096 if direct else n
-        got = os.preadv(fd, [memoryview(buf)[:want]], off)
+        got = os.preadv(fd, [buf[:want]], off)
         mine += min(got, n)
     with lock:
         total[0] += mine
@@ -73,18 +84,31 @@ s = time.perf_counter() - t0
 print(json.dumps({"seconds": s, "bytes": total[0], "gb_s": total[0] / s / 1e9}))
 """
 
-PATTERNS: list[tuple[str, str, int, int, bool, int]] = [
-    # name, pattern, threads, block, O_DIRECT, files at once
-    ("front16_512k_direct", "front", 16, 512 << 10, True, 1),  # fastsafetensors' nogds pattern, no copy
-    ("front16_1m_direct", "front", 16, 1 << 20, True, 1),
-    ("front16_4m_direct", "front", 16, 4 << 20, True, 1),
-    ("front32_1m_direct", "front", 32, 1 << 20, True, 1),
-    ("front64_512k_direct", "front", 64, 512 << 10, True, 1),
-    ("front8_2m_direct", "front", 8, 2 << 20, True, 1),
-    ("perfile4x4_1m_direct", "perfile", 16, 1 << 20, True, 4),
-    ("chunks16_16m_direct", "chunks", 16, 16 << 20, True, 1),
-    ("chunks16_16m_buffered", "chunks", 16, 16 << 20, False, 1),  # wcache's default plan, no copy
-    ("front16_1m_buffered", "front", 16, 1 << 20, False, 1),
+PATTERNS: list[tuple[str, str, int, int, bool, int, bool, int]] = [
+    # name, pattern, threads, block, O_DIRECT, files at once, huge-page buffers, round
+    ("front16_512k_direct", "front", 16, 512 << 10, True, 1, False, 1),  # fastsafetensors' nogds pattern, no copy
+    ("front16_1m_direct", "front", 16, 1 << 20, True, 1, False, 1),
+    ("front16_4m_direct", "front", 16, 4 << 20, True, 1, False, 1),
+    ("front32_1m_direct", "front", 32, 1 << 20, True, 1, False, 1),
+    ("front64_512k_direct", "front", 64, 512 << 10, True, 1, False, 1),
+    ("front8_2m_direct", "front", 8, 2 << 20, True, 1, False, 1),
+    ("perfile4x4_1m_direct", "perfile", 16, 1 << 20, True, 4, False, 1),
+    ("chunks16_16m_direct", "chunks", 16, 16 << 20, True, 1, False, 1),
+    ("chunks16_16m_buffered", "chunks", 16, 16 << 20, False, 1, False, 1),  # wcache's default plan, no copy
+    ("front16_1m_buffered", "front", 16, 1 << 20, False, 1, False, 1),
+    # round 2 (after round 1 found 512 KiB far ahead): queue depth and request size around it
+    ("r2_front16_512k_direct", "front", 16, 512 << 10, True, 1, False, 2),
+    ("r2_front8_512k_direct", "front", 8, 512 << 10, True, 1, False, 2),
+    ("r2_front12_512k_direct", "front", 12, 512 << 10, True, 1, False, 2),
+    ("r2_front24_512k_direct", "front", 24, 512 << 10, True, 1, False, 2),
+    ("r2_front32_512k_direct", "front", 32, 512 << 10, True, 1, False, 2),
+    ("r2_front16_256k_direct", "front", 16, 256 << 10, True, 1, False, 2),
+    ("r2_front32_256k_direct", "front", 32, 256 << 10, True, 1, False, 2),
+    ("r2_front16_768k_direct", "front", 16, 768 << 10, True, 1, False, 2),
+    ("r2_front16_1016k_direct", "front", 16, 1016 << 10, True, 1, False, 2),  # 254 pages: one request
+    ("r2_front16_1m_direct_huge", "front", 16, 1 << 20, True, 1, True, 2),
+    ("r2_front16_512k_direct_huge", "front", 16, 512 << 10, True, 1, True, 2),
+    ("r2_perfile2x8_512k_direct", "perfile", 16, 512 << 10, True, 2, False, 2),
 ]
 
 
@@ -182,6 +206,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", nargs="*", help="pattern names to run (default: all; 'wcache' for the daemon's load)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-bench"))
+    ap.add_argument("--round", type=int, default=2, help="the pattern round to run without --only (1 or 2)")
+    ap.add_argument("--wcache-io", nargs="*", default=["buffered", "stream"], help="wcache --io modes to load cold")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     import cold_load_bench as clb
@@ -204,15 +230,17 @@ def main() -> None:
         print(tag, json.dumps(runs[tag]), flush=True)
 
     fst("fastsafetensors_first")
-    if not args.only or "wcache" in args.only:  # wcache's own cold load (default --io), same run
+    for io in args.wcache_io:  # wcache's own cold loads, same run
         dropped = drop_caches()
-        runs["wcache"] = {**clb.daemon_load(args.model, args.device, args.work), "page_cache_dropped": dropped}
-        print("wcache", json.dumps(runs["wcache"]), flush=True)
-    for name, pattern, threads, block, direct, per in PATTERNS:
-        if args.only and name not in args.only:
+        tag = "wcache" if io == "buffered" else f"wcache_{io.replace(':', '_')}"
+        runs[tag] = {**clb.daemon_load(args.model, args.device, args.work, "--io", io), "page_cache_dropped": dropped}
+        print(tag, json.dumps(runs[tag]), flush=True)
+    for name, pattern, threads, block, direct, per, huge, rnd in PATTERNS:
+        if (args.only and name not in args.only) or (not args.only and rnd != args.round):
             continue
         dropped = drop_caches()
-        r = child(READER, str(args.model), pattern, str(threads), str(block), "1" if direct else "0", str(per))
+        flags = ("1" if direct else "0", str(per), "1" if huge else "0")
+        r = child(READER, str(args.model), pattern, str(threads), str(block), *flags)
         runs[name] = {
             **r,
             "pattern": pattern,
@@ -220,6 +248,7 @@ def main() -> None:
             "block": block,
             "direct": direct,
             "files_at_once": per,
+            "huge_pages": huge,
             "page_cache_dropped": dropped,
         }
         print(name, json.dumps(runs[name]), flush=True)
