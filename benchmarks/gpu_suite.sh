@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU in one script: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
 # (or the folder given as $1). On the lent H200:  bash benchmarks/gpu_suite.sh
-# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk first_token kills tier handoff fresh restart fresh_moe.
+# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe.
 # The lent machine caps one call at 10 min, so it is run there in two calls, e.g.
 #   PARTS="bench tests" bash benchmarks/gpu_suite.sh   then   PARTS="sweep cold first_token kills" ...
 # Carried wheels in .whl/ (pytest-asyncio, pytest; fastsafetensors and runai-model-streamer for the
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
-PARTS="${PARTS:-bench tests sweep cold disk first_token kills tier handoff fresh restart fresh_moe}"
+PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -58,6 +58,10 @@ if want disk; then
   [ -f $W/llama3-8b/config.json ] || timeout 300 python3 -c "from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint as m; from pathlib import Path; m(Path('$W/llama3-8b'), LLAMA3_8B, shards=4, seed=0, device='cuda:0')"
   step disk_pattern "${DISK_TIMEOUT:-300}" python3 benchmarks/disk_pattern_bench.py --device cuda:0 --model $W/llama3-8b \
     --out "$OUT/disk_pattern.json" ${DISK_ARGS:-}
+fi
+if want driver_order; then
+  # start-up order (cuda-bindings / ctypes driver calls before torch) against host-to-device copy speed
+  step driver_order "${DRIVER_ORDER_TIMEOUT:-120}" python3 benchmarks/driver_order_probe.py --out "$OUT/driver_order.json"
 fi
 if want first_token; then
   step first_token "${FIRST_TOKEN_TIMEOUT:-150}" python3 benchmarks/first_token_bench.py --device cuda:0 --model $W/llama3-8b \
