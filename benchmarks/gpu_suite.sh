@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU in one script: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
 # (or the folder given as $1). On the lent H200:  bash benchmarks/gpu_suite.sh
-# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe.
+# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe fp8.
 # The lent machine caps one call at 10 min, so it is run there in two calls, e.g.
 #   PARTS="bench tests" bash benchmarks/gpu_suite.sh   then   PARTS="sweep cold first_token kills" ...
 # Carried wheels in .whl/ (pytest-asyncio, pytest; fastsafetensors and runai-model-streamer for the
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
-PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe}"
+PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe fp8}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -96,5 +96,23 @@ fi
 if want fresh_moe; then
   step fresh_engine_moe "${FRESH_MOE_TIMEOUT:-240}" python3 benchmarks/fresh_engine_bench.py --device cuda:0 --work $W \
     --moe --out "$OUT/fresh_engine_moe.json"
+fi
+if want fp8; then
+  # issue 17 on the GPU: a block-wise FP8 checkpoint served zero_copy (bytes checked) and CUDA write-back
+  # (tests, JSON from their junit: none may skip here); then transformers' FP8 quantize-on-load deposited
+  # by start 1 and mapped zero_copy by start 2, every parameter bit-identical, both starts timed
+  step fp8_checkpoint "${FP8_TESTS_TIMEOUT:-200}" python3 -m pytest tests/gpu/test_fp8.py tests/gpu/test_deposit_cuda.py \
+    -q -p no:cacheprovider -o addopts="" --strict-markers -ra -W default --junitxml="$OUT/fp8_tests.xml"
+  python3 - "$OUT/fp8_tests.xml" "$OUT/fp8_checkpoint.json" <<'PY' || status=1
+import json, sys, xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+res = {c.get("classname", "") + "::" + c.get("name", ""): next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed") for c in cases}
+out = {"step": "fp8_checkpoint", "tests": len(res), "passed": sum(v == "passed" for v in res.values()), "results": res}
+out["ok"] = out["tests"] > 0 and out["passed"] == out["tests"]
+open(sys.argv[2], "w").write(json.dumps(out, indent=2) + "\n"); print(json.dumps({k: out[k] for k in ("tests", "passed", "ok")}))
+sys.exit(0 if out["ok"] else 1)
+PY
+  step fp8_writeback "${FP8_WB_TIMEOUT:-400}" python3 benchmarks/fp8_writeback_bench.py --device cuda:0 --work /tmp/wcache-fp8wb \
+    --out "$OUT/fp8_writeback.json" ${FP8_WB_ARGS:-}
 fi
 exit $status

@@ -12,8 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -28,9 +29,12 @@ from wcache.errors import (
     OutOfMemoryError,
     ProtocolError,
     UnknownLeaseError,
+    UnsupportedPlatformError,
 )
-from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor, ErrorFrame
+from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor, DeviceInfo, ErrorFrame, SlabDescriptor
 from wcache.recipe import RecipeKey
+from wcache.server.backends.base import Backend
+from wcache.server.store import Store, deposit_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -285,29 +289,119 @@ async def test_takeover_keeps_a_deposit_under_its_recipe_key(daemon: DaemonProc,
         new.stop()
 
 
-def test_a_backend_without_writable_slabs_refuses_deposits() -> None:
-    """The CUDA backend has no deposit path yet (it would be untested here): UNSUPPORTED_PLATFORM, naming what
-    to do, with nothing allocated."""
-    from typing import cast
+def _one_tensor_deposit() -> Deposit:
+    key = RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e")
+    return Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),))
 
-    from wcache.errors import UnsupportedPlatformError
-    from wcache.proto import DeviceInfo
-    from wcache.server.backends.base import Backend
-    from wcache.server.store import Store
+
+def _store_that_must_not_evict(backend: object) -> Store:
+    store = Store(cast("Backend", backend), budget=1 << 20)
+
+    def make_room(nbytes: int) -> list[object]:
+        raise AssertionError("a refused deposit may not evict anything")
+
+    store.make_room = make_room  # type: ignore[method-assign,assignment]
+    return store
+
+
+def test_a_backend_without_writable_slabs_refuses_deposits() -> None:
+    """A backend with no deposit path: UNSUPPORTED_PLATFORM, naming what to do, with nothing allocated."""
 
     class NoDeposits:
-        name = "cuda"
-        device = DeviceInfo(kind="cuda")
+        name = "tpu"
+        device = DeviceInfo(kind="tpu")
 
         def allocate(self, nbytes: int) -> object:
             raise AssertionError("nothing may be allocated")
 
-    store = Store(cast("Backend", NoDeposits()))
-    key = RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e")
-    req = Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),))
-    with pytest.raises(UnsupportedPlatformError, match="host backend only"):
-        store.begin_deposit(1, 1, req)
+    store = _store_that_must_not_evict(NoDeposits())
+    with pytest.raises(UnsupportedPlatformError, match="cannot take deposits"):
+        store.begin_deposit(1, 1, _one_tensor_deposit())
     assert store.deposits == {} and store.pending_bytes == 0
+
+
+def test_cuda_ipc_export_refuses_deposits_naming_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cuda-export ipc: legacy IPC slabs cannot be handed out writable, so a DEPOSIT is refused
+    (UNSUPPORTED_PLATFORM, naming --cuda-export vmm) before anything is evicted or allocated."""
+    from wcache.server.backends import cuda as cuda_backend
+
+    def no_slab(*args: object) -> object:
+        raise AssertionError("nothing may be allocated")
+
+    monkeypatch.setattr(cuda_backend, "CudaDepositSlab", no_slab)
+    monkeypatch.setattr(cuda_backend, "CudaIpcSlab", no_slab)
+    store = _store_that_must_not_evict(cuda_backend.CudaBackend(0, export="ipc"))
+    with pytest.raises(UnsupportedPlatformError, match="--cuda-export vmm") as info:
+        store.begin_deposit(1, 1, _one_tensor_deposit())
+    assert info.value.details == {"backend": "cuda", "export": "ipc"}
+    assert store.deposits == {} and store.pending_bytes == 0
+
+
+def test_cuda_deposit_larger_than_free_gpu_memory_is_refused_before_allocation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from wcache.server.backends import cuda as cuda_backend
+
+    def no_slab(*args: object) -> object:
+        raise AssertionError("nothing may be allocated")
+
+    monkeypatch.setattr(cuda_backend, "CudaDepositSlab", no_slab)
+    backend = cuda_backend.CudaBackend(0, export="vmm")
+    monkeypatch.setattr(backend, "memory_info", lambda: (100, 1 << 30))
+    store = Store(cast("Backend", backend))
+    with pytest.raises(OutOfMemoryError, match="does not fit cuda:0") as info:
+        store.begin_deposit(1, 1, _one_tensor_deposit())
+    assert info.value.details["free"] == 100
+    assert store.deposits == {} and store.pending_bytes == 0
+
+
+def _deposit_slab(kind: str, ts: dict[str, torch.Tensor]) -> DepositSlab:
+    req = Deposit(
+        id=1,
+        key=RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e").to_wire(),
+        tensors=tuple(DepositTensor(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in ts.items()),
+    )
+    table, size, _ = deposit_layout(req)
+    fd = 0 if kind != "cuda_ipc" else -1
+    desc = SlabDescriptor(size=size, kind=kind, fd=fd, handle=b"\0" * 64 if fd < 0 else b"", device_uuid="GPU-x")
+    return DepositSlab(id=1, deposit=5, slabs=(desc,), tensors=table)
+
+
+def test_client_writes_a_cuda_vmm_deposit_through_the_cuda_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's one deposit writer dispatches on the slab kind: a cuda_vmm slab goes to
+    wcache.client.cuda.write_vmm_deposit with every tensor's bytes at the daemon's offsets."""
+    from wcache.client import cuda, mapping
+
+    ts = tensors()
+    slab = _deposit_slab("cuda_vmm", ts)
+    got: list[tuple[int, torch.Tensor]] = []
+
+    def fake(desc: SlabDescriptor, fd: int, sources: Iterable[tuple[int, torch.Tensor]]) -> None:
+        assert desc is slab.slabs[0] and fd == 77
+        got.extend(sources)
+
+    monkeypatch.setattr(cuda, "write_vmm_deposit", fake)
+    mapping.write_deposit(slab, 77, ts)
+    assert [off for off, _ in got] == [e.offset for e in slab.tensors]
+    for (_, b), e in zip(got, slab.tensors, strict=True):
+        assert torch.equal(b, bits(ts[e.name])), e.name
+
+
+def test_client_refuses_a_deposit_slab_it_cannot_write(tmp_path: Path) -> None:
+    from wcache.client import mapping
+
+    ts = tensors()
+    with pytest.raises(ProtocolError, match="cuda_ipc"):
+        mapping.write_deposit(_deposit_slab("cuda_ipc", ts), -1, ts)
+    # a table that disagrees with the engine's tensors (shape) is refused before any byte is written
+    slab = _deposit_slab("memfd", {**ts, "rotary.inv_freq": torch.zeros(8)})
+    fd = os.memfd_create("t")
+    try:
+        os.ftruncate(fd, slab.slabs[0].size)
+        with pytest.raises(ProtocolError, match=r"rotary\.inv_freq"):
+            mapping.write_deposit(slab, fd, ts)
+    finally:
+        os.close(fd)
 
 
 async def test_deposit_module_then_attach_to_a_meta_built_module(daemon: DaemonProc, ckpt: Path) -> None:

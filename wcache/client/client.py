@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import mmap
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -30,7 +29,7 @@ import torch
 from wcache import __version__
 from wcache.channel import Channel, close_fds, connect, expect
 from wcache.client import cuda
-from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs
+from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs, write_deposit
 from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
@@ -423,8 +422,9 @@ class WCacheClient:
     ) -> Deposited:
         """Write-back (docs/protocol.md §4.13): hand the daemon this engine's final tensors to serve under
         the recipe ``key`` (``RecipeKey.of(checkpoint_key, engine=..., ...)``); a later ``fetch(key)`` maps
-        them zero-copy. The daemon lays out a writable slab; each tensor is copied into it (from any device),
-        the mapping is dropped, and COMMIT makes the daemon seal and publish it.
+        them zero-copy. The daemon lays out a writable slab (a memfd on a host daemon, a VMM allocation on
+        its GPU on a CUDA daemon); each tensor is copied into it (from any device), the mapping is dropped,
+        and COMMIT makes the daemon seal and publish it.
 
         ``kinds``: name -> "parameter" | "buffer" (default parameter). ``aliases``: alias -> name for tied
         tensors; a name mapping to the very tensor object of an earlier name becomes an alias of it too.
@@ -473,7 +473,7 @@ class WCacheClient:
                 close_fds(fds)
                 raise ProtocolError(f"expected DEPOSIT_SLAB with one descriptor, got {frame.TYPE}")
             try:
-                await asyncio.to_thread(_write_deposit, frame, fds[0], payload)
+                await asyncio.to_thread(write_deposit, frame, fds[0], payload)
             finally:
                 close_fds(fds)
             await ch.send(Commit(id=ch.conn.next_request_id(), deposit=frame.deposit))
@@ -490,29 +490,6 @@ class WCacheClient:
         except RuntimeError:
             return asyncio.run(self.fetch(key, mode, timeout=timeout))
         raise RuntimeError("fetch_sync() called from a running event loop; use 'await client.fetch(...)'")
-
-
-def _write_deposit(slab: DepositSlab, fd: int, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy each tensor to its offset in the deposit slab's memfd, then drop the mapping: the daemon can
-    seal the memfd only once no process maps it shared (docs/protocol.md §4.13)."""
-    (desc,) = slab.slabs
-    if desc.kind != "memfd":
-        raise ProtocolError(f"a deposit slab of kind {desc.kind!r} cannot be written by this client")
-    mm = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        base = torch.frombuffer(mm, dtype=torch.uint8)
-        src: torch.Tensor | None = None
-        for e in slab.tensors:
-            t = tensors.get(e.name)
-            if t is None:
-                raise ProtocolError(f"DEPOSIT_SLAB names {e.name!r}, which this deposit did not list")
-            n = t.numel() * t.element_size()
-            if n:
-                src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                base[e.offset : e.offset + n].copy_(src)
-        del base, src
-    finally:
-        mm.close()  # BufferError here would mean a view escaped: the seal would then fail with IN_USE
 
 
 class _Session:

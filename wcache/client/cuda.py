@@ -6,6 +6,8 @@ loaded), not cuda-bindings: importing those cost a restarting engine 69-130 ms (
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from wcache import _cuda
@@ -13,7 +15,7 @@ from wcache.client import driver
 from wcache.errors import DeviceMismatchError, ProtocolError, UnsupportedPlatformError
 from wcache.proto import SlabDescriptor
 
-__all__ = ["ipc_open", "local_uuid", "map_slab", "vmm_import"]
+__all__ = ["ipc_open", "local_uuid", "map_slab", "vmm_import", "write_vmm_deposit"]
 
 
 def _require_cuda() -> None:
@@ -66,12 +68,17 @@ def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) 
     return _cuda.DeviceBuffer(ptr + offset, size, index, lambda: driver.vmm_unmap(ptr, total)), ro
 
 
-def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> _cuda.DeviceBuffer:
-    """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle)."""
+def _slab_device(desc: SlabDescriptor) -> int:
     _require_cuda()
     index = _cuda.device_index_for_uuid(desc.device_uuid)
     if index is None:
         raise DeviceMismatchError(f"slab lives on GPU {desc.device_uuid}, which this process cannot see")
+    return index
+
+
+def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> _cuda.DeviceBuffer:
+    """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle)."""
+    index = _slab_device(desc)
     if device is not None and device.type == "cuda" and device.index not in (None, index):
         raise DeviceMismatchError(f"asked for cuda:{device.index}, but the slab lives on cuda:{index}")
     if desc.kind == "cuda_ipc":
@@ -82,3 +89,28 @@ def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> _cud
         raise ProtocolError("cuda_vmm slab without a file descriptor")
     buf, _read_only = vmm_import(fd, desc.offset, desc.size, index, read_only=True)
     return buf
+
+
+def write_vmm_deposit(desc: SlabDescriptor, fd: int, sources: Iterable[tuple[int, torch.Tensor]]) -> None:
+    """Write-back into a CUDA daemon's deposit slab (docs/protocol.md §4.13): import the VMM fd (the caller
+    closes it), map it read-write, copy each ``(offset, flat uint8 tensor)`` into it — device to device
+    for tensors on the slab's GPU, host to device or across GPUs otherwise —, wait for the copies, then
+    unmap. After this returns the process holds no mapping of, and no handle to, the allocation: the
+    daemon's COMMIT guarantee rests on that (docs/security.md, "Write-back")."""
+    if fd < 0:
+        raise ProtocolError("cuda_vmm deposit slab without a file descriptor")
+    index = _slab_device(desc)
+    buf, _ = vmm_import(fd, desc.offset, desc.size, index, read_only=False)
+    try:
+        base = buf.tensor()
+        src: torch.Tensor | None = None
+        for offset, src in sources:
+            base[offset : offset + src.numel()].copy_(src, non_blocking=True)
+        del src
+        torch.cuda.synchronize(index)  # every copy has landed before the mapping goes (and before COMMIT)
+        del base
+    except BaseException:
+        torch.cuda.synchronize(index)  # no copy may still target the range once it is unmapped
+        raise
+    finally:
+        buf.close()

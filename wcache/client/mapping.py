@@ -4,6 +4,10 @@ Each slab is mapped once; every tensor is a view of its slab, cut from its group
 view when first looked up, so the cost is one mapping per slab plus ~1 µs per tensor used. Host slabs (memfd) are
 mapped read-only: a write to a zero_copy tensor faults instead of corrupting the
 weights other engines share. CUDA slabs are mapped by wcache.client.cuda.
+
+Write-back goes the other way (docs/protocol.md §4.13): ``write_deposit`` copies an engine's tensors
+into the one writable slab of a DEPOSIT_SLAB — a memfd here, a VMM allocation in wcache.client.cuda —
+and drops the mapping before COMMIT.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import torch
 from wcache.channel import close_fds
 from wcache.client import cuda
 from wcache.errors import ProtocolError
-from wcache.proto import DTYPE_SIZES, SlabDescriptor, State, TensorTable
+from wcache.proto import DTYPE_SIZES, DepositSlab, SlabDescriptor, State, TensorTable
 from wcache.proto.codec import gc_paused
 
-__all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs"]
+__all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs", "write_deposit"]
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -189,3 +193,48 @@ class TensorViews(Mapping[str, torch.Tensor]):
 def build_views(state: State, bases: list[torch.Tensor]) -> TensorViews:
     """The name -> tensor mapping of ``state`` over the mapped ``bases`` (one per slab)."""
     return TensorViews(state.tensors, state.aliases, bases)
+
+
+def deposit_sources(slab: DepositSlab, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(slab offset, the tensor's bytes as a flat uint8 tensor, on its own device) for every non-empty
+    tensor of the DEPOSIT_SLAB's table; ProtocolError for a name this deposit did not list, or a dtype or
+    shape other than what the daemon laid out."""
+    for e in slab.tensors:
+        t = tensors.get(e.name)
+        if t is None:
+            raise ProtocolError(f"DEPOSIT_SLAB names {e.name!r}, which this deposit did not list")
+        have = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        if have != (e.dtype, e.shape):
+            raise ProtocolError(
+                f"DEPOSIT_SLAB lays out {e.name!r} as {e.dtype}{list(e.shape)}, the tensor is {have[0]}{list(have[1])}"
+            )
+        if t.numel():
+            yield e.offset, t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _write_memfd(slab: DepositSlab, desc: SlabDescriptor, fd: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    mm = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+        src: torch.Tensor | None = None
+        for offset, src in deposit_sources(slab, tensors):
+            base[offset : offset + src.numel()].copy_(src)  # from any device: a GPU tensor comes down here
+        del base, src
+    finally:
+        mm.close()  # BufferError here would mean a view escaped: the seal would then fail with IN_USE
+
+
+def write_deposit(slab: DepositSlab, fd: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy each tensor to its offset in the deposit's one writable slab (``fd``: its descriptor, which
+    the caller closes), then drop every mapping of it, as COMMIT requires (docs/protocol.md §4.13):
+    ``memfd`` (host daemon) through a shared mapping, ``cuda_vmm`` (CUDA daemon) device to device
+    through wcache.client.cuda. ProtocolError for any other kind."""
+    (desc,) = slab.slabs
+    if desc.kind == "memfd":
+        _write_memfd(slab, desc, fd, tensors)
+    elif desc.kind == "cuda_vmm":
+        cuda.write_vmm_deposit(desc, fd, deposit_sources(slab, tensors))
+    else:
+        raise ProtocolError(
+            f"a deposit slab of kind {desc.kind!r} cannot be written (docs/protocol.md §4.13: memfd or cuda_vmm)"
+        )

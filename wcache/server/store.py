@@ -285,6 +285,10 @@ def _transformed(
 class _Depositable(Protocol):
     """A backend that can hand an engine a writable slab and seal it afterwards (docs/protocol.md §4.13)."""
 
+    def check_deposits(self) -> None:
+        """Raise UnsupportedPlatformError when this backend, as configured, takes no deposits."""
+        ...
+
     def allocate_deposit(self, nbytes: int) -> Slab: ...
 
 
@@ -564,11 +568,12 @@ class Store:
         backend = self.backend
         if not isinstance(backend, _Depositable):
             raise UnsupportedPlatformError(
-                f"the {backend.name} backend cannot take deposits yet (write-back needs a writable slab the engine "
-                "maps and the daemon seals: host backend only); serve this engine's recipe from a host daemon, "
-                "or let the engine post-process on every start",
+                f"the {backend.name} backend cannot take deposits (write-back needs a writable slab the engine "
+                "maps: host memfd or CUDA VMM); serve this engine's recipe from a --device cpu or --device cuda:K "
+                "daemon, or let the engine post-process on every start",
                 details={"backend": backend.name},
             )
+        backend.check_deposits()  # before anything is evicted: a configuration that can never take one
         key = RecipeKey.from_wire(dict(req.key))
         mine = sum(1 for d in self.deposits.values() if d.conn_id == conn_id)
         if mine >= self.max_deposits_per_connection:

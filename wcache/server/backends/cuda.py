@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wcache import _cuda
-from wcache.errors import DeviceMismatchError, UnsupportedPlatformError
+from wcache.errors import DeviceMismatchError, OutOfMemoryError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 from wcache.server.backends.base import PinnedFile
 from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
@@ -31,7 +31,7 @@ from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CudaBackend", "CudaIpcSlab", "CudaVmmSlab"]
+__all__ = ["CudaBackend", "CudaDepositSlab", "CudaIpcSlab", "CudaVmmSlab"]
 
 log = logging.getLogger("wcache.loader")
 
@@ -425,6 +425,18 @@ class CudaVmmSlab(_CudaSlab):
         self.alloc.close()
 
 
+class CudaDepositSlab(CudaVmmSlab):
+    """A VMM slab an engine writes (DEPOSIT_SLAB hands it the fd, docs/protocol.md §4.13).
+
+    The daemon never writes it and never needs torch for it: the engine copied its tensors in and
+    synchronised before COMMIT. ``seal()`` cannot revoke the engine's mapping (CUDA has no
+    F_SEAL_WRITE); what COMMIT guarantees for a CUDA deposit is written in §4.13 and docs/security.md.
+    Exported, kept and adopted exactly like a loaded VMM slab (kind ``cuda_vmm``)."""
+
+    def seal(self) -> None:
+        """Nothing to synchronise or drop: no scratch was allocated for it in this process."""
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -507,6 +519,31 @@ class CudaBackend:
         if self.export == "ipc":
             return CudaIpcSlab(nbytes, self.index)
         return CudaVmmSlab(nbytes, self.index)
+
+    def check_deposits(self) -> None:
+        """Before anything is laid out or evicted for a DEPOSIT: legacy IPC slabs cannot be handed to an
+        engine writable and then served (docs/protocol.md §4.13), only VMM ones."""
+        if self.export != "vmm":
+            raise UnsupportedPlatformError(
+                f"this daemon exports CUDA slabs as legacy IPC handles (--cuda-export {self.export}), which cannot "
+                "take deposits: restart it with --cuda-export vmm (the default), or let the engine post-process "
+                "on every start",
+                details={"backend": self.name, "export": self.export},
+            )
+
+    def allocate_deposit(self, nbytes: int) -> CudaDepositSlab:
+        """A VMM slab an engine writes (its fd travels in DEPOSIT_SLAB); OutOfMemoryError first when the
+        GPU has less free memory than the allocation (granularity-rounded) needs."""
+        self.check_deposits()
+        free, total = self.memory_info()
+        if total and nbytes > free:
+            raise OutOfMemoryError(
+                f"a deposit slab of {nbytes} bytes ({nbytes / 2**30:.2f} GiB) does not fit cuda:{self.index}: "
+                f"{free} of {total} bytes free. Fix: free GPU memory (evict models, stop other processes on the "
+                "GPU) or deposit fewer bytes per daemon (a larger --tp-size)",
+                details={"needed": nbytes, "free": free, "total": total, "where": f"cuda:{self.index}"},
+            )
+        return CudaDepositSlab(nbytes, self.index)
 
     def pinner(self) -> Callable[[Path, int], PinnedFile] | None:
         return _PinnedTierFile

@@ -298,6 +298,9 @@ class HostBackend:
         check_room(nbytes, memory_room())
         return HostSlab(nbytes)
 
+    def check_deposits(self) -> None:
+        """Every host daemon takes deposits (memfd sealing was checked by ``check_platform``)."""
+
     def allocate_deposit(self, nbytes: int) -> HostSlab:
         """A slab an engine writes (DEPOSIT_SLAB hands it the memfd, docs/protocol.md §4.13): sealed against
         resizing now, against writes by ``seal()`` at COMMIT. OutOfMemoryError first, as ``allocate``."""
