@@ -682,3 +682,37 @@ async def test_a_model_served_in_vllms_layout_is_reclaimed_after_a_crash(
     assert served.load_seconds == loaded.load_seconds  # reclaimed, not loaded again
     async with await WCacheClient(second.socket).fetch(key) as w:
         assert set(w) == set(ref) and all(torch.equal(w[k], v) for k, v in ref.items())
+
+
+async def test_a_kept_deposit_is_served_after_a_crash_and_dropped_once_its_checkpoint_changes(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """Write-back survives a daemon crash like a load does (issue 17): the restarted daemon serves the kept
+    deposit under its recipe key (origin "keeper", buffers kept, the engine's bytes), not "unverifiable"; once
+    the recipe's checkpoint changed on disk, the kept deposit is stale and dropped from the keeper too."""
+    from tests.server.deposit_engine import recipe_key, tensors
+
+    base = WeightCacheKey.from_checkpoint(model)
+    key = recipe_key(base)
+    ts = tensors()
+    first = daemon_factory(model, "--keeper")
+    await WCacheClient(first.socket).deposit(key, ts, kinds={"rotary.inv_freq": "buffer"})
+    assert len((await WCacheClient(keeper.socket).status()).models) == 2  # the checkpoint and the deposit
+    first.stop(signal.SIGKILL)
+
+    second = daemon_factory(model, "--keeper")
+    origins = {(("engine" in m.key), m.origin) for m in (await WCacheClient(second.socket).status()).models}
+    assert origins == {(False, "keeper"), (True, "keeper")}
+    async with await WCacheClient(second.socket).fetch(key) as w:
+        assert w.buffers == {"rotary.inv_freq"}
+        assert all(
+            torch.equal(w[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)) for n, t in ts.items()
+        )
+    second.stop(signal.SIGKILL)
+
+    _flip_byte(model, sampled=True)
+    third = daemon_factory(model, "--keeper")
+    served = (await WCacheClient(third.socket).status()).models
+    assert [("engine" in m.key, m.origin) for m in served] == [(False, "disk")]
+    kept = (await WCacheClient(keeper.socket).status()).models
+    assert [("engine" in m.key) for m in kept] == [False]

@@ -19,6 +19,14 @@ by model (docs/security.md, "The keeper"):
    garbage, another model or a corrupted slab are caught; a targeted edit of a few bytes is not —
    that is what the keeper's owner check is for.
 
+A **deposit** (write-back, docs/protocol.md §4.13: a recipe key naming an ``engine``) holds the engine's
+post-processed bytes, which nothing on disk gives, so it gets steps 1 and, where its checkpoint directory is
+known (the daemon served that checkpoint when it took the deposit), 2 on the recipe's checkpoint fields: a
+checkpoint changed since makes it *stale*. Its table must lie inside its slab. Its bytes rest on the keeper's
+owner check, as a fresh DEPOSIT rests on the same-uid rule (docs/security.md, "Write-back"). Without a known
+directory nothing can make it stale, and nothing needs to: an engine's recipe key names its checkpoint's
+fingerprint, so a deposit of an older checkpoint is never mapped by an engine of the new one.
+
 A model with a load-time transform (vLLM's layout: ``--transform wcache.transforms:vllm_layout``) gets
 steps 1-2 only: its layout and bytes are the transform's output, which only running the transform (reading
 everything) would give. It rests on the keeper's owner check: only the process holding this daemon's socket
@@ -43,8 +51,9 @@ from wcache.errors import WCacheError
 from wcache.key import WeightCacheKey
 from wcache.layout import Layout, Placement
 from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
+from wcache.proto.table import tensor_extent
 from wcache.rank import plan_rank
-from wcache.recipe import key_from_wire
+from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.loader import placement_extents, torch_dtype
@@ -134,6 +143,8 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
     """Whether ``model`` is what loading its key from its ``source`` checkpoint would give (see module doc)."""
     t0 = time.perf_counter()
     key = model.key
+    if isinstance(key, RecipeKey):
+        return _check_deposit(model, key, t0, plan_file)
     if model.source is None:
         return Check("no checkpoint directory is recorded for it: it cannot be checked", "unverifiable")
     try:
@@ -167,6 +178,41 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
     if bad is not None:
         return Check(f"its bytes differ from the checkpoint's: {bad}", "mismatch", samples, compared)
     return Check(None, "", samples, compared, time.perf_counter() - t0)
+
+
+def _check_deposit(model: ServedModel, key: RecipeKey, t0: float, plan_file: str | os.PathLike[str] | None) -> Check:
+    """A kept deposit (module doc): its table inside its one slab; its checkpoint fields, where the
+    checkpoint directory is known, equal to what that checkpoint gives now."""
+    if len(model.slabs) != 1:
+        return Check(f"a deposit is one slab, this has {len(model.slabs)}", "mismatch")
+    size = model.slabs[0].size
+    for e in model.table:
+        if e.slab != 0 or e.offset < 0 or e.offset + tensor_extent(e.dtype, e.shape, e.stride) > size:
+            return Check(f"tensor {e.name!r} lies outside its {size}-byte slab", "mismatch")
+    if model.source is None:
+        return Check(None, "", 0, 0, time.perf_counter() - t0)
+    try:
+        base = plan_rank(
+            model.source,
+            tp_rank=key.tp_rank,
+            tp_size=key.tp_size,
+            dtype=key.dtype,
+            plan_file=plan_file if key.plan != "none" else None,
+            transform=key.transform,
+            verify_content=key.fingerprint_kind == "content",
+        ).key
+    except (WCacheError, OSError, ValueError) as exc:
+        return Check(f"its checkpoint {model.source} cannot be read ({exc})", "unverifiable")
+    wire = key.to_wire()
+    diff = base.diff_wire({k: wire[k] for k in base.to_wire()})
+    if set(diff) == {"fingerprint"}:
+        why = f"its checkpoint {model.source} changed since (fingerprint {key.fingerprint[:12]}, now "
+        return Check(why + f"{base.fingerprint[:12]})", "stale")
+    if diff:
+        return Check(
+            f"its checkpoint fields differ from the ones {model.source} gives now in {sorted(diff)}", "mismatch"
+        )
+    return Check(None, "", 0, 0, time.perf_counter() - t0)
 
 
 def _layout_problem(model: ServedModel, layout: Layout) -> str | None:

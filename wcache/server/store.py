@@ -658,6 +658,8 @@ class Store:
             stats,
             origin="deposit",
             buffers=dep.buffers,
+            # the checkpoint its recipe names, where this daemon loaded it: a restart re-checks that against it
+            source=self.source_for(dep.key.to_wire()),
         )
         old = self.models.pop(dep.key, None)
         if old is not None:
