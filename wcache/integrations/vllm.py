@@ -578,7 +578,7 @@ def _loader_class() -> type:
                 "origin": "deposit",
                 "mode": mode,
                 "key": key.short(),
-                "tensors": len(registered),
+                "tensors": len(deposited),  # distinct tensors (tied names once), the plan not counted
                 "from_checkpoint": from_checkpoint,
                 **counts,
                 "modules": {m: modes.count(m) for m in PLAN_MODES},
@@ -591,7 +591,7 @@ def _loader_class() -> type:
                 model_config.model,
                 key.short(),
                 mode,
-                len(registered),
+                len(deposited),
                 counts["module_state"],
                 counts["mapped"],
                 counts["copied"],
