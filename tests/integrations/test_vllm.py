@@ -186,3 +186,130 @@ async def test_two_rank_daemons_serve_vllms_padded_vocabulary(
                 assert got.shape == (512, 64)
                 assert torch.equal(got[: len(real)], real) and not got[len(real) :].any()
                 assert torch.equal(disk[name], got)
+
+
+# ---------------------------------------------------------------- write-back (docs/protocol.md §4.13)
+
+
+class _Method:
+    """A stand-in for a vLLM quantization method (what plan_postprocessing reads of one)."""
+
+    def __init__(self, supports: bool) -> None:
+        self.supports_pre_processed_weights = supports
+
+
+def test_the_recipe_key_names_engine_version_quantization_and_device(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from wcache import WeightCacheKey
+    from wcache.integrations.vllm import POSTPROCESS_VERSION, recipe_key, recipe_quantization
+    from wcache.recipe import RecipeKey
+    from wcache.synthetic import TINY, make_llama_checkpoint
+
+    base = WeightCacheKey.from_checkpoint(make_llama_checkpoint(tmp_path / "m", TINY, seed=0), dtype="bfloat16")
+    plain = SimpleNamespace(quantization=None, hf_config=SimpleNamespace())
+    key = recipe_key(base, plain, torch.device("cpu"), "0.32.0")
+    assert isinstance(key, RecipeKey) and key != base
+    wire = key.to_wire()
+    assert {k: wire[k] for k in ("engine", "engine_version", "quantization", "quant_config", "postprocess")} == {
+        "engine": "vllm",
+        "engine_version": "0.32.0",
+        "quantization": "",
+        "quant_config": "",
+        "postprocess": POSTPROCESS_VERSION,
+    }
+    assert wire["device_type"] == "cpu" and str(torch.backends.cpu.get_cpu_capability()) in str(
+        wire["device_capability"]
+    )
+    assert WeightCacheKey.from_wire(wire) == base  # the checkpoint fields (dtype, transform...) are the base's
+    # another vLLM version, or another quantization config, is another recipe
+    assert recipe_key(base, plain, torch.device("cpu"), "0.33.0") != key
+    fp8 = SimpleNamespace(quantization="fp8", hf_config=SimpleNamespace(quantization_config={"weight_block_size": [1]}))
+    other = SimpleNamespace(
+        quantization="fp8", hf_config=SimpleNamespace(quantization_config={"weight_block_size": [2]})
+    )
+    q1, q2 = recipe_quantization(fp8), recipe_quantization(other)
+    assert q1["quantization"] == "fp8" and len(q1["quant_config"]) == 16 and q1["quant_config"] != q2["quant_config"]
+
+
+def _layer(out: int = 4, inp: int = 3, supports: bool = True) -> Any:
+    from torch import nn
+
+    m = nn.Linear(inp, out, bias=False)
+    m.quant_method = _Method(supports)  # type: ignore[assignment]
+    m.weight.requires_grad_(False)
+    return m
+
+
+def test_the_plan_follows_what_post_processing_did_to_each_module() -> None:
+    import torch
+    from torch import nn
+
+    from wcache.integrations.vllm import plan_postprocessing, snapshot_postprocessing
+
+    model = nn.ModuleDict(
+        {
+            "packed": _layer(),  # CPU linear: packed into a handle, a (0,) placeholder left
+            "kept": _layer(),  # embedding / LM head: a handle built, the weight untouched
+            "replaced": _layer(),  # CPU MoE: prepacked into new tensors, pre-processed weights supported
+            "replaced_unsupported": _layer(supports=False),
+            "strided": _layer(),
+            "plain": nn.LayerNorm(3),  # no quantization method: nothing to plan
+        }
+    )
+    before = snapshot_postprocessing(model, lambda qm: isinstance(qm, _Method))
+    assert set(before) == {"packed", "kept", "replaced", "replaced_unsupported", "strided"}
+    model["packed"].weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    model["replaced"].weight = nn.Parameter(torch.ones(4, 3), requires_grad=False)
+    model["replaced_unsupported"].weight = nn.Parameter(torch.ones(4, 3), requires_grad=False)
+    model["strided"].weight = nn.Parameter(torch.ones(3, 4).t(), requires_grad=False)
+    assert plan_postprocessing(model, before) == {
+        "packed": "rebuild",
+        "kept": "rerun",
+        "replaced": "preprocessed",
+        "replaced_unsupported": "rebuild",
+        "strided": "rebuild",
+    }
+
+
+def test_a_deposit_carries_module_state_but_not_what_is_rebuilt() -> None:
+    import torch
+    from torch import nn
+
+    from wcache.errors import IncompatibleModelError
+    from wcache.integrations.vllm import PLAN_TENSOR, decode_plan, deposit_tensors
+
+    model = nn.ModuleDict({"a": _layer(), "b": _layer(), "tied": nn.Module()})
+    model["tied"].weight = model["a"].weight  # a tie: one tensor, two names
+    model["b"].register_buffer("scale", torch.ones(1))
+    model["b"].register_buffer("never", torch.empty(2, device="meta"))
+    plan = {"a": "rerun", "b": "rebuild"}
+    tensors, kinds, left_out = deposit_tensors(model, plan)
+    assert set(tensors) == {"a.weight", "tied.weight", PLAN_TENSOR}
+    assert tensors["tied.weight"] is tensors["a.weight"]  # the client makes it an alias
+    assert sorted(left_out) == ["b.never", "b.scale", "b.weight"]
+    assert kinds == {PLAN_TENSOR: "buffer"}
+    assert decode_plan(tensors[PLAN_TENSOR]) == plan
+    with pytest.raises(IncompatibleModelError, match="not a post-processing plan"):
+        decode_plan(torch.frombuffer(bytearray(b'{"version": 9}'), dtype=torch.uint8))
+
+
+def test_deposited_names_are_registered_even_where_the_built_model_lacks_them() -> None:
+    import torch
+    from torch import nn
+
+    from wcache.errors import IncompatibleModelError
+    from wcache.integrations.vllm import _register
+
+    model = nn.ModuleDict({"layer": _layer()})
+    model["layer"].register_buffer("cache", torch.zeros(2), persistent=False)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    new = _register(modules, "layer.w13_weight_packed", torch.ones(5), True)  # created by post-processing
+    assert isinstance(new, nn.Parameter) and model["layer"].w13_weight_packed is new
+    _register(modules, "layer.cache", torch.ones(2), False)
+    assert "layer.cache" not in model.state_dict()  # still non-persistent
+    assert torch.equal(dict(model.named_buffers())["layer.cache"], torch.ones(2))
+    with pytest.raises(IncompatibleModelError, match="no module 'missing'"):
+        _register(modules, "missing.weight", torch.ones(1), True)

@@ -11,7 +11,13 @@ each run's result and inspect the daemons meanwhile. What is asserted:
   gone once the engine shut down;
 - fallback to the default loader with exactly one warning naming the reason (no daemon; another key), and
   ``fallback: false`` raising; one INFO line per load in vLLM's own log output;
-- the OpenAI server (``python -m vllm.entrypoints.openai.api_server``) serving from the cache.
+- the OpenAI server (``python -m vllm.entrypoints.openai.api_server``) serving from the cache;
+- write-back (docs/protocol.md §4.13): start 1 loads and deposits its post-processed state (STATUS origin
+  ``deposit``); start 2 maps it — every deposited tensor is module state again, the only others being the
+  ``(0,)`` placeholders of the linear layers whose oneDNN / sgl-kernel handles it rebuilt from the
+  checkpoint tensors — and its tokens and logprobs equal start 1's (Llama bf16 and Qwen3-MoE, whose
+  prepacked experts are mapped and whose MoE kernel is set up under ``weights_already_processed()``);
+  ``deposit: false`` opts out.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import pytest
 
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import InUseError
+from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.process import DaemonProcess, spawn_daemon
 
 if os.environ.get("WCACHE_REQUIRE_VLLM") != "1":
@@ -142,9 +149,10 @@ def _runs(models: dict[str, Path], daemons: dict[str, DaemonProcess], missing: P
     return [
         ref("ref_bf16", "llama"),
         wc("wc_bf16", "llama", llama, hold=True),
+        wc("wc_bf16_again", "llama", llama, hold=True),  # start 2: maps start 1's deposit
         ref("ref_fp32", "llama", dtype="float32"),
         wc("wc_fp32", "llama", llama, dtype="float32"),
-        wc("wc_copy", "llama", llama, extra={"mode": "copy"}),
+        wc("wc_copy", "llama", llama, extra={"mode": "copy", "deposit": False}),
         wc("fb_no_daemon", "llama", missing),
         wc("fb_other_key", "llama", tied),  # a daemon serving another checkpoint
         wc("no_fallback", "llama", missing, extra={"fallback": False}),
@@ -152,6 +160,7 @@ def _runs(models: dict[str, Path], daemons: dict[str, DaemonProcess], missing: P
         wc("wc_tied", "tied", tied),
         ref("ref_moe", "moe"),
         wc("wc_moe", "moe", moe),
+        wc("wc_moe_again", "moe", moe),
     ]
 
 
@@ -183,7 +192,8 @@ def _same_outputs(got: dict[str, Any], ref: dict[str, Any]) -> None:
 
 def _leases(d: DaemonProcess, key: WeightCacheKey) -> int:
     st = asyncio.run(WCacheClient(d.socket).status())
-    return sum(m.leases for m in st.models if WeightCacheKey.from_wire(dict(m.key)) == key)
+    # key_from_wire: a deposit's recipe key never equals its checkpoint's key
+    return sum(m.leases for m in st.models if key_from_wire(dict(m.key)) == key)
 
 
 def _wait_leases(d: DaemonProcess, key: WeightCacheKey, want: int, deadline_s: float = 120) -> None:
@@ -222,6 +232,61 @@ def test_the_plugin_logs_one_line_per_load_in_vllms_output(engine: Engine) -> No
     )
 
 
+def _recipe_models(d: DaemonProcess, key: WeightCacheKey) -> list[Any]:
+    """The daemon's models deposited by vLLM for ``key``'s checkpoint rank (STATUS)."""
+    st = asyncio.run(WCacheClient(d.socket).status())
+    return [
+        m
+        for m in st.models
+        if isinstance(k := key_from_wire(dict(m.key)), RecipeKey)
+        and k.engine == "vllm"
+        and WeightCacheKey.from_wire(dict(m.key)) == key
+    ]
+
+
+def _check_start_2(first: dict[str, Any], again: dict[str, Any]) -> None:
+    """Start 2 mapped every tensor start 1 deposited and re-created only what its post-processing must."""
+    info, dep = again["model"], first["model"]["deposit"]
+    assert info["origin"] == "deposit" and info["key"] == dep["key"]
+    assert info["tensors"] == dep["tensors"] - 1  # every deposited tensor but the post-processing plan
+    # every deposited tensor is module state of the running model: parameters mapped zero-copy, buffers
+    # (state vLLM may write, like attention's k/v scales) as the engine's own copies
+    assert info["mapped"] + info["copied"] == info["tensors"]
+    assert info["mapped"] + info["copied"] + len(info["recreated"]) == info["module_state"]
+    # re-created instead: only the placeholders of the modules whose kernels keep opaque handles, which
+    # were rebuilt from the checkpoint tensors (no bytes of module state come from anywhere else)
+    assert info["recreated"] and set(info["recreated"]) <= set(dep["left_out"])
+    assert info["recreated_bytes"] == 0
+    assert info["from_checkpoint"] == len(info["recreated"]) == info["modules"]["rebuild"]
+    assert info["modules"] == dep["modules"]
+    _same_outputs(again, first)
+
+
+def test_start_2_maps_start_1s_deposit_and_matches_it(
+    engine: Engine, models: dict[str, Path], daemons: dict[str, DaemonProcess]
+) -> None:
+    d = daemons["llama"]
+    raw = WeightCacheKey.from_checkpoint(models["llama"], dtype="bfloat16", transform=TRANSFORM)
+    first = engine.result("wc_bf16")
+    dep = first["model"]["deposit"]
+    assert dep["tensors"] > 0 and dep["bytes"] > 0
+    # a Llama on CPU: the 8 dense linears keep oneDNN handles (rebuilt), embedding and LM head re-run
+    assert dep["modules"] == {"rebuild": 8, "rerun": 2, "preprocessed": 0}
+    engine.wait_file("wc_bf16_again.ready")
+    again = engine.result("wc_bf16_again")
+    _check_start_2(first, again)
+    _same_outputs(again, engine.result("ref_bf16"))
+    assert again["model"]["holds_weights"] is True
+    # serving right now: one lease on the deposit, one on the checkpoint tensors the rebuilt modules took
+    (recipe,) = _recipe_models(d, raw)
+    assert recipe.origin == "deposit" and recipe.leases == 1
+    assert _leases(d, raw) == 1
+    (engine.out / "wc_bf16_again.go").write_text("")
+    engine.segment("wc_bf16_again")
+    _wait_leases(d, raw, 0)
+    assert [m.leases for m in _recipe_models(d, raw)] == [0]
+
+
 def test_fp32_matches_vllm(engine: Engine) -> None:
     got = engine.result("wc_fp32")
     _same_outputs(got, engine.result("ref_fp32"))
@@ -232,6 +297,8 @@ def test_copy_mode_matches_vllm_and_holds_no_lease(engine: Engine) -> None:
     got = engine.result("wc_copy")
     _same_outputs(got, engine.result("ref_bf16"))
     assert got["model"]["origin"] == "cache" and got["model"]["holds_weights"] is False
+    # deposit: false: the checkpoint tensors although a deposit exists, and nothing written back
+    assert "deposit" not in got["model"]
 
 
 @pytest.mark.parametrize(("run", "reason"), [("fb_no_daemon", "CacheUnavailableError"), ("fb_other_key", "Error")])
@@ -262,6 +329,14 @@ def test_qwen3_moe_through_fused_moe_matches_vllm(engine: Engine) -> None:
     assert got["model"]["origin"] == "cache" and got["model"]["tensors"] > 0
 
 
+def test_qwen3_moe_start_2_maps_the_prepacked_experts_and_matches(engine: Engine) -> None:
+    first, again = engine.result("wc_moe"), engine.result("wc_moe_again")
+    # the routed experts' prepacked w13/w2 are tensors: deposited, mapped, their kernel set up pre-processed
+    assert first["model"]["deposit"]["modules"]["preprocessed"] == 2
+    _check_start_2(first, again)
+    _same_outputs(again, engine.result("ref_moe"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -271,7 +346,7 @@ def _free_port() -> int:
 def test_openai_server_serves_from_the_cache(
     engine: Engine, models: dict[str, Path], daemons: dict[str, DaemonProcess], tmp_path: Path
 ) -> None:
-    engine.segment("wc_moe")  # the engine process is done: the server gets the CPUs
+    engine.segment("wc_moe_again")  # the engine process is done: the server gets the CPUs
     assert engine.proc.wait(120) == 0, engine.tail()
     d = daemons["llama"]
     key = WeightCacheKey.from_checkpoint(models["llama"], dtype="bfloat16", transform=TRANSFORM)

@@ -26,12 +26,27 @@ loader:
    is kept on the returned module (``_wcache_weights``), so it lives exactly as long as the
    parameters do — vLLM drops the loader object right after ``load_model``;
 7. when the daemon is absent, refuses, or serves another key, loading falls back to vLLM's
-   default loader with one warning naming the reason (``fallback: false`` raises instead).
+   default loader with one warning naming the reason (``fallback: false`` raises instead);
+8. write-back (docs/protocol.md §4.13, docs/integrations.md): the loader first asks the daemon for the
+   rank's *recipe* (:func:`recipe_key`: the checkpoint key + engine ``vllm``, vLLM's version, the
+   quantization fields of :func:`recipe_quantization`, this plugin's post-processing version, device
+   type and capability). When the daemon lacks it, the load above runs, its post-processing is observed
+   module by module (:func:`plan_postprocessing`), and the model's post-processed state is deposited:
+   every real parameter and buffer (kind parameter / buffer, tied names as aliases) plus the plan
+   (``PLAN_TENSOR``), except the tensors of modules whose result lives in opaque kernel handles (vLLM's
+   CPU linear layers: ``(0,)`` placeholders), which no cache can serve. When the daemon has it, the
+   model is built on meta, every deposited name is registered (also names the built model lacks, as
+   vLLM's own daemon loader does), the "rebuild" modules get their checkpoint tensors (load layout)
+   from the daemon, and each module's post-processing runs as the plan says: ``preprocessed`` (under
+   ``weights_already_processed()``: the method rebuilds its Python-side state only), ``rerun`` (its
+   post-processing left the tensors as they were: it runs again on the same bytes) or ``rebuild``
+   (runs normally on the checkpoint tensors). A failed deposit never fails the load (one WARNING).
 
 Extra config (``--model-loader-extra-config '{...}'``): ``socket`` (daemon socket path;
 default: wcache's default path for the rank), ``mode`` (``zero_copy`` | ``copy``),
 ``fallback`` (bool), ``timeout`` (seconds), ``transform`` (the daemon's ``--transform``),
-``plan_file``.
+``plan_file``, ``deposit`` (bool, default true: write back / map the post-processed state; false
+loads the checkpoint tensors and post-processes on every start).
 
 Logs go to the ``vllm.wcache`` logger, a child of vLLM's own, so one INFO line per load (key,
 mode, tensors, bytes, ms) appears in vLLM's log output next to its lines.
@@ -39,16 +54,28 @@ mode, tensors, bytes, ms) appears in vLLM's log output next to its lines.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
+import math
 import time
+from collections.abc import Iterator
 from copy import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-from wcache.errors import IncompatibleModelError, WCacheError
+from wcache.errors import (
+    CacheUnavailableError,
+    IncompatibleModelError,
+    KeyMismatchError,
+    NotFoundError,
+    WCacheError,
+)
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -64,13 +91,18 @@ __all__ = [
 log = logging.getLogger("vllm.wcache")
 
 LOAD_FORMAT = "wcache"
-EXTRA_CONFIG_KEYS = ("socket", "mode", "fallback", "timeout", "transform", "plan_file")
+EXTRA_CONFIG_KEYS = ("socket", "mode", "fallback", "timeout", "transform", "plan_file", "deposit")
 DEFAULT_TRANSFORM = "wcache.transforms:vllm_layout"
 #: the attribute of the loaded module that holds its zero_copy weights (and so the daemon's lease)
 WEIGHTS_ATTR = "_wcache_weights"
 #: the attribute of the loaded module that says where its weights came from: {"origin": "cache" | "disk",
 #: "mode", "key", "tensors", "zero_copy_after_processing"} or {"origin": "disk", "reason"} after a fallback
 INFO_ATTR = "_wcache"
+#: the attribute of a model that mapped a deposit and rebuilt some modules from the checkpoint key: that
+#: key's zero_copy weights (its lease, for the model's life like WEIGHTS_ATTR's)
+CHECKPOINT_WEIGHTS_ATTR = "_wcache_checkpoint_weights"
+#: the attribute the observed post-processing leaves its plan in (plan_postprocessing), for the deposit
+PLAN_ATTR = "_wcache_plan"
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -126,17 +158,231 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
         "timeout": float(cfg.get("timeout", 60.0)),
         "transform": str(cfg.get("transform", DEFAULT_TRANSFORM)),
         "plan_file": cfg.get("plan_file"),
+        "deposit": bool(cfg.get("deposit", True)),
     }
 
 
+#: the post-processing version of this plugin's write-back (part of the recipe key): bump it when what is
+#: deposited, or how a start that maps a deposit post-processes, changes
+POSTPROCESS_VERSION = "wcache-vllm-1"
+#: the deposited tensor (uint8, JSON) that says how each module's post-processing runs on a start that maps
+#: the deposit: {"version": 1, "modules": {module name: "preprocessed" | "rerun" | "rebuild"}}
+PLAN_TENSOR = "_wcache_postprocess"
+PLAN_MODES = ("preprocessed", "rerun", "rebuild")
+
+
+def recipe_quantization(model_config: Any) -> dict[str, str]:
+    """The recipe key's quantization fields: ``quantization`` (vLLM's method name, ``""`` unquantized) and
+    ``quant_config`` (a SHA-256 prefix of the checkpoint's ``quantization_config``, ``""`` without one).
+
+    The one place the recipe names quantization: quantized models are still refused before this runs
+    (``check_quantization``); whoever lifts that refusal extends this function, not the key."""
+    method = getattr(model_config, "quantization", None) or ""
+    qc = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    digest = ""
+    if qc:
+        blob = json.dumps(qc, sort_keys=True, default=str).encode()
+        digest = hashlib.sha256(blob).hexdigest()[:16]
+    return {"quantization": str(method), "quant_config": digest}
+
+
+def device_recipe(device: torch.device) -> dict[str, str]:
+    """``device_type`` and ``device_capability``: a CUDA device's compute capability (``"9.0"``); on the
+    CPU the ISA torch dispatches to plus the bf16 / AMX extensions vLLM's CPU kernels choose their packing
+    by (``"AVX2"``, ``"AVX512+avx512_bf16+amx"``)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"device_type": "cuda", "device_capability": f"{major}.{minor}"}
+    if device.type == "cpu":
+        cap = str(torch.backends.cpu.get_cpu_capability())
+        for flag, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported")):
+            check = getattr(torch.cpu, probe, None)
+            if check is not None and check():
+                cap += f"+{flag}"
+        return {"device_type": "cpu", "device_capability": cap}
+    return {"device_type": device.type, "device_capability": ""}
+
+
+def recipe_key(base: Any, model_config: Any, device: torch.device, engine_version: str) -> Any:
+    """The RecipeKey of ``base`` (the rank's checkpoint key: fingerprint, rank layout, dtype, transform)
+    as vLLM ``engine_version`` post-processes it on ``device``."""
+    from wcache.recipe import RecipeKey
+
+    return RecipeKey.of(
+        base,
+        engine="vllm",
+        engine_version=engine_version,
+        **recipe_quantization(model_config),
+        postprocess=POSTPROCESS_VERSION,
+        **device_recipe(device),
+    )
+
+
+#: a tensor's identity for the before/after comparison of post-processing
+_Sig = tuple[int, int, tuple[int, ...], torch.dtype, bool]
+
+
+def _sig(t: torch.Tensor) -> _Sig:
+    ptr = 0 if t.is_meta else t.untyped_storage().data_ptr()
+    return (id(t), ptr, tuple(t.shape), t.dtype, t.is_meta)
+
+
+def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {n: t for n, t in module._parameters.items() if t is not None}
+    out.update({n: t for n, t in module._buffers.items() if t is not None})
+    return out
+
+
+def snapshot_postprocessing(model: nn.Module, is_method: Any) -> dict[str, dict[str, _Sig]]:
+    """Before post-processing: each module with a quantization method (``is_method(quant_method)``, vLLM's
+    ``QuantizeMethodBase``) and the identity of its own tensors."""
+    out: dict[str, dict[str, _Sig]] = {}
+    for name, module in model.named_modules():
+        if is_method(getattr(module, "quant_method", None)):
+            out[name] = {n: _sig(t) for n, t in _direct(module).items()}
+    return out
+
+
+def plan_postprocessing(model: nn.Module, before: dict[str, dict[str, _Sig]]) -> dict[str, str]:
+    """After post-processing: how a start that maps the deposit runs each module's post-processing.
+
+    - ``rebuild``: it emptied a tensor (vLLM's CPU linear layers keep the packed weight in a oneDNN /
+      sgl-kernel handle and leave a ``(0,)`` placeholder), left one non-contiguous (a deposit is
+      contiguous), or replaced tensors with a method that cannot take pre-processed weights: the module's
+      own tensors are not deposited; the next start gives it the checkpoint's and post-processes it;
+    - ``rerun``: its tensors are the very ones it was given (it only built kernel state from them, like
+      the CPU embedding / LM head's handle): it runs again on the deposited bytes, which are the same;
+    - ``preprocessed``: it replaced them with new tensors (the CPU MoE's prepacked experts) and its method
+      ``supports_pre_processed_weights``: the deposit maps them and it runs under
+      ``weights_already_processed()``, rebuilding its Python-side state only."""
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if name not in before:
+            continue
+        was, now = before[name], _direct(module)
+        emptied = any(t.numel() == 0 and (n not in was or math.prod(was[n][2]) > 0) for n, t in now.items())
+        strided = any(not t.is_meta and not t.is_contiguous() for t in now.values())
+        if emptied or strided:
+            plan[name] = "rebuild"
+        elif {n: _sig(t) for n, t in now.items()} == was:
+            plan[name] = "rerun"
+        elif getattr(module.quant_method, "supports_pre_processed_weights", False):
+            plan[name] = "preprocessed"
+        else:
+            plan[name] = "rebuild"
+    return plan
+
+
+def encode_plan(plan: dict[str, str]) -> torch.Tensor:
+    blob = json.dumps({"version": 1, "modules": plan}, sort_keys=True).encode()
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+
+
+def decode_plan(t: torch.Tensor) -> dict[str, str]:
+    """The plan a deposit carries; IncompatibleModelError for one this plugin cannot follow."""
+    try:
+        doc = json.loads(bytes(t.detach().cpu().contiguous().numpy().tobytes()).decode())
+        plan = doc["modules"]
+        ok = doc.get("version") == 1 and isinstance(plan, dict) and all(v in PLAN_MODES for v in plan.values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise IncompatibleModelError(
+            f"the deposit's {PLAN_TENSOR} is not a post-processing plan this plugin follows; evict the recipe "
+            "(wcache evict) or start with deposit: false"
+        )
+    return {str(k): str(v) for k, v in plan.items()}
+
+
+def deposit_tensors(
+    model: nn.Module, plan: dict[str, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """What a deposit of ``model`` carries: every parameter and buffer by module path (a tensor under
+    several names once; the client makes the other names aliases), ``kinds`` of the buffers, and the names
+    left out (meta tensors, dtypes the protocol does not carry, and the own tensors of ``rebuild`` modules,
+    which the next start takes from the checkpoint); the plan tensor added."""
+    from wcache.proto.table import DTYPE_SIZES
+
+    modules = dict(model.named_modules())
+    rebuilt = {id(modules[n]) for n, mode in plan.items() if mode == "rebuild" and n in modules}
+    everything = dict(model.named_modules(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    left_out: list[str] = []
+    named: list[tuple[str, torch.Tensor, str]] = [
+        (n, t, "parameter") for n, t in model.named_parameters(remove_duplicate=False)
+    ]
+    named += [(n, t, "buffer") for n, t in model.named_buffers(remove_duplicate=False) if t is not None]
+    for name, t, kind in named:
+        owner = everything[name.rpartition(".")[0]]
+        if id(owner) in rebuilt or t.is_meta or str(t.dtype).removeprefix("torch.") not in DTYPE_SIZES:
+            left_out.append(name)
+            continue
+        tensors[name] = t
+        if kind == "buffer":
+            kinds[name] = "buffer"
+    tensors[PLAN_TENSOR] = encode_plan(plan)
+    kinds[PLAN_TENSOR] = "buffer"
+    return tensors, kinds, left_out
+
+
+def _register(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
+    """Register ``tensor`` under ``name`` whether or not the built model declares it (post-processing may
+    have created it), replacing what is there — as vLLM's own daemon loader (``_apply_entries``) does."""
+    module_name, _, leaf = name.rpartition(".")
+    module = modules.get(module_name)
+    if module is None:
+        raise IncompatibleModelError(
+            f"the deposit names {name!r}, but the model has no module {module_name!r}: it was deposited by "
+            "another model build; evict the recipe (wcache evict) or start with deposit: false",
+            details={"name": name},
+        )
+    persistent = leaf not in module._non_persistent_buffers_set
+    module._parameters.pop(leaf, None)
+    module._buffers.pop(leaf, None)
+    module._non_persistent_buffers_set.discard(leaf)
+    if is_param:
+        p = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+        module.register_parameter(leaf, p)
+        return p
+    module.register_buffer(leaf, tensor, persistent=persistent)
+    return tensor
+
+
 def _loader_class() -> type:
+    import vllm
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader import base_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.model_executor.utils import weights_already_processed
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from wcache.client import WCacheClient
+
+    def _is_method(qm: Any) -> bool:
+        return isinstance(qm, QuantizeMethodBase)
+
+    def _observed_postprocessing(model: nn.Module, model_config: Any, device: torch.device) -> None:
+        """vLLM's post-processing, with what it did to each module recorded as the deposit's plan."""
+        before = snapshot_postprocessing(model, _is_method)
+        process_weights_after_loading(model, model_config, device)
+        model.__dict__[PLAN_ATTR] = plan_postprocessing(model, before)
+
+    @contextlib.contextmanager
+    def _observing_default_postprocessing() -> Iterator[None]:
+        """vLLM's default loader, with its post-processing observed (the name it calls, for this load)."""
+        original = base_loader.process_weights_after_loading
+        base_loader.process_weights_after_loading = _observed_postprocessing
+        try:
+            yield
+        finally:
+            base_loader.process_weights_after_loading = original
+
     from wcache.key import WeightCacheKey
     from wcache.nn import attach, empty_parameters
 
@@ -164,8 +410,7 @@ def _loader_class() -> type:
             )
 
         def _fetch(self, model_config: Any, mode: str, device: torch.device | None = None) -> Any:
-            client = WCacheClient(self.options["socket"], timeout=self.options["timeout"], device=device)
-            return client.fetch_sync(self._key(model_config), mode=mode)
+            return self._client(device).fetch_sync(self._key(model_config), mode=mode)
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             """In-place reload of an already built model: copy the cached tensors into it."""
@@ -182,8 +427,16 @@ def _loader_class() -> type:
             # permanent misconfigurations: raised even with fallback on
             check_quantization(getattr(model_config, "quantization", None))
             check_parallel(getattr(vllm_config, "parallel_config", None))
+            device = torch.device(self.load_config.device or vllm_config.device_config.device)
+            recipe = None  # set when the daemon lacks the recipe: deposit after loading
             try:
-                return self._load_from_cache(vllm_config, model_config, prefix)
+                if self.options["deposit"]:
+                    wanted = recipe_key(self._key(model_config), model_config, device, vllm.__version__)
+                    try:
+                        return self._load_from_deposit(vllm_config, model_config, prefix, wanted, device)
+                    except (KeyMismatchError, NotFoundError):
+                        recipe = wanted  # not deposited yet: this start loads, post-processes, deposits
+                model = self._load_from_cache(vllm_config, model_config, prefix)
             except WCacheError as exc:
                 if not self.options["fallback"]:
                     raise
@@ -191,11 +444,212 @@ def _loader_class() -> type:
                 log.warning(
                     "wcache: %s loaded with vLLM's default loader instead of the cache (%s)", model_config.model, reason
                 )
-            model: nn.Module = DefaultModelLoader(self._fallback_config()).load_model(
-                vllm_config=vllm_config, model_config=model_config, prefix=prefix
-            )
-            model.__dict__[INFO_ATTR] = {"origin": "disk", "reason": reason}
+                with _observing_default_postprocessing():
+                    model = DefaultModelLoader(self._fallback_config()).load_model(
+                        vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                    )
+                model.__dict__[INFO_ATTR] = {"origin": "disk", "reason": reason}
+                if isinstance(exc, CacheUnavailableError):
+                    recipe = None  # no daemon to deposit into
+            if recipe is not None:
+                self._deposit(model, recipe)
             return model
+
+        def _client(self, device: torch.device | None = None) -> WCacheClient:
+            return WCacheClient(self.options["socket"], timeout=self.options["timeout"], device=device)
+
+        def _deposit(self, model: nn.Module, key: Any) -> None:
+            """Write the post-processed state back (docs/protocol.md §4.13); any failure is one WARNING and
+            the load goes on."""
+            info = model.__dict__.setdefault(INFO_ATTR, {})
+            started = time.perf_counter()
+            plan = model.__dict__.get(PLAN_ATTR)
+            try:
+                if plan is None:
+                    raise RuntimeError("vLLM's post-processing ran outside the plugin's observation")
+                tensors, kinds, left_out = deposit_tensors(model, plan)
+                done = asyncio.run(self._client().deposit(key, tensors, kinds=kinds, timeout=self.options["timeout"]))
+            except Exception as exc:  # a deposit is an optimisation: never fail the load for it
+                info["deposit"] = {"error": f"{type(exc).__name__}: {exc}"}
+                log.warning(
+                    "wcache: deposit of %s failed (%s: %s); the next start post-processes again",
+                    key.short(),
+                    type(exc).__name__,
+                    exc,
+                )
+                return
+            ms = (time.perf_counter() - started) * 1e3
+            modes = [plan.get(n) for n in plan]
+            info["deposit"] = {
+                "key": key.short(),
+                "tensors": done.tensors,
+                "bytes": done.bytes,
+                "ms": ms,
+                "left_out": left_out,
+                "modules": {m: modes.count(m) for m in PLAN_MODES},
+            }
+            log.info(
+                "wcache: deposited %s tensors=%d bytes=%d ms=%.1f left_out=%d modules=%s socket=%s",
+                key.short(),
+                done.tensors,
+                done.bytes,
+                ms,
+                len(left_out),
+                info["deposit"]["modules"],
+                self.options["socket"] or "default",
+            )
+
+        def _load_from_deposit(
+            self, vllm_config: Any, model_config: Any, prefix: str, key: Any, device: torch.device
+        ) -> nn.Module:
+            """Build on meta, register every deposited tensor, give the ``rebuild`` modules their checkpoint
+            tensors, post-process each module as the deposit's plan says. KeyMismatchError / NotFoundError
+            when the daemon lacks the recipe."""
+            started = time.perf_counter()
+            mode = self.options["mode"]
+            weights = self._client(device).fetch_sync(key, mode=mode)
+            raw = None
+            try:
+                if PLAN_TENSOR not in weights:
+                    raise IncompatibleModelError(f"the deposit {key.short()} carries no {PLAN_TENSOR}")
+                plan = decode_plan(weights[PLAN_TENSOR])
+                with set_default_torch_dtype(model_config.dtype), device, empty_parameters():
+                    model: nn.Module = initialize_model(
+                        vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                    )
+                attrs = {n: dict(vars(p)) for n, p in model.named_parameters(remove_duplicate=False)}
+                modules = dict(model.named_modules(remove_duplicate=False))
+                registered: dict[str, torch.Tensor] = {}
+                for name in weights:
+                    if name == PLAN_TENSOR or name in weights.aliases:
+                        continue
+                    is_param = name not in weights.buffers
+                    # buffers are module state vLLM may write at run time (attention's k/v scales are
+                    # filled in place): the engine's own copy, never the read-only mapping
+                    t = weights[name] if is_param or mode == "copy" else weights[name].clone()
+                    registered[name] = _register(modules, name, t, is_param)
+                for alias, target in weights.aliases.items():
+                    registered[alias] = _register(
+                        modules, alias, registered[target], isinstance(registered[target], nn.Parameter)
+                    )
+                deposited = {id(t) for t in registered.values()}
+                # the modules whose kernels keep their weights in opaque handles: checkpoint tensors
+                rebuild = {n for n, m in plan.items() if m == "rebuild"}
+                wanted = {
+                    n
+                    for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+                    if n.rpartition(".")[0] in rebuild and id(t) not in deposited
+                }
+                from_checkpoint = 0
+                if wanted:
+                    raw = self._client(device).fetch_sync(self._key(model_config), mode=mode)
+                    found = {n: t for n, t in by_module_name(model, raw).items() if n in wanted}
+                    lacking = sorted(n for n in wanted if n not in found and _tensor_at(model, n).is_meta)
+                    if lacking:
+                        raise IncompatibleModelError(
+                            f"the checkpoint key lacks {len(lacking)} tensor(s) of modules rebuilt from it: "
+                            + ", ".join(lacking[:8]),
+                            details={"missing": lacking},
+                        )
+                    made: dict[int, torch.Tensor] = {}
+                    params = set(dict(model.named_parameters(remove_duplicate=False)))
+                    for n, t in found.items():
+                        obj = made.get(id(t))
+                        made[id(t)] = _register(modules, n, obj if obj is not None else t, n in params)
+                    from_checkpoint = len(made)
+                for n, p in model.named_parameters(remove_duplicate=False):
+                    for a, v in attrs.get(n, {}).items():
+                        if not hasattr(p, a):
+                            setattr(p, a, v)
+                ms = self._postprocess(model, model_config, device, plan)
+            except BaseException:
+                weights.release_sync()
+                if raw is not None:
+                    raw.release_sync()
+                raise
+            if mode == "zero_copy":
+                model.__dict__[WEIGHTS_ATTR] = weights
+                if raw is not None:
+                    model.__dict__[CHECKPOINT_WEIGHTS_ATTR] = raw
+            copied = {id(t) for n, t in registered.items() if n in weights.buffers and mode == "zero_copy"}
+            counts = count_module_state(model, weights, copied)
+            modes = list(plan.values())
+            model.__dict__[INFO_ATTR] = {
+                "origin": "deposit",
+                "mode": mode,
+                "key": key.short(),
+                "tensors": len(deposited),  # distinct tensors (tied names once), the plan not counted
+                "from_checkpoint": from_checkpoint,
+                **counts,
+                "modules": {m: modes.count(m) for m in PLAN_MODES},
+                "postprocess_ms": ms,
+                "ms": (time.perf_counter() - started) * 1e3,
+            }
+            log.info(
+                "wcache: loaded %s from its deposit key=%s mode=%s tensors=%d module_state=%d mapped=%d "
+                "copied=%d recreated=%d from_checkpoint=%d rebuild_ms=%.1f ms=%.1f socket=%s",
+                model_config.model,
+                key.short(),
+                mode,
+                len(deposited),
+                counts["module_state"],
+                counts["mapped"],
+                counts["copied"],
+                len(counts["recreated"]),
+                from_checkpoint,
+                ms["rebuild"],
+                model.__dict__[INFO_ATTR]["ms"],
+                weights.socket_path,
+            )
+            return model.eval()
+
+        def _postprocess(
+            self, model: nn.Module, model_config: Any, device: torch.device, plan: dict[str, str]
+        ) -> dict[str, float]:
+            """vLLM's process_weights_after_loading with each module's method run as ``plan`` says; ms spent
+            per plan mode. A module the plan does not name (another model build) is an error."""
+            modes: dict[int, str] = {}
+            methods: dict[int, Any] = {}
+            for name, module in model.named_modules():
+                qm = getattr(module, "quant_method", None)
+                if not isinstance(qm, QuantizeMethodBase):
+                    continue
+                m = plan.get(name)
+                if m is None:
+                    raise IncompatibleModelError(
+                        f"the deposit's post-processing plan does not name module {name!r}; evict the recipe "
+                        "(wcache evict) or start with deposit: false"
+                    )
+                if m == "preprocessed" and not qm.supports_pre_processed_weights:
+                    raise IncompatibleModelError(
+                        f"{type(qm).__name__} of {name!r} does not support pre-processed weights in this vLLM"
+                    )
+                modes[id(module)] = m
+                methods[id(qm)] = qm
+            spent = dict.fromkeys(PLAN_MODES, 0.0)
+
+            def wrap(original: Any) -> Any:
+                def run(layer: nn.Module) -> Any:
+                    m = modes[id(layer)]
+                    t0 = time.perf_counter()
+                    try:
+                        if m == "preprocessed":
+                            with weights_already_processed():
+                                return original(layer)
+                        return original(layer)
+                    finally:
+                        spent[m] += (time.perf_counter() - t0) * 1e3
+
+                return run
+
+            for qm in methods.values():
+                qm.process_weights_after_loading = wrap(qm.process_weights_after_loading)
+            try:
+                process_weights_after_loading(model, model_config, device)
+            finally:
+                for qm in methods.values():
+                    del qm.process_weights_after_loading  # the instance attribute: the class's method again
+            return spent
 
         def _load_from_cache(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
             started = time.perf_counter()
@@ -216,7 +670,7 @@ def _loader_class() -> type:
                 # the daemon serves the checkpoint's tensors in vLLM's load layout, not vLLM's runtime format:
                 # post-processing runs as after vLLM's own load_weights (repacking reads the views; a method
                 # that wrote into them in place would fault on the read-only mapping: use mode "copy" there)
-                process_weights_after_loading(model, model_config, device)
+                _observed_postprocessing(model, model_config, device)
             except BaseException:
                 weights.release_sync()
                 raise
@@ -285,6 +739,44 @@ def zero_copy_parameters(model: nn.Module, weights: Any) -> int:
     cached = {weights[n].untyped_storage().data_ptr() for n in weights}
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(1 for t in tensors.values() if t.device.type != "meta" and t.untyped_storage().data_ptr() in cached)
+
+
+def _tensor_at(model: nn.Module, name: str) -> torch.Tensor:
+    module_name, _, leaf = name.rpartition(".")
+    t = _direct(model.get_submodule(module_name)).get(leaf)
+    assert t is not None, name
+    return t
+
+
+def count_module_state(
+    model: nn.Module, weights: Any, copied: set[int] | frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """Every tensor the model keeps as module state (parameters and buffers, a tied tensor once):
+    ``module_state`` of them; ``mapped``: views of the deposit ``weights`` (sharing its storage);
+    ``copied``: the engine's own copies of deposited buffers (``copied``: their ids); and the names of the
+    others, ``recreated`` (by post-processing: the ``(0,)`` placeholders of modules whose kernels hold
+    their weights in opaque handles), with ``recreated_bytes``."""
+    deposit = {weights[n].untyped_storage().data_ptr() for n in weights}
+    first: dict[int, tuple[str, torch.Tensor]] = {}
+    for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if t is not None:
+            first.setdefault(id(t), (n, t))
+    mapped, copies, recreated, nbytes = 0, 0, [], 0
+    for key, (n, t) in first.items():
+        if not t.is_meta and t.untyped_storage().data_ptr() in deposit:
+            mapped += 1
+        elif key in copied:
+            copies += 1
+        else:
+            recreated.append(n)
+            nbytes += 0 if t.is_meta else t.numel() * t.element_size()
+    return {
+        "module_state": len(first),
+        "mapped": mapped,
+        "copied": copies,
+        "recreated": sorted(recreated),
+        "recreated_bytes": nbytes,
+    }
 
 
 def cached_weights(model: nn.Module) -> Any:
