@@ -5,8 +5,8 @@ Runs where vLLM is installed (the CI's vLLM job; skipped elsewhere, a failure in
 loads each tiny hand-built checkpoint (tests/integrations/vllm_quant_models.py) with ``--load-format auto``:
 
 - the methods that run produce the same greedy tokens in two ``LLM()`` runs, load with the quant method and CPU
-  kernel the docs name, agree with the unquantized model on the first greedy token of every prompt (the packing
-  is right, not merely accepted), and leave what docs/integrations.md's table says after
+  kernel the docs name, compute the float layer within the format's quantization error (the packing is right,
+  not merely accepted), and leave what docs/integrations.md's table says after
   ``process_weights_after_loading`` (plain tensors, or a oneDNN handle holding the int8 weight), none of them
   declaring ``supports_pre_processed_weights``;
 - the ones that do not run fail with the exception the table names (a missing kernel, a stub op).
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 if os.environ.get("WCACHE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
@@ -32,8 +33,7 @@ else:
     import vllm  # noqa: F401  (the vLLM job: a missing vLLM is a failure, not a skip)
 
 from tests.integrations.vllm_models import LLAMA
-from tests.integrations.vllm_quant_models import make_quantized
-from wcache.synthetic import make_llama_checkpoint
+from tests.integrations.vllm_quant_models import float_weights, make_quantized
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,9 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "fp8": ("RuntimeError", "_C::static_scaled_fp8_quant() expected at most 0 argument(s)"),
     "fp8_block": ("ValueError", "requires AMX tile support"),
 }
+#: relative error of a quantized layer's output against the float layer's (measured: int8 1.0%, FP8 3.6-3.8%,
+#: AWQ 8.2-8.6%, 4-bit symmetric 10.0-10.2%; a wrong packing gives over 100%)
+MAX_ERROR = {"ct_w8a8_int8": 0.03, "ct_fp8": 0.08, "ct_w4a16": 0.15, "awq": 0.15, "gptq_int4": 0.15}
 #: quantized layers of the tiny Llama: per decoder layer qkv_proj, o_proj, gate_up_proj, down_proj
 QUANT_LAYERS = 4 * LLAMA.layers
 QKV = "model.layers.0.self_attn.qkv_proj"
@@ -70,11 +73,10 @@ QKV = "model.layers.0.self_attn.qkv_proj"
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every run's result: two per method that runs (``M.1``, ``M.2``), one per method that does not, and the
-    unquantized reference (``ref``, the same float weights in bf16)."""
+    """Every run's result: two per method that runs (``M.1``, ``M.2``), one per method that does not."""
     models = tmp_path_factory.mktemp("vllm-quant-models")
     out = tmp_path_factory.mktemp("vllm-quant-engine")
-    runs = [{"name": "ref", "model": str(make_llama_checkpoint(models / "ref", LLAMA, seed=0))}]
+    runs: list[dict[str, str]] = []
     for method in RUNS:
         path = str(make_quantized(models / method, method, seed=0))
         runs += [{"name": f"{method}.1", "model": path}, {"name": f"{method}.2", "model": path}]
@@ -118,12 +120,23 @@ def test_default_loader_runs_it_deterministically(results: dict[str, dict[str, A
 
 
 @pytest.mark.parametrize("method", RUNS)
-def test_first_token_agrees_with_the_unquantized_model(results: dict[str, dict[str, Any]], method: str) -> None:
-    """Wrong packing (nibble order, AWQ interleave, zero offset) still loads and generates; it does not keep the
-    model's greedy choice."""
-    ref = _ran(results["ref"])["tokens"]
-    got = _ran(results[f"{method}.1"])["tokens"]
-    assert [t[0] for t in got] == [t[0] for t in ref]
+def test_quantized_layer_computes_the_float_layer(results: dict[str, dict[str, Any]], method: str) -> None:
+    """The fused qkv_proj and down_proj, run by vLLM on a fixed input, give the float layer's output within the
+    format's quantization error: the packing is right, not merely accepted (a tiny random Llama's greedy tokens
+    hardly depend on its layers: AWQ without its interleave gives the same tokens, and 127% error here)."""
+    w = float_weights(LLAMA, seed=0)
+    p = "model.layers.0."
+    reference = {
+        QKV: torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
+        f"{p}mlp.down_proj": w[f"{p}mlp.down_proj.weight"],
+    }
+    sample = _ran(results[f"{method}.1"])["state"]["sample"]
+    for layer, weight in reference.items():
+        probe = sample[layer]["probe"]
+        x, y = torch.tensor(probe["x"]), torch.tensor(probe["y"])
+        want = x @ weight.t()
+        error = float((y - want).norm() / want.norm())
+        assert error < MAX_ERROR[method], f"{layer}: relative error {error:.3f}"
 
 
 @pytest.mark.parametrize("method", RUNS)

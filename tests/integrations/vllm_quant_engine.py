@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,9 +67,18 @@ def _layer_state(module: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def _probe(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, Any]:
+    """The layer's output on a fixed input (``x`` returned too): the test compares it with the float layer."""
+    inp = cast(int, module.input_size)  # vLLM LinearBase's int; nn.Module types attributes as submodules
+    x = torch.randn(4, inp, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        y = module(x)[0]
+    return {"x": x.float().tolist(), "y": y.float().tolist()}
+
+
 def module_state(model: torch.nn.Module) -> dict[str, Any]:
     """What post-processing left: per quant method class its layer count and pre-processed-weights flag; the
-    sample layers in full; placeholders ((0,)-sized parameters) and callables (kernel handles in closures)
+    sample layers in full, with their output on a fixed input; placeholders ((0,)-sized parameters) and callables (kernel handles in closures)
     counted over every layer with a quant method."""
     methods: dict[str, dict[str, Any]] = {}
     placeholders: list[str] = []
@@ -92,6 +101,10 @@ def module_state(model: torch.nn.Module) -> dict[str, Any]:
             if not aname.startswith("_") and callable(v) and not isinstance(v, (torch.Tensor, torch.nn.Module)):
                 handles.append(f"{name}.{aname}")
     sample = {n: _layer_state(m) for n, m in model.named_modules() if n in SAMPLE_LAYERS}
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and p.element_size() > 1)
+    for n, m in model.named_modules():
+        if n in SAMPLE_LAYERS:
+            sample[n]["probe"] = _probe(m, dtype)
     return {"methods": methods, "params": tensors, "placeholders": placeholders, "handles": handles, "sample": sample}
 
 

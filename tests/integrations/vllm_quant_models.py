@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from tests.integrations.vllm_models import LLAMA
 from wcache.synthetic import FP8_TINY, LlamaShape, make_fp8_llama_checkpoint
 
-__all__ = ["BUILDERS", "GROUP", "make_quantized"]
+__all__ = ["BUILDERS", "GROUP", "float_weights", "make_quantized"]
 
 GROUP = 32
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,7 +48,7 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 Tensors = dict[str, torch.Tensor]
 
 
-def _float_weights(shape: LlamaShape, seed: int) -> dict[str, torch.Tensor]:
+def float_weights(shape: LlamaShape, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=gen, dtype=torch.float32).mul_(0.02) for n, s in shape.tensors()}
 
@@ -196,7 +196,7 @@ def make_quantized(path: Path, method: str, *, seed: int = 0) -> Path:
     quant, qconfig = _FORMATS[method]
     path.mkdir(parents=True, exist_ok=True)
     tensors: Tensors = {}
-    for name, w in _float_weights(LLAMA, seed).items():
+    for name, w in float_weights(LLAMA, seed).items():
         if name.rsplit(".", 2)[-2] in _PROJ:
             tensors.update(quant(name, w))
         else:
