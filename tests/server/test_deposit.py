@@ -463,3 +463,17 @@ async def test_deposits_in_progress_per_connection_are_limited(daemon: DaemonPro
     finally:
         ch.close()
     assert set(await models(daemon)) == {"ckpt"}
+
+
+async def test_an_absent_recipe_on_a_load_on_demand_daemon_loads_nothing(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    """A recipe key is deposited, never loaded: asking a --load-on-demand daemon for one it lacks answers
+    KEY_MISMATCH at once and loads no checkpoint variant (it used to load the variant the recipe's checkpoint
+    fields name, e.g. another dtype, before answering)."""
+    d = daemon_factory(ckpt, "--load-on-demand")
+    before = [dict(m.key) for m in (await WCacheClient(d.socket).status()).models]
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt, dtype="float32"))  # a variant it does not hold
+    with pytest.raises(KeyMismatchError):
+        await WCacheClient(d.socket).fetch(key)
+    assert [dict(m.key) for m in (await WCacheClient(d.socket).status()).models] == before

@@ -525,7 +525,7 @@ class Daemon:
     async def _load_on_demand(self, req: GetState, pid: int) -> bool:
         """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the
         daemon loaded before. True if a model now matches the request."""
-        if not self.load_on_demand:
+        if not self.load_on_demand or "engine" in req.key:  # a recipe key (write-back) is deposited, never loaded
             return False
         source = self.store.source_for(req.key)
         k = req.key
