@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import DaemonProc, run_cli
 from wcache import WCacheClient, WeightCacheKey
+from wcache.client import CachedWeights
 from wcache.nn import load_from_disk
 
 
@@ -116,3 +117,50 @@ def test_status_shows_tier_and_last_use(
     head, row = out.stdout.splitlines()[:2]
     assert head.split()[:4] == ["SOCKET", "MODEL", "RANK", "TIER"] and " host " in row and "never" in row
     assert "host tier 0.01 of 1.07 GB in 1 entries" in out.stdout
+
+
+async def _wait_entries(tier: Path, n: int) -> None:
+    """Wait (a state, with a deadline) until ``n`` complete entries exist: a deposit is saved in the background."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + 20
+    while len(list(tier.glob("*.meta"))) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{n} tier entries not written within 20 s: {sorted(tier.iterdir())}")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_deposit_comes_back_from_the_tier_after_eviction_and_restart(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """Write-back and the host tier (issue 17): a committed deposit is saved to the tier; asked for again after
+    an EVICT, or after a restart without a keeper, it is served from the tier (origin "tier") under its recipe
+    key, with its buffers and the engine's bytes; a recipe the tier lacks is still KEY_MISMATCH."""
+    from tests.server.deposit_engine import recipe_key, tensors
+    from wcache.errors import KeyMismatchError
+
+    tier = tmp_path / "tier"
+    d = daemon_factory(ckpt, *_tier_args(tier))
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    ts = tensors()
+    client = WCacheClient(d.socket)
+    await client.deposit(key, ts, kinds={"rotary.inv_freq": "buffer"})
+    await _wait_entries(tier, 2)  # the checkpoint's entry and the deposit's
+
+    def same(w: CachedWeights) -> bool:
+        return all(
+            torch.equal(w[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)) for n, t in ts.items()
+        )
+
+    await client.evict(key)
+    async with await client.fetch(key) as w:
+        assert same(w) and w.buffers == {"rotary.inv_freq"}
+    st = {("engine" in m.key): m.origin for m in (await client.status()).models}
+    assert st == {False: "disk", True: "tier"}
+
+    d2 = _restart(d, daemon_factory, ckpt, *_tier_args(tier))
+    async with await WCacheClient(d2.socket).fetch(key) as w:
+        assert same(w) and w.buffers == {"rotary.inv_freq"}
+    with pytest.raises(KeyMismatchError):
+        await WCacheClient(d2.socket).fetch(recipe_key(WeightCacheKey.from_checkpoint(ckpt), postprocess="other"))

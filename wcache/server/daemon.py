@@ -35,6 +35,7 @@ from wcache.errors import (
     UnsupportedPlatformError,
     WCacheError,
 )
+from wcache.key import WeightCacheKey
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
     Commit,
@@ -61,11 +62,12 @@ from wcache.proto import (
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.rank import RankPlan, RankSpec, plan_rank
+from wcache.recipe import key_from_wire
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.listen import ConnectionTable, Peer, accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.store import ServedModel, Store
-from wcache.server.tier import HostTier
+from wcache.server.tier import HostTier, TierEntry
 
 __all__ = ["Daemon"]
 
@@ -98,6 +100,7 @@ class Daemon:
         tier: HostTier | None = None,
         keeper: KeeperLink | None = None,
         keeper_check: float = 5.0,
+        tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -139,6 +142,9 @@ class Daemon:
         self._listener: socket.socket | None = listener
         self._on_handover = on_handover
         self.tier = tier
+        #: fills a slab from a host-tier entry (the loader's threads and staging): deposits come back this way
+        self.tier_restore = tier_restore
+        self._tier_saves: set[asyncio.Task[None]] = set()
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         self.keeper_check = keeper_check
@@ -478,6 +484,7 @@ class Daemon:
             self.store.resident_bytes,
         )
         await ch.send(reply)
+        self._save_to_tier(model)
 
     async def _hand_over(self, ch: Channel, req: Takeover, pid: int) -> None:
         """TAKEOVER: give a new daemon (same uid, same device) every model's slabs and the listening
@@ -525,7 +532,9 @@ class Daemon:
     async def _load_on_demand(self, req: GetState, pid: int) -> bool:
         """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the
         daemon loaded before. True if a model now matches the request."""
-        if not self.load_on_demand or "engine" in req.key:  # a recipe key (write-back) is deposited, never loaded
+        if "engine" in req.key:  # a recipe key (write-back) is deposited, never loaded: maybe in the host tier
+            return await self._restore_deposit(req, pid)
+        if not self.load_on_demand:
             return False
         source = self.store.source_for(req.key)
         k = req.key
@@ -551,6 +560,68 @@ class Daemon:
         )
         await self._preload(spec, req.id, pid)
         return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
+
+    async def _restore_deposit(self, req: GetState, pid: int) -> bool:
+        """A deposit evicted (or lost with a restart) whose host-tier entry has the requested recipe key:
+        fill a slab from the entry and serve it again (origin "tier"). True if it is served now."""
+        if self.tier is None or self.tier_restore is None:
+            return False
+        tier, restore = self.tier, self.tier_restore
+        try:
+            key = key_from_wire(dict(req.key))
+        except (TypeError, ValueError):
+            return False
+        async with self._preload_lock:
+            if key in self.store.models:
+                return True
+            entry = await asyncio.to_thread(tier.lookup, key)
+            if entry is None:
+                return False
+            evicted = self.store.make_room(entry.size)
+            for m in evicted:
+                log.info("evicted %s key=%s bytes=%d reason=tier-restore", self._tag, m.key.short(), m.slab_bytes)
+                if self.keeper is not None:
+                    await self.keeper.unkeep(m)
+            model = await asyncio.to_thread(restore, entry, key)
+            if model is None:
+                return False
+            self.store.add(model)
+            if self.keeper is not None:
+                await self.keeper.keep(model)
+        log.info(
+            "deposit restored from host tier %s pid=%d key=%s tensors=%d bytes=%d seconds=%.2f",
+            self._tag,
+            pid,
+            key.short(),
+            len(model.table),
+            model.slab_bytes,
+            model.stats.seconds,
+        )
+        return True
+
+    def _save_to_tier(self, model: ServedModel) -> None:
+        """Copy a committed deposit into the host tier in the background (serving goes on meanwhile)."""
+        tier = self.tier
+        if tier is None:
+            return
+
+        async def save() -> None:
+            try:
+                await asyncio.to_thread(
+                    tier.save,
+                    model.key,
+                    model.slabs[0],
+                    model.table,
+                    dict(model.aliases),
+                    model.payload_bytes,
+                    buffers=model.buffers,
+                )
+            except Exception as exc:  # the tier is an optimisation (an eviction meanwhile closes the slab)
+                log.warning("host tier save failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)
+
+        task = asyncio.get_running_loop().create_task(save())
+        self._tier_saves.add(task)
+        task.add_done_callback(self._tier_saves.discard)
 
     async def _preload(self, spec: RankSpec, rid: int, pid: int) -> Preloaded:
         """Load a model in a worker thread (the daemon keeps serving), after making room for it. The rank

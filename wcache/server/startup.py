@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,11 +24,13 @@ from wcache.server.backends.base import Backend
 from wcache.server.security import DaemonLock, check_private_dir, check_socket_path, ensure_socket_dir
 
 if TYPE_CHECKING:
+    from wcache.key import WeightCacheKey
     from wcache.proto import HandedModel
     from wcache.rank import RankSpec
     from wcache.server.backends.base import Slab
     from wcache.server.keeper_link import KeeperLink
-    from wcache.server.store import ServedModel
+    from wcache.server.store import ServedModel, Store
+    from wcache.server.tier import HostTier, TierEntry
 
 __all__ = [
     "adopt",
@@ -206,6 +208,29 @@ def _keeper_holds_some(args: argparse.Namespace, sock_path: Path) -> bool:
     return asyncio.run(keeper_kept(kpath, args.tp_rank)) > 0
 
 
+def restorer(
+    tier: HostTier, store: Store, backend: Backend, args: argparse.Namespace
+) -> Callable[[TierEntry, WeightCacheKey], ServedModel | None]:
+    """How the daemon fills a slab from a host-tier entry (a deposit asked for again): the loader's threads
+    and staging; the checkpoint directory is the one the store knows for the key's fingerprint."""
+
+    from wcache.server.loader import DEFAULT_STAGING
+    from wcache.server.store import load_from_tier
+
+    def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
+        return load_from_tier(
+            tier,
+            entry,
+            key,
+            backend,
+            args.threads,
+            args.staging_bytes or DEFAULT_STAGING,
+            store.source_for(key.to_wire()),
+        )
+
+    return restore
+
+
 def reclaim(link: KeeperLink, backend: Backend, plan_file: Path | None = None) -> list[ServedModel]:
     """--keeper: the models the keeper holds for this daemon's socket that pass the checks against their
     checkpoint (wcache/server/reclaim.py), adopted; none if it is not running."""
@@ -362,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
                 tier=tier,
                 keeper=link,
                 keeper_check=args.keeper_check,
+                tier_restore=restorer(tier, store, backend, args) if tier is not None else None,
             )
 
             def ready() -> None:

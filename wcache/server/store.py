@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
     from wcache.transforms import Transform
 
-__all__ = ["Lease", "PendingDeposit", "ServedModel", "Store", "load_model"]
+__all__ = ["Lease", "PendingDeposit", "ServedModel", "Store", "load_from_tier", "load_model"]
 
 log = logging.getLogger("wcache.server")
 
@@ -152,7 +152,7 @@ def _load_planned(
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:
-            served = _load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
+            served = load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
             if served is not None:
                 return served
     fn = None
@@ -185,15 +185,17 @@ def _load_planned(
     return model
 
 
-def _load_from_tier(
+def load_from_tier(
     tier: HostTier,
     entry: TierEntry,
     key: WeightCacheKey,
     backend: Backend,
     threads: int,
     staging_bytes: int,
-    source: Path,
+    source: Path | None,
 ) -> ServedModel | None:
+    """Fill a new slab from a host-tier entry (one DMA copy where it is page-locked here, else staged);
+    None when the entry's file went away meanwhile (then load from the checkpoint)."""
     started = time.perf_counter()
     slab = backend.allocate(entry.size)
     how = "staged"
@@ -223,7 +225,16 @@ def _load_from_tier(
     tier.pin_later(entry)
     entry.table.encoded()
     return ServedModel(
-        key, entry.table, entry.aliases, [slab], backend, entry.payload, stats, source=source, origin="tier"
+        key,
+        entry.table,
+        entry.aliases,
+        [slab],
+        backend,
+        entry.payload,
+        stats,
+        source=source,
+        origin="tier",
+        buffers=entry.buffers,
     )
 
 

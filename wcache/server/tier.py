@@ -3,9 +3,12 @@
 ``wcache-server --host-tier BYTES`` keeps, in a private directory on tmpfs (default
 ``/dev/shm/wcache-<uid>``), one entry per served key: ``<id>.slab`` (the slab's bytes,
 exactly as laid out) and ``<id>.meta`` (msgpack: format, key, tensor table, aliases,
-payload bytes, size, sampled digest). A daemon restart, or a PRELOAD / load-on-demand of
-a model evicted from the device, then fills the device slab from that file at
-host-to-device speed instead of reading and sharding the checkpoint again.
+payload bytes, size, sampled digest, a deposit's buffers). A daemon restart, or a PRELOAD /
+load-on-demand of a model evicted from the device, then fills the device slab from that file at
+host-to-device speed instead of reading and sharding the checkpoint again. Deposits (write-back)
+are saved once committed and restored when an engine asks for their recipe key after an eviction
+or a restart: the recipe key names the checkpoint's fingerprint, so an engine of a changed
+checkpoint never asks for an entry of the old one.
 
 An entry is used only if its key equals the key the daemon computes from the checkpoint
 *now* (names, headers and sampled data blocks: the fingerprint, so a changed checkpoint
@@ -57,6 +60,7 @@ class TierEntry:
     aliases: dict[str, str]
     payload: int
     pinned: PinnedFile | None = None  # the slab file page-locked in this daemon by its backend
+    buffers: tuple[str, ...] = ()  # a deposit's tensors that are module buffers (STATE's ``buffers``)
 
 
 def _digest(path: Path, size: int) -> str:
@@ -178,7 +182,8 @@ class HostTier:
             if pinned is not None and pinned.inode != slab.stat().st_ino:  # rewritten by another daemon
                 self._unpin(slab)
                 pinned = None
-            entry = TierEntry(slab, meta, size, table, aliases, int(m["payload"]), pinned)
+            buffers = tuple(str(b) for b in m.get("buffers", ()))
+            entry = TierEntry(slab, meta, size, table, aliases, int(m["payload"]), pinned, buffers)
 
         except (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             log.warning("host tier entry %s rejected (%s); removed, loading from disk", meta.name, exc)
@@ -187,8 +192,18 @@ class HostTier:
         os.utime(meta)  # least recently used goes first
         return entry
 
-    def save(self, key: WeightCacheKey, slab: Slab, table: TensorTable, aliases: dict[str, str], payload: int) -> bool:
-        """Copy ``slab`` into the tier (evicting older entries to fit the budget). False if it cannot fit."""
+    def save(
+        self,
+        key: WeightCacheKey,
+        slab: Slab,
+        table: TensorTable,
+        aliases: dict[str, str],
+        payload: int,
+        *,
+        buffers: tuple[str, ...] = (),
+    ) -> bool:
+        """Copy ``slab`` into the tier (evicting older entries to fit the budget). False if it cannot fit.
+        ``buffers``: a deposit's tensors that are module buffers (kept with the entry)."""
         size = slab.size
         if size > self.budget:
             log.info("host tier skip key=%s bytes=%d over --host-tier %d", key.short(), size, self.budget)
@@ -217,6 +232,7 @@ class HostTier:
                 "payload": payload,
                 "tensors": table.to_wire(),
                 "aliases": dict(aliases),
+                "buffers": list(buffers),
                 "digest": _digest(tmp, size),
             }
             tmp_meta = tmp.with_suffix(".metatmp")
