@@ -9,7 +9,9 @@ Tied weights absent from the checkpoint become aliases (``lm_head.weight`` ->
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from wcache.checkpoint import Checkpoint, TensorInfo
 from wcache.errors import CheckpointError
@@ -26,8 +28,10 @@ __all__ = [
     "Placement",
     "align_up",
     "contiguous_strides",
+    "is_quantized",
     "plan_layout",
     "resolve_dtype",
+    "serves_as_stored",
 ]
 
 #: Bump when placement rules change: a cached slab of another layout is another key.
@@ -37,8 +41,29 @@ FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 _CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
+def is_quantized(config: Mapping[str, Any]) -> bool:
+    """config.json has a ``quantization_config`` naming a ``quant_method`` (AWQ, GPTQ, compressed-tensors,
+    FP8...): a checkpoint whose tensors are served as stored, never cast."""
+    q = config.get("quantization_config")
+    return isinstance(q, dict) and bool(q.get("quant_method"))
+
+
+def serves_as_stored(ckpt: Checkpoint) -> bool:
+    """Every tensor keeps its checkpoint dtype: FP8 checkpoints (wcache.quant) and every other quantized one.
+
+    A quantized checkpoint's floating tensors are not all the model's dtype: scales the engine keeps in
+    float32 (compressed-tensors int8 / FP8 ``weight_scale``), AWQ / GPTQ fp16 ``scales``; which of them the
+    engine casts to its dtype is the engine's business (vLLM's weight loaders cast on copy into a parameter
+    of another dtype), so the daemon serves the checkpoint's bytes."""
+    return is_fp8_checkpoint(ckpt.tensors, ckpt.config) or is_quantized(ckpt.config)
+
+
 def resolve_dtype(ckpt: Checkpoint, requested: str | None) -> str:
-    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint."""
+    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint.
+
+    FP8 checkpoints: the dtype of their unquantized tensors, any other refused (wcache.quant). Other quantized
+    checkpoints are served as stored too (:func:`serves_as_stored`); their key's dtype names the dtype the
+    engine runs in (a castable one, or ``auto``), which the engine's own casts follow."""
     if is_fp8_checkpoint(ckpt.tensors, ckpt.config):  # served as stored, never cast (wcache.quant)
         return stored_dtype(ckpt.tensors, requested)
     if requested not in (None, "auto"):
@@ -127,7 +152,7 @@ def plan_layout(
         block=fp8_block_size(ckpt.config),
         vocab_padding=vocab_padding,
     )
-    as_stored = is_fp8_checkpoint(ckpt.tensors, ckpt.config)
+    as_stored = serves_as_stored(ckpt)
     order = sorted(ckpt.tensors.values(), key=lambda t: (str(t.file), t.start))
     placements: list[Placement] = []
     offset = 0

@@ -73,7 +73,10 @@ log = logging.getLogger("wcache.nn")
 
 @contextlib.contextmanager
 def empty_parameters() -> Iterator[None]:
-    """Parameters registered inside this block live on the meta device; buffers do not."""
+    """Parameters registered inside this block live on the meta device; buffers do not.
+
+    A parameter keeps its class and attributes (engines subclass Parameter: vLLM's quantized layers make
+    ``PackedvLLMParameter`` / ``GroupQuantScaleParameter``, whose properties their post-processing reads)."""
     original = nn.Module.register_parameter
 
     def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -81,7 +84,9 @@ def empty_parameters() -> Iterator[None]:
         if param is not None and param.device.type != "meta":
             p = self._parameters[name]
             assert p is not None
-            self._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+            meta = torch.Tensor._make_subclass(type(p), p.detach().to("meta"), p.requires_grad)
+            meta.__dict__.update(vars(p))
+            self._parameters[name] = meta
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:

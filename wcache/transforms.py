@@ -22,6 +22,7 @@ from wcache.quant import SCALE_SUFFIX, fp8_block_size
 from wcache.sharding import VOCAB_PADDED_TRANSFORMS, VOCAB_ROWS
 
 __all__ = [
+    "PACKED_ALONG_OUT",
     "VLLM_VOCAB_PADDING",
     "Transform",
     "fuse_llama_qkv_gate_up",
@@ -58,6 +59,10 @@ def load_transform(spec: str) -> Transform:
 def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """vLLM's Llama layout: ``qkv_proj`` = [q; k; v] and ``gate_up_proj`` = [gate; up] along dim 0.
 
+    AWQ checkpoints (``PACKED_ALONG_OUT``): their ``qweight`` / ``qzeros`` [in (groups), out/8] int32 and
+    ``scales`` [groups, out] are fused along dim 1, their output dimension, which is where vLLM's loaders put
+    each part (packed columns stay whole words: every part's output size is a multiple of 8).
+
     Applied per rank to the rank's shards, which is exactly what vLLM's QKVParallelLinear and
     MergedColumnParallelLinear hold. FP8 block-wise checkpoints: the parts' ``weight_scale_inv``
     are fused the same way (block rows stacked), which is vLLM's fused scale layout when every
@@ -65,6 +70,8 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
     (its last block would be shared with the next part's rows).
     """
     block = fp8_block_size(config)
+    packed = _packed_along_out(config)
+    leaves = "|".join(("weight", "bias", "weight" + SCALE_SUFFIX, *packed))
     out: dict[str, torch.Tensor] = {}
     fused: set[str] = set()
     for name in tensors:
@@ -72,7 +79,7 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
             (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
             (("gate_proj", "up_proj"), "gate_up_proj"),
         ):
-            m = re.fullmatch(rf"(.*)\.{parts[0]}\.(weight|bias|weight{SCALE_SUFFIX})", name)
+            m = re.fullmatch(rf"(.*)\.{parts[0]}\.({leaves})", name)
             if m:
                 names = [f"{m.group(1)}.{p}.{m.group(2)}" for p in parts]
                 if all(n in tensors for n in names):
@@ -80,12 +87,25 @@ def fuse_llama_qkv_gate_up(tensors: dict[str, torch.Tensor], config: dict[str, A
                         _check_scale_fusion(tensors, names, block, target)
                     elif m.group(2) == "weight" and 0 < sum(n + SCALE_SUFFIX in tensors for n in names) < len(names):
                         raise TransformError(f"cannot fuse {names} into {target}: only some of them have block scales")
-                    out[f"{m.group(1)}.{target}.{m.group(2)}"] = torch.cat([tensors[n] for n in names], dim=0)
+                    dim = 1 if m.group(2) in packed else 0
+                    out[f"{m.group(1)}.{target}.{m.group(2)}"] = torch.cat([tensors[n] for n in names], dim=dim)
                     fused.update(names)
     for name, t in tensors.items():
         if name not in fused:
             out[name] = t
     return out
+
+
+#: quantization methods (config.json ``quantization_config.quant_method``) whose linear tensors are stored
+#: [in-ish, out-ish]: fused along dim 1 (vLLM's ``output_dim=1`` parameters), each part's columns in q, k, v
+#: (gate, up) order, as vLLM's ``PackedvLLMParameter`` / ``GroupQuantScaleParameter`` loaders place them
+PACKED_ALONG_OUT: dict[str, tuple[str, ...]] = {"awq": ("qweight", "qzeros", "scales")}
+
+
+def _packed_along_out(config: dict[str, Any]) -> tuple[str, ...]:
+    q = config.get("quantization_config")
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    return PACKED_ALONG_OUT.get(method, ()) if isinstance(method, str) else ()
 
 
 #: vLLM pads embedding and LM-head rows to a multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``).

