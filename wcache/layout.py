@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: Bump when placement rules change: a cached slab of another layout is another key.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 ALIGN = 256  # bytes: CUDA's allocation granularity for vectorised access, and cache lines
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 _CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
