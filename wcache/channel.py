@@ -16,7 +16,6 @@ import fcntl
 import os
 import socket
 import struct
-import termios
 from pathlib import Path
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
@@ -226,6 +225,8 @@ class Channel:
         if not self._unread:
             return 0
         try:
+            import termios  # only channels bounding unread descriptors (a daemon's) get here: not a client's import
+
             raw = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             (outq,) = struct.unpack("i", raw)
         except OSError:

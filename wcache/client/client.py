@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,8 +54,10 @@ from wcache.proto import (
     Takeover,
     TakeoverState,
 )
-from wcache.rank import RankSpec
-from wcache.recipe import RecipeKey
+
+if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
+    from wcache.rank import RankSpec
+    from wcache.recipe import RecipeKey
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -393,6 +395,8 @@ class WCacheClient:
         does not fit the budget, CheckpointError / ShardingError / TransformError for a directory, plan
         or transform the daemon cannot use.
         """
+        from wcache.rank import RankSpec
+
         spec = RankSpec.of(model_dir, **fields)
         path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(spec.tp_rank)
         async with self._session(path, timeout, keep_open=False) as session:
