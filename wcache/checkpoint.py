@@ -349,14 +349,15 @@ _ENTRY = (
     rb',"([^"\\]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:' + _NUM + rb"(?:," + _NUM + rb")*)?)\],"
     rb'"data_offsets":\[(' + _NUM + rb"),(" + _NUM + rb")\]\}"
 )
-_compiled: list[re.Pattern[bytes]] = []
+_compiled: dict[bytes, re.Pattern[bytes]] = {}
 
 
-def _patterns() -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
-    """The scan's patterns, compiled on first use (not at import: an engine's restart imports this module)."""
-    if not _compiled:
-        _compiled.extend((re.compile(_META), re.compile(_ENTRY)))
-    return _compiled[0], _compiled[1]
+def _pattern(source: bytes) -> re.Pattern[bytes]:
+    """A scan pattern, compiled on first use (not at import: an engine's restart imports this module)."""
+    p = _compiled.get(source)
+    if p is None:
+        p = _compiled[source] = re.compile(source)
+    return p
 
 
 #: bytes of an entry besides its five groups
@@ -376,12 +377,11 @@ def _scan_header(raw: bytes, data_size: int, names: set[bytes], out: DtypeBytes)
         raw.decode()
     except UnicodeDecodeError:
         return False
-    meta_re, entry_re = _patterns()
-    meta = meta_re.match(raw)
+    meta = _pattern(_META).match(raw) if raw.startswith(b'{"__metadata__":') else None
     body = raw[meta.end() : -1] if meta else b"," + raw[1:-1]
     if (meta is None and raw[:1] != b"{") or body[:1] not in (b",", b""):
         return False
-    entries = entry_re.findall(body)
+    entries = _pattern(_ENTRY).findall(body)
     if not entries:
         return False
     cols: list[tuple[bytes, ...]] = list(zip(*entries, strict=True))
