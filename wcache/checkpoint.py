@@ -40,7 +40,7 @@ from wcache.proto._record import record
 from wcache.proto.codec import gc_paused
 from wcache.proto.frames import DTYPE_SIZES, MAX_DIMS, MAX_NAME
 
-__all__ = ["Checkpoint", "DtypeBytes", "FLOATING", "SAFETENSORS_DTYPES", "TensorInfo"]
+__all__ = ["FLOATING", "FP8_DTYPES", "SAFETENSORS_DTYPES", "Checkpoint", "DtypeBytes", "TensorInfo"]
 
 #: safetensors dtype tag -> wcache/torch dtype name
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -59,7 +59,8 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 }
 #: Dtypes a checkpoint's tensors can be cast between (the key's ``dtype`` when not "auto").
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
-_FP8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
+#: FP8 dtypes (served as stored, never cast: wcache.quant)
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 #: a weight's FP8 block-scale tensor ends so (wcache.quant.SCALE_SUFFIX)
 _SCALE_END = ".weight_scale_inv"
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself applies
@@ -105,7 +106,7 @@ class DtypeBytes:
             self.floating[dtype] = self.floating.get(dtype, 0) + nbytes
             part = self.scales if scale else self.weights
             part[dtype] = part.get(dtype, 0) + nbytes
-        elif dtype in _FP8 and dtype not in self.fp8:
+        elif dtype in FP8_DTYPES and dtype not in self.fp8:
             self.fp8.append(dtype)
 
     @classmethod

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from wcache.checkpoint import DtypeBytes, TensorInfo
+from wcache.checkpoint import FP8_DTYPES, DtypeBytes, TensorInfo
 from wcache.errors import CheckpointError
 
 __all__ = [
@@ -30,10 +30,8 @@ __all__ = [
     "weight_name",
 ]
 
-FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 #: ``X.weight`` -> ``X.weight_scale_inv`` (the multiplier that dequantizes a block: w ≈ q * scale_inv)
 SCALE_SUFFIX = "_scale_inv"
-_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 def scale_name(weight: str) -> str:
