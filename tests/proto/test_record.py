@@ -131,6 +131,12 @@ def test_post_init_weakref_slot_and_dataclasses_api() -> None:
         class M:
             a: list[int] = []  # noqa: RUF012
 
+    with pytest.raises(TypeError, match="init=False"):
+
+        @record
+        class NoInit:
+            a: int = dataclasses.field(init=False, default=1)
+
     with pytest.raises(TypeError, match="follows default"):
 
         @record

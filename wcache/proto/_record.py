@@ -12,14 +12,15 @@ builds the slotted class once and attaches shared closures with a frozen datacla
   defines one (it may set fields with ``object.__setattr__``, as on a frozen dataclass);
 - ``__repr__``/``__eq__``/``__hash__`` over the ``repr``/``compare`` fields, as a frozen
   dataclass's (``__eq__`` only between instances of the same class, else NotImplemented);
-- assignment and deletion raise ``dataclasses.FrozenInstanceError``; ``copy`` and ``pickle``-free
+- assignment and deletion raise ``dataclasses.FrozenInstanceError``; ``copy.copy`` and
   ``copy.deepcopy`` work.
 
 ``dataclasses.fields``, ``replace``, ``asdict`` and ``is_dataclass`` work as on a dataclass: the
 class carries ``__dataclass_fields__`` of real ``dataclasses.Field`` objects. Rules kept from
 dataclasses: fields are the class's annotations except ``ClassVar[...]`` ones (spelled ``ClassVar``
 or ``typing.ClassVar``), a field without a default may not follow one with a default, and a mutable
-default (list, dict, set) is a ValueError. ``record(weakref_slot=True)`` adds ``__weakref__``.
+default (list, dict, set) is a ValueError. ``record(weakref_slot=True)`` adds ``__weakref__``. Not
+supported (TypeError): ``field(init=False)``, and the hand-written dunders ``record`` provides.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def _fields(cls: type[Any], ns: dict[str, Any]) -> dict[str, dataclasses.Field[A
                     f"mutable default {type(default)} for field {name} is not allowed: use default_factory"
                 )
             f = dataclasses.field(default=default)
+        if not f.init:
+            raise TypeError(f"@record {cls.__qualname__}.{name}: field(init=False) is not supported")
         f.name = name
         f.type = annotation
         f._field_type = _FIELD_TYPE  # type: ignore[attr-defined]
