@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from wcache.rank import RankSpec
     from wcache.sharding import ShardPlan
 
-#: Bump when placement rules change: a cached slab of another layout is another key (wcache.layout).
+#: Bump when placement rules change (wcache.layout): a cached slab of another layout is another key. Defined
+#: here only — layout.py re-exports it, so the key need not import the layout (tests/test_layout.py).
 LAYOUT_VERSION = 1
 
 __all__ = ["WeightCacheKey"]
