@@ -8,6 +8,11 @@ starts its CUDA context (not timed: an engine has both before it asks for weight
   read back, so the mapping is real);
 - ``first_fetch_fresh_engine_ms``: the first zero_copy fetch alone in that process (connect, HELLO,
   GET_STATE, map, views, touch), wcache already imported and the key computed;
+- with ``--moe`` the engine is a fused-MoE one: ``first_fetch_fresh_engine_ms`` and
+  ``restart_weight_path_ms`` take one stacked view per STATE group (``CachedWeights.groups()``, the
+  shape fused-MoE kernels take) instead of 50,000 per-name tensors, and
+  ``first_fetch_materialized_ms`` (other fresh processes) is the same fetch with every per-name view
+  built (``materialize()``, torch-bound: ~1 us a tensor object); the JSON's ``definition`` says which;
 - ``first_copy_fresh_engine_ms``: the first copy-mode fetch in another fresh process (synchronized);
 - ``per_tensor_ipc_fresh_engine_ms``: the anchors' way (vLLM's and SGLang's weight-cache daemons):
   a holder process shares one legacy CUDA IPC handle per tensor through torch's ``reduce_tensor``,
@@ -42,10 +47,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_bench as gb  # noqa: E402  (Daemon, make_moe)
 
-# A fresh engine. argv: socket model device mode(zero_copy|copy)
+# A fresh engine. argv: socket model device mode(zero_copy|copy) views(names|groups)
+# views "names": every per-name view built (materialize()), the first and last tensor read back;
+# views "groups": the fused-MoE engine's way, one stacked view per STATE group (groups()), the first element of
+# the first group and the last element of the last group read back.
 ENGINE = r"""
 import json, sys, time
-sock, model, device, mode = sys.argv[1:5]
+sock, model, device, mode, views = sys.argv[1:6]
 import torch
 if device.startswith("cuda"):
     torch.empty(1, device=device); torch.cuda.synchronize()   # the engine's CUDA context: not timed
@@ -58,17 +66,23 @@ key = WeightCacheKey.from_checkpoint(model)
 t2 = time.perf_counter()
 w = WCacheClient(sock, timeout=120).fetch_sync(key, mode=mode)
 t3 = time.perf_counter()
-w.materialize()
-t4 = time.perf_counter()
-names = list(w)
-touched = float(w[names[0]].view(-1)[0]) + float(w[names[-1]].view(-1)[-1])   # device reads: the mapping is real
+if views == "groups":
+    stacked = [g.tensor for g in w.groups() if g.tensor.numel()]
+    t4 = time.perf_counter()
+    first, last = stacked[0], stacked[-1]
+    touched = float(first[(0,) * first.dim()]) + float(last[tuple(n - 1 for n in last.shape)])
+else:
+    w.materialize()
+    t4 = time.perf_counter()
+    names = list(w)
+    touched = float(w[names[0]].view(-1)[0]) + float(w[names[-1]].view(-1)[-1])   # device reads: the mapping is real
 sync()
 t5 = time.perf_counter()
 ms = lambda a, b: (b - a) * 1e3
 print(json.dumps({
     "restart_weight_path_ms": ms(t0, t5), "fetch_ms": ms(t2, t5),
     "phases_ms": {"import": ms(t0, t1), "key": ms(t1, t2), **w.timings, "fetch_total": ms(t2, t3),
-                  "materialize": ms(t3, t4), "touch": ms(t4, t5)},
+                  ("groups" if views == "groups" else "materialize"): ms(t3, t4), "touch": ms(t4, t5)},
     "tensors": len(w), "cuda_bindings_imported": "cuda.bindings" in sys.modules, "touched": touched,
 }))
 w.release_sync()
@@ -231,14 +245,40 @@ def main() -> None:
     try:
         sock = d.wait(900)
         results["daemon_load_s"] = d.load_seconds()
-        run_child(ENGINE, str(sock), str(model), args.device, "zero_copy", env=env, timeout=900)  # writes bytecode
-        runs = [
-            run_child(ENGINE, str(sock), str(model), args.device, "zero_copy", env=env) for _ in range(args.samples)
-        ]
-        copies = [run_child(ENGINE, str(sock), str(model), args.device, "copy", env=env) for _ in range(args.samples)]
+        views = "groups" if args.moe else "names"
+        engine = [str(sock), str(model), args.device]
+        run_child(ENGINE, *engine, "zero_copy", views, env=env, timeout=900)  # writes bytecode
+        runs = [run_child(ENGINE, *engine, "zero_copy", views, env=env) for _ in range(args.samples)]
+        copies = [run_child(ENGINE, *engine, "copy", views, env=env) for _ in range(args.samples)]
+        named = (
+            [run_child(ENGINE, *engine, "zero_copy", "names", env=env) for _ in range(args.samples)] if args.moe else []
+        )
     finally:
         d.stop()
     first = stats([r["fetch_ms"] for r in runs])
+    results["definition"] = {
+        "first_fetch_fresh_engine_ms": (
+            "first zero_copy fetch_sync in a fresh process (connect, HELLO, GET_STATE, map) + "
+            + (
+                "CachedWeights.groups() (one stacked view per STATE group: the fused-MoE engine path) + touch of "
+                "the first and last group's end elements"
+                if args.moe
+                else "materialize() (every per-name view) + touch of the first and last tensor"
+            )
+        ),
+        "restart_weight_path_ms": "import wcache -> WeightCacheKey.from_checkpoint -> the fetch above, torch "
+        "imported and the CUDA context up beforehand (not timed)",
+        "first_copy_fresh_engine_ms": "as first_fetch_fresh_engine_ms with mode='copy' (synchronized, released)",
+    }
+    if args.moe:
+        results["definition"]["first_fetch_materialized_ms"] = (
+            "the same first zero_copy fetch with materialize() (50,000 per-name tensor objects) + touch of the "
+            "first and last tensor, in other fresh processes"
+        )
+        results["first_fetch_materialized_ms"] = stats([r["fetch_ms"] for r in named])
+        results["materialized_phases_ms_median"] = {
+            k: round(statistics.median(r["phases_ms"][k] for r in named), 3) for k in named[0]["phases_ms"]
+        }
     results["first_fetch_fresh_engine_ms"] = first
     results["restart_weight_path_ms"] = stats([r["restart_weight_path_ms"] for r in runs])
     results["first_copy_fresh_engine_ms"] = stats([r["fetch_ms"] for r in copies])

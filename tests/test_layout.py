@@ -328,3 +328,14 @@ def test_populate_reports_pages_it_cannot_allocate() -> None:
         buf.close()
     with pytest.raises(CheckpointError, match="shared memory is full"):
         _populate(0, 0, 1 << 20, "x.safetensors: tensor 'w'")  # page 0 is never mapped: ENOMEM
+
+
+def test_one_layout_version() -> None:
+    """LAYOUT_VERSION is defined once, in wcache.key (the key must not import the layout); layout re-exports it.
+    A second definition in layout.py would let keys and layouts disagree on the version silently."""
+    import wcache.key
+    import wcache.layout
+
+    assert wcache.layout.LAYOUT_VERSION is wcache.key.LAYOUT_VERSION
+    assert WeightCacheKey("f", "A", 1, 0, "bfloat16").layout == wcache.key.LAYOUT_VERSION
+    assert "LAYOUT_VERSION =" not in Path(wcache.layout.__file__).read_text()

@@ -7,34 +7,37 @@ Public API (everything else is internal)::
     async with await WCacheClient(socket_path=...).fetch(key) as weights:
         model.load_state_dict(weights, assign=True)
 
-Client names are imported lazily so that ``import wcache.proto`` stays free of asyncio
-and torch (docs/protocol.md is implementable without either).
+Every public name is imported on first access (PEP 562): ``import wcache`` itself loads nothing,
+so an engine's restart pays only for the modules its path uses (the key, the protocol, the
+client), and ``import wcache.proto`` stays free of asyncio and torch (docs/protocol.md is
+implementable without either).
 """
 
 from __future__ import annotations
 
+import gc
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from wcache.errors import (
-    CacheUnavailableError,
-    CheckpointError,
-    DeviceMismatchError,
-    InsecurePathError,
-    KeyMismatchError,
-    NotReadyError,
-    PermissionDeniedError,
-    ProtocolError,
-    ServerError,
-    ShardingError,
-    TransformError,
-    UnknownLeaseError,
-    UnsupportedPlatformError,
-    WCacheError,
-)
-from wcache.key import WeightCacheKey
 
 if TYPE_CHECKING:
     from wcache.client import CachedWeights, WCacheClient
+    from wcache.errors import (
+        CacheUnavailableError,
+        CheckpointError,
+        DeviceMismatchError,
+        InsecurePathError,
+        KeyMismatchError,
+        NotReadyError,
+        PermissionDeniedError,
+        ProtocolError,
+        ServerError,
+        ShardingError,
+        TransformError,
+        UnknownLeaseError,
+        UnsupportedPlatformError,
+        WCacheError,
+    )
+    from wcache.key import WeightCacheKey
 
 __version__ = "0.1.0"
 
@@ -59,10 +62,29 @@ __all__ = [
     "__version__",
 ]
 
+#: public name -> the module defining it (imported on first access)
+_HOME = {
+    "WCacheClient": "wcache.client.client",
+    "CachedWeights": "wcache.client.client",
+    "WeightCacheKey": "wcache.key",
+    **{n: "wcache.errors" for n in __all__ if n.endswith("Error")},
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name in ("WCacheClient", "CachedWeights"):
-        from wcache import client
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'wcache' has no attribute {name!r}")
+    collecting = gc.isenabled()
+    gc.disable()  # the import builds ~100 objects per class: collections meanwhile sweep torch's heap, find nothing
+    try:
+        value = getattr(importlib.import_module(home), name)
+    finally:
+        if collecting:
+            gc.enable()
+    globals()[name] = value  # later look-ups skip this hook
+    return value
 
-        return getattr(client, name)
-    raise AttributeError(f"module 'wcache' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

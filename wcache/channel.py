@@ -16,7 +16,6 @@ import fcntl
 import os
 import socket
 import struct
-import termios
 from pathlib import Path
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
@@ -24,7 +23,16 @@ from wcache.proto import PROTOCOL_VERSION, Connection, ErrorFrame, Frame, Hello,
 from wcache.proto.codec import MAX_HANDSHAKE_FRAME
 from wcache.proto.connection import Event, Misdirected, Service
 
-__all__ = ["Channel", "PeerCredentials", "ReadBudget", "connect", "expect", "peer_credentials"]
+__all__ = [
+    "Channel",
+    "PeerCredentials",
+    "ReadBudget",
+    "connect",
+    "connect_blocking",
+    "expect",
+    "expect_blocking",
+    "peer_credentials",
+]
 
 RECV_SIZE = 1 << 18
 MAX_FDS_PER_RECV = 16
@@ -226,6 +234,8 @@ class Channel:
         if not self._unread:
             return 0
         try:
+            import termios  # only channels bounding unread descriptors (a daemon's) get here: not a client's import
+
             raw = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             (outq,) = struct.unpack("i", raw)
         except OSError:
@@ -246,17 +256,13 @@ class Channel:
             pause = min(pause * 2, 0.05)
 
     # ---------------------------------------------------------------- receive
-    async def _recv_some(self) -> None:
-        """One recvmsg into the connection; b'' marks EOF."""
+    def _recv_once(self) -> None:
+        """One recvmsg into the connection (b'' marks EOF); BlockingIOError when a non-blocking socket has
+        nothing to read."""
         space = socket.CMSG_SPACE(MAX_FDS_PER_RECV * 4)
-        while True:
-            try:
-                # never more than the frame limit now allows (small before the handshake): what one read
-                # brings in is held before the length prefix in it can be checked
-                data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
-                break
-            except (BlockingIOError, InterruptedError):
-                await self._wait(writable=False)
+        # never more than the frame limit now allows (small before the handshake): what one read
+        # brings in is held before the length prefix in it can be checked
+        data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
         fds: list[int] = []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -267,6 +273,44 @@ class Channel:
             close_fds(fds)
             raise ProtocolError("file descriptors were truncated in transit")
         self.conn.receive_data(data, fds)
+
+    async def _recv_some(self) -> None:
+        """One recvmsg into the connection, waiting for the socket to be readable."""
+        while True:
+            try:
+                self._recv_once()
+                return
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=False)
+
+    # ---------------------------------------------------------------- blocking (no event loop)
+    def receive_blocking(self, timeout: float) -> tuple[Event, list[int]]:
+        """``receive()`` for callers without an event loop: blocks for at most ``timeout`` seconds per read
+        (TimeoutError). The socket is left non-blocking, as the asyncio methods expect it."""
+        try:
+            self.sock.settimeout(timeout)
+            while not self._frames:
+                if self.conn.eof:
+                    raise EOFError("peer closed the connection")
+                self._recv_once()
+                self._frames.extend(self.conn.received())
+                if self.budget is not None:
+                    self._claimed = self.budget.claim(self._claimed, self.conn.demand)
+        finally:
+            if not self._closed:
+                self.sock.setblocking(False)
+        return self._frames.popleft()
+
+    def send_blocking(self, frame: Frame, timeout: float) -> None:
+        """``send()`` without descriptors for callers without an event loop (TimeoutError after ``timeout``)."""
+        data = self.conn.send(frame)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.sendall(data)
+            self._sent += len(data)
+        finally:
+            if not self._closed:
+                self.sock.setblocking(False)
 
     async def receive(self, *, frame_timeout: float | None = None) -> tuple[Event, list[int]]:
         """The next frame (or, on a server, a request for another service: ``Misdirected``) and its file
@@ -302,25 +346,41 @@ class Channel:
         return self._frames.popleft()
 
 
+def _socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+
+
+def _unavailable(path: Path, exc: OSError) -> CacheUnavailableError:
+    return CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}")
+
+
+def _check_peer(sock: socket.socket, path: Path) -> None:
+    creds = peer_credentials(sock)
+    if creds.uid not in (os.geteuid(), 0):
+        sock.close()
+        raise CacheUnavailableError(f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it")
+
+
+def _hello(software: str, name: str) -> Hello:
+    return Hello(versions=(PROTOCOL_VERSION,), software=software, name=name)
+
+
 async def connect(path: Path, *, software: str, name: str, service: Service | None = None) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there."""
     loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock = _socket()
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, str(path))
     except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
         sock.close()
-        raise CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}") from exc
-    creds = peer_credentials(sock)
-    if creds.uid not in (os.geteuid(), 0):
-        sock.close()
-        raise CacheUnavailableError(f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it")
+        raise _unavailable(path, exc) from exc
+    _check_peer(sock, path)
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
-        await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
+        await ch.send(_hello(software, name))
         frame, _ = await expect(ch)
         assert isinstance(frame, HelloOk)
     except BaseException:
@@ -329,9 +389,44 @@ async def connect(path: Path, *, software: str, name: str, service: Service | No
     return ch, frame
 
 
+def connect_blocking(
+    path: Path, *, software: str, name: str, timeout: float, service: Service | None = None
+) -> tuple[Channel, HelloOk]:
+    """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
+    TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
+    sock = _socket()
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+    except TimeoutError:
+        sock.close()
+        raise
+    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+        sock.close()
+        raise _unavailable(path, exc) from exc
+    _check_peer(sock, path)
+    ch = Channel(sock, Connection(Role.CLIENT, service=service))
+    try:
+        ch.send_blocking(_hello(software, name), timeout)
+        frame, _ = expect_blocking(ch, timeout)
+        assert isinstance(frame, HelloOk)
+    except BaseException:
+        ch.close()
+        raise
+    return ch, frame
+
+
+def expect_blocking(ch: Channel, timeout: float) -> tuple[Frame, list[int]]:
+    """``expect()`` for callers without an event loop."""
+    return _expected(*ch.receive_blocking(timeout))
+
+
 async def expect(ch: Channel) -> tuple[Frame, list[int]]:
     """The next frame (of a client's channel); an ERROR frame becomes its exception class."""
-    frame, fds = await ch.receive()
+    return _expected(*await ch.receive())
+
+
+def _expected(frame: Event, fds: list[int]) -> tuple[Frame, list[int]]:
     assert not isinstance(frame, Misdirected)  # only a server's connection yields those
     if isinstance(frame, ErrorFrame):
         close_fds(fds)

@@ -13,24 +13,34 @@ metadata size-capped), and its descriptor kept: the fingerprint, the headers and
 reads all use it, so a file replaced after validation cannot be served under the validated key
 (docs/security.md, "Checkpoint files"). ``close()`` (or ``with``) releases the descriptors; an
 unreferenced Checkpoint releases them when collected.
+
+A key needs only the raw headers and the bytes per dtype (:class:`DtypeBytes`), not a validated
+entry per tensor: ``Checkpoint.open(path, tensors=False)`` reads headers written the way the
+safetensors library writes them with one regular-expression scan (``_scan_header``; 50,000 tensors
+in ~15 ms where parsing and validating them took ~300 ms, issue 20) and parses any other header in
+full, so the key is the same either way. Validating every tensor is the loader's job.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
+import re
 import struct
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from wcache.errors import CheckpointError
 from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_json
+from wcache.proto._record import record
+from wcache.proto.codec import gc_paused
 from wcache.proto.frames import DTYPE_SIZES, MAX_DIMS, MAX_NAME
 
-__all__ = ["Checkpoint", "SAFETENSORS_DTYPES", "TensorInfo"]
+__all__ = ["FLOATING", "FP8_DTYPES", "SAFETENSORS_DTYPES", "Checkpoint", "DtypeBytes", "TensorInfo"]
 
 #: safetensors dtype tag -> wcache/torch dtype name
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -47,13 +57,19 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "U8": "uint8",
     "BOOL": "bool",
 }
+#: Dtypes a checkpoint's tensors can be cast between (the key's ``dtype`` when not "auto").
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+#: FP8 dtypes (served as stored, never cast: wcache.quant)
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+#: a weight's FP8 block-scale tensor ends so (wcache.quant.SCALE_SUFFIX)
+_SCALE_END = ".weight_scale_inv"
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself applies
 INDEX_NAME = "model.safetensors.index.json"
 #: Dimensions and strides a STATE table can carry (docs/protocol.md §4.6: entries below 2**48).
 MAX_EXTENT = 1 << 48
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TensorInfo:
     """Where one tensor's bytes lie: ``file`` at absolute byte ``start``, ``nbytes`` long, C order."""
 
@@ -65,6 +81,42 @@ class TensorInfo:
     nbytes: int
 
 
+@record
+class DtypeBytes:
+    """Bytes per dtype over a checkpoint's tensors, in file then header order: all the key's ``dtype`` is
+    resolved from (``wcache.key.resolve_dtype``). Each dict lists dtypes in first-seen order (ties go to the
+    first, as ``Counter.most_common``)."""
+
+    #: floating dtype -> bytes of every floating tensor
+    floating: dict[str, int]
+    #: floating dtype -> bytes of floating tensors other than FP8 block scales (``*.weight_scale_inv``)
+    weights: dict[str, int]
+    #: floating dtype -> bytes of block scales
+    scales: dict[str, int]
+    #: FP8 dtypes present
+    fp8: list[str]
+
+    @classmethod
+    def empty(cls) -> DtypeBytes:
+        return cls({}, {}, {}, [])
+
+    def add(self, dtype: str, nbytes: int, *, scale: bool) -> None:
+        """Count one tensor."""
+        if dtype in FLOATING:
+            self.floating[dtype] = self.floating.get(dtype, 0) + nbytes
+            part = self.scales if scale else self.weights
+            part[dtype] = part.get(dtype, 0) + nbytes
+        elif dtype in FP8_DTYPES and dtype not in self.fp8:
+            self.fp8.append(dtype)
+
+    @classmethod
+    def of(cls, tensors: dict[str, TensorInfo]) -> DtypeBytes:
+        out = cls.empty()
+        for t in tensors.values():
+            out.add(t.dtype, t.nbytes, scale=t.name.endswith(_SCALE_END))
+        return out
+
+
 def _close_fds(fds: dict[Path, int]) -> None:
     for fd in fds.values():
         try:
@@ -74,7 +126,7 @@ def _close_fds(fds: dict[Path, int]) -> None:
     fds.clear()
 
 
-@dataclass(frozen=True)
+@record(weakref_slot=True)
 class Checkpoint:
     """A validated view of a checkpoint directory's metadata (no tensor data read), holding one
     open descriptor per safetensors file (:meth:`fd`)."""
@@ -85,9 +137,15 @@ class Checkpoint:
     headers: dict[str, bytes]  # file name -> raw JSON header
     config: dict[str, Any]
     fds: dict[Path, int] = field(default_factory=dict, compare=False, repr=False)
+    #: bytes per dtype, when opened with ``tensors=False`` (``tensors`` is then empty); else from ``tensors``
+    scanned: DtypeBytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _close_fds, self.fds)
+
+    def dtype_bytes(self) -> DtypeBytes:
+        """Bytes per dtype of the checkpoint's tensors (what the key's dtype is resolved from)."""
+        return self.scanned if self.scanned is not None else DtypeBytes.of(self.tensors)
 
     @property
     def architecture(self) -> str:
@@ -119,7 +177,9 @@ class Checkpoint:
         self.close()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], *, tensors: bool = True) -> Checkpoint:
+        """Open and validate ``path``. ``tensors=False``: only what a key needs (config, raw headers, bytes
+        per dtype; the module docstring) — ``tensors`` is left empty and the tensors are not validated."""
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
@@ -134,31 +194,35 @@ class Checkpoint:
         fds: dict[Path, int] = {}
         try:
             files, expected = _files(root)
-            tensors: dict[str, TensorInfo] = {}
+            found: dict[str, TensorInfo] = {}
             headers: dict[str, bytes] = {}
-            for f in files:
+            scanned = None if tensors else _scan_files(files, fds, headers)
+            for f in files if scanned is None else ():
                 fd, st = open_regular(f, what="safetensors file")
                 fds[f] = fd
                 raw, infos = _read_header(f, fd, st.st_size)
                 headers[f.name] = raw
                 for info in infos:
-                    if info.name in tensors:
+                    if info.name in found:
                         raise CheckpointError(
-                            f"tensor {info.name!r} appears in both {tensors[info.name].file.name} and {f.name}"
+                            f"tensor {info.name!r} appears in both {found[info.name].file.name} and {f.name}"
                         )
-                    tensors[info.name] = info
-            for name, fname in expected.items():
-                got = tensors.get(name)
+                    found[info.name] = info
+            for name, fname in expected.items() if scanned is None else ():
+                got = found.get(name)
                 if got is None:
                     raise CheckpointError(f"{INDEX_NAME} lists tensor {name!r} in {fname}, but no file holds it")
                 if got.file.name != fname:
                     raise CheckpointError(f"{INDEX_NAME} puts {name!r} in {fname}, but it is in {got.file.name}")
-            if not tensors:
+            if scanned is None and not found:
                 raise CheckpointError(f"{root}: the safetensors files hold no tensors")
         except BaseException:
             _close_fds(fds)
             raise
-        return cls(root, tuple(files), tensors, headers, config, fds)
+        if scanned is None and not tensors:  # some header was not the library's format: parsed in full
+            scanned = DtypeBytes.of(found)
+            found = {}
+        return cls(root, tuple(files), found, headers, config, fds, scanned)
 
     def fingerprint(self, *, content: bool = False) -> str:
         """First 32 hex digits of SHA-256 over, per file in name order: its name, its raw header and a
@@ -261,8 +325,8 @@ def _pread_exact(fd: int, n: int, off: int) -> bytes:
     return b"".join(parts)
 
 
-def _read_header(path: Path, fd: int, size: int) -> tuple[bytes, list[TensorInfo]]:
-    """Parse and validate the header of the file open as ``fd`` (``size`` bytes by its fstat)."""
+def _read_raw_header(path: Path, fd: int, size: int) -> bytes:
+    """The raw JSON header of the file open as ``fd`` (``size`` bytes by its fstat), its length checked."""
     try:
         head = _pread_exact(fd, 8, 0)
         if len(head) < 8:
@@ -275,6 +339,104 @@ def _read_header(path: Path, fd: int, size: int) -> tuple[bytes, list[TensorInfo
             raise CheckpointError(f"{path}: truncated inside its header")
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc})") from exc
+    return raw
+
+
+#: The header as the safetensors library writes it (serde_json: no whitespace but the trailing padding, no
+#: escapes, the metadata map first, then each tensor's keys in this order). ``_scan_header`` reads only headers made of exactly these.
+_META = rb'\{"__metadata__":\{(?:"[^"\\]*":"[^"\\]*"(?:,"[^"\\]*":"[^"\\]*")*)?\}'
+_NUM = rb"(?:0|[1-9][0-9]*)"
+_ENTRY = (
+    rb',"([^"\\]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:' + _NUM + rb"(?:," + _NUM + rb")*)?)\],"
+    rb'"data_offsets":\[(' + _NUM + rb"),(" + _NUM + rb")\]\}"
+)
+_compiled: dict[bytes, re.Pattern[bytes]] = {}
+
+
+def _pattern(source: bytes) -> re.Pattern[bytes]:
+    """A scan pattern, compiled on first use (not at import: an engine's restart imports this module)."""
+    p = _compiled.get(source)
+    if p is None:
+        p = _compiled[source] = re.compile(source)
+    return p
+
+
+#: bytes of an entry besides its five groups
+_ENTRY_FIXED = len(b',"":{"dtype":"","shape":[],"data_offsets":[,]}')
+
+
+def _scan_header(raw: bytes, data_size: int, names: set[bytes], out: DtypeBytes) -> bool:
+    """Count one header's tensors into ``out`` without parsing it, when the header is exactly the safetensors
+    library's format: every byte belongs to the metadata map or a canonical entry (the entries tile it), no
+    escapes, valid UTF-8, names new (``names``: those of the files before) and at most MAX_NAME long, known
+    dtypes, offsets within the data. None for anything else: the caller parses that header in full, which
+    raises whatever is wrong with it or counts it the same way. True when counted."""
+    raw = raw.rstrip(b" ")  # the library pads the header with spaces to a multiple of 8 bytes
+    if b"\\" in raw or raw[-1:] != b"}":
+        return False
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    meta = _pattern(_META).match(raw) if raw.startswith(b'{"__metadata__":') else None
+    body = raw[meta.end() : -1] if meta else b"," + raw[1:-1]
+    if (meta is None and raw[:1] != b"{") or body[:1] not in (b",", b""):
+        return False
+    entries = _pattern(_ENTRY).findall(body)
+    if not entries:
+        return False
+    cols: list[tuple[bytes, ...]] = list(zip(*entries, strict=True))
+    tensor_names, tags, _, begins, ends = cols
+    if sum(sum(map(len, c)) for c in cols) + _ENTRY_FIXED * len(entries) != len(body):
+        return False  # something between or around the entries: not the library's format
+    known = len(names)
+    names.update(tensor_names)
+    if len(names) != known + len(entries) or b"__metadata__" in tensor_names:
+        return False  # a name repeated (json.loads would keep the last), or a tensor called __metadata__
+    if max(map(len, tensor_names)) > MAX_NAME or min(map(len, tensor_names)) == 0:
+        return False
+    first = list(map(int, begins))
+    last = list(map(int, ends))
+    if max(last) > data_size or not all(map(operator.le, first, last)):
+        return False
+    dtypes = [SAFETENSORS_DTYPES.get(t.decode()) for t in dict.fromkeys(tags)]
+    if None in dtypes:
+        return False
+    if len(dtypes) == 1 and b'_scale_inv"' not in raw:
+        dtype = dtypes[0]
+        assert dtype is not None
+        out.add(dtype, sum(last) - sum(first), scale=False)
+        return True
+    for name, tag, b, e in zip(tensor_names, tags, first, last, strict=True):
+        out.add(SAFETENSORS_DTYPES[tag.decode()], e - b, scale=name.endswith(b".weight_scale_inv"))
+    return True
+
+
+def _scan_files(files: list[Path], fds: dict[Path, int], headers: dict[str, bytes]) -> DtypeBytes | None:
+    """Open every file and read its raw header into ``headers`` (descriptors into ``fds``); the bytes per
+    dtype of all of them when every header scans (``_scan_header``), else None (the caller parses them)."""
+    out = DtypeBytes.empty()
+    names: set[bytes] = set()
+    scans = True
+    for f in files:
+        fd, st = open_regular(f, what="safetensors file")
+        fds[f] = fd
+        raw = _read_raw_header(f, fd, st.st_size)
+        headers[f.name] = raw
+        if scans:
+            with gc_paused(len(raw)):  # ~5 objects per tensor, none in a cycle
+                scans = _scan_header(raw, st.st_size - 8 - len(raw), names, out)
+    if not scans:
+        _close_fds(fds)
+        headers.clear()
+        return None
+    return out
+
+
+def _read_header(path: Path, fd: int, size: int) -> tuple[bytes, list[TensorInfo]]:
+    """Parse and validate the header of the file open as ``fd`` (``size`` bytes by its fstat)."""
+    raw = _read_raw_header(path, fd, size)
+    hlen = len(raw)
     header = parse_json(raw, f"{path}: header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")

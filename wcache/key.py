@@ -8,17 +8,21 @@ key differs in any field and names those fields (``KEY_MISMATCH``).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Union
 
-from wcache.checkpoint import Checkpoint
+from wcache.checkpoint import FLOATING, Checkpoint, DtypeBytes
 from wcache.errors import CheckpointError, ShardingError, TransformError, WCacheError
-from wcache.layout import LAYOUT_VERSION, resolve_dtype
+from wcache.proto._record import record
 from wcache.proto.frames import MAX_NAME
-from wcache.sharding import ShardPlan, resolve_plan
 
 if TYPE_CHECKING:
     from wcache.rank import RankSpec
+    from wcache.sharding import ShardPlan
+
+#: Bump when placement rules change (wcache.layout): a cached slab of another layout is another key. Defined
+#: here only — layout.py re-exports it, so the key need not import the layout (tests/test_layout.py).
+LAYOUT_VERSION = 2  # 2: quantized checkpoints keep their stored dtypes (docs/protocol.md §4.4)
 
 __all__ = ["WeightCacheKey"]
 
@@ -31,6 +35,21 @@ class _Unset:
 
 _UNSET = _Unset()
 
+
+def resolve_dtype(counted: DtypeBytes, config: dict[str, Any], requested: str | None) -> str:
+    """The key's ``dtype``: ``None``/``"auto"`` -> the floating dtype holding the most bytes (``counted``:
+    ``Checkpoint.dtype_bytes()``); FP8 checkpoints are served as stored, never cast (``wcache.quant``)."""
+    from wcache.quant import is_fp8_checkpoint, stored_dtype
+
+    if counted.fp8 or is_fp8_checkpoint({}, config):
+        return stored_dtype(counted, requested)
+    if requested not in (None, "auto"):
+        if requested not in FLOATING:
+            raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(sorted(FLOATING))}")
+        return str(requested)
+    return max(counted.floating, key=counted.floating.__getitem__) if counted.floating else "float32"
+
+
 #: a key field over the protocol's string limit -> whose input it came from, and what to do
 _TOO_LONG: dict[str, tuple[type[WCacheError], str]] = {
     "architecture": (CheckpointError, "shorten config.json's architectures[0]"),
@@ -39,7 +58,7 @@ _TOO_LONG: dict[str, tuple[type[WCacheError], str]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class WeightCacheKey:
     """Identity of one rank's weights. Field names and types are part of the wire format (§4.3)."""
 
@@ -79,18 +98,23 @@ class WeightCacheKey:
 
         Raises CheckpointError / ShardingError, and for a key string the protocol cannot carry (over
         1024 characters, docs/protocol.md §7) the class of whatever it came from (``_TOO_LONG``)."""
-        if checkpoint is None:
-            with Checkpoint.open(spec.checkpoint) as ckpt:
+        if checkpoint is None:  # the key's own: headers and bytes per dtype, not a validated entry per tensor
+            with Checkpoint.open(spec.checkpoint, tensors=False) as ckpt:
                 return cls.from_spec(spec, checkpoint=ckpt, plan=plan)
         ckpt = checkpoint
         if isinstance(plan, _Unset):
-            plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
+            plan = None
+            if spec.tp_size != 1 or spec.plan_file is not None:  # else no plan: sharding not imported
+                from wcache.sharding import resolve_plan
+
+                plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
+
         key = cls(
             fingerprint=ckpt.fingerprint(content=spec.verify_content),
             architecture=ckpt.architecture,
             tp_size=spec.tp_size,
             tp_rank=spec.tp_rank,
-            dtype=resolve_dtype(ckpt, spec.dtype),
+            dtype=resolve_dtype(ckpt.dtype_bytes(), ckpt.config, spec.dtype),
             plan=plan.id if plan is not None else "none",
             layout=LAYOUT_VERSION,
             fingerprint_kind="content" if spec.verify_content else "sampled",
@@ -106,13 +130,13 @@ class WeightCacheKey:
         return key
 
     def to_wire(self) -> dict[str, KeyValue]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> WeightCacheKey:
         """Build from a validated wire map; missing fields take their defaults, extra ones are
         ignored here (``diff_wire`` reports them)."""
-        known = {f.name: m[f.name] for f in fields(cls) if f.name in m}
+        known = {name: m[name] for name in _FIELDS if name in m}
         return cls(**known)
 
     def diff_wire(self, requested: dict[str, Any]) -> dict[str, list[Any]]:
@@ -123,7 +147,7 @@ class WeightCacheKey:
         """
         served = self.to_wire()
         out: dict[str, list[Any]] = {}
-        defaults = {f.name: f.default for f in fields(self)}
+        defaults = _DEFAULTS
         for name, value in served.items():
             want = requested.get(name, defaults[name])
             if want != value or type(want) is not type(value):
@@ -136,3 +160,7 @@ class WeightCacheKey:
     def short(self) -> str:
         """A log-friendly one-liner."""
         return f"{self.architecture or 'model'}@{self.fingerprint[:12]}/tp{self.tp_rank}of{self.tp_size}/{self.dtype}"
+
+
+_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
+_DEFAULTS = {f.name: f.default for f in fields(WeightCacheKey)}

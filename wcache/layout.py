@@ -8,16 +8,17 @@ Tied weights absent from the checkpoint become aliases (``lm_head.weight`` ->
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wcache.checkpoint import Checkpoint, TensorInfo
+from wcache.checkpoint import FLOATING, Checkpoint, TensorInfo
 from wcache.errors import CheckpointError
+from wcache.key import LAYOUT_VERSION
+from wcache.key import resolve_dtype as key_dtype
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
 from wcache.proto.frames import DTYPE_SIZES, TensorEntry, TensorTable
-from wcache.quant import fp8_block_size, is_fp8_checkpoint, stored_dtype
+from wcache.quant import fp8_block_size, is_fp8_checkpoint
 from wcache.sharding import Shard, ShardPlan, shard_tensors
 
 __all__ = [
@@ -34,11 +35,7 @@ __all__ = [
     "serves_as_stored",
 ]
 
-#: Bump when placement rules change: a cached slab of another layout is another key.
-LAYOUT_VERSION = 2
 ALIGN = 256  # bytes: CUDA's allocation granularity for vectorised access, and cache lines
-FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
-_CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 def is_quantized(config: Mapping[str, Any]) -> bool:
@@ -59,22 +56,12 @@ def serves_as_stored(ckpt: Checkpoint) -> bool:
 
 
 def resolve_dtype(ckpt: Checkpoint, requested: str | None) -> str:
-    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint.
+    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint (``wcache.key``).
 
     FP8 checkpoints: the dtype of their unquantized tensors, any other refused (wcache.quant). Other quantized
     checkpoints are served as stored too (:func:`serves_as_stored`); their key's dtype names the dtype the
     engine runs in (a castable one, or ``auto``), which the engine's own casts follow."""
-    if is_fp8_checkpoint(ckpt.tensors, ckpt.config):  # served as stored, never cast (wcache.quant)
-        return stored_dtype(ckpt.tensors, requested)
-    if requested not in (None, "auto"):
-        if requested not in _CASTABLE:
-            raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(sorted(_CASTABLE))}")
-        return str(requested)
-    by_bytes: Counter[str] = Counter()
-    for t in ckpt.tensors.values():
-        if t.dtype in FLOATING:
-            by_bytes[t.dtype] += t.nbytes
-    return by_bytes.most_common(1)[0][0] if by_bytes else "float32"
+    return key_dtype(ckpt.dtype_bytes(), ckpt.config, requested)
 
 
 @dataclass(frozen=True, slots=True)

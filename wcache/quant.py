@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from wcache.checkpoint import TensorInfo
+from wcache.checkpoint import FP8_DTYPES, DtypeBytes, TensorInfo
 from wcache.errors import CheckpointError
 
 __all__ = [
@@ -30,10 +30,8 @@ __all__ = [
     "weight_name",
 ]
 
-FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 #: ``X.weight`` -> ``X.weight_scale_inv`` (the multiplier that dequantizes a block: w ≈ q * scale_inv)
 SCALE_SUFFIX = "_scale_inv"
-_FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 def scale_name(weight: str) -> str:
@@ -74,20 +72,16 @@ def is_fp8_checkpoint(tensors: Mapping[str, TensorInfo], config: Mapping[str, An
     return any(t.dtype in FP8_DTYPES for t in tensors.values())
 
 
-def stored_dtype(tensors: Mapping[str, TensorInfo], requested: str | None) -> str:
+def stored_dtype(counted: DtypeBytes, requested: str | None) -> str:
     """The key's ``dtype`` for an FP8 checkpoint: the floating dtype holding the most bytes among its
     unquantized tensors (block scales left out), which is what every tensor is served in or next to.
+    ``counted``: the checkpoint's bytes per dtype (``Checkpoint.dtype_bytes()``).
 
     ``None``/``"auto"`` or that very dtype is accepted; any other is a CheckpointError (no cast)."""
-    by_bytes: Counter[str] = Counter()
-    scales: Counter[str] = Counter()
-    for t in tensors.values():
-        if t.dtype in _FLOATING:
-            (scales if weight_name(t.name) is not None else by_bytes)[t.dtype] += t.nbytes
-    common = (by_bytes or scales).most_common(1)
+    common = Counter(counted.weights or counted.scales).most_common(1)
     dtype = common[0][0] if common else "float32"
     if requested not in (None, "auto", dtype):
-        fp8 = sorted({t.dtype for t in tensors.values() if t.dtype in FP8_DTYPES})
+        fp8 = sorted(counted.fp8)
         raise CheckpointError(
             f"dtype {requested!r}: this is an FP8 checkpoint ({', '.join(fp8) or 'quant_method fp8'} weights with "
             f"block scales), served as stored without a cast; use dtype 'auto' (or {dtype!r}, "

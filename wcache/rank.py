@@ -15,22 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wcache.checkpoint import Checkpoint
 from wcache.key import WeightCacheKey
-from wcache.layout import Layout, plan_layout
 from wcache.proto import Preload
-from wcache.sharding import VOCAB_PADDED_TRANSFORMS, ShardPlan, resolve_plan
+from wcache.proto._record import record
+
+if TYPE_CHECKING:  # a key (the engine's restart path) needs neither: plan_rank imports them
+    from wcache.layout import Layout
+    from wcache.sharding import ShardPlan
 
 __all__ = ["RankPlan", "RankSpec", "plan_rank"]
 
 PathLike = str | os.PathLike[str]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RankSpec:
     """One rank of a checkpoint as a request names it. Immutable and hashable; build variants with
     ``dataclasses.replace``.
@@ -91,7 +93,7 @@ class RankSpec:
         )
 
 
-@dataclass(frozen=True)
+@record
 class RankPlan:
     """A rank's open checkpoint, key, shard plan and slab layout: computed once per load, then passed on."""
 
@@ -119,6 +121,9 @@ def plan_rank(spec: RankSpec | PathLike, **fields: Any) -> RankPlan:
     read through them and the loader reads the data through them, so the bytes served are those of
     the files validated here even if the directory changes meanwhile. ``close()`` (or ``with``)
     releases them; an unreferenced plan releases them when collected."""
+    from wcache.layout import plan_layout
+    from wcache.sharding import VOCAB_PADDED_TRANSFORMS, resolve_plan
+
     spec = RankSpec.of(spec, **fields)
     ckpt = Checkpoint.open(spec.checkpoint)
     try:

@@ -20,17 +20,18 @@ import json
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 from wcache.checkpoint import TensorInfo
 from wcache.errors import ShardingError
+from wcache.proto._record import record
 from wcache.quant import weight_name
 
 __all__ = ["BUILTIN_PLANS", "Shard", "ShardPlan", "load_plan_file", "resolve_plan", "shard_tensors"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Shard:
     """Rank's slice of a tensor: ``length`` entries of dimension ``dim`` from ``start``."""
 
@@ -39,21 +40,27 @@ class Shard:
     length: int
 
 
-@dataclass(frozen=True)
+@record
 class ShardPlan:
+    """Ordered (regex source, dim) rules; the patterns are compiled on the first ``dim_for`` (not at import:
+    a TP>1 engine's restart imports this module for the plan's id)."""
+
     name: str
-    rules: tuple[tuple[re.Pattern[str], int | None], ...]
+    rules: tuple[tuple[str, int | None], ...]
     id: str
+    _compiled: list[tuple[re.Pattern[str], int | None]] = field(default_factory=list, compare=False, repr=False)
 
     def dim_for(self, name: str) -> int | None:
-        for pattern, dim in self.rules:
+        if not self._compiled:
+            self._compiled.extend((re.compile(p), d) for p, d in self.rules)
+        for pattern, dim in self._compiled:
             if pattern.fullmatch(name):
                 return dim
         raise KeyError(name)
 
 
 def _plan(name: str, rules: Iterable[tuple[str, int | None]], id: str) -> ShardPlan:
-    return ShardPlan(name, tuple((re.compile(p), d) for p, d in rules), id)
+    return ShardPlan(name, tuple(rules), id)
 
 
 _LLAMA_RULES: list[tuple[str, int | None]] = [

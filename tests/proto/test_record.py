@@ -93,14 +93,56 @@ def test_dataclasses_api_and_copy_work_on_frames() -> None:
 
 
 def test_record_refuses_hand_written_dunders() -> None:
-    with pytest.raises(TypeError, match="__post_init__"):
+    with pytest.raises(TypeError, match="__init__"):
 
         @record
         class Bad:
             a: int
 
-            def __post_init__(self) -> None:
+            def __init__(self) -> None:
                 pass
+
+
+def test_post_init_weakref_slot_and_dataclasses_api() -> None:
+    """What the key's, checkpoint's and rank's classes use: __post_init__ (normalising a field through
+    object.__setattr__), a __weakref__ slot (weakref.finalize), asdict/replace/fields/is_dataclass."""
+    import weakref
+
+    @record(weakref_slot=True)
+    class P:
+        LIMIT: ClassVar[int] = 3
+        path: str
+        n: int = 1
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "path", self.path.rstrip("/"))
+
+    p = P("a/")
+    assert p.path == "a" and p.n == 1 and P.LIMIT == 3
+    assert dataclasses.is_dataclass(p) and dataclasses.asdict(p) == {"path": "a", "n": 1}
+    assert dataclasses.replace(p, n=2) == P("a", 2)
+    assert [f.name for f in dataclasses.fields(P)] == ["path", "n"]
+    assert weakref.ref(p)() is p
+    with pytest.raises(TypeError, match="missing"):
+        P()  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="mutable default"):
+
+        @record
+        class M:
+            a: list[int] = []  # noqa: RUF012
+
+    with pytest.raises(TypeError, match="init=False"):
+
+        @record
+        class NoInit:
+            a: int = dataclasses.field(init=False, default=1)
+
+    with pytest.raises(TypeError, match="follows default"):
+
+        @record
+        class O:  # noqa: E742
+            a: int = 1
+            b: int  # type: ignore[misc]
 
 
 def test_frames_import_compiles_nothing_per_class() -> None:

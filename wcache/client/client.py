@@ -22,12 +22,12 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from wcache import __version__
-from wcache.channel import Channel, close_fds, connect, expect
+from wcache.channel import Channel, close_fds, connect, connect_blocking, expect, expect_blocking
 from wcache.client import cuda
 from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs, write_deposit
 from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
@@ -53,8 +53,10 @@ from wcache.proto import (
     Takeover,
     TakeoverState,
 )
-from wcache.rank import RankSpec
-from wcache.recipe import RecipeKey
+
+if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
+    from wcache.rank import RankSpec
+    from wcache.recipe import RecipeKey
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
@@ -291,8 +293,10 @@ class WCacheClient:
                 close_fds(fds)
                 raise ProtocolError(f"expected STATE, got {frame.TYPE}")
             t2 = time.perf_counter()
-            weights = await self._materialise(ch, hello, frame, fds, key, mode, path)
+            weights = self._materialise(ch, hello, frame, fds, key, mode, path)
             weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
+            if mode == "copy":
+                await weights.release()  # the engine owns its copy: no lease needed
             return weights
 
     @contextlib.asynccontextmanager
@@ -323,7 +327,7 @@ class WCacheClient:
         if not keep_open:
             session.close()
 
-    async def _materialise(
+    def _materialise(
         self,
         ch: Channel,
         hello: HelloOk,
@@ -363,8 +367,6 @@ class WCacheClient:
             buffers=state.buffers,
         )
         weights.timings = timings
-        if mode == "copy":
-            await weights.release()  # the engine owns its copy: no lease needed
         return weights
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
@@ -392,6 +394,8 @@ class WCacheClient:
         does not fit the budget, CheckpointError / ShardingError / TransformError for a directory, plan
         or transform the daemon cannot use.
         """
+        from wcache.rank import RankSpec
+
         spec = RankSpec.of(model_dir, **fields)
         path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(spec.tp_rank)
         async with self._session(path, timeout, keep_open=False) as session:
@@ -484,12 +488,67 @@ class WCacheClient:
     def fetch_sync(
         self, key: WeightCacheKey, mode: str = "zero_copy", *, timeout: float | None = None
     ) -> CachedWeights:
-        """Blocking fetch() for engines without an event loop (not from inside a running loop)."""
+        """Blocking fetch() for engines without an event loop (not from inside a running loop).
+
+        The same requests through the same sans-I/O connection on a blocking socket: no event loop is
+        started (a restart's first fetch, issue 20). A daemon that is coming back (``wait_for_daemon``)
+        is waited for as by fetch()."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.fetch(key, mode, timeout=timeout))
-        raise RuntimeError("fetch_sync() called from a running event loop; use 'await client.fetch(...)'")
+            pass
+        else:
+            raise RuntimeError("fetch_sync() called from a running event loop; use 'await client.fetch(...)'")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        path = self.socket_for(key)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        ch: Channel | None = None
+        try:
+            t0 = time.perf_counter()
+            try:
+                ch, hello = connect_blocking(path, software=f"wcache/{__version__}", name=self.name, timeout=limit)
+            except CacheUnavailableError as exc:
+                from wcache.client import wait  # the failure path only
+
+                if self.wait_for_daemon <= 0 or not wait.is_absent(exc):
+                    raise
+                return asyncio.run(self.fetch(key, mode, timeout=timeout))  # wait.py's wait is asyncio's
+            t1 = time.perf_counter()
+            device_uuid = cuda.local_uuid(self.device, hello.device.uuid) if hello.backend == "cuda" else ""
+            request = GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid)
+            ch.send_blocking(request, _left(deadline))
+            frame, fds = expect_blocking(ch, _left(deadline))
+            if not isinstance(frame, State):
+                close_fds(fds)
+                raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+            t2 = time.perf_counter()
+            weights = self._materialise(ch, hello, frame, fds, key, mode, path)
+        except TimeoutError as exc:
+            if ch is not None:
+                ch.close()
+            raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
+        except (EOFError, ConnectionError) as exc:
+            if ch is not None:
+                ch.close()
+            raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
+        except BaseException:
+            if ch is not None:
+                ch.close()
+            raise
+        weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
+        if mode == "copy":
+            weights.release_sync(max(deadline - time.monotonic(), 0.001))  # the engine owns its copy: no lease needed
+        return weights
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline``; TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
 
 
 class _Session:

@@ -1,0 +1,106 @@
+"""``fetch_sync`` on a blocking socket (issue 20): the same requests through the same sans-I/O connection,
+no event loop started, and the same errors and lease lifetime as ``fetch``."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from tests.server.test_fetch import reference
+from wcache import CacheUnavailableError, KeyMismatchError, WCacheClient, WeightCacheKey
+
+
+def _leases(daemon: DaemonProc) -> int:
+    status = asyncio.run(WCacheClient(daemon.socket).status())
+    return int(status.models[0].leases)
+
+
+@pytest.fixture
+def no_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting an event loop fails the test (the old fetch_sync ran asyncio.run per fetch)."""
+
+    def refuse(*a: Any, **k: Any) -> None:
+        raise AssertionError("fetch_sync started an event loop")
+
+    monkeypatch.setattr(asyncio, "run", refuse)
+    monkeypatch.setattr(asyncio, "new_event_loop", refuse)
+
+
+def test_zero_copy_without_an_event_loop(daemon: DaemonProc, ckpt: Path, no_event_loop: None) -> None:
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    w = WCacheClient(daemon.socket).fetch_sync(key)
+    ref = reference(ckpt)
+    assert set(w) == set(ref) and not w.released
+    for name, t in ref.items():
+        assert torch.equal(w[name].view(torch.int16), t.view(torch.int16)), name
+    assert set(w.timings) >= {"connect", "state", "map", "views"}
+    w.release_sync()
+    assert w.released
+
+
+def test_lease_lives_until_release_and_async_release_works(daemon: DaemonProc, ckpt: Path) -> None:
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    w = WCacheClient(daemon.socket).fetch_sync(key)
+    assert _leases(daemon) == 1
+    asyncio.run(w.release())  # the socket was left non-blocking for the asyncio layer
+    assert _leases(daemon) == 0
+
+
+def test_copy_mode_owns_memory_and_releases(daemon: DaemonProc, ckpt: Path, no_event_loop: None) -> None:
+    w = WCacheClient(daemon.socket).fetch_sync(WeightCacheKey.from_checkpoint(ckpt), mode="copy")
+    assert w.released and w.mode == "copy"
+    name = "model.layers.0.mlp.up_proj.weight"
+    w[name].add_(1)  # the engine's own memory
+
+
+def test_daemon_errors_keep_their_class_and_the_client_stays_usable(
+    daemon: DaemonProc, ckpt: Path, no_event_loop: None
+) -> None:
+    client = WCacheClient(daemon.socket)
+    with pytest.raises(KeyMismatchError):
+        client.fetch_sync(WeightCacheKey.from_checkpoint(ckpt, dtype="float16"))
+    with pytest.raises(ValueError, match="mode"):
+        client.fetch_sync(WeightCacheKey.from_checkpoint(ckpt), mode="bogus")
+    client.fetch_sync(WeightCacheKey.from_checkpoint(ckpt)).release_sync()
+
+
+def test_no_daemon_is_cache_unavailable(tmp_path: Path, ckpt: Path, no_event_loop: None) -> None:
+    client = WCacheClient(tmp_path / "nothing.sock", wait_for_daemon=0)
+    with pytest.raises(CacheUnavailableError, match="no wcache daemon"):
+        client.fetch_sync(WeightCacheKey.from_checkpoint(ckpt))
+
+
+def test_a_silent_peer_is_cache_unavailable_after_the_timeout(tmp_path: Path, ckpt: Path) -> None:
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(str(path))
+        srv.listen(1)  # accepts into the backlog, never answers HELLO
+        with pytest.raises(CacheUnavailableError, match="did not answer"):
+            WCacheClient(path, timeout=0.2).fetch_sync(WeightCacheKey.from_checkpoint(ckpt))
+
+
+def test_a_peer_closing_mid_request_is_cache_unavailable(tmp_path: Path, ckpt: Path) -> None:
+    path = tmp_path / "closing.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(str(path))
+        srv.listen(1)
+
+        def accept_and_close() -> None:
+            c, _ = srv.accept()
+            c.recv(1 << 16)
+            c.close()
+
+        t = threading.Thread(target=accept_and_close)
+        t.start()
+        try:
+            with pytest.raises(CacheUnavailableError, match="closed the connection"):
+                WCacheClient(path, timeout=30).fetch_sync(WeightCacheKey.from_checkpoint(ckpt))
+        finally:
+            t.join(30)
