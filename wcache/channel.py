@@ -16,6 +16,7 @@ import fcntl
 import os
 import socket
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
@@ -303,7 +304,10 @@ class Channel:
 
     def send_blocking(self, frame: Frame, timeout: float) -> None:
         """``send()`` without descriptors for callers without an event loop (TimeoutError after ``timeout``)."""
-        data = self.conn.send(frame)
+        self.send_bytes_blocking(self.conn.send(frame), timeout)
+
+    def send_bytes_blocking(self, data: bytes, timeout: float) -> None:
+        """Write frames' bytes (no descriptors) for callers without an event loop."""
         try:
             self.sock.settimeout(timeout)
             self.sock.sendall(data)
@@ -365,10 +369,23 @@ def _hello(software: str, name: str) -> Hello:
     return Hello(versions=(PROTOCOL_VERSION,), software=software, name=name)
 
 
-async def connect(path: Path, *, software: str, name: str, service: Service | None = None) -> tuple[Channel, HelloOk]:
+def _opening(conn: Connection, software: str, name: str, pipeline: Pipeline | None) -> bytes:
+    """HELLO's bytes, and those of the pipelined request behind it (one write, one round trip)."""
+    data = conn.send(_hello(software, name))
+    return data + conn.send(pipeline(conn)) if pipeline is not None else data
+
+
+#: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
+Pipeline = Callable[[Connection], Frame]
+
+
+async def connect(
+    path: Path, *, software: str, name: str, service: Service | None = None, pipeline: Pipeline | None = None
+) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
-    answers there."""
+    answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
+    back (its reply is the next frame after HELLO_OK)."""
     loop = asyncio.get_running_loop()
     sock = _socket()
     sock.setblocking(False)
@@ -380,7 +397,7 @@ async def connect(path: Path, *, software: str, name: str, service: Service | No
     _check_peer(sock, path)
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
-        await ch.send(_hello(software, name))
+        await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
         frame, _ = await expect(ch)
         assert isinstance(frame, HelloOk)
     except BaseException:
@@ -390,7 +407,13 @@ async def connect(path: Path, *, software: str, name: str, service: Service | No
 
 
 def connect_blocking(
-    path: Path, *, software: str, name: str, timeout: float, service: Service | None = None
+    path: Path,
+    *,
+    software: str,
+    name: str,
+    timeout: float,
+    service: Service | None = None,
+    pipeline: Pipeline | None = None,
 ) -> tuple[Channel, HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
     TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
@@ -407,7 +430,7 @@ def connect_blocking(
     _check_peer(sock, path)
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
-        ch.send_blocking(_hello(software, name), timeout)
+        ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
         frame, _ = expect_blocking(ch, timeout)
         assert isinstance(frame, HelloOk)
     except BaseException:

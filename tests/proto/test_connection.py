@@ -267,3 +267,48 @@ def test_a_deposit_cycle_pairs_and_its_slab_brings_one_descriptor() -> None:
     assert c.pending == s.pending == {}
     with pytest.raises(LocalProtocolError):  # DEPOSITED answers a COMMIT, nothing else
         s.send(EXAMPLES["DEPOSITED"])
+
+
+def test_get_state_pipelined_behind_hello_is_answered_after_hello_ok() -> None:
+    """§5.1 pipelining: the client sends HELLO and GET_STATE in one write; the server takes both, answers
+    HELLO_OK first, then STATE; both sides end OPEN with the lease held."""
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
+    data = c.send(Hello(versions=(PROTOCOL_VERSION,))) + c.send(EXAMPLES["GET_STATE"])
+    assert c.phase is Phase.HELLO_SENT and c.pending == {EXAMPLES["GET_STATE"].id: "GET_STATE"}
+    s.receive_data(data)
+    hello, request = list(s.events())
+    assert isinstance(hello, Hello) and request == EXAMPLES["GET_STATE"]
+    with pytest.raises(LocalProtocolError):  # the reply may not overtake HELLO_OK
+        s.send(EXAMPLES["STATE"])
+    out = s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu")))
+    out += s.send(EXAMPLES["STATE"])
+    c.receive_data(out)
+    assert [f.TYPE for f in c.events()] == ["HELLO_OK", "STATE"]
+    assert c.phase is s.phase is Phase.OPEN and c.leases == s.leases == {1001}
+
+
+@pytest.mark.parametrize("frame", [EXAMPLES["STATUS"], EXAMPLES["PRELOAD"], EXAMPLES["DEPOSIT"]])
+def test_only_get_state_may_be_pipelined(frame: object) -> None:
+    """Other requests wait for HELLO_OK: the client refuses to send them, the server to take them."""
+    c = Connection(Role.CLIENT)
+    hello = c.send(Hello(versions=(PROTOCOL_VERSION,)))
+    with pytest.raises(LocalProtocolError):
+        c.send(frame)  # type: ignore[arg-type]
+    s = Connection(Role.SERVER)
+    s.receive_data(hello + pack_frame(frame.to_wire()))  # type: ignore[attr-defined]
+    with pytest.raises(UnexpectedFrameError):
+        list(s.events())
+
+
+def test_a_refused_hello_drops_the_pipelined_request() -> None:
+    """A HELLO the server refuses (no common version) closes the connection with a fatal ERROR: the pipelined
+    GET_STATE is never answered, and the client sees the ERROR, not a STATE."""
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER, supported_versions=(PROTOCOL_VERSION + 1,))
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))) + c.send(EXAMPLES["GET_STATE"]))
+    hello = next(iter(s.events()))
+    assert isinstance(hello, Hello)
+    with pytest.raises(UnsupportedVersionError) as err:
+        s.hello_reply(hello)
+    c.receive_data(s.fatal_error(err.value))
+    (reply,) = list(c.events())
+    assert isinstance(reply, ErrorFrame) and reply.fatal and c.phase is s.phase is Phase.CLOSED

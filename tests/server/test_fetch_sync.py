@@ -104,3 +104,50 @@ def test_a_peer_closing_mid_request_is_cache_unavailable(tmp_path: Path, ckpt: P
                 WCacheClient(path, timeout=30).fetch_sync(WeightCacheKey.from_checkpoint(ckpt))
         finally:
             t.join(30)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_get_state_goes_out_in_the_same_write_as_hello(
+    daemon: DaemonProc, ckpt: Path, monkeypatch: pytest.MonkeyPatch, blocking: bool
+) -> None:
+    """Pipelining (docs/protocol.md §5.1): the client's first write holds HELLO and GET_STATE, and nothing
+    more is sent before STATE comes back — one round trip fewer for a restart's first fetch."""
+    from wcache import channel
+
+    writes: list[list[str]] = []
+    real = channel._opening
+
+    def spy(conn: Any, software: str, name: str, pipeline: Any) -> bytes:
+        data = real(conn, software, name, pipeline)
+        writes.append(sorted(conn.pending.values()))
+        return data
+
+    monkeypatch.setattr(channel, "_opening", spy)
+    sent: list[str] = []
+    monkeypatch.setattr(channel.Channel, "send_blocking", lambda self, frame, timeout: sent.append(frame.TYPE))
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    c = WCacheClient(daemon.socket)
+    w = c.fetch_sync(key) if blocking else asyncio.run(c.fetch(key))
+    ref = reference(ckpt)
+    assert all(torch.equal(w[k], v) for k, v in ref.items())
+    assert writes == [["GET_STATE"]] and sent == []
+    assert _leases(daemon) == 1
+    monkeypatch.undo()
+    w.release_sync() if blocking else asyncio.run(w.release())
+
+
+def test_the_engine_checks_the_daemons_gpu_itself(daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipelined GET_STATE cannot name the engine's GPU (the daemon's is not known yet): on HELLO_OK from a
+    CUDA daemon the client checks it is the GPU the engine chose, DEVICE_MISMATCH otherwise."""
+    from wcache import DeviceMismatchError
+    from wcache.client import cuda
+    from wcache.proto import DeviceInfo, HelloOk
+
+    hello = HelloOk(
+        version=2, software="t", backend="cuda", device=DeviceInfo("cuda", uuid="GPU-daemon"), max_frame_size=1 << 20
+    )
+    monkeypatch.setattr(cuda, "local_uuid", lambda device, daemon_uuid: "GPU-engine")
+    with pytest.raises(DeviceMismatchError, match="GPU-engine"):
+        WCacheClient(daemon.socket)._check_device(hello)
+    monkeypatch.setattr(cuda, "local_uuid", lambda device, daemon_uuid: daemon_uuid)
+    WCacheClient(daemon.socket)._check_device(hello)

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wcache import __version__
-from wcache.channel import Channel, close_fds, connect, connect_blocking, expect, expect_blocking
+from wcache.channel import Channel, Pipeline, close_fds, connect, connect_blocking, expect, expect_blocking
 from wcache.client import cuda
 from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs, write_deposit
-from wcache.errors import CacheUnavailableError, ProtocolError, error_from_frame
+from wcache.errors import CacheUnavailableError, DeviceMismatchError, ProtocolError, error_from_frame
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto import (
@@ -55,6 +55,7 @@ from wcache.proto import (
 )
 
 if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
+    from wcache.proto import Connection
     from wcache.rank import RankSpec
     from wcache.recipe import RecipeKey
 
@@ -237,13 +238,18 @@ class WCacheClient:
 
     # ------------------------------------------------------------------ connection
     async def _connect(
-        self, path: Path, session: _Session | None = None, rank: int | None = None
+        self,
+        path: Path,
+        session: _Session | None = None,
+        rank: int | None = None,
+        pipeline: Pipeline | None = None,
     ) -> tuple[Channel, HelloOk]:
         """Connect and shake hands; a socket missing or refused while a daemon is coming back is waited on
-        (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any)."""
+        (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any). ``pipeline``:
+        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1)."""
 
         async def attempt() -> tuple[Channel, HelloOk]:
-            return await connect(path, software=f"wcache/{__version__}", name=self.name)
+            return await connect(path, software=f"wcache/{__version__}", name=self.name, pipeline=pipeline)
 
         try:
             return await attempt()
@@ -261,6 +267,17 @@ class WCacheClient:
                 keeper_path=self.keeper_socket or path.parent / KEEPER_SOCKET,
                 rank=rank,
                 on_wait=session.waiting_for if session is not None else None,
+            )
+
+    def _check_device(self, hello: HelloOk) -> None:
+        """The GET_STATE went out behind HELLO, before the daemon's GPU was known, so the engine checks what
+        the daemon would have: its chosen device is the daemon's GPU, which this process can see (DEVICE_MISMATCH
+        otherwise; the connection then closes, and the lease with it)."""
+        mine = cuda.local_uuid(self.device, hello.device.uuid)
+        if mine != hello.device.uuid:
+            raise DeviceMismatchError(
+                f"engine is on GPU {mine}, the daemon serves GPU {hello.device.uuid}",
+                details={"client": mine, "daemon": hello.device.uuid},
             )
 
     def _rank(self, key: WeightCacheKey | None) -> int | None:
@@ -282,12 +299,11 @@ class WCacheClient:
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=True) as session:
             t0 = time.perf_counter()
-            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank)
+            get_state = _get_state(key, mode)
+            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank, get_state)
             t1 = time.perf_counter()
-            device_uuid = ""
             if hello.backend == "cuda":
-                device_uuid = cuda.local_uuid(self.device, hello.device.uuid)
-            await ch.send(GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid))
+                self._check_device(hello)
             frame, fds = await expect(ch)
             if not isinstance(frame, State):
                 close_fds(fds)
@@ -508,7 +524,13 @@ class WCacheClient:
         try:
             t0 = time.perf_counter()
             try:
-                ch, hello = connect_blocking(path, software=f"wcache/{__version__}", name=self.name, timeout=limit)
+                ch, hello = connect_blocking(
+                    path,
+                    software=f"wcache/{__version__}",
+                    name=self.name,
+                    timeout=limit,
+                    pipeline=_get_state(key, mode),
+                )
             except CacheUnavailableError as exc:
                 from wcache.client import wait  # the failure path only
 
@@ -516,9 +538,8 @@ class WCacheClient:
                     raise
                 return asyncio.run(self.fetch(key, mode, timeout=timeout))  # wait.py's wait is asyncio's
             t1 = time.perf_counter()
-            device_uuid = cuda.local_uuid(self.device, hello.device.uuid) if hello.backend == "cuda" else ""
-            request = GetState(id=ch.conn.next_request_id(), key=key.to_wire(), mode=mode, device_uuid=device_uuid)
-            ch.send_blocking(request, _left(deadline))
+            if hello.backend == "cuda":
+                self._check_device(hello)
             frame, fds = expect_blocking(ch, _left(deadline))
             if not isinstance(frame, State):
                 close_fds(fds)
@@ -541,6 +562,16 @@ class WCacheClient:
         if mode == "copy":
             weights.release_sync(max(deadline - time.monotonic(), 0.001))  # the engine owns its copy: no lease needed
         return weights
+
+
+def _get_state(key: WeightCacheKey, mode: str) -> Pipeline:
+    """The GET_STATE pipelined behind HELLO (docs/protocol.md §5.1): ``device_uuid`` is left empty — the daemon's
+    GPU is not known yet — and the client checks it on HELLO_OK (``_check_device``)."""
+
+    def build(conn: Connection) -> GetState:
+        return GetState(id=conn.next_request_id(), key=key.to_wire(), mode=mode)
+
+    return build
 
 
 def _left(deadline: float) -> float:

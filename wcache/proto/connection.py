@@ -107,6 +107,8 @@ SEND, RECV = "send", "recv"
 TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.START, SEND, "HELLO"): Phase.HELLO_SENT,
     (Role.CLIENT, Phase.HELLO_SENT, RECV, "HELLO_OK"): Phase.OPEN,
+    # pipelining (docs/protocol.md §5.1): GET_STATE may follow HELLO before HELLO_OK is back, saving a round trip
+    (Role.CLIENT, Phase.HELLO_SENT, SEND, "GET_STATE"): Phase.HELLO_SENT,
     (Role.CLIENT, Phase.OPEN, SEND, "GET_STATE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "RELEASE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "STATUS"): Phase.OPEN,
@@ -131,6 +133,8 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.OPEN, RECV, "RECLAIMED"): Phase.OPEN,
     (Role.SERVER, Phase.START, RECV, "HELLO"): Phase.HELLO_RECEIVED,
     (Role.SERVER, Phase.HELLO_RECEIVED, SEND, "HELLO_OK"): Phase.OPEN,
+    # a pipelined GET_STATE, answered after HELLO_OK (the server answers in order)
+    (Role.SERVER, Phase.HELLO_RECEIVED, RECV, "GET_STATE"): Phase.HELLO_RECEIVED,
     (Role.SERVER, Phase.OPEN, RECV, "GET_STATE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "RELEASE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "STATUS"): Phase.OPEN,
