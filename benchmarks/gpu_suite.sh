@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU in one script: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
 # (or the folder given as $1). On the lent H200:  bash benchmarks/gpu_suite.sh
-# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe fp8.
+# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart imports fresh_moe fp8.
 # The lent machine caps one call at 10 min, so it is run there in two calls, e.g.
 #   PARTS="bench tests" bash benchmarks/gpu_suite.sh   then   PARTS="sweep cold first_token kills" ...
 # Carried wheels in .whl/ (pytest-asyncio, pytest; fastsafetensors and runai-model-streamer for the
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
-PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart fresh_moe fp8}"
+PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart imports fresh_moe fp8}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -92,6 +92,10 @@ if want restart; then
   [ -f $W/llama3-8b/config.json ] || timeout 300 python3 -c "from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint as m; from pathlib import Path; m(Path('$W/llama3-8b'), LLAMA3_8B, shards=4, seed=0, device='cuda:0')"
   step keeper_restart "${RESTART_TIMEOUT:-200}" python3 benchmarks/keeper_restart_bench.py --device cuda:0 --model $W/llama3-8b \
     --out "$OUT/keeper_restart.json"
+fi
+if want imports; then
+  # what the restart path imports, and what each module costs on this machine (python -X importtime)
+  step importtime 60 python3 -X importtime -c "import torch; import wcache; from wcache import WCacheClient, WeightCacheKey; from wcache.client import mapping"
 fi
 if want fresh_moe; then
   step fresh_engine_moe "${FRESH_MOE_TIMEOUT:-240}" python3 benchmarks/fresh_engine_bench.py --device cuda:0 --work $W \
