@@ -52,7 +52,7 @@ from wcache.key import WeightCacheKey
 from wcache.layout import Layout, Placement
 from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.proto.table import tensor_extent
-from wcache.rank import plan_rank
+from wcache.rank import RankPlan, plan_rank
 from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper_link import KeeperLink
@@ -147,34 +147,22 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
         return _check_deposit(model, key, t0, plan_file)
     if model.source is None:
         return Check("no checkpoint directory is recorded for it: it cannot be checked", "unverifiable")
-    try:
-        rp = plan_rank(
-            model.source,
-            tp_rank=key.tp_rank,
-            tp_size=key.tp_size,
-            dtype=key.dtype,
-            plan_file=plan_file if key.plan != "none" else None,
-            transform=key.transform,
-            verify_content=key.fingerprint_kind == "content",
-        )
-    except (WCacheError, OSError, ValueError) as exc:
-        return Check(f"its checkpoint {model.source} cannot be read ({exc})", "unverifiable")
-    if rp.key != key:
-        diff = key.diff_wire(rp.key.to_wire())
-        if set(diff) == {"fingerprint"}:
-            why = f"its checkpoint {model.source} changed since (fingerprint {key.fingerprint[:12]}, now "
-            return Check(why + f"{rp.key.fingerprint[:12]})", "stale")
-        return Check(f"its key differs from the one {model.source} gives now in {sorted(diff)}", "mismatch")
-    if key.transform:  # layout and bytes are the transform's: the key is what can be checked (module doc)
-        return Check(None, "", 0, 0, time.perf_counter() - t0)
-    layout = rp.layout
-    problem = _layout_problem(model, layout)
-    if problem is not None:
-        return Check(problem, "mismatch")
-    try:
-        samples, compared, bad = _compare_samples(model.slabs[0], layout, SAMPLES, SAMPLE_BYTES)
-    except (OSError, WCacheError, RuntimeError) as exc:
-        return Check(f"its bytes could not be compared with {model.source} ({exc})", "unverifiable")
+    rp = _plan_source(model, key, plan_file)
+    if isinstance(rp, Check):
+        return rp
+    with rp:
+        if rp.key != key:
+            return _changed(model, key, key.diff_wire(rp.key.to_wire()), rp.key, "its key differs")
+        if key.transform:  # layout and bytes are the transform's: the key is what can be checked (module doc)
+            return Check(None, "", 0, 0, time.perf_counter() - t0)
+        layout = rp.layout
+        problem = _layout_problem(model, layout)
+        if problem is not None:
+            return Check(problem, "mismatch")
+        try:
+            samples, compared, bad = _compare_samples(model.slabs[0], layout, SAMPLES, SAMPLE_BYTES)
+        except (OSError, WCacheError, RuntimeError) as exc:
+            return Check(f"its bytes could not be compared with {model.source} ({exc})", "unverifiable")
     if bad is not None:
         return Check(f"its bytes differ from the checkpoint's: {bad}", "mismatch", samples, compared)
     return Check(None, "", samples, compared, time.perf_counter() - t0)
@@ -191,8 +179,23 @@ def _check_deposit(model: ServedModel, key: RecipeKey, t0: float, plan_file: str
             return Check(f"tensor {e.name!r} lies outside its {size}-byte slab", "mismatch")
     if model.source is None:
         return Check(None, "", 0, 0, time.perf_counter() - t0)
+    rp = _plan_source(model, key, plan_file)
+    if isinstance(rp, Check):
+        return rp
+    with rp:
+        base = rp.key
+    wire = key.to_wire()
+    diff = base.diff_wire({k: wire[k] for k in base.to_wire()})
+    if diff:
+        return _changed(model, key, diff, base, "its checkpoint fields differ")
+    return Check(None, "", 0, 0, time.perf_counter() - t0)
+
+
+def _plan_source(model: ServedModel, key: WeightCacheKey, plan_file: str | os.PathLike[str] | None) -> RankPlan | Check:
+    """The rank ``key`` names, planned from the model's ``source`` checkpoint now (the caller closes it), or why not."""
+    assert model.source is not None
     try:
-        base = plan_rank(
+        return plan_rank(
             model.source,
             tp_rank=key.tp_rank,
             tp_size=key.tp_size,
@@ -200,19 +203,19 @@ def _check_deposit(model: ServedModel, key: RecipeKey, t0: float, plan_file: str
             plan_file=plan_file if key.plan != "none" else None,
             transform=key.transform,
             verify_content=key.fingerprint_kind == "content",
-        ).key
+        )
     except (WCacheError, OSError, ValueError) as exc:
         return Check(f"its checkpoint {model.source} cannot be read ({exc})", "unverifiable")
-    wire = key.to_wire()
-    diff = base.diff_wire({k: wire[k] for k in base.to_wire()})
+
+
+def _changed(
+    model: ServedModel, key: WeightCacheKey, diff: dict[str, list[object]], now: WeightCacheKey, what: str
+) -> Check:
+    """A kept key that differs from what its checkpoint gives now: *stale* when only the fingerprint moved."""
     if set(diff) == {"fingerprint"}:
         why = f"its checkpoint {model.source} changed since (fingerprint {key.fingerprint[:12]}, now "
-        return Check(why + f"{base.fingerprint[:12]})", "stale")
-    if diff:
-        return Check(
-            f"its checkpoint fields differ from the ones {model.source} gives now in {sorted(diff)}", "mismatch"
-        )
-    return Check(None, "", 0, 0, time.perf_counter() - t0)
+        return Check(why + f"{now.fingerprint[:12]})", "stale")
+    return Check(f"{what} from the ones {model.source} gives now in {sorted(diff)}", "mismatch")
 
 
 def _layout_problem(model: ServedModel, layout: Layout) -> str | None:
