@@ -81,6 +81,9 @@ class HostTier:
         self.pin = pin
         self._pinned: dict[Path, PinnedFile] = {}
         self._lock = threading.Lock()
+        #: one save at a time in this process: two saves of one key shared a temporary file (and the budget's
+        #: count of what is stored), so a late one wrote into the entry the other had just completed
+        self._save_lock = threading.Lock()
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
         except FileExistsError:
@@ -204,6 +207,18 @@ class HostTier:
     ) -> bool:
         """Copy ``slab`` into the tier (evicting older entries to fit the budget). False if it cannot fit.
         ``buffers``: a deposit's tensors that are module buffers (kept with the entry)."""
+        with self._save_lock:
+            return self._save(key, slab, table, aliases, payload, buffers)
+
+    def _save(
+        self,
+        key: WeightCacheKey,
+        slab: Slab,
+        table: TensorTable,
+        aliases: dict[str, str],
+        payload: int,
+        buffers: tuple[str, ...],
+    ) -> bool:
         size = slab.size
         if size > self.budget:
             log.info("host tier skip key=%s bytes=%d over --host-tier %d", key.short(), size, self.budget)
