@@ -4,6 +4,8 @@ killed in the middle of a save leaves behind."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -67,3 +69,20 @@ def test_two_saves_of_one_key_at_once_do_not_mix_their_bytes(ckpt: Path, tmp_pat
     data = entry.slab_path.read_bytes()
     assert data in (first.data, second.data)
     assert not [p.name for p in tier.dir.iterdir() if p.suffix not in (".slab", ".meta")]  # no temporary left
+
+
+def test_temporary_files_of_a_dead_daemon_are_removed(tmp_path: Path) -> None:
+    """A daemon killed during a save left its temporary slab in the tier directory (tmpfs: memory) for
+    good, outside every budget. The next HostTier on the directory removes those of dead processes only."""
+    tier_dir = tmp_path / "tier"
+    HostTier(tier_dir, 1 << 30)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    dead_pid = int(dead.stdout)
+    stem = "0" * 32
+    left = [tier_dir / f".{stem}.{dead_pid}.tmp", tier_dir / f".{stem}.{dead_pid}.metatmp"]
+    alive = [tier_dir / f".{stem}.{os.getpid()}.tmp"]  # another live daemon's save in progress
+    for p in left + alive:
+        p.write_bytes(b"x" * 4096)
+    HostTier(tier_dir, 1 << 30)
+    assert [p.exists() for p in left] == [False, False]
+    assert alive[0].exists()

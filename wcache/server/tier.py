@@ -89,6 +89,31 @@ class HostTier:
         except FileExistsError:
             pass
         check_private_dir(self.dir, what="host tier directory")
+        self._remove_dead_temporaries()
+
+    def _remove_dead_temporaries(self) -> None:
+        """Remove the temporary files of saves whose daemon died in the middle (``.<entry>.<pid>.tmp`` and
+        ``.metatmp``): on tmpfs they are memory, outside every budget. A live process's save is left alone."""
+        for p in self.dir.glob(".*.*tmp"):
+            parts = p.name.split(".")
+            if len(parts) < 4 or parts[-1] not in ("tmp", "metatmp") or not parts[2].isdigit():
+                continue
+            pid = int(parts[2])
+            if pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, 0)
+                continue  # alive (or not ours to signal: EPERM), its save may be in progress
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            try:
+                size = p.stat().st_size
+                p.unlink()
+            except FileNotFoundError:
+                continue
+            log.info("host tier removed %s bytes=%d (left by pid %d, which died during a save)", p.name, size, pid)
 
     @staticmethod
     def entry_id(key: WeightCacheKey) -> str:
