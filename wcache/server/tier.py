@@ -81,11 +81,39 @@ class HostTier:
         self.pin = pin
         self._pinned: dict[Path, PinnedFile] = {}
         self._lock = threading.Lock()
+        #: one save at a time in this process: two saves of one key shared a temporary file (and the budget's
+        #: count of what is stored), so a late one wrote into the entry the other had just completed
+        self._save_lock = threading.Lock()
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
         except FileExistsError:
             pass
         check_private_dir(self.dir, what="host tier directory")
+        self._remove_dead_temporaries()
+
+    def _remove_dead_temporaries(self) -> None:
+        """Remove the temporary files of saves whose daemon died in the middle (``.<entry>.<pid>.tmp`` and
+        ``.metatmp``): on tmpfs they are memory, outside every budget. A live process's save is left alone."""
+        for p in self.dir.glob(".*.*tmp"):
+            parts = p.name.split(".")
+            if len(parts) < 4 or parts[-1] not in ("tmp", "metatmp") or not parts[2].isdigit():
+                continue
+            pid = int(parts[2])
+            if pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, 0)
+                continue  # alive (or not ours to signal: EPERM), its save may be in progress
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            try:
+                size = p.stat().st_size
+                p.unlink()
+            except FileNotFoundError:
+                continue
+            log.info("host tier removed %s bytes=%d (left by pid %d, which died during a save)", p.name, size, pid)
 
     @staticmethod
     def entry_id(key: WeightCacheKey) -> str:
@@ -204,6 +232,18 @@ class HostTier:
     ) -> bool:
         """Copy ``slab`` into the tier (evicting older entries to fit the budget). False if it cannot fit.
         ``buffers``: a deposit's tensors that are module buffers (kept with the entry)."""
+        with self._save_lock:
+            return self._save(key, slab, table, aliases, payload, buffers)
+
+    def _save(
+        self,
+        key: WeightCacheKey,
+        slab: Slab,
+        table: TensorTable,
+        aliases: dict[str, str],
+        payload: int,
+        buffers: tuple[str, ...],
+    ) -> bool:
         size = slab.size
         if size > self.budget:
             log.info("host tier skip key=%s bytes=%d over --host-tier %d", key.short(), size, self.budget)
