@@ -24,6 +24,7 @@ from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
 from wcache.layout import Layout, plan_layout
 from wcache.server import loader
+from wcache.server.backends.base import LoadAborted
 from wcache.server.backends.host import HostBackend
 from wcache.server.loader import ALIGN_IO, Files, Job, load_into, parse_io, read_job
 from wcache.sharding import resolve_plan
@@ -105,7 +106,7 @@ class _StagedSlab:
     def stage(self, job: Job) -> tuple[int, memoryview]:
         while True:
             if self.aborted:
-                raise RuntimeError("load aborted")
+                raise LoadAborted("another job failed")
             try:
                 slot = self.free.get(timeout=0.05)
                 break
@@ -250,3 +251,51 @@ def test_cli_refuses_a_bad_io_mode(tmp_path: Path) -> None:
     )
     assert out.returncode == 2, out.stderr  # argparse's usage error, before anything is opened
     assert "Traceback" not in out.stderr
+
+
+class _LateFirstSlab(_StagedSlab):
+    """The first staged job waits until a job of ``failing`` has taken the only buffer (a pool hands freed buffers
+    out in no fixed order), so that job's failure leaves the first one waiting for a buffer."""
+
+    def __init__(self, size: int, failing: Path) -> None:
+        super().__init__(size, pool=1)
+        self.failing = failing
+        self.taken = threading.Event()
+
+    def stage(self, job: Job) -> tuple[int, memoryview]:
+        if job is self.staged[0]:
+            assert self.taken.wait(20), "no job of the failing file took the buffer"
+        got = super().stage(job)
+        if job.extents[0][0] == self.failing:
+            self.taken.set()
+        return got
+
+
+def test_a_failed_job_wakes_earlier_jobs_waiting_for_its_buffer(
+    shards4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job that fails holding a staging buffer aborts the load at once: an earlier job waiting for that buffer
+    is woken and the load raises CheckpointError, instead of waiting for the main thread to reach the failed item
+    (it never does: it waits on the earlier one)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(shards4, ckpt)
+    _o_direct_or_skip(ckpt)
+    lay = _layout(ckpt)
+    _uncached(monkeypatch)
+    files = sorted({p.source.file for p in lay.placements})
+    slab = _LateFirstSlab(lay.total_bytes, files[-1])
+    errors: list[BaseException] = []
+    jobs = loader._jobs(lay, loader._chunk(64, 8 << 20))
+
+    def load() -> None:
+        try:  # one block per job (64 MiB blocks) and a thread for every job: all jobs start at once
+            load_into(lay, slab, threads=len(jobs) + 1, staging_bytes=8 << 20, progress=False, io="stream:64MiB")  # type: ignore[arg-type]
+        except BaseException as exc:
+            errors.append(exc)
+
+    os.truncate(files[-1], 8)  # the last file's jobs (the last staged job among them) find it short
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the load hung: the earlier job still waits for the failed job's buffer"
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointError), errors

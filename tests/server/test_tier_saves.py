@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any, cast
 
 from wcache.key import WeightCacheKey
 from wcache.proto.table import TensorEntry, TensorTable
@@ -86,3 +87,30 @@ def test_temporary_files_of_a_dead_daemon_are_removed(tmp_path: Path) -> None:
     HostTier(tier_dir, 1 << 30)
     assert [p.exists() for p in left] == [False, False]
     assert alive[0].exists()
+
+
+def test_an_eviction_during_a_save_frees_the_slab_after_the_save() -> None:
+    """A deposit is saved to the tier in a thread while the daemon serves on; an EVICT meanwhile closes the model.
+    The slab must stay open until the save has read it (a host slab's fd could otherwise be reused under the save,
+    a CUDA slab unmapped), and be freed right after; a model closed already is not saved."""
+    from wcache.server.loader import LoadStats
+    from wcache.server.store import ServedModel
+
+    class Slab:
+        size = SIZE
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    slab = Slab()
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    stats = LoadStats(SIZE, SIZE, 0.1)
+    model = ServedModel(key, _table(), {}, [cast("Any", slab)], cast("Any", object()), SIZE, stats)
+    assert model.hold()
+    model.close()  # the eviction, while the save holds it
+    assert slab.closed == 0 and not model.hold()  # still open for the save; nothing new may hold it
+    model.release_hold()
+    assert slab.closed == 1 and model.slabs == []
+    model.close()
+    assert slab.closed == 1

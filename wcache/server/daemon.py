@@ -606,6 +606,8 @@ class Daemon:
             return
 
         async def save() -> None:
+            if not model.hold():  # evicted already
+                return
             try:
                 await asyncio.to_thread(
                     tier.save,
@@ -616,8 +618,10 @@ class Daemon:
                     model.payload_bytes,
                     buffers=model.buffers,
                 )
-            except Exception as exc:  # the tier is an optimisation (an eviction meanwhile closes the slab)
+            except Exception as exc:  # the tier is an optimisation: serving goes on without it
                 log.warning("host tier save failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)
+            finally:
+                model.release_hold()  # an eviction meanwhile frees the slab now, not under the save
 
         task = asyncio.get_running_loop().create_task(save())
         self._tier_saves.add(task)

@@ -56,7 +56,7 @@ from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
 from wcache.layout import Layout, Placement
-from wcache.server.backends.base import Slab, StagedWriter
+from wcache.server.backends.base import LoadAborted, Slab, StagedWriter
 
 if TYPE_CHECKING:
     import torch
@@ -561,6 +561,7 @@ def _execute(
         staged = []
     target = slab.tensor() if any(j.cast for j in jobs) else None  # casts run in torch (imported then)
     front = {id(j) for j in staged}
+    failed: list[BaseException] = []  # the staged jobs' own errors (not the LoadAborted they cause elsewhere)
     items: list[_Job | _Block] = []
     for job in _ordered(jobs):
         if id(job) in front:
@@ -572,8 +573,17 @@ def _execute(
     def run(item: _Job | _Block) -> None:
         if isinstance(item, _Block):
             assert isinstance(writer, StagedWriter)
-            if item.read(files, writer):
-                bar.add(item.job.job.nbytes)
+            try:
+                if item.read(files, writer):
+                    bar.add(item.job.job.nbytes)
+            except LoadAborted:
+                raise
+            except BaseException as exc:
+                # at once, not when the main thread reaches this item: a job that failed holding a staging
+                # buffer never gives it back, and earlier items may be waiting for one
+                failed.append(exc)
+                writer.abort()
+                raise
             return
         if item.cast:
             assert target is not None
@@ -587,10 +597,12 @@ def _execute(
         try:
             for _ in pool.map(run, items):
                 pass
-        except BaseException:
+        except BaseException as exc:
             if isinstance(writer, StagedWriter):
                 writer.abort()  # a thread waiting for a staging buffer the failed job holds would wait forever
             pool.shutdown(wait=True, cancel_futures=True)
+            if isinstance(exc, LoadAborted) and failed:
+                raise failed[0] from None  # the job that failed, not one it woke
             raise
         pool.shutdown(wait=True)
         writer.finish()

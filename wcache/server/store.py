@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -81,6 +82,25 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self._slab_bytes = sum(s.size for s in self.slabs)
+        #: threads reading the slabs outside the event loop (a host-tier save), and whether close() came meanwhile
+        self._hold_lock = threading.Lock()
+        self._readers = 0
+        self._closing = False
+
+    def hold(self) -> bool:
+        """Keep the slabs open while another thread reads them (``release_hold`` after); False once closed."""
+        with self._hold_lock:
+            if self._closing:
+                return False
+            self._readers += 1
+            return True
+
+    def release_hold(self) -> None:
+        with self._hold_lock:
+            self._readers -= 1
+            last = self._closing and self._readers == 0
+        if last:
+            self._close_slabs()
 
     @property
     def slab_bytes(self) -> int:
@@ -114,6 +134,14 @@ class ServedModel:
         )
 
     def close(self) -> None:
+        """Free the slabs; while a reader holds them (``hold``), the last reader frees them when it is done."""
+        with self._hold_lock:
+            self._closing = True
+            if self._readers:
+                return
+        self._close_slabs()
+
+    def _close_slabs(self) -> None:
         for s in self.slabs:
             s.close()
         self.slabs.clear()

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from wcache.server.loader import Files, Job
 
-__all__ = ["Backend", "PinnedFile", "Slab", "StagedWriter", "Writer"]
+__all__ = ["Backend", "LoadAborted", "PinnedFile", "Slab", "StagedWriter", "Writer"]
 
 
 class Writer(Protocol):
@@ -43,6 +43,11 @@ class Writer(Protocol):
         ...
 
 
+class LoadAborted(Exception):
+    """Raised by ``StagedWriter.stage`` once ``abort`` was called: another job of the load failed (the loader
+    raises that job's error, not this)."""
+
+
 @runtime_checkable
 class StagedWriter(Writer, Protocol):
     """A writer that also takes jobs read in pieces by several threads (``--io stream``): the loader asks
@@ -51,7 +56,8 @@ class StagedWriter(Writer, Protocol):
 
     def stage(self, job: Job) -> tuple[int, memoryview]:
         """A page-aligned buffer of at least ``job.nbytes + 2 * ALIGN_IO`` bytes, the job's alone until its
-        commit, and its slot number. Blocks while every buffer is in use; raises once ``abort`` was called."""
+        commit, and its slot number. Blocks while every buffer is in use; raises LoadAborted once ``abort`` was
+        called."""
         ...
 
     def commit(self, job: Job, slot: int, start: int) -> None:

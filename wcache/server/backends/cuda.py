@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from wcache import _cuda
 from wcache.errors import DeviceMismatchError, OutOfMemoryError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
-from wcache.server.backends.base import PinnedFile
+from wcache.server.backends.base import LoadAborted, PinnedFile
 from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class _DeviceWriter:
                 slot, ev = len(self.pool) - 1, None
         while not grow:
             if self.aborted:
-                raise RuntimeError("load aborted")
+                raise LoadAborted("another job of this load failed")
             try:
                 slot, ev = self.free.get(timeout=0.1)
                 break
