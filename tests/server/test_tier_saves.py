@@ -114,3 +114,22 @@ def test_an_eviction_during_a_save_frees_the_slab_after_the_save() -> None:
     assert slab.closed == 1 and model.slabs == []
     model.close()
     assert slab.closed == 1
+
+
+def test_an_entry_whose_aliases_or_buffers_name_no_tensor_is_rejected(tmp_path: Path) -> None:
+    """A meta file (same user, private directory) whose aliases or buffers point outside its table would make every
+    fetch of it fail in the client: the entry is rejected and removed instead, and the model loaded as usual."""
+    import msgpack
+
+    tier = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    for bad in ({"aliases": {"x": "missing"}}, {"buffers": ["missing"]}, {"aliases": {"w": "w"}}):
+        assert tier.save(key, cast("Any", _Slab(3)), _table(), {}, SIZE)
+        slab, meta = tier._paths(key)
+        m = msgpack.unpackb(meta.read_bytes(), raw=False)
+        m.update(bad)
+        meta.write_bytes(msgpack.packb(m, use_bin_type=True))
+        assert tier.lookup(key) is None, bad
+        assert not meta.exists() and not slab.exists()
+    assert tier.save(key, cast("Any", _Slab(3)), _table(), {}, SIZE)
+    assert tier.lookup(key) is not None

@@ -211,6 +211,11 @@ class HostTier:
                 self._unpin(slab)
                 pinned = None
             buffers = tuple(str(b) for b in m.get("buffers", ()))
+            names = set(table.names)
+            if any(t not in names or a in names for a, t in aliases.items()) or not set(buffers) <= names | set(
+                aliases
+            ):
+                raise TierEntryError("its aliases or buffers name tensors its table does not hold")
             entry = TierEntry(slab, meta, size, table, aliases, int(m["payload"]), pinned, buffers)
 
         except (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
