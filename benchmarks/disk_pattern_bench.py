@@ -24,13 +24,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from cold_load_bench import child  # noqa: E402  (a script in a fresh process; its last stdout line is JSON)
 from gpu_bench import drop_caches  # noqa: E402
 
 # argv: model pattern threads block direct(0|1) files_at_once huge(0|1)
@@ -110,22 +110,6 @@ PATTERNS: list[tuple[str, str, int, int, bool, int, bool, int]] = [
     ("r2_front16_512k_direct_huge", "front", 16, 512 << 10, True, 1, True, 2),
     ("r2_perfile2x8_512k_direct", "perfile", 16, 512 << 10, True, 2, False, 2),
 ]
-
-
-def child(code: str, *args: str, timeout: float = 120) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
-        fh.write(code)
-    try:
-        out = subprocess.run(
-            [sys.executable, fh.name, *args], check=False, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    finally:
-        os.unlink(fh.name)
-    if out.returncode != 0:
-        return {"error": (out.stderr.strip().splitlines() or [f"rc {out.returncode}"])[-1][:300]}
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def block_device_facts(model: Path) -> dict[str, Any]:
