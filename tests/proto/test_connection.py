@@ -273,8 +273,10 @@ def test_get_state_pipelined_behind_hello_is_answered_after_hello_ok() -> None:
     """§5.1 pipelining: the client sends HELLO and GET_STATE in one write; the server takes both, answers
     HELLO_OK first, then STATE; both sides end OPEN with the lease held."""
     c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
-    data = c.send(Hello(versions=(PROTOCOL_VERSION,))) + c.send(EXAMPLES["GET_STATE"])
-    assert c.phase is Phase.HELLO_SENT and c.pending == {EXAMPLES["GET_STATE"].id: "GET_STATE"}
+    get_state = EXAMPLES["GET_STATE"]
+    assert isinstance(get_state, GetState)
+    data = c.send(Hello(versions=(PROTOCOL_VERSION,))) + c.send(get_state)
+    assert c.phase is Phase.HELLO_SENT and c.pending == {get_state.id: "GET_STATE"}
     s.receive_data(data)
     hello, request = list(s.events())
     assert isinstance(hello, Hello) and request == EXAMPLES["GET_STATE"]
