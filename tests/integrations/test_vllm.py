@@ -250,6 +250,49 @@ def test_the_recipe_key_names_engine_version_quantization_and_device(tmp_path: P
     assert q1["quantization"] == "fp8" and len(q1["quant_config"]) == 16 and q1["quant_config"] != q2["quant_config"]
 
 
+def test_the_recipe_key_names_what_else_shapes_the_post_processed_bytes(tmp_path: Path) -> None:
+    """Found by review: two engines that post-process differently must not share a deposit. A rope override
+    (rotary caches are deposited buffers), another MoE backend (FlashInfer swaps w1/w3, AITER shuffles: the
+    kernel config), a kernel-selecting environment variable (vLLM's compile factors) — each is another recipe;
+    the same configuration is the same recipe."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from wcache import WeightCacheKey
+    from wcache.integrations import vllm as plugin
+    from wcache.synthetic import TINY, make_llama_checkpoint
+
+    base = WeightCacheKey.from_checkpoint(make_llama_checkpoint(tmp_path / "m", TINY, seed=0), dtype="bfloat16")
+
+    class Hf:
+        def __init__(self, **kw: Any) -> None:
+            self.kw = kw
+
+        def to_dict(self) -> dict[str, Any]:
+            return dict(self.kw)
+
+    def cfg(rope: float = 1e4, moe: str = "auto") -> tuple[Any, Any]:
+        model = SimpleNamespace(quantization=None, hf_config=Hf(rope_theta=rope), compute_hash=lambda: "m")
+        return SimpleNamespace(kernel_config=SimpleNamespace(compute_hash=lambda: moe)), model
+
+    def key(vllm_config: Any, model_config: Any) -> Any:
+        return plugin.recipe_key(base, model_config, torch.device("cpu"), "0.32.0", vllm_config)
+
+    v, m = cfg()
+    assert key(v, m) == key(*cfg())
+    assert key(*cfg(rope=1e6)) != key(v, m)
+    assert key(*cfg(moe="flashinfer_cutlass")) != key(v, m)
+    env = pytest.importorskip("vllm.envs")  # the compile factors come from vLLM itself
+    before = key(v, m)
+    real = env.compile_factors
+    try:
+        env.compile_factors = lambda: {**real(), "VLLM_USE_FLASHINFER_MOE_FP16": "1"}
+        assert key(v, m) != before
+    finally:
+        env.compile_factors = real
+
+
 def _layer(out: int = 4, inp: int = 3, supports: bool = True) -> Any:
     from torch import nn
 
@@ -329,3 +372,39 @@ def test_deposited_names_are_registered_even_where_the_built_model_lacks_them() 
     assert torch.equal(dict(model.named_buffers())["layer.cache"], torch.ones(2))
     with pytest.raises(IncompatibleModelError, match="no module 'missing'"):
         _register(modules, "missing.weight", torch.ones(1), True)
+
+
+def test_a_deposit_that_does_not_fit_this_build_falls_back_to_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: an unexpected error while using a deposit (post-processing or registration raising, e.g. a
+    deposit from an older build of the same post-processing version) must not fail the engine's load: the model is
+    loaded from the daemon's checkpoint tensors instead, and deposited again."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from wcache.integrations import vllm as plugin
+
+    cls: Any = plugin._loader_class()
+    loader = cls.__new__(cls)
+    loader.options = plugin.parse_extra_config({})
+    loader.load_config = SimpleNamespace(device="cpu")
+    calls: list[str] = []
+    model = object()
+
+    def broken_deposit(*args: Any) -> Any:
+        calls.append("deposit")
+        raise RuntimeError("size mismatch in process_weights_after_loading")
+
+    def from_cache(*args: Any) -> Any:
+        calls.append("cache")
+        return model
+
+    from wcache import WeightCacheKey
+
+    monkeypatch.setattr(loader, "_key", lambda model_config: WeightCacheKey("f", "A", 1, 0, "bfloat16"), raising=False)
+    monkeypatch.setattr(loader, "_load_from_deposit", broken_deposit, raising=False)
+    monkeypatch.setattr(loader, "_load_from_cache", from_cache, raising=False)
+    monkeypatch.setattr(loader, "_deposit", lambda m, key: calls.append("redeposit"), raising=False)
+    vllm_config = SimpleNamespace(parallel_config=None, device_config=SimpleNamespace(device="cpu"))
+    model_config = SimpleNamespace(quantization=None, hf_config=SimpleNamespace(), model="m")
+    assert loader.load_model(vllm_config, model_config) is model
+    assert calls == ["deposit", "cache", "redeposit"]

@@ -261,9 +261,40 @@ def device_recipe(device: torch.device) -> dict[str, str]:
     return {"device_type": device.type, "device_capability": ""}
 
 
-def recipe_key(base: Any, model_config: Any, device: torch.device, engine_version: str) -> Any:
+def engine_config_digest(vllm_config: Any, model_config: Any) -> str:
+    """A SHA-256 prefix of what else decides the post-processed bytes: the effective Hugging Face config (with
+    ``--hf-overrides`` / rope scaling applied: buffers computed at init, like rotary caches, are deposited), the
+    model config's own hash, the kernel config (``moe_backend``: FlashInfer swaps w1/w3, AITER shuffles), and the
+    environment variables vLLM keys its compile cache on (``envs.compile_factors()``: kernel-selecting flags
+    such as ``VLLM_USE_FLASHINFER_MOE_FP16``). Any that cannot be read count as their type's name."""
+
+    def call(obj: Any, *path: str) -> Any:
+        """``obj.a.b()`` for path ("a", "b"); a vLLM without that API gives a stable marker instead."""
+        try:
+            for name in path[:-1]:
+                obj = getattr(obj, name)
+            return getattr(obj, path[-1])()
+        except Exception as exc:
+            return f"<{type(exc).__name__}>"
+
+    try:
+        import vllm.envs as vllm_envs
+    except ImportError:
+        vllm_envs = None
+    factors = {
+        "hf_config": call(model_config, "hf_config", "to_dict"),
+        "model": call(model_config, "compute_hash"),
+        "kernel": call(vllm_config, "kernel_config", "compute_hash"),
+        "env": call(vllm_envs, "compile_factors"),
+    }
+    blob = json.dumps(factors, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def recipe_key(base: Any, model_config: Any, device: torch.device, engine_version: str, vllm_config: Any = None) -> Any:
     """The RecipeKey of ``base`` (the rank's checkpoint key: fingerprint, rank layout, dtype, transform)
-    as vLLM ``engine_version`` post-processes it on ``device``."""
+    as vLLM ``engine_version`` post-processes it on ``device`` under ``vllm_config``
+    (:func:`engine_config_digest`)."""
     from wcache.recipe import RecipeKey
 
     return RecipeKey.of(
@@ -272,6 +303,7 @@ def recipe_key(base: Any, model_config: Any, device: torch.device, engine_versio
         engine_version=engine_version,
         **recipe_quantization(model_config),
         postprocess=POSTPROCESS_VERSION,
+        engine_config=engine_config_digest(vllm_config, model_config),
         **device_recipe(device),
     )
 
@@ -545,11 +577,22 @@ def _loader_class() -> type:
             recipe = None  # set when the daemon lacks the recipe: deposit after loading
             try:
                 if self.options["deposit"]:
-                    wanted = recipe_key(self._key(model_config), model_config, device, vllm.__version__)
+                    wanted = recipe_key(self._key(model_config), model_config, device, vllm.__version__, vllm_config)
                     try:
                         return self._load_from_deposit(vllm_config, model_config, prefix, wanted, device)
                     except (KeyMismatchError, NotFoundError):
                         recipe = wanted  # not deposited yet: this start loads, post-processes, deposits
+                    except WCacheError:
+                        raise
+                    except Exception as exc:  # the deposit did not fit this build: never lose the load over it
+                        log.warning(
+                            "wcache: the deposit of %s could not be used (%s: %s); loading the checkpoint instead "
+                            "and depositing again",
+                            model_config.model,
+                            type(exc).__name__,
+                            exc,
+                        )
+                        recipe = wanted  # replaces the unusable deposit (it holds no lease now)
                 model = self._load_from_cache(vllm_config, model_config, prefix)
             except WCacheError as exc:
                 if not self.options["fallback"]:
