@@ -17,7 +17,7 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import assert_never, cast
 
@@ -448,10 +448,7 @@ class Daemon:
         """DEPOSIT (docs/protocol.md §4.13): room, a writable slab, DEPOSIT_SLAB with its descriptor. The
         deposit is the connection's until COMMIT: if it closes first, drop_connection frees the slab."""
         reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)
-        for m in dep.evicted:
-            log.info("evicted %s key=%s bytes=%d reason=deposit", self._tag, m.key.short(), m.slab_bytes)
-            if self.keeper is not None:
-                await self.keeper.unkeep(m)
+        await self._evicted(dep.evicted, "deposit")
         log.info(
             "deposit started %s pid=%d deposit=%d key=%s tensors=%d bytes=%d pending=%d",
             self._tag,
@@ -561,6 +558,13 @@ class Daemon:
         await self._preload(spec, req.id, pid)
         return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
 
+    async def _evicted(self, models: Sequence[ServedModel], reason: str) -> None:
+        """Models the store evicted to make room: one log line each, and the keeper lets them go too."""
+        for m in models:
+            log.info("evicted %s key=%s bytes=%d reason=%s", self._tag, m.key.short(), m.slab_bytes, reason)
+            if self.keeper is not None:
+                await self.keeper.unkeep(m)
+
     async def _restore_deposit(self, req: GetState, pid: int) -> bool:
         """A deposit evicted (or lost with a restart) whose host-tier entry has the requested recipe key:
         fill a slab from the entry and serve it again (origin "tier"). True if it is served now."""
@@ -577,11 +581,7 @@ class Daemon:
             entry = await asyncio.to_thread(tier.lookup, key)
             if entry is None:
                 return False
-            evicted = self.store.make_room(entry.size)
-            for m in evicted:
-                log.info("evicted %s key=%s bytes=%d reason=tier-restore", self._tag, m.key.short(), m.slab_bytes)
-                if self.keeper is not None:
-                    await self.keeper.unkeep(m)
+            await self._evicted(self.store.make_room(entry.size), "tier-restore")
             model = await asyncio.to_thread(restore, entry, key)
             if model is None:
                 return False
@@ -642,10 +642,7 @@ class Daemon:
                     self.store.remember_source(held, spec.checkpoint)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
                 evicted = self.store.make_room(rp.layout.total_bytes)
-                for m in evicted:
-                    log.info("evicted %s key=%s bytes=%d reason=preload", self._tag, m.key.short(), m.slab_bytes)
-                    if self.keeper is not None:
-                        await self.keeper.unkeep(m)
+                await self._evicted(evicted, "preload")
                 model = await asyncio.to_thread(loader, rp)
             self.store.add(model)
             if self.keeper is not None:

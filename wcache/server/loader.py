@@ -648,12 +648,7 @@ class _Block:
             fd = files.fd(f)
         pos = self.offset - st.base
         need = min(self.n, st.end - self.offset)  # the file may end inside the last (aligned) block
-        got = 0
-        while got < need:
-            r = os.preadv(fd, [view[pos + got : pos + self.n]], self.offset + got)
-            if r == 0 or (r % ALIGN_IO and got + r < need):
-                raise CheckpointError(f"{f}: {st.job.label}: file ended early (truncated while loading?)")
-            got += r
+        _read_direct(fd, view[pos : pos + self.n], self.offset, need, f"{f}: {st.job.label}")  # offset is aligned
         with st.lock:
             st.left -= 1
             last = st.left == 0
