@@ -30,7 +30,14 @@ from wcache import __version__
 from wcache.channel import Channel, Pipeline, close_fds, connect, connect_blocking, expect, expect_blocking
 from wcache.client import cuda
 from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs, write_deposit
-from wcache.errors import CacheUnavailableError, DeviceMismatchError, ProtocolError, error_from_frame
+from wcache.errors import (
+    CacheUnavailableError,
+    DeviceMismatchError,
+    KeyMismatchError,
+    NotFoundError,
+    ProtocolError,
+    error_from_frame,
+)
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto import (
@@ -55,7 +62,7 @@ from wcache.proto import (
 )
 
 if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
-    from wcache.proto import Connection
+    from wcache.proto import Connection, Frame
     from wcache.rank import RankSpec
     from wcache.recipe import RecipeKey
 
@@ -104,6 +111,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.socket_path = socket_path
         self._channel = channel
         self._keepalive = keepalive
+        #: the daemon completed the key from the checkpoint files' proof (docs/protocol.md §4.3.1): this process
+        #: did not scan the headers
+        self.key_proven = False
         #: where the fetch spent its time, in ms: connect (incl. HELLO), state (GET_STATE -> STATE decoded),
         #: map (slab mappings), views (the name -> view mapping set up; per-name views are cut from their
         #: group's stacked view on first look-up), copy (copy mode only)
@@ -299,17 +309,21 @@ class WCacheClient:
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=True) as session:
             t0 = time.perf_counter()
-            get_state = _get_state(key, mode)
-            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank, get_state)
+            request = _Request(key, mode)
+            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank, request.build)
             t1 = time.perf_counter()
             if hello.backend == "cuda":
                 self._check_device(hello)
-            frame, fds = await expect(ch)
-            if not isinstance(frame, State):
-                close_fds(fds)
-                raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+            try:
+                frame, fds = await expect(ch)
+            except (KeyMismatchError, NotFoundError) as exc:
+                request.refused(exc)
+                await ch.send(request.scanned(ch.conn))  # the daemon does not know these files: the full key
+                frame, fds = await expect(ch)
+            state = request.state(frame, fds)
             t2 = time.perf_counter()
-            weights = self._materialise(ch, hello, frame, fds, key, mode, path)
+            weights = self._materialise(ch, hello, state, fds, key, mode, path)
+            weights.key_proven = request.proven
             weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
             if mode == "copy":
                 await weights.release()  # the engine owns its copy: no lease needed
@@ -523,13 +537,14 @@ class WCacheClient:
         ch: Channel | None = None
         try:
             t0 = time.perf_counter()
+            request = _Request(key, mode)
             try:
                 ch, hello = connect_blocking(
                     path,
                     software=f"wcache/{__version__}",
                     name=self.name,
                     timeout=limit,
-                    pipeline=_get_state(key, mode),
+                    pipeline=request.build,
                 )
             except CacheUnavailableError as exc:
                 from wcache.client import wait  # the failure path only
@@ -540,12 +555,16 @@ class WCacheClient:
             t1 = time.perf_counter()
             if hello.backend == "cuda":
                 self._check_device(hello)
-            frame, fds = expect_blocking(ch, _left(deadline))
-            if not isinstance(frame, State):
-                close_fds(fds)
-                raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+            try:
+                frame, fds = expect_blocking(ch, _left(deadline))
+            except (KeyMismatchError, NotFoundError) as exc:
+                request.refused(exc)
+                ch.send_blocking(request.scanned(ch.conn), _left(deadline))  # the full key, same connection
+                frame, fds = expect_blocking(ch, _left(deadline))
+            state = request.state(frame, fds)
             t2 = time.perf_counter()
-            weights = self._materialise(ch, hello, frame, fds, key, mode, path)
+            weights = self._materialise(ch, hello, state, fds, key, mode, path)
+            weights.key_proven = request.proven
         except TimeoutError as exc:
             if ch is not None:
                 ch.close()
@@ -564,14 +583,54 @@ class WCacheClient:
         return weights
 
 
-def _get_state(key: WeightCacheKey, mode: str) -> Pipeline:
-    """The GET_STATE pipelined behind HELLO (docs/protocol.md §5.1): ``device_uuid`` is left empty — the daemon's
-    GPU is not known yet — and the client checks it on HELLO_OK (``_check_device``)."""
+class _Request:
+    """One fetch's GET_STATE: pipelined behind HELLO (docs/protocol.md §5.1), so ``device_uuid`` is left empty —
+    the daemon's GPU is not known yet — and the client checks it on HELLO_OK (``_check_device``). A deferred key
+    sends its files' proof instead of the file-derived fields (§4.3.1); if the daemon does not recognise the files
+    (KEY_MISMATCH, or NOT_FOUND from a daemon holding nothing), :meth:`scanned` is the GET_STATE of the full key,
+    after the header scan, on the same connection."""
 
-    def build(conn: Connection) -> GetState:
-        return GetState(id=conn.next_request_id(), key=key.to_wire(), mode=mode)
+    def __init__(self, key: WeightCacheKey, mode: str) -> None:
+        self.key, self.mode = key, mode
+        self._proof = key.proof()
+        #: the GET_STATE in flight carries a proof (the daemon completes the key)
+        self.proven = self._proof is not None
 
-    return build
+    def build(self, conn: Connection) -> GetState:
+        rid = conn.next_request_id()
+        if self._proof is not None:
+            partial, proof = self._proof
+            return GetState(id=rid, key=partial, mode=self.mode, proof=proof)
+        return GetState(id=rid, key=self.key.to_wire(), mode=self.mode)
+
+    def refused(self, exc: KeyMismatchError | NotFoundError) -> None:
+        """The GET_STATE was refused: re-raise ``exc`` unless it refused the proof itself (then the caller sends
+        :meth:`scanned`). A daemon that completed the key from the proof names it (``details.key``): the
+        refusal is that key's, final, and the key takes its fields without a scan."""
+        if not self.proven:
+            raise exc
+        completed = exc.details.get("key")
+        if isinstance(completed, dict):
+            self.key.adopt(completed)
+            raise exc
+
+    def scanned(self, conn: Connection) -> GetState:
+        """The retry after a refused proof: the header scan runs here (raising what it raises)."""
+        self._proof, self.proven = None, False
+        return self.build(conn)
+
+    def state(self, frame: Frame, fds: list[int]) -> State:
+        """``frame`` as the STATE answering this request; a proven key takes its file-derived fields from it."""
+        if not isinstance(frame, State):
+            close_fds(fds)
+            raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+        if self.proven:
+            try:
+                self.key.adopt(frame.key)
+            except BaseException:
+                close_fds(fds)
+                raise
+        return frame
 
 
 def _left(deadline: float) -> float:

@@ -36,12 +36,14 @@ __all__ = [
     "BACKENDS",
     "MAX_DEPOSIT_BYTES",
     "MAX_DEPOSIT_TENSORS",
+    "MAX_PROOF_FILES",
     "MAX_STATE_SLABS",
     "MAX_VERSIONS",
     "MODES",
     "RECIPE_FIELDS",
     "SLAB_KINDS",
     "TENSOR_KINDS",
+    "CheckpointProof",
     "Commit",
     "Deposit",
     "DepositSlab",
@@ -51,6 +53,7 @@ __all__ = [
     "ErrorFrame",
     "Evict",
     "Evicted",
+    "FileStat",
     "GetState",
     "Hello",
     "HelloOk",
@@ -74,6 +77,12 @@ MODES = ("zero_copy", "copy")
 SLAB_KINDS = ("memfd", "cuda_ipc", "cuda_vmm")
 MAX_VERSIONS = 16
 MAX_STATE_SLABS = 1024
+#: Files one GET_STATE proof may list (docs/protocol.md §4.3.1), and the length of one file name (a directory
+#: entry: 255 bytes on Linux filesystems, so 255 characters at most).
+MAX_PROOF_FILES = 1024
+MAX_FILE_NAME = 255
+UINT64_MAX = 2**64 - 1
+INT64_MIN = -(2**63)
 #: What a deposited tensor is to the module that holds it (docs/protocol.md §4.13).
 TENSOR_KINDS = ("parameter", "buffer")
 #: Tensors in one DEPOSIT (its frame is also capped at the 1 MiB request size, docs/protocol.md §7).
@@ -231,14 +240,43 @@ class ErrorFrame(Message):
 # --------------------------------------------------------------------------- leases
 
 
+@message()
+class FileStat(Message):
+    """One checkpoint file as ``stat`` (symlinks followed) saw it: the proof's unit (docs/protocol.md §4.3.1)."""
+
+    name: str = wire(Str(max_len=MAX_FILE_NAME))
+    dev: int = wire(Int(hi=UINT64_MAX))
+    ino: int = wire(Int(hi=UINT64_MAX))
+    size: int = wire(Int())
+    mtime_ns: int = wire(Int(lo=INT64_MIN))
+    ctime_ns: int = wire(Int(lo=INT64_MIN))
+
+
+@message()
+class CheckpointProof(Message):
+    """Instead of the file-derived key fields: the identity of the checkpoint's files, and the dtype asked for
+    (``"auto"`` or a dtype name, as PRELOAD's). The daemon completes the key from what it recorded when it
+    read those very files (docs/protocol.md §4.3.1)."""
+
+    files: tuple[FileStat, ...] = wire(Array(Nested(FileStat), min_items=1, max_items=MAX_PROOF_FILES))
+    dtype: str = wire(Str(), default="auto")
+
+    def _validate(self) -> None:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names) or "" in names:
+            raise fail("CheckpointProof", "files", "file names must be non-empty and unique")
+
+
 @message("GET_STATE")
 class GetState(Message):
-    """Client -> daemon: lease the weights served under ``key``."""
+    """Client -> daemon: lease the weights served under ``key``; with ``proof``, ``key`` holds only the fields
+    the checkpoint's files do not determine, and the daemon completes it (docs/protocol.md §4.3.1)."""
 
     id: int = wire(_ID)
     key: KeyMap = wire(Key())
     mode: str = wire(Choice(MODES), default="zero_copy")
     device_uuid: str = wire(Str(), default="")  # the client's GPU; "" = no check (host backend)
+    proof: CheckpointProof | None = wire(Nested(CheckpointProof), default=None, omit_default=True)
 
 
 @message("STATE")

@@ -362,6 +362,7 @@ class Daemon:
             match frame:
                 case GetState():
                     t0 = time.perf_counter()
+                    frame = self.store.completed(frame)  # a proof's key, whole (docs/protocol.md §4.3.1)
                     try:
                         state, fds, model = self.store.acquire(conn_id, pid, frame)
                     except (KeyMismatchError, NotFoundError):
@@ -639,7 +640,7 @@ class Daemon:
                 key = rp.key
                 held = self.store.models.get(key)
                 if held is not None:
-                    self.store.remember_source(held, spec.checkpoint)
+                    self.store.remember_source(held, spec.checkpoint, rp.facts)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
                 evicted = self.store.make_room(rp.layout.total_bytes)
                 await self._evicted(evicted, "preload")
