@@ -16,6 +16,7 @@ import fcntl
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -380,12 +381,20 @@ Pipeline = Callable[[Connection], Frame]
 
 
 async def connect(
-    path: Path, *, software: str, name: str, service: Service | None = None, pipeline: Pipeline | None = None
+    path: Path,
+    *,
+    software: str,
+    name: str,
+    service: Service | None = None,
+    pipeline: Pipeline | None = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
-    back (its reply is the next frame after HELLO_OK)."""
+    back (its reply is the next frame after HELLO_OK). ``timings``: gets ``socket`` (connected, peer
+    checked) and ``hello`` (HELLO out, HELLO_OK in), in ms."""
+    t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     sock = _socket()
     sock.setblocking(False)
@@ -395,6 +404,7 @@ async def connect(
         sock.close()
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
+    t1 = time.perf_counter()
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
@@ -403,6 +413,8 @@ async def connect(
     except BaseException:
         ch.close()
         raise
+    if timings is not None:
+        timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
     return ch, frame
 
 
@@ -414,9 +426,11 @@ def connect_blocking(
     timeout: float,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[Channel, HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
     TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
+    t0 = time.perf_counter()
     sock = _socket()
     try:
         sock.settimeout(timeout)
@@ -428,6 +442,7 @@ def connect_blocking(
         sock.close()
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
+    t1 = time.perf_counter()
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
         ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
@@ -436,6 +451,8 @@ def connect_blocking(
     except BaseException:
         ch.close()
         raise
+    if timings is not None:
+        timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
     return ch, frame
 
 

@@ -114,9 +114,12 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         #: the daemon completed the key from the checkpoint files' proof (docs/protocol.md §4.3.1): this process
         #: did not scan the headers
         self.key_proven = False
-        #: where the fetch spent its time, in ms: connect (incl. HELLO), state (GET_STATE -> STATE decoded),
-        #: map (slab mappings), views (the name -> view mapping set up; per-name views are cut from their
-        #: group's stacked view on first look-up), copy (copy mode only)
+        #: where the fetch spent its time, in ms: connect (socket: connected and the peer checked; hello: HELLO
+        #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
+        #: the driver's entry points; overlaps the daemon's answer), state (the rest of the wait for STATE and
+        #: its decode), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
+        #: as_tensor), views (the name -> view mapping set up; per-name views are cut from their group's stacked
+        #: view on first look-up), copy (copy mode only)
         self.timings: dict[str, float] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -253,13 +256,16 @@ class WCacheClient:
         session: _Session | None = None,
         rank: int | None = None,
         pipeline: Pipeline | None = None,
+        timings: dict[str, float] | None = None,
     ) -> tuple[Channel, HelloOk]:
         """Connect and shake hands; a socket missing or refused while a daemon is coming back is waited on
         (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any). ``pipeline``:
-        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1)."""
+        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1); ``timings``: ``channel.connect``'s."""
 
         async def attempt() -> tuple[Channel, HelloOk]:
-            return await connect(path, software=f"wcache/{__version__}", name=self.name, pipeline=pipeline)
+            return await connect(
+                path, software=f"wcache/{__version__}", name=self.name, pipeline=pipeline, timings=timings
+            )
 
         try:
             return await attempt()
@@ -290,6 +296,17 @@ class WCacheClient:
                 details={"client": mine, "daemon": hello.device.uuid},
             )
 
+    def _on_hello(self, hello: HelloOk, timings: dict[str, float]) -> None:
+        """Between HELLO_OK and the STATE, while the daemon answers the pipelined GET_STATE: a CUDA daemon's GPU
+        checked (``_check_device``) and the first mapping's preparation done (``cuda.prepare``: context,
+        granularity, driver entry points), so that it overlaps the daemon's work (``prepare`` ms)."""
+        if hello.backend != "cuda":
+            return
+        t0 = time.perf_counter()
+        self._check_device(hello)
+        cuda.prepare(hello.device.uuid)
+        timings["prepare"] = (time.perf_counter() - t0) * 1e3
+
     def _rank(self, key: WeightCacheKey | None) -> int | None:
         """The rank whose kept models mean its daemon is coming back: the key's, else rank 0's socket."""
         if key is not None:
@@ -309,11 +326,14 @@ class WCacheClient:
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=True) as session:
             t0 = time.perf_counter()
+            timings: dict[str, float] = {}
             request = _Request(key, mode)
-            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank, request.build)
+            ch, hello = session.ch, session.hello = await self._connect(
+                path, session, key.tp_rank, request.build, timings
+            )
             t1 = time.perf_counter()
-            if hello.backend == "cuda":
-                self._check_device(hello)
+            self._on_hello(hello, timings)
+            t_state = time.perf_counter()
             try:
                 frame, fds = await expect(ch)
             except (KeyMismatchError, NotFoundError) as exc:
@@ -321,10 +341,9 @@ class WCacheClient:
                 await ch.send(request.scanned(ch.conn))  # the daemon does not know these files: the full key
                 frame, fds = await expect(ch)
             state = request.state(frame, fds)
-            t2 = time.perf_counter()
-            weights = self._materialise(ch, hello, state, fds, key, mode, path)
+            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3)
+            weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
-            weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
             if mode == "copy":
                 await weights.release()  # the engine owns its copy: no lease needed
             return weights
@@ -366,10 +385,13 @@ class WCacheClient:
         key: WeightCacheKey,
         mode: str,
         path: Path,
+        timings: dict[str, float],
     ) -> CachedWeights:
+        """The STATE's slabs mapped and its views built; ``timings`` (the fetch's, so far) gets ``map``, ``views``
+        (and ``copy``) and becomes the weights' ``timings``."""
         t0 = time.perf_counter()
-        slabs = map_slabs(state, fds, self.device)
-        timings = {"map": (time.perf_counter() - t0) * 1e3}
+        slabs = map_slabs(state, fds, self.device, timings)
+        timings["map"] = (time.perf_counter() - t0) * 1e3
         keepalive: list[Any] = list(slabs)
         bases = [s.base for s in slabs]
         if mode == "copy":
@@ -537,6 +559,7 @@ class WCacheClient:
         ch: Channel | None = None
         try:
             t0 = time.perf_counter()
+            timings: dict[str, float] = {}
             request = _Request(key, mode)
             try:
                 ch, hello = connect_blocking(
@@ -545,6 +568,7 @@ class WCacheClient:
                     name=self.name,
                     timeout=limit,
                     pipeline=request.build,
+                    timings=timings,
                 )
             except CacheUnavailableError as exc:
                 from wcache.client import wait  # the failure path only
@@ -553,8 +577,8 @@ class WCacheClient:
                     raise
                 return asyncio.run(self.fetch(key, mode, timeout=timeout))  # wait.py's wait is asyncio's
             t1 = time.perf_counter()
-            if hello.backend == "cuda":
-                self._check_device(hello)
+            self._on_hello(hello, timings)
+            t_state = time.perf_counter()
             try:
                 frame, fds = expect_blocking(ch, _left(deadline))
             except (KeyMismatchError, NotFoundError) as exc:
@@ -562,8 +586,8 @@ class WCacheClient:
                 ch.send_blocking(request.scanned(ch.conn), _left(deadline))  # the full key, same connection
                 frame, fds = expect_blocking(ch, _left(deadline))
             state = request.state(frame, fds)
-            t2 = time.perf_counter()
-            weights = self._materialise(ch, hello, state, fds, key, mode, path)
+            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3)
+            weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
         except TimeoutError as exc:
             if ch is not None:
@@ -577,7 +601,6 @@ class WCacheClient:
             if ch is not None:
                 ch.close()
             raise
-        weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
         if mode == "copy":
             weights.release_sync(max(deadline - time.monotonic(), 0.001))  # the engine owns its copy: no lease needed
         return weights

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import warnings
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping
@@ -64,8 +65,11 @@ def _map_memfd(desc: SlabDescriptor, fd: int) -> MappedSlab:
     return MappedSlab(base, mm)
 
 
-def map_slabs(state: State, fds: list[int], device: torch.device | None = None) -> list[MappedSlab]:
-    """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive)."""
+def map_slabs(
+    state: State, fds: list[int], device: torch.device | None = None, timings: dict[str, float] | None = None
+) -> list[MappedSlab]:
+    """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive). ``timings`` (ms, added to):
+    the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor)."""
     slabs: list[MappedSlab] = []
     try:
         for desc in state.slabs:
@@ -75,8 +79,11 @@ def map_slabs(state: State, fds: list[int], device: torch.device | None = None) 
                     raise ProtocolError("memfd slab without a file descriptor")
                 slabs.append(_map_memfd(desc, fd))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
-                buf = cuda.map_slab(desc, fd, device)
+                buf = cuda.map_slab(desc, fd, device, timings)
+                t0 = time.perf_counter()
                 slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
+                if timings is not None:
+                    timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
             else:  # pragma: no cover - the decoder admits only known kinds
                 raise ProtocolError(f"unknown slab kind {desc.kind!r}")
     except BaseException:
