@@ -19,11 +19,16 @@ import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
-from wcache.proto import PROTOCOL_VERSION, Connection, ErrorFrame, Frame, Hello, HelloOk, Role
 from wcache.proto.codec import MAX_HANDSHAKE_FRAME
-from wcache.proto.connection import Event, Misdirected, Service
+from wcache.proto.connection import PROTOCOL_VERSION, Connection, Misdirected, Role, Service
+from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk
+
+if TYPE_CHECKING:  # the unions of every frame: an engine's restart imports only its own frames' module
+    from wcache.proto.connection import Event
+    from wcache.proto.frames import Frame
 
 __all__ = [
     "Channel",
@@ -377,7 +382,7 @@ def _opening(conn: Connection, software: str, name: str, pipeline: Pipeline | No
 
 
 #: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
-Pipeline = Callable[[Connection], Frame]
+Pipeline = Callable[[Connection], "Frame"]
 
 
 async def connect(

@@ -25,7 +25,7 @@ from wcache.proto._record import record
 if TYPE_CHECKING:  # a key (the engine's restart path) needs none of them: plan_rank imports them
     from wcache.checkpoint import Checkpoint
     from wcache.layout import Layout
-    from wcache.proto.daemon_frames import Preload
+    from wcache.proto.admin_frames import Preload
     from wcache.sharding import ShardPlan
 
 __all__ = ["RankPlan", "RankSpec", "plan_rank"]
@@ -83,7 +83,7 @@ class RankSpec:
 
     def to_preload(self, id: int) -> Preload:
         """The PRELOAD frame asking a daemon for this rank (``verify_content`` is the daemon's choice)."""
-        from wcache.proto.daemon_frames import Preload
+        from wcache.proto.admin_frames import Preload
 
         return Preload(
             id=id,

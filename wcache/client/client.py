@@ -40,29 +40,18 @@ from wcache.errors import (
 )
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
-from wcache.proto import (
-    DTYPE_SIZES,
-    Commit,
-    Deposit,
-    Deposited,
-    DepositSlab,
-    DepositTensor,
-    ErrorFrame,
-    Evict,
-    Evicted,
-    GetState,
-    HelloOk,
-    Preloaded,
-    Release,
-    State,
-    Status,
-    StatusReply,
-    Takeover,
-    TakeoverState,
-)
+from wcache.proto.daemon_frames import ErrorFrame, GetState, HelloOk, Release, State
 
-if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
-    from wcache.proto import Connection, Frame
+if TYPE_CHECKING:  # the fetch path imports none of them (tests/client/test_imports.py): the methods that do
+    from wcache.proto import (
+        Connection,
+        Deposited,
+        Evicted,
+        Frame,
+        Preloaded,
+        StatusReply,
+        TakeoverState,
+    )
     from wcache.rank import RankSpec
     from wcache.recipe import RecipeKey
 
@@ -423,6 +412,8 @@ class WCacheClient:
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
+        from wcache.proto.admin_frames import Status, StatusReply
+
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path, session, self._rank(key))
@@ -446,6 +437,7 @@ class WCacheClient:
         does not fit the budget, CheckpointError / ShardingError / TransformError for a directory, plan
         or transform the daemon cannot use.
         """
+        from wcache.proto.admin_frames import Preloaded
         from wcache.rank import RankSpec
 
         spec = RankSpec.of(model_dir, **fields)
@@ -459,6 +451,8 @@ class WCacheClient:
 
     async def evict(self, key: WeightCacheKey, *, timeout: float | None = None) -> Evicted:
         """Drop the model served under ``key``; InUseError while leases hold it, NotFoundError if absent."""
+        from wcache.proto.admin_frames import Evict, Evicted
+
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path, session, key.tp_rank)
@@ -488,6 +482,9 @@ class WCacheClient:
         key is leased, or being deposited by another engine), OutOfMemoryError, UnsupportedPlatformError
         (the daemon's backend takes no deposits), CacheUnavailableError. Any failure leaves nothing behind
         on the daemon: the connection closes and the daemon frees the slab."""
+        from wcache.proto.deposit_frames import Commit, Deposit, Deposited, DepositSlab, DepositTensor
+        from wcache.proto.table import DTYPE_SIZES
+
         kinds = dict(kinds or {})
         links = dict(aliases or {})
         entries: list[DepositTensor] = []
@@ -685,6 +682,8 @@ async def take_over(
 ) -> tuple[TakeoverState, list[int]]:
     """TAKEOVER (wcache-server --takeover): the running daemon's models and listening socket, as a
     frame and the fds it announces (slabs by their ``fd`` positions, then ``listener_fd``)."""
+    from wcache.proto.peer_frames import Takeover, TakeoverState
+
     client = WCacheClient(socket_path, timeout=timeout, name="wcache-server --takeover", wait_for_daemon=0)
     path = Path(socket_path)
     async with asyncio.timeout(timeout):

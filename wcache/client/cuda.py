@@ -13,7 +13,7 @@ import torch
 from wcache import _cuda
 from wcache.client import driver
 from wcache.errors import DeviceMismatchError, ProtocolError, UnsupportedPlatformError
-from wcache.proto import SlabDescriptor
+from wcache.proto.daemon_frames import SlabDescriptor
 
 __all__ = ["ipc_open", "local_uuid", "map_slab", "prepare", "visible_uuids", "vmm_import", "write_vmm_deposit"]
 

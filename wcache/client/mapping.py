@@ -18,15 +18,19 @@ import time
 import warnings
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from wcache.channel import close_fds
 from wcache.client import cuda
 from wcache.errors import ProtocolError
-from wcache.proto import DTYPE_SIZES, DepositSlab, SlabDescriptor, State, TensorTable
 from wcache.proto.codec import gc_paused
+from wcache.proto.daemon_frames import SlabDescriptor, State
+from wcache.proto.table import DTYPE_SIZES, TensorTable
+
+if TYPE_CHECKING:  # write-back's frame: not imported on the fetch path
+    from wcache.proto.deposit_frames import DepositSlab
 
 __all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs", "write_deposit"]
 
