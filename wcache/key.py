@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import field, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Union
 
 from wcache.errors import CheckpointError, ProtocolError, ShardingError, TransformError, WCacheError
@@ -280,18 +280,28 @@ def same_file(a: FileStat, st: os.stat_result) -> bool:
     )
 
 
-@record
 class KeyFacts:
     """What a key takes from a checkpoint's files, as the daemon found them when it read them, and the files'
     identity before that read (docs/protocol.md §4.3.1): with a request's rank and dtype it completes a key
-    (:meth:`complete`) exactly as a header scan of those files would."""
+    (:meth:`complete`) exactly as a header scan of those files would. (A plain class: an engine imports this
+    module, and only daemons make these.)"""
 
-    files: tuple[FileStat, ...]
-    fingerprint: str
-    fingerprint_kind: str
-    architecture: str
-    counted: DtypeBytes
-    config: dict[str, Any] = field(compare=False)
+    __slots__ = ("architecture", "config", "counted", "files", "fingerprint", "fingerprint_kind")
+
+    def __init__(
+        self,
+        files: tuple[FileStat, ...],
+        fingerprint: str,
+        fingerprint_kind: str,
+        architecture: str,
+        counted: DtypeBytes,
+        config: dict[str, Any],
+    ) -> None:
+        self.files, self.fingerprint, self.fingerprint_kind = files, fingerprint, fingerprint_kind
+        self.architecture, self.counted, self.config = architecture, counted, config
+
+    def __repr__(self) -> str:
+        return f"KeyFacts({len(self.files)} files, {self.architecture or 'model'}@{self.fingerprint[:12]})"
 
     @classmethod
     def recorded(
