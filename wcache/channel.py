@@ -381,6 +381,12 @@ def _opening(conn: Connection, software: str, name: str, pipeline: Pipeline | No
     return data + conn.send(pipeline(conn)) if pipeline is not None else data
 
 
+def _timed(timings: dict[str, float] | None, t0: float, t1: float) -> None:
+    """A connect's ``socket`` (``t0`` to ``t1``: connected, peer checked) and ``hello`` (to now) phases, in ms."""
+    if timings is not None:
+        timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
+
+
 #: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
 Pipeline = Callable[[Connection], "Frame"]
 
@@ -418,8 +424,7 @@ async def connect(
     except BaseException:
         ch.close()
         raise
-    if timings is not None:
-        timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
+    _timed(timings, t0, t1)
     return ch, frame
 
 
@@ -456,8 +461,7 @@ def connect_blocking(
     except BaseException:
         ch.close()
         raise
-    if timings is not None:
-        timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
+    _timed(timings, t0, t1)
     return ch, frame
 
 

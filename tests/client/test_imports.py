@@ -52,6 +52,7 @@ RESTART_PATH = {
     "wcache.key",
     "wcache.paths",
     "wcache.proto",
+    "wcache.proto._lazy",
     "wcache.proto._record",
     "wcache.proto.codec",
     "wcache.proto.connection",
@@ -85,7 +86,7 @@ def test_the_client_and_key_import_only_the_restart_path() -> None:
 
 def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
     """``import wcache.proto`` loads nothing; one frame name loads its own module, the union of every frame all."""
-    assert _loaded("import wcache.proto") == ["wcache", "wcache.proto"]
+    assert _loaded("import wcache.proto") == ["wcache", "wcache.proto", "wcache.proto._lazy"]
     one = _loaded("from wcache.proto import State")
     assert "wcache.proto.daemon_frames" in one and not [m for m in one if m.endswith(("admin_frames", "peer_frames"))]
     every = _loaded("from wcache.proto import Frame")

@@ -11,67 +11,17 @@ Every name here is imported on first access (PEP 562), from the module that defi
 wcache.proto`` loads nothing, and an engine's restart loads only the modules its frames need.
 """
 
+# ruff: noqa: F405  (``__all__`` names what the star imports below give the type checker)
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, FrameBuffer, decode_body, pack_frame
-    from wcache.proto.connection import (
-        PROTOCOL_VERSION,
-        SUPPORTED_VERSIONS,
-        Connection,
-        DaemonRequest,
-        Event,
-        KeeperRequest,
-        Misdirected,
-        Phase,
-        Role,
-        Service,
-    )
-    from wcache.proto.frames import (
-        BACKENDS,
-        DTYPE_SIZES,
-        CheckpointProof,
-        Commit,
-        Deposit,
-        Deposited,
-        DepositSlab,
-        DepositTensor,
-        DeviceInfo,
-        ErrorFrame,
-        Evict,
-        Evicted,
-        FileStat,
-        Frame,
-        GetState,
-        HandedModel,
-        Hello,
-        HelloOk,
-        Keep,
-        Kept,
-        LeaseInfo,
-        ModelInfo,
-        Preload,
-        Preloaded,
-        Reclaim,
-        Reclaimed,
-        Release,
-        Released,
-        SlabDescriptor,
-        State,
-        Status,
-        StatusReply,
-        Takeover,
-        TakeoverState,
-        TensorEntry,
-        TensorGroup,
-        TensorTable,
-        Unkeep,
-        decode_frame,
-        tensor_extent,
-    )
+from wcache.proto._lazy import export
+
+if TYPE_CHECKING:  # the names of __all__, for the type checker; at run time each is imported when first read
+    from wcache.proto.codec import *  # noqa: F403
+    from wcache.proto.connection import *  # noqa: F403
+    from wcache.proto.frames import *  # noqa: F403
 
 __all__ = [
     "BACKENDS",
@@ -130,79 +80,14 @@ __all__ = [
     "tensor_extent",
 ]
 
-#: public name -> the module defining it (imported on first access)
-_HOME: dict[str, str] = {
-    **dict.fromkeys(("DEFAULT_MAX_FRAME_SIZE", "FrameBuffer", "decode_body", "pack_frame"), "wcache.proto.codec"),
-    **dict.fromkeys(
-        (
-            "PROTOCOL_VERSION",
-            "SUPPORTED_VERSIONS",
-            "Connection",
-            "DaemonRequest",
-            "Event",
-            "KeeperRequest",
-            "Misdirected",
-            "Phase",
-            "Role",
-            "Service",
-        ),
-        "wcache.proto.connection",
-    ),
-    **dict.fromkeys(
-        (
-            "BACKENDS",
-            "DTYPE_SIZES",
-            "CheckpointProof",
-            "Commit",
-            "Deposit",
-            "Deposited",
-            "DepositSlab",
-            "DepositTensor",
-            "DeviceInfo",
-            "ErrorFrame",
-            "Evict",
-            "Evicted",
-            "FileStat",
-            "Frame",
-            "GetState",
-            "HandedModel",
-            "Hello",
-            "HelloOk",
-            "Keep",
-            "Kept",
-            "LeaseInfo",
-            "ModelInfo",
-            "Preload",
-            "Preloaded",
-            "Reclaim",
-            "Reclaimed",
-            "Release",
-            "Released",
-            "SlabDescriptor",
-            "State",
-            "Status",
-            "StatusReply",
-            "Takeover",
-            "TakeoverState",
-            "TensorEntry",
-            "TensorGroup",
-            "TensorTable",
-            "Unkeep",
-            "decode_frame",
-            "tensor_extent",
-        ),
-        "wcache.proto.frames",
-    ),
-}
+#: where the names of ``__all__`` are defined (or re-exported), searched in this order
+_MODULES = ("wcache.proto.codec", "wcache.proto.connection", "wcache.proto.frames")
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
+    if name not in __all__:
         raise AttributeError(f"module 'wcache.proto' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later look-ups skip this hook
-    return value
+    return export(globals(), name, _MODULES)
 
 
 def __dir__() -> list[str]:

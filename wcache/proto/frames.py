@@ -7,9 +7,10 @@ them all; the tensor table is in ``table``. This module is the registry: :data:`
 :func:`decode_frame`, tagged by the ``type`` field, and it re-exports every frame.
 
 Only ``daemon_frames`` is imported with this module (an engine's restart needs nothing else: building the
-other ~20 classes was a quarter of its ``import wcache``); the other modules are imported the first time a
-frame of theirs arrives (:func:`decode_frame`), or one of their names, ``Frame`` or ``FRAME_TYPES`` is read
-here (PEP 562). A daemon, which decodes every request, has them all after its first few frames or its imports.
+other ~20 classes was a quarter of its ``import wcache``); the other modules (FRAME_MODULES) are all imported
+the first time a frame of theirs arrives (:func:`decode_frame`), or one of their names, ``Frame`` or
+``FRAME_TYPES`` is read here (PEP 562). A daemon, which decodes every request, has them all after its first
+few frames or its imports.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from operator import or_
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import ProtocolError
+from wcache.proto._lazy import export
 from wcache.proto.daemon_frames import (
     BACKENDS,
     MODES,
@@ -162,32 +164,6 @@ FRAME_MODULES = (
     "wcache.proto.deposit_frames",
     "wcache.proto.peer_frames",
 )
-#: names re-exported here from a module imported on first use
-_LAZY = {
-    **dict.fromkeys(
-        ("Evict", "Evicted", "LeaseInfo", "ModelInfo", "Preload", "Preloaded", "Status", "StatusReply"),
-        "wcache.proto.admin_frames",
-    ),
-    **dict.fromkeys(
-        ("TENSOR_KINDS", "Commit", "Deposit", "Deposited", "DepositSlab", "DepositTensor"),
-        "wcache.proto.deposit_frames",
-    ),
-    **dict.fromkeys(
-        (
-            "MAX_HANDOFF_FDS",
-            "MAX_KEPT_FDS",
-            "HandedModel",
-            "Keep",
-            "Kept",
-            "Reclaim",
-            "Reclaimed",
-            "Takeover",
-            "TakeoverState",
-            "Unkeep",
-        ),
-        "wcache.proto.peer_frames",
-    ),
-}
 _loaded = False
 
 
@@ -218,12 +194,10 @@ def __getattr__(name: str) -> Any:
         return load_frames()
     if name == "Frame":  # the union of every frame class, as the annotation above spells it
         return reduce(or_, load_frames().values())
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this hook
-    return value
+    load_frames()  # a frame module's name: re-exported once every frame module is loaded
+    return export(globals(), name, FRAME_MODULES[1:])
 
 
 def __dir__() -> list[str]:
