@@ -57,6 +57,23 @@ def test_handshake_and_request_cycle() -> None:
     assert c.pending == s.pending == {}
 
 
+def test_a_retracted_reply_leaves_its_request_pending_for_an_error() -> None:
+    """A STATE whose descriptors the kernel refused never left: retract() makes its GET_STATE pending again, the
+    ERROR that answers it is legal, and the client never held the lease."""
+    c, s = _open_pair()
+    s.receive_data(c.send(EXAMPLES["GET_STATE"]))
+    (request,) = s.events()
+    assert isinstance(request, GetState)
+    s.send(EXAMPLES["STATE"])
+    assert s.pending == {}
+    s.retract(request)
+    assert s.pending == {request.id: "GET_STATE"}
+    c.receive_data(s.send(ErrorFrame(id=request.id, code=ErrorCode.LIMIT_EXCEEDED, message="in flight")))
+    assert [f.TYPE for f in c.events()] == ["ERROR"] and c.leases == set() and c.pending == {}
+    with pytest.raises(LocalProtocolError):
+        s.retract(EXAMPLES["STATE"])  # not a request
+
+
 def test_version_negotiation_picks_highest_common() -> None:
     s = Connection(Role.SERVER, supported_versions=(1, 2, 3))
     assert s.hello_reply(Hello(versions=(2, 1, 9)), software="", backend="host", device=DeviceInfo("cpu")).version == 2
