@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import serving_here
 from tests.server.deposit_engine import recipe_key, tensors
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import Channel, close_fds, connect, expect
@@ -64,15 +65,8 @@ def store(backend: HostBackend, ckpt: Path) -> Iterator[Store]:
 @contextlib.asynccontextmanager
 async def serving(store: Store, socket_dir: Path, **kw: Any) -> AsyncIterator[Daemon]:
     """A Daemon of ``store`` serving ``socket_dir/wcache-rank0.sock`` until the block ends."""
-    d = Daemon(store, socket_dir / "wcache-rank0.sock", software="wcache/test", **kw)
-    ready = asyncio.Event()
-    task = asyncio.ensure_future(d.serve(ready.set, signals=False))
-    try:
-        await asyncio.wait_for(ready.wait(), 30)
+    async with serving_here(Daemon(store, socket_dir / "wcache-rank0.sock", software="wcache/test", **kw)) as d:
         yield d
-    finally:
-        d.stop()
-        await asyncio.wait_for(task, 30)
     assert not d.socket_path.exists()
 
 

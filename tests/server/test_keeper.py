@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DaemonProc, run_cli
+from tests.conftest import DaemonProc, run_cli, serving_here
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import close_fds, connect, expect
 from wcache.checkpoint import SAMPLE_BLOCK
@@ -254,15 +254,8 @@ class _CountingKeeper(kp.Keeper):
 
 @contextlib.asynccontextmanager
 async def _keeper_here(socket_dir: Path, limits: kp.KeeperLimits | None = None) -> AsyncIterator[_CountingKeeper]:
-    k = _CountingKeeper(socket_dir / KEEPER_SOCKET, limits)
-    ready = asyncio.Event()
-    task = asyncio.ensure_future(k.serve(ready.set, signals=False))
-    try:
-        await asyncio.wait_for(ready.wait(), 30)
+    async with serving_here(_CountingKeeper(socket_dir / KEEPER_SOCKET, limits)) as k:
         yield k
-    finally:
-        k.stop()
-        await task
 
 
 async def test_a_keeper_started_after_the_daemon_gets_its_models(
