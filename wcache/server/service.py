@@ -395,21 +395,7 @@ class Shell:
         )
         try:
             async with asyncio.timeout(lim.handshake_timeout):
-                ctx.peer = await self.peer_check.identify(ch)
-                refusal = self.peer_check.refusal(ctx.peer)
-                if refusal is not None:
-                    log.warning("refused %s pid=%d uid=%d reason=%s", tag, ctx.pid, ctx.peer.uid, refusal.reason)
-                    self.metrics.errors[refusal.error.code.name] += 1
-                    await ch.send_bytes(conn.fatal_error(refusal.error))
-                    return
-                if refuse:  # every connection holds something or is busy: none can give way
-                    log.warning("refused %s pid=%d reason=connection-limit limit=%d", tag, ctx.pid, lim.connections)
-                    self.metrics.errors["LIMIT_EXCEEDED"] += 1
-                    limit = LimitExceededError(
-                        f"too many connections (limit {lim.connections}); try again later",
-                        details={"limit": lim.connections},
-                    )
-                    await ch.send_bytes(conn.fatal_error(limit))
+                if not await self._admit(ch, ctx, refuse=refuse):
                     return
                 hello, _ = await ch.receive()
             assert isinstance(hello, Hello)  # the transition table admits nothing else here
@@ -463,6 +449,27 @@ class Shell:
                 self.handler.closed(ctx)
             finally:
                 ch.close()
+
+    async def _admit(self, ch: Channel, ctx: Context, *, refuse: bool) -> bool:
+        """Who the peer is, and whether it may speak: else a fatal ERROR (False). ``refuse``: at the cap, no
+        connection could give way to this one."""
+        lim, conn = self.limits, ch.conn
+        ctx.peer = await self.peer_check.identify(ch)
+        refusal = self.peer_check.refusal(ctx.peer)
+        if refusal is not None:
+            self.log.warning("refused %s pid=%d uid=%d reason=%s", self.tag, ctx.pid, ctx.peer.uid, refusal.reason)
+            self.metrics.errors[refusal.error.code.name] += 1
+            await ch.send_bytes(conn.fatal_error(refusal.error))
+            return False
+        if refuse:  # every connection holds something or is busy: none can give way
+            self.log.warning("refused %s pid=%d reason=connection-limit limit=%d", self.tag, ctx.pid, lim.connections)
+            self.metrics.errors["LIMIT_EXCEEDED"] += 1
+            limit = LimitExceededError(
+                f"too many connections (limit {lim.connections}); try again later", details={"limit": lim.connections}
+            )
+            await ch.send_bytes(conn.fatal_error(limit))
+            return False
+        return True
 
     async def _answer(self, ch: Channel, frame: Event, fds: list[int], ctx: Context) -> None:
         """One request: the handler's reply, or the ERROR its failure maps to."""
