@@ -31,6 +31,7 @@ from wcache.errors import (
 from wcache.proto import (
     Connection,
     DeviceInfo,
+    ErrorFrame,
     Frame,
     Hello,
     HelloOk,
@@ -50,7 +51,7 @@ log = logging.getLogger("wcache.test")
 
 class FakeService:
     """A keeper-like handler (it takes KEEP and its descriptors): STATUS answers, or raises what ``fail`` names
-    for its request id; KEEP keeps its descriptors only if the owner is "keep". A peer whose HELLO names it
+    for its request id (once); KEEP keeps its descriptors only if the owner is "keep". A peer whose HELLO names it
     "holder" holds something (``holds``) from its handshake on."""
 
     holding = "thing"
@@ -58,6 +59,8 @@ class FakeService:
     def __init__(self, service: Service = Service.KEEPER) -> None:
         self.service = service
         self.fail: dict[int, BaseException] = {}
+        #: request ids whose ``fail`` error is returned as a fatal ERROR instead of raised
+        self.fatal: set[int] = set()
         self.kept: list[int] = []
         self.seen: list[Context] = []
         self.closed_ids: list[int] = []
@@ -75,8 +78,11 @@ class FakeService:
         assert isinstance(request, (Status, Keep))
         if request.id in self.slow_ids:
             await self.slow.wait()
-        if request.id in self.fail:
-            raise self.fail[request.id]
+        failure = self.fail.pop(request.id, None)  # once: a later connection's request of that id succeeds
+        if failure is not None:
+            if request.id in self.fatal:
+                return ErrorFrame.from_exception(failure, request.id, fatal=True)  # type: ignore[arg-type]
+            raise failure
         if isinstance(request, Keep):
             if request.owner == "keep":
                 self.kept.extend(fds)
@@ -168,6 +174,28 @@ async def test_a_failure_maps_to_its_error_frame(
             ch.close()
         await _until(lambda: len(shell) == 0)
         assert shell.metrics.errors[code.code.name] == 1  # type: ignore[attr-defined]
+
+
+async def test_a_fatal_error_the_handler_returns_ends_the_connection(socket_dir: Path) -> None:
+    """A handler refusing a peer for good (a failed proof) returns a fatal ERROR: it is sent, then the
+    connection closes, and the service serves others on."""
+    handler = FakeService()
+    handler.fail[1], handler.fatal = PermissionDeniedError("wrong proof"), {1}
+    async with serving(handler, socket_dir / "s.sock") as shell:
+        ch = await _open(socket_dir / "s.sock")
+        try:
+            with pytest.raises(PermissionDeniedError, match="wrong proof"):
+                await _status(ch)
+            with pytest.raises((EOFError, ConnectionError)):
+                await asyncio.wait_for(ch.receive(), 20)
+        finally:
+            ch.close()
+        await _until(lambda: len(shell) == 0)
+        other = await _open(socket_dir / "s.sock")
+        try:
+            assert isinstance(await _status(other), StatusReply)
+        finally:
+            other.close()
 
 
 async def test_a_request_for_another_service_is_not_found_and_not_fatal(socket_dir: Path) -> None:

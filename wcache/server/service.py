@@ -50,7 +50,7 @@ from wcache.errors import (
     ProtocolError,
     WCacheError,
 )
-from wcache.proto import Connection, ErrorFrame, Frame, Hello, HelloOk, Misdirected, Role, Service
+from wcache.proto import Connection, ErrorFrame, Frame, Hello, HelloOk, Misdirected, Phase, Role, Service
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.connection import Event
 from wcache.server.listen import ConnectionTable, Peer, accept_loop
@@ -201,7 +201,8 @@ class Handler(Protocol):
 
     async def handle(self, request: Frame, fds: list[int], ctx: Context) -> Reply | Frame:
         """Answer one request of this service. ``fds``: the descriptors it brought (KEEP); those the handler
-        keeps it removes from the list, the shell closes the rest. Raise a WCacheError to refuse it."""
+        keeps it removes from the list, the shell closes the rest. Raise a WCacheError to refuse it (the
+        connection serves on); return a fatal ERROR frame to refuse it and end the connection (a failed proof)."""
         ...
 
     def holds(self, ctx: Context) -> bool:
@@ -416,6 +417,8 @@ class Shell:
                     close_fds(fds)  # what the request brought and the handler did not keep
                     slot.busy = False
                     slot.touch()
+                if conn.phase is Phase.CLOSED:  # the handler answered with a fatal ERROR: the connection ends
+                    return
         except LocalProtocolError as exc:  # our own bug, not the peer's: never answered with PROTOCOL_ERROR
             log.exception("internal protocol error %s pid=%d error=%s", tag, ctx.pid, exc.message)
             self.metrics.errors["INTERNAL"] += 1
