@@ -66,7 +66,7 @@ from wcache.recipe import key_from_wire
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.listen import ConnectionTable, Peer, accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.store import ServedModel, Store
+from wcache.server.store import ServedModel, Store, split_descriptors
 from wcache.server.tier import HostTier, TierEntry
 
 __all__ = ["Daemon"]
@@ -168,14 +168,14 @@ class Daemon:
         http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
         if callable(on_ready):
             on_ready()
-        accept = self._accept_task = asyncio.ensure_future(accept_loop(listener, self._accepted, self._tag))
+        self._resume_accepting()
         watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
         try:
             await self._stop.wait()
         finally:
             if http is not None:
                 http.close()
-            for task in (accept, watch):
+            for task in (self._accept_task, watch):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -190,15 +190,40 @@ class Daemon:
                     loop.remove_signal_handler(sig)
             log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
 
+    def _resume_accepting(self) -> None:
+        if self._accept_task is None and self._listener is not None and not self._stop.is_set():
+            self._accept_task = asyncio.ensure_future(accept_loop(self._listener, self._accepted, self._tag))
+
+    def _pause_accepting(self) -> None:
+        """New connections queue on the listening socket (shared with a new daemon during a hand-off)."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            self._accept_task = None
+
     def _fd_limits(self) -> None:
         """Descriptors queued in sockets that peers have not read count against this uid's RLIMIT_NOFILE
-        (unless root): raise the soft limit to the hard one, and give each peer a share of it."""
+        (unless root): raise the soft limit to the hard one, and give each peer a share of it. Connections and
+        slabs (models, deposits in progress) get their shares of it too (``split_descriptors``), so that no
+        peer can make the daemon run out of descriptors to accept and answer with."""
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         want = hard if hard != resource.RLIM_INFINITY else 1 << 20
         if soft != resource.RLIM_INFINITY and soft < want:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
                 soft = want
+        nofile = soft if soft != resource.RLIM_INFINITY else 1 << 20
+        connections, slabs = split_descriptors(nofile, self.max_connections)
+        self.store.fit_descriptors(slabs)
+        if connections < self.max_connections:
+            self.max_connections = self._peers.limit = connections
+        log.info(
+            "descriptor shares %s nofile=%d connections=%d models=%d deposits=%d",
+            self._tag,
+            nofile,
+            self.max_connections,
+            self.store.max_models,
+            self.store.max_deposits,
+        )
         if self.max_unread_fds is None:
             self.max_unread_fds = max(1, min(64, soft // 16))
         worst = self.max_connections * self.max_unread_fds
@@ -447,8 +472,7 @@ class Daemon:
     async def _deposit(self, ch: Channel, req: Deposit, conn_id: int, pid: int) -> None:
         """DEPOSIT (docs/protocol.md §4.13): room, a writable slab, DEPOSIT_SLAB with its descriptor. The
         deposit is the connection's until COMMIT: if it closes first, drop_connection frees the slab."""
-        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)
-        await self._evicted(dep.evicted, "deposit")
+        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)  # evicts nothing: a promise until COMMIT
         log.info(
             "deposit started %s pid=%d deposit=%d key=%s tensors=%d bytes=%d pending=%d",
             self._tag,
@@ -462,8 +486,9 @@ class Daemon:
         await ch.send(reply, fds)
 
     async def _commit(self, ch: Channel, req: Commit, conn_id: int, pid: int) -> None:
-        """COMMIT: seal the slab read-only, serve it under the recipe key, tell the keeper."""
-        reply, model, old = self.store.commit_deposit(conn_id, req)
+        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the keeper."""
+        reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
+        await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             if old is not None:
                 await self.keeper.unkeep(old)
@@ -556,7 +581,7 @@ class Daemon:
             dtype,
         )
         await self._preload(spec, req.id, pid)
-        return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
+        return self.store.lookup(req.key) is not None
 
     async def _evicted(self, models: Sequence[ServedModel], reason: str) -> None:
         """Models the store evicted to make room: one log line each, and the keeper lets them go too."""

@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
         store = Store(backend, handed, budget=args.memory_budget or None)
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
-                drop(store.make_room(0), link, "budget")
+                drop(store.make_room(0, models=0), link, "budget")
             if args.model is not None:
                 spec = rank_spec(args)
                 with planner(spec) as rp:
