@@ -24,6 +24,7 @@ from typing import assert_never, cast
 from wcache.channel import DEFAULT_READ_BUDGET, Channel, ReadBudget, peer_credentials
 from wcache.errors import (
     DeviceMismatchError,
+    FrameTooLargeError,
     InternalError,
     InUseError,
     KeyMismatchError,
@@ -32,6 +33,8 @@ from wcache.errors import (
     NotFoundError,
     PermissionDeniedError,
     ProtocolError,
+    UnexpectedFrameError,
+    UnknownLeaseError,
     UnsupportedPlatformError,
     WCacheError,
 )
@@ -57,7 +60,10 @@ from wcache.proto import (
     Status,
     StatusReply,
     Takeover,
+    TakeoverAdopted,
+    TakeoverDone,
     TakeoverState,
+    as_received,
 )
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
@@ -101,6 +107,7 @@ class Daemon:
         keeper: KeeperLink | None = None,
         keeper_check: float = 5.0,
         tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
+        handoff_timeout: float = 10.0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -148,6 +155,10 @@ class Daemon:
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         self.keeper_check = keeper_check
+        #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
+        #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
+        self.handoff_timeout = handoff_timeout
+        self._handing_over = False
         self._handed_over = False
         self._accept_task: asyncio.Future[None] | None = None
 
@@ -435,6 +446,8 @@ class Daemon:
                     await ch.send(await self._preload(spec, frame.id, pid))
                 case Takeover():
                     await self._hand_over(ch, frame, pid)
+                case TakeoverAdopted():  # answered inside _hand_over; anywhere else there is no hand-off
+                    raise UnknownLeaseError("TAKEOVER_ADOPTED with no hand-off open on this connection")
                 case Evict():
                     gone = self.store.evict(frame.key)
                     if self.keeper is not None:
@@ -509,11 +522,15 @@ class Daemon:
         self._save_to_tier(model)
 
     async def _hand_over(self, ch: Channel, req: Takeover, pid: int) -> None:
-        """TAKEOVER: give a new daemon (same uid, same device) every model's slabs and the listening
-        socket, stop accepting, release the lock, and stop. Engines' mappings stay valid: they
+        """TAKEOVER (docs/protocol.md §4.10): give a new daemon (same uid, same device) every model's slabs and
+        the listening socket, and stop only once it confirms (TAKEOVER_ADOPTED) that it adopted them all.
+        Until then this daemon keeps its lock and its connections; new ones queue on the shared socket. A
+        hand-off that fails at any point (refused here, a TAKEOVER_STATE over the new daemon's frame limit,
+        the new daemon refusing it, dying or silent past ``handoff_timeout``, the models changing meanwhile)
+        leaves this daemon serving and accepting as before. Engines' mappings stay valid either way: they
         reference the memory, not this process."""
         backend = self.store.backend
-        if self._handed_over:
+        if self._handing_over or self._handed_over:
             raise InUseError("this daemon is already handing over to another: wait for it to stop")
         if req.backend != backend.name or (backend.device.uuid and req.device_uuid != backend.device.uuid):
             raise DeviceMismatchError(
@@ -521,9 +538,10 @@ class Daemon:
                 f"{backend.name} {backend.device.uuid or '-'}: nothing handed over",
                 details={"backend": backend.name, "device_uuid": backend.device.uuid},
             )
+        held = list(self.store.models.values())
         models: list[HandedModel] = []
         fds: list[int] = []
-        for m in self.store.models.values():
+        for m in held:
             descs = m.export(fds)
             by_handle = [d.kind for d in descs if d.fd < 0]
             if by_handle:  # (the fds listed so far are the slabs' own: nothing to close)
@@ -534,11 +552,52 @@ class Daemon:
         if len(fds) + 1 > MAX_HANDOFF_FDS:
             raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
         assert self._listener is not None
-        if self._accept_task is not None:  # no new connection lands here from now on: they queue for the new daemon
-            self._accept_task.cancel()
-        self._handed_over = True
         reply = TakeoverState(id=req.id, models=tuple(models), listener_fd=len(fds), pid=os.getpid())
-        await ch.send(reply, [*fds, self._listener.fileno()])
+        try:  # what the new daemon's decoder will make of it, off the event loop (tens of MB for big tables)
+            await asyncio.to_thread(as_received, reply, req.max_frame_size)
+        except FrameTooLargeError as exc:
+            raise LimitExceededError(
+                f"the hand-off is {exc.details.get('size')} bytes, over the {req.max_frame_size} the new daemon "
+                "accepts (its --max-frame-size): nothing handed over; EVICT models first, or give the new daemon "
+                "a larger --max-frame-size",
+                details={"size": exc.details.get("size"), "max_size": req.max_frame_size},
+            ) from None
+        except ProtocolError as exc:
+            raise InternalError(f"a model here cannot be handed over ({exc.message}): nothing handed over") from None
+        if list(self.store.models.values()) != held:  # evicted meanwhile: its descriptor may be closed
+            raise InUseError("the models changed while the hand-off was prepared: nothing handed over; retry")
+        self._handing_over = True
+        self._pause_accepting()  # no new connection lands here meanwhile: they queue for whoever serves next
+        try:
+            await ch.send(reply, [*fds, self._listener.fileno()])
+            frame, _ = await asyncio.wait_for(ch.receive(frame_timeout=self.frame_timeout), self.handoff_timeout)
+        except (EOFError, OSError) as exc:  # the new daemon refused or died (EOF), or is silent (TimeoutError)
+            self._hand_over_failed(pid, f"no TAKEOVER_ADOPTED: {type(exc).__name__} {exc}")
+            raise ConnectionAbortedError("hand-off given up") from None
+        except BaseException as exc:
+            self._hand_over_failed(pid, f"{type(exc).__name__} {exc}")
+            raise
+        if not isinstance(frame, TakeoverAdopted):
+            self._hand_over_failed(pid, f"{frame.TYPE} instead of TAKEOVER_ADOPTED")
+            raise UnexpectedFrameError(
+                f"{frame.TYPE} after TAKEOVER_STATE: only TAKEOVER_ADOPTED may follow it (the hand-off is off)",
+                details={"type": frame.TYPE},
+            )
+        if frame.models != len(models) or list(self.store.models.values()) != held:
+            self._hand_over_failed(pid, f"adopted {frame.models} of {len(models)} models, or they changed")
+            refused = InUseError(
+                f"the new daemon adopted {frame.models} of the {len(models)} models handed over, or they changed "
+                "meanwhile: this daemon serves on; retry the takeover",
+                details={"adopted": frame.models, "handed": len(models)},
+            )
+            await ch.send(ErrorFrame.from_exception(refused, frame.id))
+            return
+        try:
+            await ch.send(TakeoverDone(id=frame.id, pid=os.getpid()))
+        except OSError as exc:
+            self._hand_over_failed(pid, f"TAKEOVER_DONE not sent: {exc}")
+            raise ConnectionAbortedError("hand-off given up") from None
+        self._handed_over = True
         log.info(
             "handed over %s to pid=%d models=%d bytes=%d leases_dropped=%d",
             self._tag,
@@ -550,6 +609,11 @@ class Daemon:
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()
+
+    def _hand_over_failed(self, pid: int, why: str) -> None:
+        self._handing_over = False
+        self._resume_accepting()
+        log.warning("hand-off failed %s to pid=%d reason=%s: serving on", self._tag, pid, why)
 
     async def _load_on_demand(self, req: GetState, pid: int) -> bool:
         """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the
