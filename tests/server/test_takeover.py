@@ -156,3 +156,35 @@ async def test_a_hand_off_too_large_for_the_new_daemon_is_refused_and_changes_no
 async def _models(daemon: DaemonProc) -> dict[str, str]:
     st = await WCacheClient(daemon.socket).status()
     return {RecipeKey.from_wire(dict(m.key)).short() if "engine" in m.key else "ckpt": m.origin for m in st.models}
+
+
+async def test_fetches_during_the_hand_off_do_not_spoil_it(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    """Between TAKEOVER_STATE and TAKEOVER_ADOPTED the old daemon keeps answering its open connections; a
+    fetch there reorders its models (least recently used first) but changes none, so the confirmation is
+    answered with TAKEOVER_DONE and the old daemon stops."""
+    from wcache.channel import close_fds, connect, expect
+    from wcache.proto import GetState, State, Takeover, TakeoverAdopted, TakeoverDone, TakeoverState
+
+    old = daemon_factory(ckpt)
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    await WCacheClient(old.socket).deposit(recipe_key(base), {"b": torch.ones(1)})  # now the checkpoint is LRU
+    engine, _ = await connect(old.socket, software="t", name="engine")  # open before the hand-off
+    ch, _ = await connect(old.socket, software="t", name="new-daemon")
+    try:
+        await ch.send(Takeover(id=ch.conn.next_request_id(), backend="host", pid=os.getpid()))
+        state, fds = await expect(ch)
+        assert isinstance(state, TakeoverState) and len(state.models) == 2
+        close_fds(fds)
+        await engine.send(GetState(id=engine.conn.next_request_id(), key=base.to_wire()))  # the LRU moves
+        lease, lease_fds = await expect(engine)
+        assert isinstance(lease, State)
+        close_fds(lease_fds)
+        await ch.send(TakeoverAdopted(id=ch.conn.next_request_id(), models=2, pid=os.getpid()))
+        done, _ = await expect(ch)
+        assert isinstance(done, TakeoverDone) and done.pid == old.pid
+    finally:
+        ch.close()
+        engine.close()
+    assert old.proc.wait(30) == 0

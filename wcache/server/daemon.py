@@ -564,7 +564,7 @@ class Daemon:
             ) from None
         except ProtocolError as exc:
             raise InternalError(f"a model here cannot be handed over ({exc.message}): nothing handed over") from None
-        if list(self.store.models.values()) != held:  # evicted meanwhile: its descriptor may be closed
+        if not self._holds(held):  # evicted meanwhile: its descriptor may be closed
             raise InUseError("the models changed while the hand-off was prepared: nothing handed over; retry")
         self._handing_over = True
         self._pause_accepting()  # no new connection lands here meanwhile: they queue for whoever serves next
@@ -583,7 +583,7 @@ class Daemon:
                 f"{frame.TYPE} after TAKEOVER_STATE: only TAKEOVER_ADOPTED may follow it (the hand-off is off)",
                 details={"type": frame.TYPE},
             )
-        if frame.models != len(models) or list(self.store.models.values()) != held:
+        if frame.models != len(models) or not self._holds(held):
             self._hand_over_failed(pid, f"adopted {frame.models} of {len(models)} models, or they changed")
             refused = InUseError(
                 f"the new daemon adopted {frame.models} of the {len(models)} models handed over, or they changed "
@@ -609,6 +609,12 @@ class Daemon:
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()
+
+    def _holds(self, models: list[ServedModel]) -> bool:
+        """Whether the store serves exactly ``models`` (the same objects, in any LRU order), as when a hand-off
+        began: a fetch meanwhile only reorders them."""
+        now = {id(m) for m in self.store.models.values()}
+        return len(now) == len(models) and now == {id(m) for m in models}
 
     def _hand_over_failed(self, pid: int, why: str) -> None:
         self._handing_over = False
