@@ -19,7 +19,7 @@ import asyncio
 import json
 import statistics
 import string
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,9 @@ from wcache.proto import Deposit, DepositTensor, GetState, Release, State, Statu
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.fields import MAX_KEY_FIELDS
 from wcache.recipe import RecipeKey
-from wcache.server.process import spawn_daemon
-from wcache.synthetic import TINY, make_llama_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lease_bench import tiny_daemon  # the benchmarks' one tiny-daemon set-up
 
 
 async def _status_latencies(sock: Path, stop: asyncio.Event) -> list[float]:
@@ -120,28 +121,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="wcache-deposit-limits-") as tmp:
-        root = Path(tmp)
-        ckpt = make_llama_checkpoint(root / "ckpt", TINY, seed=1)
-        sdir = root / "sock"
-        sdir.mkdir(mode=0o700)
-        d = spawn_daemon(ckpt, sdir, "--log-level", "WARNING", log=root / "daemon.log")
-        try:
-            base = WeightCacheKey.from_checkpoint(ckpt)
-            dup = asyncio.run(duplicate_last(d.socket, base, args.tensors))
-            print(
-                f"DEPOSIT of {dup['tensors']} tensors, duplicate last: refused in {dup['refused_s']:.2f} s; "
-                f"slowest STATUS meanwhile {dup['status_max_ms']:.0f} ms ({dup['status_count']} answered)",
-                flush=True,
-            )
-            fetch = asyncio.run(fetch_with_deposits(d.socket, base, args.deposits, args.rounds))
-            print(
-                f"checkpoint GET_STATE+RELEASE median {fetch['fetch_ms_before']:.2f} ms with no deposit, "
-                f"{fetch['fetch_ms_after']:.2f} ms with {args.deposits} deposits under {MAX_KEY_FIELDS}-field keys",
-                flush=True,
-            )
-        finally:
-            d.stop()
+    with tiny_daemon("wcache-deposit-limits-") as (d, ckpt):
+        base = WeightCacheKey.from_checkpoint(ckpt)
+        dup = asyncio.run(duplicate_last(d.socket, base, args.tensors))
+        print(
+            f"DEPOSIT of {dup['tensors']} tensors, duplicate last: refused in {dup['refused_s']:.2f} s; "
+            f"slowest STATUS meanwhile {dup['status_max_ms']:.0f} ms ({dup['status_count']} answered)",
+            flush=True,
+        )
+        fetch = asyncio.run(fetch_with_deposits(d.socket, base, args.deposits, args.rounds))
+        print(
+            f"checkpoint GET_STATE+RELEASE median {fetch['fetch_ms_before']:.2f} ms with no deposit, "
+            f"{fetch['fetch_ms_after']:.2f} ms with {args.deposits} deposits under {MAX_KEY_FIELDS}-field keys",
+            flush=True,
+        )
     if args.out is not None:
         args.out.write_text(json.dumps({"duplicate_last": dup, "fetch_with_deposits": fetch}, indent=2) + "\n")
 

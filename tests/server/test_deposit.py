@@ -126,14 +126,20 @@ async def test_concurrent_second_deposit_of_a_key_is_refused(daemon: DaemonProc,
         assert torch.equal(w["w"], torch.zeros(4))  # the first deposit's bytes (never written: zeros)
 
 
+async def _four_floats(ch: Channel, key: RecipeKey) -> tuple[DepositSlab, list[int]]:
+    """DEPOSIT of one float32[4] on ``ch`` (request id 1): its DEPOSIT_SLAB and writable descriptor."""
+    await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
+    slab, fds = await expect(ch)
+    assert isinstance(slab, DepositSlab) and len(fds) == 1
+    return slab, fds
+
+
 async def test_commit_while_still_mapped_is_refused_and_leaves_nothing(daemon: DaemonProc, ckpt: Path) -> None:
     key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
     before = fd_count(daemon.pid)
     ch, _ = await connect(daemon.socket, software="t", name="mapper")
     try:
-        await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
-        slab, fds = await expect(ch)
-        assert isinstance(slab, DepositSlab)
+        slab, fds = await _four_floats(ch, key)
         mm = mmap.mmap(fds[0], slab.slabs[0].size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         await ch.send(Commit(id=2, deposit=slab.deposit))
         with pytest.raises(InUseError):
@@ -244,6 +250,15 @@ async def _ckpt_bytes(daemon: DaemonProc) -> int:
     return m.bytes
 
 
+def _budget_for_one(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> tuple[DaemonProc, int]:
+    """A daemon serving ``ckpt`` with a budget 1 MiB over its slab, and the slab's bytes: a deposit of that
+    size fits only once the checkpoint is evicted."""
+    from wcache.server.store import planned_bytes
+
+    size = planned_bytes(ckpt)[1]
+    return daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20))), size
+
+
 async def _open_deposit(ch: Channel, key: RecipeKey, nbytes: int) -> DepositSlab:
     """DEPOSIT one uint8 tensor of ``nbytes`` on ``ch``; its writable slab's fd is closed at once."""
     await ch.send(
@@ -262,10 +277,7 @@ async def test_an_uncommitted_deposit_evicts_nothing(daemon_factory: Callable[..
     checkpoint served (it used to be evicted at DEPOSIT, and never came back); the one that commits evicts it
     then (DEPOSITED.evicted)."""
     base = WeightCacheKey.from_checkpoint(ckpt)
-    probe = daemon_factory(ckpt)
-    size = await _ckpt_bytes(probe)
-    probe.stop()
-    daemon = daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20)))
+    daemon, size = _budget_for_one(daemon_factory, ckpt)
     client = WCacheClient(daemon.socket)
     before = fd_count(daemon.pid)
     ch, _ = await connect(daemon.socket, software="t", name="promise")
@@ -289,10 +301,7 @@ async def test_a_commit_whose_room_got_leased_meanwhile_is_refused_and_evicts_no
     """Admitted against the room evicting the idle checkpoint would free; an engine leases the checkpoint
     before the COMMIT: OUT_OF_MEMORY for the COMMIT, the deposit dropped, the checkpoint still served."""
     base = WeightCacheKey.from_checkpoint(ckpt)
-    probe = daemon_factory(ckpt)
-    size = await _ckpt_bytes(probe)
-    probe.stop()
-    daemon = daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20)))
+    daemon, size = _budget_for_one(daemon_factory, ckpt)
     before = fd_count(daemon.pid)
     ch, _ = await connect(daemon.socket, software="t", name="late")
     try:
@@ -369,9 +378,7 @@ async def test_a_slab_the_engine_sealed_itself_is_refused_at_commit(daemon: Daem
     before = fd_count(daemon.pid)
     ch, _ = await connect(daemon.socket, software="t", name="sealer")
     try:
-        await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
-        slab, fds = await expect(ch)
-        assert isinstance(slab, DepositSlab)
+        slab, fds = await _four_floats(ch, key)
         fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, seals)
         os.close(fds[0])
         await ch.send(Commit(id=2, deposit=slab.deposit))

@@ -42,16 +42,21 @@ async def test_takeover_hands_over_memory_socket_and_lock(
             assert w.server.server_pid == new.pid
             assert all(torch.equal(w[k], v) for k, v in ref.items())
         await engine.release()  # its connection went with the old daemon: not an error
-        third = subprocess.run(
-            [sys.executable, "-m", "wcache.server.cli", "--model", str(ckpt), "--socket-dir", str(socket_dir)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert third.returncode != 0 and f"pid {new.pid}" in third.stderr  # the new daemon holds the lock
+        _refused_naming(ckpt, socket_dir, new.pid)  # the new daemon holds the lock
     finally:
         new.stop()
+
+
+def _refused_naming(ckpt: Path, socket_dir: Path, holder: int) -> None:
+    """A third daemon on the socket exits with an error naming the pid that holds the one-daemon lock."""
+    third = subprocess.run(
+        [sys.executable, "-m", "wcache.server.cli", "--model", str(ckpt), "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert third.returncode != 0 and f"pid {holder}" in third.stderr, third.stderr[-2000:]
 
 
 def test_takeover_refuses_model_and_socket_arguments(ckpt: Path, tmp_path: Path) -> None:
@@ -98,14 +103,7 @@ async def _serves_and_holds_its_lock(old: DaemonProc, ckpt: Path, socket_dir: Pa
         async with await WCacheClient(old.socket, timeout=10).fetch(key) as w:
             assert w.server.server_pid == old.pid
             assert all(torch.equal(w[k], v) for k, v in load_from_disk(ckpt).items())
-    third = subprocess.run(
-        [sys.executable, "-m", "wcache.server.cli", "--model", str(ckpt), "--socket-dir", str(socket_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert third.returncode != 0 and f"pid {old.pid}" in third.stderr  # the old daemon still holds the lock
+    _refused_naming(ckpt, socket_dir, old.pid)  # the old daemon still holds the lock
 
 
 @pytest.mark.parametrize("then", ["close", "other-request", "too-few"])

@@ -68,9 +68,7 @@ class Takeover(Message):
     device_uuid: str = wire(Str(), default="")  # the new daemon's GPU: must be the running one's
     pid: int = wire(Int(), default=0)
     #: the largest TAKEOVER_STATE body the new daemon accepts: a larger hand-off is refused before anything changes
-    max_frame_size: int = wire(
-        Int(lo=1, hi=MAX_REPRESENTABLE), default=DEFAULT_MAX_FRAME_SIZE, omit_default=True
-    )
+    max_frame_size: int = wire(Int(lo=1, hi=MAX_REPRESENTABLE), default=DEFAULT_MAX_FRAME_SIZE, omit_default=True)
 
 
 @message("TAKEOVER_STATE")

@@ -420,7 +420,9 @@ def deposit_layout(req: Deposit) -> tuple[TensorTable, int, int]:
     try:
         as_received(probe)
     except ProtocolError as exc:
-        raise fail("DEPOSIT", "tensors", f"no client could fetch this deposit, its STATE is refused: {exc.message}") from None
+        raise fail(
+            "DEPOSIT", "tensors", f"no client could fetch this deposit, its STATE is refused: {exc.message}"
+        ) from None
     return table, size, payload
 
 

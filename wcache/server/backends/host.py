@@ -271,8 +271,7 @@ class HostSlab:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         except PermissionError:  # EPERM: F_SEAL_SEAL is set; only a holder of the fd (a depositing engine) set it
             raise RemoteProtocolError(
-                "the slab's seals were changed by another process (F_SEAL_SEAL is set), so it cannot be made "
-                "read-only"
+                "the slab's seals were changed by another process (F_SEAL_SEAL is set), so it cannot be made read-only"
             ) from None
         if os.fstat(self.fd).st_size != self.size:  # the size seals make this impossible; checked, not assumed
             raise RemoteProtocolError(f"slab of {self.size} bytes is now {os.fstat(self.fd).st_size} bytes")
