@@ -25,6 +25,7 @@ from wcache.errors import (
     KeyMismatchError,
     LimitExceededError,
     NotFoundError,
+    UnexpectedFrameError,
     UnknownLeaseError,
 )
 from wcache.nn import load_from_disk
@@ -41,6 +42,9 @@ from wcache.proto import (
     Status,
     StatusReply,
     Takeover,
+    TakeoverAdopted,
+    TakeoverDone,
+    TakeoverState,
 )
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
@@ -201,6 +205,39 @@ async def test_at_the_cap_lease_holders_keep_their_place(store: Store, socket_di
         finally:
             idle.close()
             await holder.release()
+
+
+async def test_a_hand_off_completes_only_once_every_model_is_adopted(
+    store: Store, socket_dir: Path, ckpt: Path
+) -> None:
+    """TAKEOVER, TAKEOVER_STATE, then: a TAKEOVER_ADOPTED of fewer models is IN_USE, and a new daemon silent
+    past the hand-off deadline loses its connection — either way the daemon accepts and serves on; another
+    request in place of TAKEOVER_ADOPTED is fatal, and the daemon serves on; all of them adopted:
+    TAKEOVER_DONE, and the daemon stops, leaving its socket file to the new daemon."""
+    d = Daemon(store, socket_dir / "wcache-rank0.sock", software="wcache/test", handoff_timeout=0.5)
+    async with serving_here(d):
+        for ending in ("too few", "silent", "another request", "adopted"):
+            ch = await _open(d)
+            try:
+                state = await _ask(ch, Takeover(id=1, backend="host"))
+                assert isinstance(state, TakeoverState) and len(state.models) == 1
+                if ending == "too few":
+                    with pytest.raises(InUseError, match="adopted 0 of the 1"):
+                        await _ask(ch, TakeoverAdopted(id=2, models=0))
+                elif ending == "silent":
+                    with pytest.raises((EOFError, ConnectionError)):
+                        await asyncio.wait_for(ch.receive(), 20)
+                elif ending == "another request":
+                    with pytest.raises(UnexpectedFrameError, match="only TAKEOVER_ADOPTED"):
+                        await _ask(ch, Status(id=2))
+                else:
+                    assert isinstance(await _ask(ch, TakeoverAdopted(id=2, models=1)), TakeoverDone)
+                    break
+            finally:
+                ch.close()
+            assert isinstance(await asyncio.wait_for(_status(d), 20), StatusReply), ending  # serving on
+        await asyncio.wait_for(d._stop.wait(), 20)  # it stops by itself
+    assert d.socket_path.exists()  # the new daemon's now
 
 
 @pytest.fixture

@@ -15,17 +15,22 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import assert_never, cast
 
 from wcache.channel import DEFAULT_READ_BUDGET, ReadBudget
 from wcache.errors import (
     DeviceMismatchError,
+    FrameTooLargeError,
+    InternalError,
     InUseError,
     KeyMismatchError,
     LimitExceededError,
     NotFoundError,
+    ProtocolError,
+    UnexpectedFrameError,
+    UnknownLeaseError,
     UnsupportedPlatformError,
 )
 from wcache.key import WeightCacheKey
@@ -48,7 +53,10 @@ from wcache.proto import (
     Status,
     StatusReply,
     Takeover,
+    TakeoverAdopted,
+    TakeoverDone,
     TakeoverState,
+    as_received,
 )
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
@@ -57,13 +65,27 @@ from wcache.recipe import key_from_wire
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.listen import bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, Shell, stop_on_signals
-from wcache.server.store import ServedModel, Store
+from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, Shell, raise_nofile, stop_on_signals
+from wcache.server.store import ServedModel, Store, split_descriptors
 from wcache.server.tier import HostTier, TierEntry
 
 __all__ = ["Daemon"]
 
 log = logging.getLogger("wcache.server")
+
+
+@dataclass(eq=False)
+class _Handoff:
+    """A hand-off in progress: TAKEOVER_STATE went to ``conn`` (the new daemon, ``pid``) with ``models``."""
+
+    conn: int
+    pid: int
+    models: list[ServedModel]
+    timer: asyncio.TimerHandle | None = None
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class Daemon:
@@ -91,6 +113,7 @@ class Daemon:
         keeper: KeeperLink | None = None,
         keeper_check: float = 5.0,
         tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
+        handoff_timeout: float = 10.0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -131,6 +154,11 @@ class Daemon:
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         self.keeper_check = keeper_check
+        #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
+        #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
+        self.handoff_timeout = handoff_timeout
+        #: the hand-off in progress (TAKEOVER_STATE sent, TAKEOVER_ADOPTED awaited), if any
+        self._handoff: _Handoff | None = None
         self._handed_over = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -140,6 +168,7 @@ class Daemon:
     async def serve(self, on_ready: object | None = None, *, signals: bool = True) -> None:
         """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then drain and unlink the socket."""
         with stop_on_signals(self.stop, signals=signals):
+            self._fd_limits()
             listener = self._listener if self._listener is not None else bind_private_socket(self.socket_path)
             self._listener = listener
             http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
@@ -163,6 +192,25 @@ class Daemon:
                 await self.shell.drain()
         log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
 
+    def _fd_limits(self) -> None:
+        """Connections and slabs (models, deposits in progress) get their shares of RLIMIT_NOFILE
+        (``split_descriptors``), so that no peer can make the daemon run out of descriptors to accept and
+        answer with; the shell gives each peer its share of unread descriptors from what is left."""
+        nofile = raise_nofile()
+        connections, slabs = split_descriptors(nofile, self.limits.connections)
+        self.store.fit_descriptors(slabs)
+        if connections < self.limits.connections:
+            self.limits = replace(self.limits, connections=connections)
+            self.shell.limit_connections(connections)
+        log.info(
+            "descriptor shares %s nofile=%d connections=%d models=%d deposits=%d",
+            self._tag,
+            nofile,
+            self.limits.connections,
+            self.store.max_models,
+            self.store.max_deposits,
+        )
+
     async def _watch_keeper(self) -> None:
         """Every ``keeper_check`` seconds: a keeper that restarted holds nothing; deposit the models again."""
         assert self.keeper is not None
@@ -178,13 +226,16 @@ class Daemon:
         )
 
     def holds(self, ctx: Context) -> bool:
-        """A connection holding leases is never closed for silence or room: its engine maps the weights."""
-        return self.store.held_by(ctx.id) > 0
+        """A connection holding leases is never closed for silence or room: its engine maps the weights. Nor is
+        one in the middle of a hand-off (its own deadline is ``handoff_timeout``)."""
+        return self.store.held_by(ctx.id) > 0 or (self._handoff is not None and self._handoff.conn == ctx.id)
 
     def protects(self) -> Callable[[Context], bool]:
         return lambda ctx: False
 
     def closed(self, ctx: Context) -> None:
+        if self._handoff is not None and self._handoff.conn == ctx.id:  # the new daemon refused, died or broke it
+            self._hand_over_failed("its connection ended before TAKEOVER_DONE")
         ended = self.store.drop_connection(ctx.id)
         if ended:
             log.info(
@@ -199,6 +250,12 @@ class Daemon:
         # the connection lets through only requests (the transition table) of this service
         frame = cast("DaemonRequest", request)
         conn_id, pid = ctx.id, ctx.pid
+        if self._handoff is not None and self._handoff.conn == conn_id and not isinstance(frame, TakeoverAdopted):
+            self._hand_over_failed(f"{frame.TYPE} instead of TAKEOVER_ADOPTED")
+            raise UnexpectedFrameError(
+                f"{frame.TYPE} after TAKEOVER_STATE: only TAKEOVER_ADOPTED may follow it (the hand-off is off)",
+                details={"type": frame.TYPE},
+            )
         match frame:
             case GetState():
                 return await self._get_state(frame, conn_id, pid)
@@ -219,7 +276,9 @@ class Daemon:
                 spec = RankSpec.from_preload(frame, verify_content=self.verify_content)
                 return await self._preload(spec, frame.id, pid)
             case Takeover():
-                return await self._hand_over(frame, pid)
+                return await self._hand_over(frame, ctx)
+            case TakeoverAdopted():
+                return self._adopted(frame, conn_id)
             case Evict():
                 gone = self.store.evict(frame.key)
                 if self.keeper is not None:
@@ -270,8 +329,7 @@ class Daemon:
         """DEPOSIT (docs/protocol.md §4.13): room, a writable slab, DEPOSIT_SLAB with its descriptor. The
         deposit is the connection's until COMMIT: if it closes first, drop_connection frees the slab (and so
         does a DEPOSIT_SLAB whose descriptor the kernel refused)."""
-        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)
-        await self._evicted(dep.evicted, "deposit")
+        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)  # evicts nothing: a promise until COMMIT
         log.info(
             "deposit started %s pid=%d deposit=%d key=%s tensors=%d bytes=%d pending=%d",
             self._tag,
@@ -285,8 +343,9 @@ class Daemon:
         return Reply(reply, fds, undo=lambda: self.store.abandon(dep.id, "its DEPOSIT_SLAB could not be sent"))
 
     async def _commit(self, req: Commit, conn_id: int, pid: int) -> Reply:
-        """COMMIT: seal the slab read-only, serve it under the recipe key, tell the keeper."""
-        reply, model, old = self.store.commit_deposit(conn_id, req)
+        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the keeper."""
+        reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
+        await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             if old is not None:
                 await self.keeper.unkeep(old)
@@ -305,12 +364,17 @@ class Daemon:
         )
         return Reply(reply, after=lambda: self._save_to_tier(model))
 
-    async def _hand_over(self, req: Takeover, pid: int) -> Reply:
-        """TAKEOVER: give a new daemon (same uid, same device) every model's slabs and the listening
-        socket, stop accepting, release the lock, and stop. Engines' mappings stay valid: they
+    async def _hand_over(self, req: Takeover, ctx: Context) -> Reply:
+        """TAKEOVER (docs/protocol.md §4.10): give a new daemon (same uid, same device) every model's slabs and
+        the listening socket, and stop only once it confirms (TAKEOVER_ADOPTED) that it adopted them all.
+        Until then this daemon keeps its lock and its connections; new ones queue on the shared socket. A
+        hand-off that fails at any point (refused here, a TAKEOVER_STATE over the new daemon's frame limit,
+        the new daemon refusing it, dying or silent past ``handoff_timeout``, the models changing meanwhile)
+        leaves this daemon serving and accepting as before. Engines' mappings stay valid either way: they
         reference the memory, not this process."""
+        pid = ctx.pid
         backend = self.store.backend
-        if self._handed_over:
+        if self._handoff is not None or self._handed_over:
             raise InUseError("this daemon is already handing over to another: wait for it to stop")
         if req.backend != backend.name or (backend.device.uuid and req.device_uuid != backend.device.uuid):
             raise DeviceMismatchError(
@@ -318,9 +382,10 @@ class Daemon:
                 f"{backend.name} {backend.device.uuid or '-'}: nothing handed over",
                 details={"backend": backend.name, "device_uuid": backend.device.uuid},
             )
+        held = list(self.store.models.values())
         models: list[HandedModel] = []
         fds: list[int] = []
-        for m in self.store.models.values():
+        for m in held:
             descs = m.export(fds)
             by_handle = [d.kind for d in descs if d.fd < 0]
             if by_handle:  # (the fds listed so far are the slabs' own: nothing to close)
@@ -331,14 +396,56 @@ class Daemon:
         if len(fds) + 1 > MAX_HANDOFF_FDS:
             raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
         assert self._listener is not None
-        self.shell.stop_accepting()  # no new connection lands here from now on: they queue for the new daemon
-        self._handed_over = True
         reply = TakeoverState(id=req.id, models=tuple(models), listener_fd=len(fds), pid=os.getpid())
+        try:  # what the new daemon's decoder will make of it, off the event loop (tens of MB for big tables)
+            await asyncio.to_thread(as_received, reply, req.max_frame_size)
+        except FrameTooLargeError as exc:
+            raise LimitExceededError(
+                f"the hand-off is {exc.details.get('size')} bytes, over the {req.max_frame_size} the new daemon "
+                "accepts (its --max-frame-size): nothing handed over; EVICT models first, or give the new daemon "
+                "a larger --max-frame-size",
+                details={"size": exc.details.get("size"), "max_size": req.max_frame_size},
+            ) from None
+        except ProtocolError as exc:
+            raise InternalError(f"a model here cannot be handed over ({exc.message}): nothing handed over") from None
+        if not self._holds(held):  # evicted meanwhile: its descriptor may be closed
+            raise InUseError("the models changed while the hand-off was prepared: nothing handed over; retry")
+        self._handoff = _Handoff(ctx.id, pid, held)
+        self.shell.stop_accepting()  # no new connection lands here meanwhile: they queue for whoever serves next
         fds.append(self._listener.fileno())
-        return Reply(reply, fds, undo=self._serve_on, after=lambda: self._handed(pid, models))
 
-    def _handed(self, pid: int, models: list[HandedModel]) -> None:
-        """The TAKEOVER_STATE is out: the new daemon serves from now on."""
+        def sent() -> None:  # the new daemon has this long to adopt them all, else this one serves on
+            handoff = self._handoff
+            assert handoff is not None
+            handoff.timer = asyncio.get_running_loop().call_later(self.handoff_timeout, self._hand_over_expired, ctx)
+
+        return Reply(
+            reply, fds, undo=lambda: self._hand_over_failed("TAKEOVER_STATE's descriptors refused"), after=sent
+        )
+
+    def _adopted(self, frame: TakeoverAdopted, conn_id: int) -> Reply:
+        """TAKEOVER_ADOPTED: the new daemon adopted ``frame.models`` models; TAKEOVER_DONE if that is all of
+        them, unchanged since (this daemon then stops), else the hand-off is off and this daemon serves on."""
+        handoff = self._handoff
+        if handoff is None or handoff.conn != conn_id:
+            raise UnknownLeaseError("TAKEOVER_ADOPTED with no hand-off open on this connection")
+        if frame.models != len(handoff.models) or not self._holds(handoff.models):
+            self._hand_over_failed(f"adopted {frame.models} of {len(handoff.models)} models, or they changed")
+            raise InUseError(
+                f"the new daemon adopted {frame.models} of the {len(handoff.models)} models handed over, or they "
+                "changed meanwhile: this daemon serves on; retry the takeover",
+                details={"adopted": frame.models, "handed": len(handoff.models)},
+            )
+        return Reply(TakeoverDone(id=frame.id, pid=os.getpid()), after=self._handed)
+
+    def _handed(self) -> None:
+        """The TAKEOVER_DONE is out: the new daemon serves from now on."""
+        handoff = self._handoff
+        assert handoff is not None
+        handoff.cancel()
+        self._handoff = None
+        self._handed_over = True
+        pid, models = handoff.pid, handoff.models
         log.info(
             "handed over %s to pid=%d models=%d bytes=%d leases_dropped=%d",
             self._tag,
@@ -351,10 +458,26 @@ class Daemon:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()
 
-    def _serve_on(self) -> None:
-        """The kernel refused the hand-off's descriptors: nothing was handed over, accept and serve on."""
-        self._handed_over = False
-        self.shell.resume_accepting()
+    def _holds(self, models: list[ServedModel]) -> bool:
+        """Whether the store serves exactly ``models`` (the same objects, in any LRU order), as when a hand-off
+        began: a fetch meanwhile only reorders them."""
+        now = {id(m) for m in self.store.models.values()}
+        return len(now) == len(models) and now == {id(m) for m in models}
+
+    def _hand_over_expired(self, ctx: Context) -> None:
+        """No TAKEOVER_ADOPTED within ``handoff_timeout``: serve on, and end the new daemon's connection."""
+        if self._handoff is not None and self._handoff.conn == ctx.id:
+            self._hand_over_failed(f"no TAKEOVER_ADOPTED within {self.handoff_timeout} s")
+            ctx.end()
+
+    def _hand_over_failed(self, why: str) -> None:
+        handoff, self._handoff = self._handoff, None
+        if handoff is None:
+            return
+        handoff.cancel()
+        if not self._stop.is_set():
+            self.shell.resume_accepting()
+        log.warning("hand-off failed %s to pid=%d reason=%s: serving on", self._tag, handoff.pid, why)
 
     async def _load_on_demand(self, req: GetState, pid: int) -> bool:
         """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the

@@ -38,7 +38,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from wcache.channel import Channel, ReadBudget, close_fds, peer_credentials
@@ -168,10 +168,17 @@ class Context:
 
     id: int
     peer: PeerIdentity = field(default_factory=PeerIdentity)
+    _end: Callable[[], object] | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
         return self.peer.pid
+
+    def end(self) -> None:
+        """Close this connection now, telling its peer nothing (a deadline of the handler's own ran out: the
+        hand-off's); ``Handler.closed`` follows as for any end."""
+        if self._end is not None:
+            self._end()
 
 
 @dataclass(frozen=True)
@@ -220,15 +227,22 @@ class Handler(Protocol):
         ...
 
 
-def unread_fd_share(connections: int, tag: str, log: logging.Logger) -> int:
-    """Descriptors queued in sockets that peers have not read count against this uid's RLIMIT_NOFILE (unless
-    root): raise the soft limit to the hard one, and give each peer a share of it."""
+def raise_nofile() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (descriptors queued in sockets that peers have not read
+    count against this uid's, unless root); returns the soft limit now (2**20 standing for unlimited)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 1 << 20
     if soft != resource.RLIM_INFINITY and soft < want:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             soft = want
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def unread_fd_share(connections: int, tag: str, log: logging.Logger) -> int:
+    """Each peer's share of this uid's RLIMIT_NOFILE (raised first) for descriptors sent and not yet read;
+    a warning when ``connections`` such peers could exhaust it."""
+    soft = raise_nofile()
     share = max(1, min(64, soft // 16))
     worst = connections * share
     if os.geteuid() != 0 and worst > soft:
@@ -291,6 +305,7 @@ class Shell:
         self._contexts: dict[int, Context] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._accept: asyncio.Future[None] | None = None
+        self._closed = False
         self._next_id = 1
 
     def __len__(self) -> int:
@@ -306,6 +321,11 @@ class Shell:
         self.listener = listener
         self.resume_accepting()
 
+    def limit_connections(self, connections: int) -> None:
+        """Lower the connection cap before ``start`` (the daemon's share of its descriptors)."""
+        self.limits = replace(self.limits, connections=connections)
+        self._table.limit = connections
+
     def stop_accepting(self) -> None:
         """Accept nothing more for now (connections wait in the listener's queue: a hand-off leaves them to the
         new daemon); the listener stays open."""
@@ -315,11 +335,12 @@ class Shell:
 
     def resume_accepting(self) -> None:
         assert self.listener is not None
-        if self._accept is None:
+        if self._accept is None and not self._closed:
             self._accept = asyncio.ensure_future(accept_loop(self.listener, self._accepted, self.tag))
 
     async def close(self) -> None:
         """Stop accepting and close the listener (connections already open stay: ``drain``)."""
+        self._closed = True
         accept, self._accept = self._accept, None
         if accept is not None:
             accept.cancel()
@@ -356,6 +377,7 @@ class Shell:
         slot = Peer(conn_id)
         ctx = self._contexts[conn_id] = Context(conn_id)
         task = asyncio.ensure_future(self._serve(sock, slot, ctx, refuse=room is None))
+        ctx._end = task.cancel
         slot.task = task
         self._table.add(slot)
         self._tasks[conn_id] = task
