@@ -318,7 +318,9 @@ def run(args: argparse.Namespace) -> int:
         if args.host_tier > 0:
             from wcache.server.tier import HostTier, default_tier_dir
 
-            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
+            # --verify-content: no refill by one DMA copy (the one way that checks only sampled blocks, tier.py)
+            pin = None if args.verify_content else backend.pinner()
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=pin)
 
         def planner(spec: RankSpec) -> RankPlan:
             with checkpoint_errors(str(spec.checkpoint)):
