@@ -30,7 +30,15 @@ from typing import Any
 
 from wcache.errors import CheckpointError, WCacheError
 
-__all__ = ["MAX_CONFIG_BYTES", "MAX_INDEX_BYTES", "file_kind", "open_regular", "read_capped", "read_json"]
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "MAX_INDEX_BYTES",
+    "file_kind",
+    "open_regular",
+    "read_at_most",
+    "read_capped",
+    "read_json",
+]
 
 #: config.json, generation_config.json, shard-plan files: a few KB in practice.
 MAX_CONFIG_BYTES = 16 << 20
@@ -93,20 +101,26 @@ def read_capped(
     try:
         if st.st_size > limit:
             raise error(f"{os.fspath(path)}: {what} is {st.st_size} bytes, over the {limit}-byte limit for metadata")
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
+        data = read_at_most(fd, limit + 1)
     except OSError as exc:
         raise error(f"{os.fspath(path)}: {what} cannot be read ({exc})") from exc
     finally:
         os.close(fd)
-    if got > limit:  # grew while read
+    if len(data) > limit:  # grew while read
         raise error(f"{os.fspath(path)}: {what} is over the {limit}-byte limit for metadata")
+    return data
+
+
+def read_at_most(fd: int, n: int) -> bytes:
+    """The bytes of ``fd`` from its position on, up to ``n`` (fewer at the end of the file)."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = os.read(fd, min(1 << 20, n - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
     return b"".join(chunks)
 
 

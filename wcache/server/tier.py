@@ -67,7 +67,7 @@ import msgpack
 
 from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import ProtocolError, TierEntryError, WCacheError
-from wcache.files import file_kind
+from wcache.files import file_kind, read_at_most
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import PinnedFile, Slab
@@ -169,20 +169,6 @@ def _open_own(path: Path) -> int | None:
         os.close(fd)
         raise
     return fd
-
-
-def _read_capped(fd: int, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while got <= limit:
-        chunk = os.read(fd, min(1 << 20, limit + 1 - got))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    if got > limit:
-        raise TierEntryError(f"the meta file is over {limit} bytes")
-    return b"".join(chunks)
 
 
 def _pack_meta(body: dict[str, Any]) -> bytes:
@@ -423,7 +409,10 @@ class HostTier:
         if fd is None:
             return None
         try:
-            body = _unpack_meta(_read_capped(fd, MAX_META_BYTES))
+            raw = read_at_most(fd, MAX_META_BYTES + 1)
+            if len(raw) > MAX_META_BYTES:
+                raise TierEntryError(f"the meta file is over {MAX_META_BYTES} bytes")
+            body = _unpack_meta(raw)
             os.utime(fd)  # least recently used goes first (through the descriptor: never a path followed)
         finally:
             os.close(fd)
