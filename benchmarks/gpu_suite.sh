@@ -4,9 +4,10 @@
 #
 # PARTS picks steps, or one of three sets, each made to fit one 10-minute device call (expected minutes on the
 # H200, setup and the 16 GB checkpoint's ~25 s generation included; a fresh machine per call):
-#   restart  tests fresh restart imports fresh_moe     ~8    the restart path: GPU tests, fresh engines, imports
-#   loads    cold sweep first_token kills tier         ~9    cold/warm loads, first token, kills, host tier
-#   more     bench handoff fp8                         ~8    the all-in-one bench, takeover, FP8 write-back
+#   restart  tests fresh restart imports fresh_moe     ~8    the restart path: GPU tests (FP8 ones included: their
+#                                                            JSON too), fresh engines, keeper restart, imports
+#   loads    cold sweep first_token tier               ~8.5  cold/warm loads, first token, host tier
+#   more     bench kills handoff fp8_writeback         ~8    the all-in-one bench, kills, takeover, FP8 write-back
 # so the whole suite is three calls: PARTS=restart, PARTS=loads, PARTS=more. Default: all three sets (more than
 # one call's time: what does not fit SUITE_SECONDS is skipped and says so). Extra steps, in no set: disk
 # (the disk's read patterns, ~3 min), driver_order (start-up order vs copy speed, ~1 min).
@@ -33,8 +34,8 @@ PACK="${PACK:-1}"
 SUITE_SECONDS="${SUITE_SECONDS:-570}"
 declare -A SETS=(
   [restart]="tests fresh restart imports fresh_moe"
-  [loads]="cold sweep first_token kills tier"
-  [more]="bench handoff fp8"
+  [loads]="cold sweep first_token tier"
+  [more]="bench kills handoff fp8_writeback"
 )
 expanded=""
 for p in $PARTS; do expanded+=" ${SETS[$p]:-$p}"; done
@@ -89,9 +90,22 @@ checkpoint() {  # the 16 GB Llama-3-8B-shaped checkpoint every load step uses (~
   [ -f $W/llama3-8b/config.json ] || step checkpoint "${CHECKPOINT_TIMEOUT:-180}" python3 -c \
     "from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint as m; from pathlib import Path; m(Path('$W/llama3-8b'), LLAMA3_8B, shards=4, seed=0, device='cuda:0')"
 }
-if want tests; then  # 34 tests, 109 s with bytecode
+junit_json() {  # junit_json XML JSON PATTERN: the FP8 tests' results as JSON (none may skip on the H200)
+  python3 - "$@" <<'PY' || status=1
+import json, re, sys, xml.etree.ElementTree as ET
+cases = [c for c in ET.parse(sys.argv[1]).getroot().iter("testcase") if re.search(sys.argv[3], c.get("classname", ""))]
+res = {c.get("classname", "") + "::" + c.get("name", ""): next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed") for c in cases}
+out = {"step": "fp8_checkpoint", "tests": len(res), "passed": sum(v == "passed" for v in res.values()), "results": res}
+out["ok"] = out["tests"] > 0 and out["passed"] == out["tests"]
+open(sys.argv[2], "w").write(json.dumps(out, indent=2) + "\n"); print(json.dumps({k: out[k] for k in ("tests", "passed", "ok")}))
+sys.exit(0 if out["ok"] else 1)
+PY
+}
+FP8_TESTS="test_fp8|test_deposit_cuda"
+if want tests; then  # 34 tests, 109 s with bytecode; the FP8 ones' JSON from the same run
   step gpu_tests "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra \
     -W default --junitxml="$RAW/gpu_tests.xml"
+  [ -f "$RAW/gpu_tests.xml" ] && junit_json "$RAW/gpu_tests.xml" "$RAW/fp8_checkpoint.json" "$FP8_TESTS"
 fi
 if want fresh; then
   # the restart weight path in fresh engines (import -> key -> fetch -> views), 16 GB, with the anchors'
@@ -138,7 +152,7 @@ if want kills; then
 fi
 if want tier; then
   checkpoint
-  step tier_reload "${TIER_TIMEOUT:-200}" python3 benchmarks/tier_reload_bench.py --device cuda:0 --model $W/llama3-8b \
+  step tier_reload "${TIER_TIMEOUT:-300}" python3 benchmarks/tier_reload_bench.py --device cuda:0 --model $W/llama3-8b \
     --out "$RAW/tier_reload.json" ${TIER_ARGS:-}
 fi
 if want bench; then  # the all-in-one bench (~3 min; it generates its checkpoints itself)
@@ -152,19 +166,14 @@ if want handoff; then
 fi
 if want fp8; then
   # a block-wise FP8 checkpoint served zero_copy (bytes checked) and CUDA write-back (tests, JSON from their
-  # junit: none may skip here); then transformers' FP8 quantize-on-load deposited by start 1 and mapped
-  # zero_copy by start 2, every parameter bit-identical, both starts timed
+  # junit: none may skip here); then fp8_writeback below
   step fp8_checkpoint "${FP8_TESTS_TIMEOUT:-200}" python3 -m pytest tests/gpu/test_fp8.py tests/gpu/test_deposit_cuda.py \
     -q -p no:cacheprovider -o addopts="" --strict-markers -ra -W default --junitxml="$RAW/fp8_tests.xml"
-  python3 - "$RAW/fp8_tests.xml" "$RAW/fp8_checkpoint.json" <<'PY' || status=1
-import json, sys, xml.etree.ElementTree as ET
-cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
-res = {c.get("classname", "") + "::" + c.get("name", ""): next((k.tag for k in c if k.tag in ("failure", "error", "skipped")), "passed") for c in cases}
-out = {"step": "fp8_checkpoint", "tests": len(res), "passed": sum(v == "passed" for v in res.values()), "results": res}
-out["ok"] = out["tests"] > 0 and out["passed"] == out["tests"]
-open(sys.argv[2], "w").write(json.dumps(out, indent=2) + "\n"); print(json.dumps({k: out[k] for k in ("tests", "passed", "ok")}))
-sys.exit(0 if out["ok"] else 1)
-PY
+  [ -f "$RAW/fp8_tests.xml" ] && junit_json "$RAW/fp8_tests.xml" "$RAW/fp8_checkpoint.json" "$FP8_TESTS"
+fi
+if want fp8 || want fp8_writeback; then
+  # transformers' FP8 quantize-on-load deposited by start 1 and mapped zero_copy by start 2, every parameter
+  # bit-identical, both starts timed (~1 min)
   step fp8_writeback "${FP8_WB_TIMEOUT:-300}" python3 benchmarks/fp8_writeback_bench.py --device cuda:0 --work /tmp/wcache-fp8wb \
     --out "$RAW/fp8_writeback.json" ${FP8_WB_ARGS:-}
 fi

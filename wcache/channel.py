@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
-from wcache.proto.codec import MAX_HANDSHAKE_FRAME
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_HANDSHAKE_FRAME
 from wcache.proto.connection import PROTOCOL_VERSION, Connection, Misdirected, Role, Service
 from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk
 
@@ -399,12 +399,14 @@ async def connect(
     service: Service | None = None,
     pipeline: Pipeline | None = None,
     timings: dict[str, float] | None = None,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
-    back (its reply is the next frame after HELLO_OK). ``timings``: gets ``socket`` (connected, peer
-    checked) and ``hello`` (HELLO out, HELLO_OK in), in ms."""
+    back (its reply is the next frame after HELLO_OK). ``max_frame_size``: the largest frame body taken
+    from the peer. ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK
+    in), in ms."""
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     sock = _socket()
@@ -416,7 +418,7 @@ async def connect(
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
     t1 = time.perf_counter()
-    ch = Channel(sock, Connection(Role.CLIENT, service=service))
+    ch = Channel(sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size))
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
         frame, _ = await expect(ch)
