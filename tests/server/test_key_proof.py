@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +21,10 @@ from tests.conftest import DaemonProc
 from tests.server.test_fetch import reference
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
 from wcache.key import RACY_NS
+from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
 
-COPIES = 12  # one per use below
+COPIES = 13  # one per use below
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +223,20 @@ def test_the_store_completes_only_a_proof_of_files_it_read(copies: Callable[[], 
     with pytest.raises(KeyMismatchError) as info:
         store.completed(GetState(id=3, key=moved[0], proof=moved[1]))
     assert "no checkpoint whose files" in info.value.details["proof"] and "key" not in info.value.details
+
+
+def test_a_daemon_restarted_on_its_keeper_proves_the_files_it_checked(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], copies: Callable[[], Path]
+) -> None:
+    """A crashed daemon's successor reclaims the model from the keeper and checks it against the checkpoint (it
+    plans it from the files): that planning's facts let engines prove the files at once, as before the crash."""
+    model = copies()
+    first = daemon_factory(model, "--keeper")
+    assert _fetch(first, WeightCacheKey.from_checkpoint(model))[0]
+    first.stop(signal.SIGKILL)
+    second = daemon_factory(model, "--keeper")
+    (served,) = asyncio.run(WCacheClient(second.socket).status()).models
+    assert served.origin == "keeper"
+    key = WeightCacheKey.from_checkpoint(model)
+    proven, tensors = _fetch(second, key)
+    assert proven and not key.scanned and _same(tensors, reference(model))
