@@ -4,7 +4,7 @@
 #
 # PARTS picks steps, or one of three sets, each made to fit one 10-minute device call (expected minutes on the
 # H200, setup and the 16 GB checkpoint's ~25 s generation included; a fresh machine per call):
-#   restart  tests fresh restart imports fresh_moe     ~8    the restart path: GPU tests (FP8 ones included: their
+#   restart  tests fresh keeper imports fresh_moe      ~8    the restart path: GPU tests (FP8 ones included: their
 #                                                            JSON too), fresh engines, keeper restart, imports
 #   loads    cold sweep first_token tier               ~8.5  cold/warm loads, first token, host tier
 #   more     bench kills handoff fp8_writeback         ~8    the all-in-one bench, kills, takeover, FP8 write-back
@@ -33,7 +33,7 @@ PARTS="${PARTS:-restart loads more}"
 PACK="${PACK:-1}"
 SUITE_SECONDS="${SUITE_SECONDS:-570}"
 declare -A SETS=(
-  [restart]="tests fresh restart imports fresh_moe"
+  [restart]="tests fresh keeper imports fresh_moe"
   [loads]="cold sweep first_token tier"
   [more]="bench kills handoff fp8_writeback"
 )
@@ -114,7 +114,7 @@ if want fresh; then
   step fresh_engine "${FRESH_TIMEOUT:-300}" python3 benchmarks/fresh_engine_bench.py --device cuda:0 --work $W \
     --model $W/llama3-8b --copy-samples 3 --out "$RAW/fresh_engine.json" ${FRESH_ARGS:-}
 fi
-if want restart; then
+if want keeper; then
   # daemon SIGKILLed and restarted on its keeper: process start -> ready, no torch (~1 min)
   checkpoint
   step keeper_restart "${RESTART_TIMEOUT:-150}" python3 benchmarks/keeper_restart_bench.py --device cuda:0 --model $W/llama3-8b \
