@@ -23,15 +23,13 @@ from wcache.errors import (
     CheckpointError,
     DeviceMismatchError,
     InUseError,
-    KeyMismatchError,
     LimitExceededError,
-    NotFoundError,
     OutOfMemoryError,
     TransformError,
     UnknownLeaseError,
     UnsupportedPlatformError,
 )
-from wcache.key import WeightCacheKey
+from wcache.key import WeightCacheKey, key_mismatch, not_served
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.proto import (
     DTYPE_SIZES,
@@ -463,17 +461,7 @@ class Store:
         for m in self.models.values():
             if not m.key.diff_wire(requested):
                 return m
-        if not self.models:
-            raise NotFoundError("the daemon holds no weights; PRELOAD a model first")
-        recent = next(reversed(self.models.values()))
-        diff = recent.key.diff_wire(requested)
-        served = [m.key.short() for m in self.models.values()]
-        raise KeyMismatchError(
-            "requested key differs from the served one in: "
-            + ", ".join(sorted(diff))
-            + (f" (serving {len(served)} models)" if len(served) > 1 else ""),
-            details={"fields": diff, "served": served},
-        )
+        raise key_mismatch(requested, self.models)  # per field: requested vs the closest served model
 
     def make_room(self, nbytes: int) -> list[ServedModel]:
         """Evict unleased models, least recently used first, until ``nbytes`` more fit the budget.
@@ -535,9 +523,7 @@ class Store:
     def evict(self, requested: dict[str, str | int]) -> ServedModel:
         m = next((m for m in self.models.values() if not m.key.diff_wire(requested)), None)
         if m is None:
-            raise NotFoundError(
-                "no model is served under that key", details={"served": [k.short() for k in self.models]}
-            )
+            raise not_served(requested, self.models)
         n = self.leased(m.key)
         if n:
             raise InUseError(f"{m.key.short()} is held by {n} lease(s)", details={"leases": n})
@@ -738,6 +724,7 @@ class Store:
                 load_seconds=m.stats.seconds,
                 last_use=m.last_use,
                 origin=m.origin,
+                source=str(m.source or ""),
             )
             for m in self.models.values()
         )
