@@ -95,7 +95,7 @@ async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
     table = run_cli("status", "--socket-dir", str(second.socket.parent))
     assert table.returncode == 0
     (row,) = [line for line in table.stdout.splitlines() if "wcache-keeper.sock" in line]
-    assert " keeper " in row and "host (kept)" in row and key.fingerprint[:12] in row
+    assert " keeper " in row and f"host (kept, for {second.socket.name})" in row and str(model) in row
 
     await WCacheClient(second.socket).evict(key)  # an eviction frees the memory in the keeper too
     assert (await WCacheClient(keeper.socket).status()).models == ()
@@ -444,7 +444,8 @@ async def test_keeper_refuses_descriptors_no_frame_announces(keeper: DaemonProce
 def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonProcess, socket_dir: Path) -> None:
     second = spawn_keeper(socket_dir, timeout=None)
     assert second.proc.wait(30) != 0
-    assert f"pid {keeper.pid}" in second.log_text()  # the start-up error (the feature) names the lock's holder
+    # the start-up error (the feature) names the lock's holder, as the program it is
+    assert f"another wcache-keeper (pid {keeper.pid}) already serves {KEEPER_SOCKET}" in second.log_text()
     m, fd = _memfd_model(0)
     with _holding_lock(socket_dir / "o.sock") as owner:
         asyncio.run(kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd]))
