@@ -342,3 +342,28 @@ def test_status_exits_nonzero_when_a_listed_daemon_is_unreachable(daemon: Daemon
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 1
     assert str(daemon.socket) in out.stdout  # the live one is still listed
+
+
+def test_status_reports_a_stale_socket_at_once_saying_whether_a_daemon_is_coming(
+    daemon: DaemonProc, socket_dir: Path
+) -> None:
+    """Nothing is waited for (it used to wait the client's 5 s for a socket whose lock was held): each row says
+    whether a daemon is coming back to it."""
+    starting = socket_dir / "wcache-rank1.sock"  # a daemon still starting: its lock held, nobody listening yet
+    stale = socket_dir / "wcache-rank2.sock"  # a crashed daemon's socket, nothing coming
+    for path in (starting, stale):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        s.close()
+    lock = DaemonLock(starting)
+    lock.acquire()
+    try:
+        out = run_cli("status", "--socket-dir", str(socket_dir))
+    finally:
+        lock.release()
+    assert out.returncode == 1
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert f"a daemon is coming back (its lock {starting}.lock is held by pid {os.getpid()})" in rows[str(starting)]
+    assert "waited" not in rows[str(starting)]
+    assert "nothing is coming back to it (a stale socket" in rows[str(stale)]
+    assert str(daemon.socket) in rows

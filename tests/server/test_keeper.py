@@ -717,3 +717,22 @@ async def test_a_kept_deposit_is_served_after_a_crash_and_dropped_once_its_check
     assert [("engine" in m.key, m.origin) for m in served] == [(False, "disk")]
     kept = (await WCacheClient(keeper.socket).status()).models
     assert [("engine" in m.key) for m in kept] == [False]
+
+
+def test_status_counts_kept_models_for_the_socket_they_were_kept_for(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    """Two ranks' daemons keep one model each; rank 1's crashes. Its row says the keeper holds one model for it
+    (it used to count every rank's: "holds 2 model(s)"), and the keeper's rows name whose each model is."""
+    daemon_factory(model, "--keeper", "--tp-size", "2", "--tp-rank", "0")
+    r1 = daemon_factory(model, "--keeper", "--tp-size", "2", "--tp-rank", "1")
+    r1.stop(signal.SIGKILL)
+    out = run_cli("status", "--socket-dir", str(socket_dir))
+    assert out.returncode == 1
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(str(r1.socket))]
+    assert f"the keeper at {keeper.socket} holds 1 model for it" in row
+    kept = [line for line in out.stdout.splitlines() if line.startswith(str(keeper.socket))]
+    assert sorted(line.split("(kept, for ")[1].split(")")[0] for line in kept) == [
+        "wcache-rank0.sock",
+        "wcache-rank1.sock",
+    ]

@@ -221,9 +221,9 @@ def test_a_lock_file_removed_while_another_waits_on_it_is_never_held_twice(
             a.release()  # A stops between B's open and B's flock: the file B opened is unlinked
         real(fd, op)
 
-    monkeypatch.setattr(security.fcntl, "flock", flock)
+    monkeypatch.setattr(fcntl, "flock", flock)
     b.acquire()
-    monkeypatch.setattr(security.fcntl, "flock", real)
+    monkeypatch.setattr(fcntl, "flock", real)
     # B holds the file the path names (the removed one cannot have its inode number: B had it open then)
     assert done and security._same_file(b.fd, sock.with_name("x.sock.lock"))
     assert lock_holder(sock) == os.getpid()
@@ -259,9 +259,9 @@ def test_the_directory_is_removed_only_by_its_last_user_even_while_one_is_starti
             removed.append(a.release())  # A, the last user, stops between B's open and B's flock
         real(fd, op)
 
-    monkeypatch.setattr(security.fcntl, "flock", flock)
+    monkeypatch.setattr(fcntl, "flock", flock)
     b.acquire(recreate)
-    monkeypatch.setattr(security.fcntl, "flock", real)
+    monkeypatch.setattr(fcntl, "flock", real)
     assert removed == [True] and d.is_dir() and security._same_file(b.fd, d)  # B holds the directory made again
     c.acquire(recreate)
     assert c.release() is False and d.is_dir()  # B still uses it

@@ -7,7 +7,7 @@ evidently on its way before it gives up:
   is held by a live process: read from ``/proc/locks``, matched by device and inode. This is a
   read-only check: trying the lock ourselves, even with ``LOCK_NB`` and for a moment, could make a
   daemon that starts in that moment fail its own ``LOCK_EX | LOCK_NB`` ("another wcache-server already
-  serves"); and the pid written in the file outlives a SIGKILLed daemon (the file is never removed)
+  serves"); and the pid written in the file outlives a SIGKILLed daemon (only a clean stop removes it)
   and may be reused, so it is not trusted either. A lock is held only while an open file description
   holds it, so a holder listed there is alive (locks go when the last descriptor closes, before a
   process becomes a zombie).

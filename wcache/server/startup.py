@@ -1,7 +1,8 @@
 """``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
-goes through, in an order where a bad start costs nothing: socket directory checks -> one-daemon lock ->
-platform check -> takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) -> load
-into one slab -> listen -> ready line (and ready file).
+goes through, in an order where a bad start costs nothing: socket directory checks (and a hold on the
+directory) -> device check -> one-daemon lock -> platform check -> takeover or keeper reclaim -> checkpoint
+headers, key and shard plan (no data) -> load into one slab -> listen -> ready line (and ready file). At
+the end, clean or not, the lock file goes, and the default socket directory with the last user of it.
 """
 
 from __future__ import annotations
