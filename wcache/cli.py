@@ -187,19 +187,16 @@ async def _evict(args: argparse.Namespace) -> int:
     from wcache.key import WeightCacheKey
 
     if args.tp_rank is not None and args.tp_size is not None:
-        key = WeightCacheKey.from_checkpoint(
-            args.model,
-            tp_rank=args.tp_rank,
-            tp_size=args.tp_size,
-            dtype=args.dtype,
-            plan_file=args.shard_plan,
-            transform=args.transform or "",
-        )
+        from wcache.server.startup import rank_spec
+
+        key = WeightCacheKey.from_spec(rank_spec(args))
         client = WCacheClient(args.socket_path, socket_dir=args.socket_dir, wait_for_daemon=0)
         ev = await client.evict(key, timeout=args.timeout)
         print(f"evicted {args.model} {rank_of(key.to_wire())} from {client.socket_for(key)}: {_size(ev.bytes)} freed")
         return 0
     paths = _sockets(args)
+    if not paths:
+        raise NotFoundError(f"no daemon sockets in {args.socket_dir or default_socket_dir()}: nothing to evict from")
     results = await _status(paths, min(args.timeout, 10.0))
     found = _served_of(args, results)
     if not found:
@@ -233,16 +230,10 @@ async def _manage(args: argparse.Namespace) -> int:
     try:
         if args.cmd == "evict":
             return await _evict(args)
+        from wcache.server.startup import rank_spec
+
         client = WCacheClient(args.socket_path, socket_dir=args.socket_dir)
-        r = await client.preload(
-            args.model,
-            tp_rank=args.tp_rank,
-            tp_size=args.tp_size,
-            dtype=args.dtype,
-            plan_file=args.shard_plan,
-            transform=args.transform,
-            timeout=args.timeout,
-        )
+        r = await client.preload(rank_spec(args), timeout=args.timeout)
         gone = ", ".join(f"{k.get('architecture')}@{str(k.get('fingerprint'))[:12]}" for k in r.evicted)
         print(
             f"resident: {r.tensors} tensors, {_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.restarts < 1:
         ap.error(f"--restarts {args.restarts} must be at least 1")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        ap.error(f"--model {args.model}: not a checkpoint directory (no config.json there)")
     try:  # an unusable device: say so now, not after building the checkpoint and starting the daemon
         make_backend(args.device).check_device(loads=True)
     except (ValueError, WCacheError) as exc:

@@ -297,7 +297,8 @@ def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> No
 
 def rank_spec(args: argparse.Namespace) -> RankSpec:
     """The rank ``--model``, ``--tp-rank``, ``--tp-size``, ``--dtype``, ``--shard-plan``, ``--transform`` and
-    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank)."""
+    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank); also what
+    ``wcache preload`` / ``evict DIR`` name (``model`` their directory)."""
     from wcache.rank import RankSpec
 
     return RankSpec(
@@ -306,8 +307,8 @@ def rank_spec(args: argparse.Namespace) -> RankSpec:
         tp_size=args.tp_size,
         dtype=args.dtype,
         plan_file=args.shard_plan,
-        transform=args.transform,
-        verify_content=args.verify_content,
+        transform=args.transform or "",
+        verify_content=getattr(args, "verify_content", False),  # wcache preload / evict: the daemon's policy
     )
 
 
