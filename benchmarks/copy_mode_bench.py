@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=int, default=10, help="fresh engine processes (default 10)")
     ap.add_argument("--out", type=Path, help="write the JSON here too")
     args = ap.parse_args(argv)
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="wcache-copybench-"))
     try:
         model = make_llama_checkpoint(work / "model", DEMO_SHAPE, shards=2, seed=0)
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "transparent_hugepage": thp.read_text().strip() if thp.exists() else "",
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
         },
         "checkpoint_bytes": DEMO_SHAPE.nbytes(),
         "engines": args.engines,
