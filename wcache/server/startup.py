@@ -379,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
     from wcache.rank import RankPlan, plan_rank
     from wcache.server.daemon import Daemon
     from wcache.server.loader import DEFAULT_STAGING
+    from wcache.server.service import ConnectionLimits
     from wcache.server.store import Store, load_model
 
     if args.takeover is not None:
@@ -405,7 +406,9 @@ def run(args: argparse.Namespace) -> int:
         if args.host_tier > 0:  # before a takeover: from TAKEOVER_DONE on, a failure here would lose the models
             from wcache.server.tier import HostTier, default_tier_dir
 
-            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
+            # --verify-content: no refill by one DMA copy (the one way that checks only sampled blocks, tier.py)
+            pin = None if args.verify_content else backend.pinner()
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=pin)
         handed: list[ServedModel] = []
         listener = None
         if args.takeover is not None:
@@ -465,9 +468,11 @@ def run(args: argparse.Namespace) -> int:
                 store,
                 sock_path,
                 software=f"wcache/{__version__}",
-                max_frame_size=args.max_frame_size,
-                idle_timeout=args.idle_timeout or None,
-                frame_timeout=args.frame_timeout,
+                limits=ConnectionLimits(
+                    max_frame_size=args.max_frame_size,
+                    idle_timeout=args.idle_timeout or None,
+                    frame_timeout=args.frame_timeout,
+                ),
                 metrics_port=args.metrics_port,
                 loader=loader,
                 planner=planner,

@@ -27,6 +27,7 @@ from wcache.errors import (
     LimitExceededError,
     OutOfMemoryError,
     ProtocolError,
+    TierEntryError,
     TransformError,
     UnknownLeaseError,
     UnsupportedPlatformError,
@@ -92,6 +93,8 @@ class ServedModel:
     source: Path | None = None  # the checkpoint directory it was loaded from
     origin: str = ""  # how this daemon got it (STATUS): "disk", "tier", "keeper", "takeover", "deposit"
     buffers: tuple[str, ...] = ()  # tensors deposited as module buffers (STATE's ``buffers``)
+    #: a deposit's generation (random, given at COMMIT; a tier restore keeps the entry's): "" for a checkpoint
+    generation: str = ""
 
     def __post_init__(self) -> None:
         self._slab_bytes = sum(s.size for s in self.slabs)
@@ -235,8 +238,10 @@ def load_from_tier(
     staging_bytes: int,
     source: Path | None,
 ) -> ServedModel | None:
-    """Fill a new slab from a host-tier entry (one DMA copy where it is page-locked here, else staged);
-    None when the entry's file went away meanwhile (then load from the checkpoint)."""
+    """Fill a new slab from a host-tier entry: one DMA copy where it is page-locked here, else staged through
+    the file ``lookup`` checked, every block's checksum verified on the bytes copied (tier.py says what each
+    way verifies). None when the entry's file went away or was altered (then it is removed where it is still
+    the one checked, and the caller loads from the checkpoint, or the deposit is absent)."""
     started = time.perf_counter()
     slab = backend.allocate(entry.size)
     how = "staged"
@@ -245,8 +250,24 @@ def load_from_tier(
             stats = LoadStats(entry.size, entry.size, time.perf_counter() - started, entry.size)
             how = "pinned"
         else:
-            stats = load_file_into(entry.slab_path, slab, threads=threads, staging_bytes=staging_bytes, started=started)
+            fd = tier.open_slab(entry)
+            try:
+                stats = load_file_into(
+                    entry.slab_path,
+                    slab,
+                    threads=threads,
+                    staging_bytes=staging_bytes,
+                    started=started,
+                    fd=fd,
+                    check=entry.check,
+                )
+            finally:
+                os.close(fd)
         slab.seal()
+    except TierEntryError as exc:  # replaced since lookup, or a block differs from its checksum
+        slab.close()
+        tier.discard(entry, exc)
+        return None
     except CheckpointError as exc:  # the entry vanished or shrank under us: load from the checkpoint
         slab.close()
         log.warning("host tier read failed key=%s (%s); loading from disk", key.short(), exc)
@@ -276,6 +297,7 @@ def load_from_tier(
         source=source,
         origin="tier",
         buffers=entry.buffers,
+        generation=entry.generation,
     )
 
 
@@ -494,6 +516,9 @@ class Store:
         #: deposit id -> deposit between DEPOSIT_SLAB and COMMIT (its bytes count against the budget)
         self.deposits: dict[int, PendingDeposit] = {}
         self._next_deposit = secrets.randbits(31) + 1
+        #: recipe key -> generation of the deposit last committed under it in this process: the host tier restores
+        #: no other generation of the key, and a restore that a commit overtook is dropped (``add_restored``)
+        self.generations: dict[WeightCacheKey, str] = {}
 
     @property
     def resident_bytes(self) -> int:
@@ -614,6 +639,16 @@ class Store:
         self.models[model.key] = model
         self._remember(model)
 
+    def add_restored(self, model: ServedModel, since: str | None) -> bool:
+        """Serve a deposit restored from the host tier, unless a deposit was committed under its key since the
+        restore began (``since``: ``generations.get(key)`` then) or one is served under it now: then the restore
+        is stale, its slab is freed and False returned (the newer deposit stays served)."""
+        if model.key in self.models or self.generations.get(model.key) != since:
+            model.close()
+            return False
+        self.add(model)
+        return True
+
     def remember_source(self, model: ServedModel, source: Path) -> None:
         """``model`` (adopted from a keeper or a previous daemon) was loaded from ``source``: load-on-demand
         may load other variants of that checkpoint."""
@@ -691,6 +726,13 @@ class Store:
         lease = self.leases.get(lease_id)
         if lease is not None:
             self._end(lease)
+
+    def abandon(self, deposit_id: int, why: str) -> None:
+        """End a deposit in progress whose DEPOSIT_SLAB never reached its engine (the send failed): its slab is
+        freed, and the key may be deposited again."""
+        dep = self.deposits.get(deposit_id)
+        if dep is not None:
+            self._abandon(dep, why)
 
     def drop_connection(self, conn_id: int) -> list[Lease]:
         """End every lease of a closed connection: O(its own leases); abandon its deposits in progress."""
@@ -773,7 +815,8 @@ class Store:
         on the model under the key; PROTOCOL_ERROR: the engine changed the slab's seals; OUT_OF_MEMORY /
         LIMIT_EXCEEDED: leases taken meanwhile pin the room it was admitted against) its slab is freed and
         nothing is published or evicted. Returns the reply, the model, the unleased model it replaced
-        (closed) and the models evicted for it (closed)."""
+        (closed) and the models evicted for it (closed). The model has a new ``generation``, recorded in
+        ``generations``; the caller supersedes the key's host-tier entry with it before sending DEPOSITED."""
         dep = self.deposits.get(req.deposit)
         if dep is None or dep.conn_id != conn_id:
             raise UnknownLeaseError(f"deposit {req.deposit} is not open on this connection")
@@ -809,6 +852,7 @@ class Store:
         self._evict(victims)
         dep.table.encoded()
         stats = LoadStats(dep.payload, dep.payload, time.perf_counter() - dep.started)
+        generation = secrets.token_hex(16)
         model = ServedModel(
             dep.key,
             dep.table,
@@ -821,11 +865,13 @@ class Store:
             buffers=dep.buffers,
             # the checkpoint its recipe names, where this daemon loaded it: a restart re-checks that against it
             source=self.source_for(dep.key.to_wire()),
+            generation=generation,
         )
         if old is not None:
             del self.models[dep.key]
             old.close()
         self.add(model)
+        self.generations[dep.key] = generation  # what the host tier may hold of the key from now on
         reply = Deposited(
             id=req.id,
             deposit=dep.id,
