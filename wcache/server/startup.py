@@ -372,7 +372,9 @@ def run(args: argparse.Namespace) -> int:
         if args.host_tier > 0:  # before a takeover: from TAKEOVER_DONE on, a failure here would lose the models
             from wcache.server.tier import HostTier, default_tier_dir
 
-            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
+            # --verify-content: no refill by one DMA copy (the one way that checks only sampled blocks, tier.py)
+            pin = None if args.verify_content else backend.pinner()
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=pin)
         handed: list[ServedModel] = []
         listener = None
         if args.takeover is not None:

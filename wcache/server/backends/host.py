@@ -159,10 +159,11 @@ class _HostWriter:
             self.view = memoryview(mm)
 
     def _out_fd(self) -> int:
-        """This thread's own open file of the memfd (its own file position for sendfile)."""
+        """This thread's own open file of the memfd (its own file position for sendfile; readable, so that a
+        checked load can read back what sendfile copied)."""
         mine: int | None = getattr(self.local, "out", None)
         if mine is None:
-            mine = self.local.out = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+            mine = self.local.out = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
             with self.lock:
                 self.out_fds.append(mine)
         return mine
