@@ -225,7 +225,7 @@ def _version(dist: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=15)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=argparse.FileType("w"), default=sys.stdout, help="the JSON (default: stdout)")
     args = ap.parse_args()
     compileall.compile_dir(str(REPO / "wcache"), quiet=1)
     for lib in ("prometheus_client", "tqdm", "rich"):
@@ -244,10 +244,8 @@ def main() -> None:
     res["restart"] = measure_restart(args.samples)
     res["no_tty"] = measure_no_tty()
     res["loadavg_after"] = _loadavg()
-    text = json.dumps(res, indent=2) + "\n"
-    if args.out is not None:
-        args.out.write_text(text)
-    print(text)
+    json.dump(res, args.out, indent=2)
+    args.out.write("\n")
 
 
 if __name__ == "__main__":
