@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import DaemonProc, run_cli
+from tests.server import exposition
 from wcache import KeyMismatchError, UnknownLeaseError, WCacheClient, WeightCacheKey
 from wcache.sharding import LLAMA_PLAN
 
@@ -232,6 +233,7 @@ async def test_prometheus_metrics(daemon_factory: Callable[..., DaemonProc], ckp
 
     status, text = await asyncio.to_thread(get, "/metrics")
     assert status == 200
+    exposition.parse(text)  # what was served, under the reference parser
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert lines['wcache_fetches_total{mode="zero_copy"}'] == "1"
     assert lines['wcache_fetches_total{mode="copy"}'] == "1"
