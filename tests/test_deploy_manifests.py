@@ -131,7 +131,7 @@ def test_daemon_and_keeper_command_lines_parse_with_the_real_cli() -> None:
     (line,) = re.findall(r'CUDA_VISIBLE_DEVICES="\$uuid" wcache-server ((?:.*\\\n)*.*)', script)
     line = line.replace("\\\n", " ")
     line = line.replace('"$WCACHE_MODEL"', config["WCACHE_MODEL"]).replace("$WCACHE_ARGS", config["WCACHE_ARGS"])
-    line = line.replace("$uuid", "GPU-0").replace('"$port"', "9100").replace(" &", "")
+    line = line.replace("$uuid", "GPU-0").replace('"$port"', "19100").replace(" &", "")
     args = parse_args(shlex.split(line))
     assert args.device == "cuda:0" and args.socket_path == Path("/run/wcache/GPU-0.sock") and args.keeper == ""
     assert args.model == Path(config["WCACHE_MODEL"])

@@ -26,7 +26,6 @@ from wcache.errors import (
     InUseError,
     KeyMismatchError,
     LimitExceededError,
-    NotFoundError,
     OutOfMemoryError,
     ProtocolError,
     TierEntryError,
@@ -35,7 +34,7 @@ from wcache.errors import (
     UnsupportedPlatformError,
     WCacheError,
 )
-from wcache.key import RACY_NS, KeyFacts, WeightCacheKey
+from wcache.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.proto import (
     DTYPE_SIZES,
@@ -588,21 +587,11 @@ class Store:
         return m
 
     def find(self, requested: dict[str, str | int]) -> ServedModel:
-        """The model served under exactly ``requested``; KEY_MISMATCH against the most recent one else."""
+        """The model served under exactly ``requested``; KEY_MISMATCH against the closest served one else."""
         m = self.lookup(requested)
         if m is not None:
             return m
-        if not self.models:
-            raise NotFoundError("the daemon holds no weights; PRELOAD a model first")
-        recent = next(reversed(self.models.values()))
-        diff = recent.key.diff_wire(requested)
-        served = [m.key.short() for m in self.models.values()]
-        raise KeyMismatchError(
-            "requested key differs from the served one in: "
-            + ", ".join(sorted(diff))
-            + (f" (serving {len(served)} models)" if len(served) > 1 else ""),
-            details={"fields": diff, "served": served},
-        )
+        raise key_mismatch(requested, self.models)  # per field: requested vs the closest served model
 
     def _victims(self, nbytes: int, models: int, going: ServedModel | None = None) -> list[ServedModel]:
         """The unleased models, least recently used first, whose eviction makes ``nbytes`` more bytes fit the
@@ -736,9 +725,7 @@ class Store:
     def evict(self, requested: dict[str, str | int]) -> ServedModel:
         m = self.lookup(requested)
         if m is None:
-            raise NotFoundError(
-                "no model is served under that key", details={"served": [k.short() for k in self.models]}
-            )
+            raise not_served(requested, self.models)
         n = self.leased(m.key)
         if n:
             raise InUseError(f"{m.key.short()} is held by {n} lease(s)", details={"leases": n})
@@ -979,6 +966,7 @@ class Store:
                 load_seconds=m.stats.seconds,
                 last_use=m.last_use,
                 origin=m.origin,
+                source=str(m.source or ""),
             )
             for m in self.models.values()
         )

@@ -315,6 +315,10 @@ class HostBackend:
     def prepare_loads(self) -> None:
         """Nothing to set up: host loads need no device context."""
 
+    def check_device(self, loads: bool) -> None:
+        """Host memory is always there: the platform check is the device check."""
+        self.check_platform()
+
     def check_platform(self) -> None:
         if sys.platform != "linux" or not hasattr(os, "memfd_create") or not hasattr(fcntl, "F_ADD_SEALS"):
             raise UnsupportedPlatformError(
