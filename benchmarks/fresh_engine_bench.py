@@ -23,7 +23,8 @@ starts its CUDA context (not timed: an engine has both before it asks for weight
 the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the client): ``import``, ``key``
 (the directory listed and its files stated: docs/protocol.md §4.3.1), ``socket`` (connect, peer check),
 ``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back), ``prepare`` (CUDA only, while the STATE is
-in flight: the GPU found by UUID, its context current, the driver's entry points and granularity), ``state``
+in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
+``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
 (the rest of the wait for STATE, and its decode), ``import_handle`` (cuMemImportFromShareableHandle),
 ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess), ``map`` (every slab, the two
 above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),

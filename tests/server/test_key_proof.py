@@ -20,6 +20,7 @@ import torch
 from tests.conftest import DaemonProc
 from tests.server.test_fetch import reference
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
+from wcache.errors import KeyUnprovenError
 from wcache.key import RACY_NS
 from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
@@ -220,7 +221,7 @@ def test_the_store_completes_only_a_proof_of_files_it_read(copies: Callable[[], 
     _touch(model)
     moved = WeightCacheKey.from_checkpoint(model).proof()
     assert moved is not None
-    with pytest.raises(KeyMismatchError) as info:
+    with pytest.raises(KeyUnprovenError) as info:  # not a mismatch of the key: its own code (KEY_UNPROVEN)
         store.completed(GetState(id=3, key=moved[0], proof=moved[1]))
     assert "no checkpoint whose files" in info.value.details["proof"] and "key" not in info.value.details
 

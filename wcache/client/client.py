@@ -34,6 +34,7 @@ from wcache.errors import (
     CacheUnavailableError,
     DeviceMismatchError,
     KeyMismatchError,
+    KeyUnprovenError,
     NotFoundError,
     ProtocolError,
     error_from_frame,
@@ -104,7 +105,7 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.key_proven = False
         #: where the fetch spent its time, in ms: connect (socket: connected and the peer checked; hello: HELLO
         #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
-        #: the driver's entry points; overlaps the daemon's answer), state (the rest of the wait for STATE and
+        #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest of the wait for STATE and
         #: its decode), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
         #: as_tensor), views (the name -> view mapping set up; per-name views are cut from their group's stacked
         #: view on first look-up), copy (copy mode only)
@@ -292,7 +293,7 @@ class WCacheClient:
             return
         t0 = time.perf_counter()
         self._check_device(hello)
-        cuda.prepare(hello.device.uuid)
+        cuda.prepare(hello.device.uuid, timings)
         timings["prepare"] = (time.perf_counter() - t0) * 1e3
 
     def _rank(self, key: WeightCacheKey | None) -> int | None:
@@ -324,7 +325,7 @@ class WCacheClient:
             t_state = time.perf_counter()
             try:
                 frame, fds = await expect(ch)
-            except (KeyMismatchError, NotFoundError) as exc:
+            except (KeyUnprovenError, KeyMismatchError, NotFoundError) as exc:
                 request.refused(exc)
                 await ch.send(request.scanned(ch.conn))  # the daemon does not know these files: the full key
                 frame, fds = await expect(ch)
@@ -577,7 +578,7 @@ class WCacheClient:
             t_state = time.perf_counter()
             try:
                 frame, fds = expect_blocking(ch, _left(deadline))
-            except (KeyMismatchError, NotFoundError) as exc:
+            except (KeyUnprovenError, KeyMismatchError, NotFoundError) as exc:
                 request.refused(exc)
                 ch.send_blocking(request.scanned(ch.conn), _left(deadline))  # the full key, same connection
                 frame, fds = expect_blocking(ch, _left(deadline))
@@ -622,14 +623,15 @@ class _Request:
             return GetState(id=rid, key=partial, mode=self.mode, proof=proof)
         return GetState(id=rid, key=self.key.to_wire(), mode=self.mode)
 
-    def refused(self, exc: KeyMismatchError | NotFoundError) -> None:
+    def refused(self, exc: KeyUnprovenError | KeyMismatchError | NotFoundError) -> None:
         """The GET_STATE was refused: re-raise ``exc`` unless it refused the proof itself (then the caller sends
-        :meth:`scanned`). A daemon that completed the key from the proof names it (``details.key``): the
-        refusal is that key's, final, and the key takes its fields without a scan."""
+        :meth:`scanned`): KEY_UNPROVEN, or from a daemon older than proofs KEY_MISMATCH / NOT_FOUND without
+        ``details.key``. A daemon that completed the key from the proof names it (``details.key``): the refusal
+        is that key's, final, and the key takes its fields without a scan."""
         if not self.proven:
             raise exc
         completed = exc.details.get("key")
-        if isinstance(completed, dict):
+        if isinstance(completed, dict) and not isinstance(exc, KeyUnprovenError):
             self.key.adopt(completed)
             raise exc
 

@@ -6,6 +6,7 @@ loaded), not cuda-bindings: importing those cost a restarting engine 69-130 ms (
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -66,19 +67,28 @@ _VMM_CALLS = (
 )
 
 
-def prepare(uuid: str) -> None:
+def prepare(uuid: str, timings: dict[str, float] | None = None) -> None:
     """A first mapping's work that does not need the slab, done ahead: the GPU ``uuid``'s context current on this
     thread, its VMM granularity, the driver's entry points looked up. The client calls it between HELLO_OK and
-    the STATE (the daemon is answering the pipelined GET_STATE meanwhile: docs/protocol.md §5.1)."""
+    the STATE (the daemon is answering the pipelined GET_STATE meanwhile: docs/protocol.md §5.1). ``timings``
+    (ms): ``prepare_device`` (the visible GPUs' UUIDs: the first one loads the driver library's handle),
+    ``prepare_context`` (the device's context current), ``prepare_driver`` (granularity, entry points)."""
+    t0 = time.perf_counter()
     visible = visible_uuids()
+    t1 = time.perf_counter()
     if uuid not in visible:
         return  # nothing will be mapped here: map_slab says why
     index = visible.index(uuid)
     _make_current(index)
+    t2 = time.perf_counter()
     driver.granularity(index)
     d = driver.driver()
     for name in _VMM_CALLS:
         getattr(d, name)
+    if timings is not None:
+        timings["prepare_device"] = (t1 - t0) * 1e3
+        timings["prepare_context"] = (t2 - t1) * 1e3
+        timings["prepare_driver"] = (time.perf_counter() - t2) * 1e3
 
 
 def _make_current(index: int) -> None:

@@ -24,7 +24,7 @@ from wcache.errors import (
     DeviceMismatchError,
     InternalError,
     InUseError,
-    KeyMismatchError,
+    KeyUnprovenError,
     LimitExceededError,
     OutOfMemoryError,
     ProtocolError,
@@ -689,7 +689,7 @@ class Store:
     def completed(self, req: GetState) -> GetState:
         """``req`` with its key whole: a GET_STATE with a ``proof`` gets the file-derived fields from the recorded
         facts of exactly those files (docs/protocol.md §4.3.1; the proof stays, marking the key as completed).
-        KeyMismatchError with ``details.proof`` (why) when no model of this daemon was read from exactly those
+        KeyUnprovenError with ``details.proof`` (why) when no model of this daemon was read from exactly those
         files, or the facts cannot complete the request. Idempotent."""
         if req.proof is None:
             return req
@@ -704,9 +704,9 @@ class Store:
                 )
             key = facts.complete(req.key, req.proof.dtype)
         except (ValueError, WCacheError) as exc:
-            raise KeyMismatchError(
+            raise KeyUnprovenError(
                 f"the checkpoint's files do not prove the key: {exc}; send the full key",
-                details={"fields": {}, "proof": str(exc)},
+                details={"proof": str(exc)},
             ) from None
         self.facts.move_to_end(files)
         return dataclasses.replace(req, key=key)
