@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator
-from typing import Any
+from functools import reduce
+from operator import or_
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import (
     LocalProtocolError,
@@ -40,27 +42,26 @@ from wcache.proto.codec import (
     gc_paused,
     pack_frame,
 )
-from wcache.proto.frames import (
-    Commit,
-    Deposit,
-    ErrorFrame,
-    Evict,
-    Frame,
-    GetState,
-    Hello,
-    HelloOk,
-    Keep,
-    Preload,
-    Reclaim,
-    Release,
-    Released,
-    State,
-    Status,
-    Takeover,
-    TakeoverAdopted,
-    Unkeep,
-    decode_frame,
-)
+from wcache.proto.frames import ErrorFrame, Hello, HelloOk, Release, Released, State, decode_frame
+
+if TYPE_CHECKING:  # the request unions name every service's requests: built when first read (``__getattr__``)
+    from wcache.proto.frames import (
+        Commit,
+        Deposit,
+        Evict,
+        Frame,
+        GetState,
+        Keep,
+        Preload,
+        Reclaim,
+        Status,
+        Takeover,
+        TakeoverAdopted,
+        Unkeep,
+    )
+
+    DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
+    KeeperRequest = Keep | Unkeep | Reclaim | Status
 
 __all__ = [
     "CARRIES_FDS",
@@ -188,8 +189,21 @@ SERVES: dict[Service, frozenset[str]] = {
 }
 #: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
 CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
-DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
-KeeperRequest = Keep | Unkeep | Reclaim | Status
+#: The requests of each service, by frame type (the unions above, for runtime use: ``__getattr__``)
+_UNIONS = {
+    "DaemonRequest": (
+        "GET_STATE",
+        "RELEASE",
+        "STATUS",
+        "PRELOAD",
+        "EVICT",
+        "TAKEOVER",
+        "TAKEOVER_ADOPTED",
+        "DEPOSIT",
+        "COMMIT",
+    ),
+    "KeeperRequest": ("KEEP", "UNKEEP", "RECLAIM", "STATUS"),
+}
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
 
@@ -221,8 +235,22 @@ class Misdirected:
         return f"Misdirected({self.request!r})"
 
 
-#: What a connection yields: a frame, or a request the server does not serve.
-Event = Frame | Misdirected
+if TYPE_CHECKING:
+    #: What a connection yields: a frame, or a request the server does not serve.
+    Event = Frame | Misdirected
+
+
+def __getattr__(name: str) -> Any:
+    """``DaemonRequest``, ``KeeperRequest`` and ``Event`` at run time (they import every frame module)."""
+    from wcache.proto import frames
+
+    if name == "Event":
+        return frames.Frame | Misdirected
+    types = _UNIONS.get(name)
+    if types is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    registry = frames.load_frames()
+    return reduce(or_, (registry[t] for t in types))
 
 
 class Connection:
