@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the unions of every frame: an engine's restart imports only
 
 __all__ = [
     "Channel",
+    "Meanwhile",
     "PeerCredentials",
     "ReadBudget",
     "connect",
@@ -389,6 +390,9 @@ def _timed(timings: dict[str, float] | None, t0: float, t1: float) -> None:
 
 #: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
 Pipeline = Callable[[Connection], "Frame"]
+#: work that needs no reply, done once the opening is written and before HELLO_OK is read: it overlaps the
+#: daemon's answer instead of adding to it (an engine's fetch loads its mapping's modules there)
+Meanwhile = Callable[[], None]
 
 
 async def connect(
@@ -398,15 +402,17 @@ async def connect(
     name: str,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
-    back (its reply is the next frame after HELLO_OK). ``max_frame_size``: the largest frame body taken
-    from the peer. ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK
-    in), in ms."""
+    back (its reply is the next frame after HELLO_OK); ``meanwhile``: called once that is written, before
+    HELLO_OK is read (``Meanwhile``). ``max_frame_size``: the largest frame body taken from the peer.
+    ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK in, ``meanwhile``
+    included), in ms."""
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     sock = _socket()
@@ -421,6 +427,8 @@ async def connect(
     ch = Channel(sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size))
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
+        if meanwhile is not None:
+            meanwhile()
         frame, _ = await expect(ch)
         assert isinstance(frame, HelloOk)
     except BaseException:
@@ -438,6 +446,7 @@ def connect_blocking(
     timeout: float,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
 ) -> tuple[Channel, HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
@@ -458,6 +467,8 @@ def connect_blocking(
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
         ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
+        if meanwhile is not None:
+            meanwhile()
         frame, _ = expect_blocking(ch, timeout)
         assert isinstance(frame, HelloOk)
     except BaseException:
