@@ -368,6 +368,9 @@ _SENT: tuple[type[WCacheError], ...] = (
     InternalError,
 )
 _BY_CODE: dict[ErrorCode, type[WCacheError]] = {}
+if TYPE_CHECKING:
+    #: ERROR frame code -> the exception class a client raises for it (1:1; made when first read: ``__getattr__``)
+    ERROR_CLASSES: dict[ErrorCode, type[WCacheError]]
 
 
 def _error_classes() -> dict[ErrorCode, type[WCacheError]]:

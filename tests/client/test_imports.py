@@ -53,12 +53,11 @@ RESTART_PATH = {
     "wcache.proto.connection",
     "wcache.proto.daemon_frames",
     "wcache.proto.fields",
-    "wcache.proto.frames",
     "wcache.proto.table",
 }
-#: what the key (the rank's spec) and a host fetch add: the mapping's module, loaded while the daemon answers
-#: (the CUDA mapping's modules too where CUDA is up: tests/gpu)
-FETCH_ADDS = {"wcache.rank", "wcache.client.mapping"}
+#: what the key (the rank's spec) and a host fetch add: the frame registry and the mapping's module, loaded while
+#: the daemon answers (the CUDA mapping's modules too where CUDA is up)
+FETCH_ADDS = {"wcache.rank", "wcache.proto.frames", "wcache.client.mapping"}
 
 
 def _loaded(code: str, *args: str) -> list[str]:

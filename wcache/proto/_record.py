@@ -43,7 +43,8 @@ _set = object.__setattr__
 #: the marker dataclasses.fields() keeps a Field by (its ``_field_type``; private, stable 3.7-3.13:
 #: tests/proto/test_record.py pins fields/replace/asdict on records)
 _FIELD_TYPE: Any = dataclasses._FIELD  # type: ignore[attr-defined]
-_CLASSVAR = ("ClassVar", "typing.ClassVar", "ClassVar[", "typing.ClassVar[")
+_CLASSVAR_NAMES = ("ClassVar", "typing.ClassVar")
+_CLASSVAR_OPEN = ("ClassVar[", "typing.ClassVar[")
 _NO_METADATA: Any = {}
 
 
@@ -54,7 +55,14 @@ class Declared:
     __slots__ = ("compare", "default", "default_factory", "metadata", "name", "repr", "type")
 
     def __init__(
-        self, default: Any, default_factory: Any, repr: bool, compare: bool, metadata: Any, name: str = "", type: Any = None
+        self,
+        default: Any,
+        default_factory: Any,
+        repr: bool,
+        compare: bool,
+        metadata: Any,
+        name: str = "",
+        type: Any = None,
     ) -> None:
         self.default, self.default_factory, self.repr, self.compare = default, default_factory, repr, compare
         self.metadata, self.name, self.type = metadata, name, type
@@ -94,7 +102,13 @@ def _declared(name: str, annotation: Any, value: Any, qualname: str) -> Declared
         if not value.init:
             raise TypeError(f"@record {qualname}.{name}: field(init=False) is not supported")
         return Declared(
-            value.default, value.default_factory, bool(value.repr), bool(value.compare), value.metadata, name, annotation
+            value.default,
+            value.default_factory,
+            bool(value.repr),
+            bool(value.compare),
+            value.metadata,
+            name,
+            annotation,
         )
     if value is not _MISSING and value.__class__.__hash__ is None:
         raise ValueError(f"mutable default {type(value)} for field {name} is not allowed: use default_factory")
@@ -144,21 +158,26 @@ def _frozen_delattr(self: object, name: str) -> None:
 
 def _is_classvar(annotation: Any) -> bool:
     if isinstance(annotation, str):
+        if "ClassVar" not in annotation:  # the common case, decided without building a string
+            return False
         a = annotation.strip()
-        return a in _CLASSVAR[:2] or a.startswith(_CLASSVAR[2:])
+        return a in _CLASSVAR_NAMES or a.startswith(_CLASSVAR_OPEN)
     return getattr(annotation, "__origin__", annotation) is typing.ClassVar
 
 
 def _inherited(bases: tuple[type, ...]) -> dict[str, Declared]:
     out: dict[str, Declared] = {}
     for base in bases:
+        if base is object:
+            continue
+        every = getattr(base, "__record_all__", None)
+        if every is not None:  # a record (or a subclass of one): its fields, inherited ones included
+            out.update((d.name, d) for d in every)
+            continue
         for klass in base.__mro__[::-1]:
-            own = klass.__dict__.get("__record_fields__")
-            if own is not None:
-                out.update((d.name, d) for d in own)
-            elif "__dataclass_fields__" in klass.__dict__:  # a dataclass base
+            if "__dataclass_fields__" in klass.__dict__:  # a dataclass base
                 for f in klass.__dict__["__dataclass_fields__"].values():
-                    if f._field_type is _FIELD_TYPE:  # type: ignore[attr-defined]
+                    if f._field_type is _FIELD_TYPE:
                         out[f.name] = _declared(f.name, f.type, f, klass.__qualname__)
     return out
 
@@ -183,11 +202,11 @@ def _fields(qualname: str, bases: tuple[type, ...], ns: dict[str, Any]) -> tuple
 
 def _init(qualname: str, fields: tuple[Declared, ...], post_init: bool) -> Callable[..., None]:
     """The class's ``__init__`` (a closure over its fields: the one method that is not shared)."""
-    names = tuple(d.name for d in fields)
+    names = tuple([d.name for d in fields])
     position = {n: i for i, n in enumerate(names)}
     n = len(names)
     # per position: (default, factory); _MISSING for none
-    defaults: tuple[tuple[Any, Any], ...] = tuple((d.default, d.default_factory) for d in fields)
+    defaults: tuple[tuple[Any, Any], ...] = tuple([(d.default, d.default_factory) for d in fields])
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if len(args) == n and not kwargs:
@@ -236,7 +255,7 @@ def _key(self: Any) -> tuple[Any, ...]:
     return tuple([getattr(self, name) for name in self.__record_compared__])
 
 
-def _eq(self: Any, other: object) -> bool:
+def _eq(self: Any, other: object) -> Any:  # bool, or NotImplemented for another class
     if other.__class__ is not self.__class__:
         return NotImplemented
     return _key(self) == _key(other)
@@ -278,13 +297,14 @@ def namespace(
     ns.pop("__dict__", None)
     ns.pop("__weakref__", None)
     fields, inherited = _fields(qualname, bases, ns)
-    ns["__slots__"] = tuple(d.name for d in fields[inherited:]) + (("__weakref__",) if weakref_slot else ())
-    ns["__record_fields__"] = fields[inherited:]
+    names = tuple([d.name for d in fields])
+    ns["__slots__"] = names[inherited:] + (("__weakref__",) if weakref_slot else ())
+    ns["__record_all__"] = fields
     ns["__dataclass_fields__"] = _DataclassFields(fields)
     ns["__dataclass_params__"] = _params(weakref_slot)
-    ns["__match_args__"] = tuple(d.name for d in fields)
-    ns["__record_shown__"] = tuple(d.name for d in fields if d.repr)
-    ns["__record_compared__"] = tuple(d.name for d in fields if d.compare)
+    ns["__match_args__"] = names
+    ns["__record_shown__"] = tuple([d.name for d in fields if d.repr])
+    ns["__record_compared__"] = tuple([d.name for d in fields if d.compare])
     ns.update(_SHARED)
     post_init = "__post_init__" in ns or any(hasattr(b, "__post_init__") for b in bases)
     ns["__init__"] = _init(qualname, fields, post_init)
@@ -293,7 +313,8 @@ def namespace(
 
 def declared(cls: type[Any]) -> tuple[Declared, ...]:
     """Every field of the record class ``cls`` as declared, in order (inherited ones first)."""
-    return tuple(_inherited((cls,)).values())
+    fields: tuple[Declared, ...] = cls.__record_all__
+    return fields
 
 
 def field_defaults(cls: type[Any]) -> dict[str, Any]:

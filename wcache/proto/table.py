@@ -55,7 +55,14 @@ DTYPE_SIZES: dict[str, int] = {
 # ForwardRef when the class is made (0.12 ms a class, on an engine's import).
 TensorEntry = NamedTuple(  # noqa: UP014  (the class form costs 4x at import: see above)
     "TensorEntry",
-    [("name", str), ("dtype", str), ("shape", tuple[int, ...]), ("stride", tuple[int, ...]), ("slab", int), ("offset", int)],
+    [
+        ("name", str),
+        ("dtype", str),
+        ("shape", tuple[int, ...]),
+        ("stride", tuple[int, ...]),
+        ("slab", int),
+        ("offset", int),
+    ],
 )
 TensorEntry.__doc__ = """One tensor of a STATE frame: a strided view into slab ``slab`` at byte ``offset``."""
 
