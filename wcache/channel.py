@@ -266,11 +266,17 @@ class Channel:
     # ---------------------------------------------------------------- receive
     def _recv_once(self) -> None:
         """One recvmsg into the connection (b'' marks EOF); BlockingIOError when a non-blocking socket has
-        nothing to read."""
+        nothing to read. The rest of a big frame goes straight where the connection assembles it
+        (``Connection.receive_space``: a client's STATE), other reads through a buffer of their own."""
         space = socket.CMSG_SPACE(MAX_FDS_PER_RECV * 4)
-        # never more than the frame limit now allows (small before the handshake): what one read
-        # brings in is held before the length prefix in it can be checked
-        data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
+        target = self.conn.receive_space()
+        if target is not None:
+            with target:
+                n, anc, flags, _ = self.sock.recvmsg_into([target], space)
+        else:
+            # never more than the frame limit now allows (small before the handshake): what one read
+            # brings in is held before the length prefix in it can be checked
+            data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
         fds: list[int] = []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -280,7 +286,12 @@ class Channel:
         if flags & socket.MSG_CTRUNC:
             close_fds(fds)
             raise ProtocolError("file descriptors were truncated in transit")
-        self.conn.receive_data(data, fds)
+        if target is None:
+            self.conn.receive_data(data, fds)
+        elif n:
+            self.conn.received_into(n, fds)
+        else:
+            self.conn.receive_data(b"", fds)  # the stream ended inside the frame
 
     async def _recv_some(self) -> None:
         """One recvmsg into the connection, waiting for the socket to be readable."""

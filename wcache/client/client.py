@@ -38,6 +38,7 @@ from wcache.errors import (
     error_from_frame,
 )
 from wcache.key import WeightCacheKey
+from wcache.proto.codec import gc_paused
 from wcache.proto.daemon_frames import ErrorFrame, GetState, HelloOk, Release, State
 
 if TYPE_CHECKING:  # imported where used (tests/client/test_imports.py): the mapping by a fetch while the daemon
@@ -395,37 +396,38 @@ class WCacheClient:
         (and ``copy``) and becomes the weights' ``timings``."""
         from wcache.client.mapping import build_views, map_slabs
 
-        t0 = time.perf_counter()
-        slabs = map_slabs(state, fds, self.device, timings)
-        timings["map"] = (time.perf_counter() - t0) * 1e3
-        keepalive: list[Any] = list(slabs)
-        bases = [s.base for s in slabs]
-        if mode == "copy":
-            t1 = time.perf_counter()
-            bases = [b.clone() for b in bases]
-            if any(b.is_cuda for b in bases):
-                torch.cuda.synchronize()  # the copies must land before the mappings go away
-            for s in slabs:
-                s.close()
-            keepalive = []
-            timings["copy"] = (time.perf_counter() - t1) * 1e3
-        t2 = time.perf_counter()
-        tensors = build_views(state, bases)
-        timings["views"] = (time.perf_counter() - t2) * 1e3
-        weights = CachedWeights(
-            tensors,
-            key=key,
-            lease=state.lease,
-            mode=mode,
-            aliases=state.aliases,
-            channel=ch,
-            hello=hello,
-            socket_path=path,
-            keepalive=keepalive,
-            buffers=state.buffers,
-        )
-        weights.timings = timings
-        return weights
+        with gc_paused():  # slabs and views: tensor objects, none in a cycle (see ``_ahead``)
+            t0 = time.perf_counter()
+            slabs = map_slabs(state, fds, self.device, timings)
+            timings["map"] = (time.perf_counter() - t0) * 1e3
+            keepalive: list[Any] = list(slabs)
+            bases = [s.base for s in slabs]
+            if mode == "copy":
+                t1 = time.perf_counter()
+                bases = [b.clone() for b in bases]
+                if any(b.is_cuda for b in bases):
+                    torch.cuda.synchronize()  # the copies must land before the mappings go away
+                for s in slabs:
+                    s.close()
+                keepalive = []
+                timings["copy"] = (time.perf_counter() - t1) * 1e3
+            t2 = time.perf_counter()
+            tensors = build_views(state, bases)
+            timings["views"] = (time.perf_counter() - t2) * 1e3
+            weights = CachedWeights(
+                tensors,
+                key=key,
+                lease=state.lease,
+                mode=mode,
+                aliases=state.aliases,
+                channel=ch,
+                hello=hello,
+                socket_path=path,
+                keepalive=keepalive,
+                buffers=state.buffers,
+            )
+            weights.timings = timings
+            return weights
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
@@ -682,11 +684,12 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
 
     def ahead() -> None:
         t0 = time.perf_counter()
-        import wcache.client.mapping
-        import wcache.proto.frames
+        with gc_paused():  # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile
+            import wcache.client.mapping
+            import wcache.proto.frames
 
-        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            import wcache.client.cuda  # noqa: F401  (the import is the work)
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                import wcache.client.cuda  # noqa: F401  (the import is the work)
         if timings is not None:
             timings["ahead"] = (time.perf_counter() - t0) * 1e3
 

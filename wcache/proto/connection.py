@@ -299,7 +299,8 @@ class Connection:
         #: record of what it may RELEASE. Empty on a server: it grants leases, and its store is their ledger
         self.leases: set[int] = set()
         self.max_handshake_frame = min(max_handshake_frame, max_frame_size)
-        self._buffer = FrameBuffer(max_frame_size)
+        # a client assembles a big frame (a STATE) where its reader receives it: codec.FrameBuffer's ``direct``
+        self._buffer = FrameBuffer(max_frame_size, direct=role is Role.CLIENT)
         self._eof = False
         self._next_id = 1
         #: descriptors received and not yet handed out with a frame (this connection's until released)
@@ -326,6 +327,19 @@ class Connection:
             self._eof = True
             return
         self._buffer.feed(data)
+
+    def receive_space(self) -> memoryview | None:
+        """Where the rest of the frame in progress goes, when this side assembles it in place (a client's big
+        frames, ``FrameBuffer.direct``): receive into it, then :meth:`received_into`. None: use receive_data."""
+        return self._buffer.space()
+
+    def received_into(self, n: int, fds: Iterable[int] = ()) -> None:
+        """``n`` bytes (> 0) arrived in :meth:`receive_space`, with these descriptors (as receive_data's)."""
+        if fds:
+            self._fds.extend(fds)
+            if not self.accepts_fds:
+                raise ProtocolError("this peer may not send file descriptors")
+        self._buffer.filled(n)
 
     def release_fds(self) -> list[int]:
         """Every descriptor received and not handed out with a frame through :meth:`received` (for the
