@@ -1,0 +1,222 @@
+"""Fleet fill over NIXL (docs/fleet.md): raw NIXL READ throughput between two processes, and how to read
+dim-1 (strided) shards.
+
+A source process allocates a slab with the daemon's backend (host memfd or CUDA VMM), fills it, seals it,
+registers it with NIXL once and hands its agent metadata and region to this process, which reads it into a
+fresh slab of the same backend (allocated, registered, read, deregistered, closed for every repetition: what
+a fill does). Reported: ``register_s`` (the source's one registration, and the target's per fill),
+``gb_s`` per repetition, and for a dim-1 shard (every row's half: the TP=1 -> TP=2 case of o_proj/down_proj)
+three ways to read it: one descriptor per row, NIXL's strided descriptors, and the whole rows read into a
+staging buffer and sliced locally.
+
+    python benchmarks/fleet_fill_bench.py --device cpu --gib 1 --out benchmarks/results/fleet_fill-cpu-2026-12-01.json
+    python benchmarks/fleet_fill_bench.py --device cuda:0 --gib 16 --out $OUT/fleet_fill-cuda.json   # the H200
+
+The fill itself (two daemons, ``fill_over_nixl_raw``) is measured by the same script once the peer service
+exists (docs/fleet.md, "What is measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from wcache.server.backends.base import Backend, MemoryRegion, Slab
+from wcache.server.nixl import Agent, Block, nixl_module
+from wcache.server.startup import make_backend
+
+ROW = 4096 * 2  # bytes of one bf16 row of a 4096-wide matrix (o_proj)
+
+
+def _fill_pattern(slab: Slab, backend: Backend) -> None:
+    """A byte pattern that differs by offset (so a misplaced range shows), written through the slab's tensor."""
+    import torch
+
+    t = slab.tensor()
+    step = 1 << 26
+    base = torch.arange(step, dtype=torch.int64, device=t.device)
+    for off in range(0, slab.size, step):
+        n = min(step, slab.size - off)
+        t[off : off + n].copy_(((base[:n] + off) * 2654435761 >> 13).to(torch.uint8))
+    slab.synchronize()
+
+
+def _expected(offset: int, n: int) -> bytes:
+    import numpy as np
+
+    i = np.arange(offset, offset + n, dtype=np.int64)
+    return ((i * 2654435761) >> 13).astype(np.uint8).tobytes()
+
+
+def serve(device: str, size: int) -> None:
+    """The source: one slab, registered once; prints {metadata, region, register_s}; exits on stdin EOF."""
+    backend = make_backend(device)
+    backend.check_platform()
+    slab = backend.allocate(size)
+    _fill_pattern(slab, backend)
+    slab.seal()
+    agent = Agent(f"bench-src-{os.getpid()}")
+    reg = agent.register(slab.region())
+    md = agent.metadata([reg])
+    r = reg.region
+    print(json.dumps({"metadata": md.hex(), "region": list(r), "register_s": reg.seconds}), flush=True)
+    sys.stdin.read()
+    agent.deregister(reg)
+    agent.close()
+    slab.close()
+
+
+class Target:
+    def __init__(self, device: str, peer: dict[str, Any]) -> None:
+        self.backend = make_backend(device)
+        self.backend.check_platform()
+        self.agent = Agent(f"bench-dst-{os.getpid()}")
+        self.peer = self.agent.add_peer(bytes.fromhex(peer["metadata"]))
+        self.remote = MemoryRegion(*peer["region"])
+
+    def fresh(self, size: int) -> tuple[Slab, Any]:
+        slab = self.backend.allocate(size)
+        return slab, self.agent.register(slab.region())
+
+    def read(self, blocks: list[Block], local: MemoryRegion, *, strided: bool = False) -> float:
+        t0 = time.perf_counter()
+        self.agent.read(self.peer, blocks, local, self.remote, deadline=time.monotonic() + 600, strided=strided)
+        return time.perf_counter() - t0
+
+
+def contiguous(t: Target, size: int, chunk: int, reps: int, prefault: bool) -> dict[str, Any]:
+    """The whole slab in ``chunk``-byte descriptors, into a fresh slab each time (allocation and first touch
+    included, as in a fill). ``prefault``: allocate the host slab's pages first (MADV_POPULATE_WRITE), so
+    the READ does not take a page fault per 4 KiB in the middle of the transport's copy."""
+    from wcache.server.loader import populate
+
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        slab, reg = t.fresh(size)
+        try:
+            local = reg.region
+            if prefault and local.kind == "host":
+                populate(local.address, 0, size, "bench")
+            blocks = [
+                Block(t.remote.address + o, local.address + o, min(chunk, size - o)) for o in range(0, size, chunk)
+            ]
+            secs = t.read(blocks, local)
+            t.agent.deregister(reg)
+            total = time.perf_counter() - t0
+            ok = all(slab.read(o, 4096) == _expected(o, 4096) for o in (0, size // 2, size - 4096))
+        finally:
+            slab.close()
+        runs.append({"read_s": secs, "gb_s": size / secs / 1e9, "with_alloc_s": total, "register_s": reg.seconds})
+        if not ok:
+            raise SystemExit("raw READ: bytes differ from the source's")
+    best = min(runs, key=lambda r: r["read_s"])
+    return {"bytes": size, "chunk": chunk, "prefault": prefault, "descriptors": -(-size // chunk), "runs": runs, **best}
+
+
+def strided(t: Target, rows: int, reps: int) -> dict[str, Any]:
+    """A [rows, 4096] bf16 matrix's right half (dim-1 shard of TP=2): per-row descriptors, NIXL strided
+    descriptors, or the whole rows into staging and a local slice."""
+    half = ROW // 2
+    out: dict[str, Any] = {"rows": rows, "run_bytes": half, "useful_bytes": rows * half}
+    for how in ("per_row", "nixl_strided", "superset_slice"):
+        times = []
+        for _ in range(reps):
+            size = rows * half if how != "superset_slice" else rows * ROW
+            slab, reg = t.fresh(max(size, 4096))
+            try:
+                local = reg.region
+                t0 = time.perf_counter()
+                if how == "superset_slice":
+                    t.read([Block(t.remote.address, local.address, rows * ROW)], local)
+                    _slice_locally(slab, rows)
+                else:
+                    blk = Block(t.remote.address + half, local.address, half, rows, ROW, half)
+                    t.read([blk], local, strided=how == "nixl_strided")
+                times.append(time.perf_counter() - t0)
+                t.agent.deregister(reg)
+                for r in (0, 1, rows // 2, rows - 1):
+                    if slab.read(r * half, half) != _expected(r * ROW + half, half):
+                        raise SystemExit(f"{how}: row {r} differs from the source's")
+            finally:
+                slab.close()
+        out[how] = {"seconds": min(times), "useful_gb_s": rows * half / min(times) / 1e9, "runs": times}
+    out["pick"] = min(("per_row", "nixl_strided", "superset_slice"), key=lambda k: out[k]["seconds"])
+    return out
+
+
+def _slice_locally(slab: Slab, rows: int) -> None:
+    """Keep every row's right half at the front of the slab (what a fill would copy into the target slab)."""
+    t = slab.tensor()
+    m = t[: rows * ROW].view(rows, ROW)
+    t[: rows * ROW // 2].view(rows, ROW // 2).copy_(m[:, ROW // 2 :].clone())
+    slab.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu (host memfd slabs) or cuda:K (VMM slabs), both sides")
+    ap.add_argument("--gib", type=float, default=1.0, help="slab size for the contiguous READ")
+    ap.add_argument("--chunk", type=str, default="64M,1G", help="descriptor sizes to try (K/M/G)")
+    ap.add_argument("--rows", type=int, default=16384, help="rows of the strided case (x 8 KiB each)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    size = int(args.gib * (1 << 30)) // 4096 * 4096
+    if args.serve:
+        serve(args.device, size)
+        return
+    nixl = nixl_module()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])}
+    src = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "--device", args.device, "--gib", str(args.gib)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert src.stdout is not None
+        peer = json.loads(src.stdout.readline())
+        t = Target(args.device, peer)
+        from wcache.units import size_arg
+
+        result: dict[str, Any] = {
+            "bench": "fleet_fill",
+            "part": "raw",
+            "device": args.device,
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "nixl": nixl.__name__,
+            "ucx_tls": os.environ.get("UCX_TLS", "(UCX default: shared memory between processes of one host)"),
+            "source_register_s": peer["register_s"],
+            "contiguous": [
+                contiguous(t, size, size_arg(c), args.reps, pre) for c in args.chunk.split(",") for pre in (False, True)
+            ],
+            "strided": strided(t, min(args.rows, size // ROW), args.reps),
+        }
+        best = max(result["contiguous"], key=lambda r: r["gb_s"])
+        result["raw_gb_s"] = best["gb_s"]
+        result["register_s"] = best["register_s"]
+        t.agent.close()
+    finally:
+        if src.stdin is not None:
+            src.stdin.close()
+        src.wait(timeout=60)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""NIXL, the data path of a fleet fill (docs/fleet.md): the only module that imports it.
+
+NIXL (its UCX backend) moves bytes between registered memory of two processes with one-sided READs: RDMA and
+GPUDirect where the hardware has them, shared memory (CMA) between processes of one host, TCP otherwise. A
+source daemon registers each resident slab once (:meth:`Agent.register`) and hands a target its agent's
+metadata and the slab's address over the authenticated control channel; the target registers its new slab
+and READs straight into it (:meth:`Agent.read`). Nothing else of NIXL is used: no listener thread, no
+metadata server, no notifications (the control channel says when a fill is done), no pickled descriptor
+lists (``nixl_agent.get_serialized_descs`` pickles; the frames carry plain integers instead).
+
+The package is ``nixl-cu12`` or ``nixl-cu13`` (``pip install -e ".[fleet]"``; module ``nixl_cu12`` /
+``nixl_cu13``): :func:`nixl_module` imports whichever is present, lazily, and raises a
+:class:`~wcache.errors.FillError` naming the install command when neither is. Slab addresses come from the
+backends (``Slab.region()``), so this module names no device API.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from wcache.errors import FillError
+from wcache.server.backends.base import MemoryRegion
+
+__all__ = ["MODULES", "Agent", "Block", "ReadStats", "Registration", "nixl_module"]
+
+log = logging.getLogger("wcache.fleet")
+
+#: The NIXL packages' module names, CUDA 13 build first (the H200's), then CUDA 12 (installs and runs on a
+#: machine without a GPU: CI's).
+MODULES = ("nixl_cu13", "nixl_cu12")
+_MEM = {"host": "DRAM", "cuda": "VRAM"}
+_loaded: ModuleType | None = None
+
+
+def nixl_module() -> ModuleType:
+    """The NIXL Python package, imported once. FillError (reason ``nixl-missing``) when it is not installed."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    # NIXL logs every agent and backend it creates at INFO on stdout; an operator's log gets wcache's lines
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    errors = []
+    for name in MODULES:
+        try:
+            _loaded = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        return _loaded
+    raise FillError(
+        'fleet fill needs NIXL, which is not installed: pip install -e ".[fleet]" (nixl-cu12; on a CUDA 13 '
+        "machine install nixl-cu13) — " + "; ".join(errors),
+        details={"reason": "nixl-missing"},
+    )
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered region: what a peer READs from (or into), valid until :meth:`Agent.deregister`."""
+
+    region: MemoryRegion
+    seconds: float  # what registering it cost
+    handle: Any = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Block:
+    """``count`` runs of ``length`` bytes: run *i* is read from remote ``src + i * src_stride`` into local
+    ``dst + i * dst_stride`` (addresses, not offsets). ``count`` 1 is one contiguous range."""
+
+    src: int
+    dst: int
+    length: int
+    count: int = 1
+    src_stride: int = 0
+    dst_stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.count
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    bytes: int
+    descriptors: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class Agent:
+    """One NIXL agent with the UCX backend. ``name`` must be unique among the agents that meet (a daemon uses
+    its host, pid and a random part). ``threads``: UCX worker threads (0: NIXL's default). Not thread-safe:
+    one thread (the daemon's fill or the source's registration) uses it at a time."""
+
+    def __init__(self, name: str, *, threads: int = 0) -> None:
+        nixl = nixl_module()
+        self.name = name
+        try:
+            cfg = nixl.nixl_agent_config(backends=["UCX"], num_threads=threads)
+            self._agent = nixl.nixl_agent(name, cfg)
+        except Exception as exc:  # the bindings raise their own classes (nixlBackendError, RuntimeError)
+            raise FillError(f"NIXL agent {name}: {type(exc).__name__}: {exc}", details={"reason": "nixl"}) from exc
+        if "UCX" not in self._agent.backends:
+            raise FillError(f"NIXL agent {name}: no UCX backend in this NIXL build", details={"reason": "nixl"})
+        self._peers: set[str] = set()
+
+    # ------------------------------------------------------------------ memory
+    def register(self, region: MemoryRegion) -> Registration:
+        """Register ``region`` with UCX (on a host region: nothing pinned over TCP/CMA; RDMA pins it)."""
+        t0 = time.perf_counter()
+        try:
+            reg = self._agent.register_memory(
+                [(region.address, region.length, region.device, "")], _MEM[region.kind], backends=["UCX"]
+            )
+        except Exception as exc:
+            raise FillError(
+                f"NIXL could not register {region.length} bytes of {region.kind} memory: {type(exc).__name__}: {exc}",
+                details={"reason": "register"},
+            ) from exc
+        return Registration(region, time.perf_counter() - t0, reg)
+
+    def deregister(self, reg: Registration) -> None:
+        self._agent.deregister_memory(reg.handle, backends=["UCX"])
+
+    def metadata(self, regs: Sequence[Registration] = ()) -> bytes:
+        """What a peer needs to READ ``regs`` (and connect): partial metadata, so the peer learns no other
+        registered region. A capability: send it only over an authenticated channel (docs/security.md)."""
+        nixl = self._agent
+        if not regs:
+            return bytes(nixl.get_agent_metadata())
+        descs = [(r.region.address, r.region.length, r.region.device, "") for r in regs]
+        kinds = {r.region.kind for r in regs}
+        if len(kinds) != 1:
+            raise ValueError("regions of one metadata blob are of one memory kind")
+        dlist = nixl.get_reg_descs(descs, _MEM[kinds.pop()])
+        return bytes(nixl.get_partial_agent_metadata(dlist, True, ["UCX"]))
+
+    # ------------------------------------------------------------------ peers
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata (from its OFFER); returns its agent name."""
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise FillError(
+                f"NIXL refused a peer's metadata: {type(exc).__name__}: {exc}", details={"reason": "nixl"}
+            ) from exc
+        peer = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers.add(peer)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        if peer in self._peers:
+            self._peers.discard(peer)
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception as exc:  # a peer that died: nothing left to disconnect
+                log.debug("NIXL remove_remote_agent %s: %s", peer, exc)
+
+    # ------------------------------------------------------------------ transfers
+    def read(
+        self,
+        peer: str,
+        blocks: Sequence[Block],
+        local: MemoryRegion,
+        remote: MemoryRegion,
+        *,
+        deadline: float,
+        strided: bool = False,
+    ) -> ReadStats:
+        """READ every block from ``peer``'s ``remote`` region into ``local`` (both registered), in one request;
+        returns when every byte has landed. ``deadline``: time.monotonic() by which it must be done, else the
+        request is released (UCX cancels what it can) and FillError (reason ``deadline``) raised; a transfer
+        NIXL reports failed is FillError (reason ``transfer``). ``strided``: blocks of several runs go as
+        NIXL's strided descriptors (one per block) instead of one descriptor per run (docs/fleet.md,
+        "Strided shards", picks by measurement)."""
+        for b in blocks:
+            _inside(b.src, b.src_stride, b, remote, "remote")
+            _inside(b.dst, b.dst_stride, b, local, "local")
+        t0 = time.perf_counter()
+        late = FillError(
+            f"READ of {sum(b.nbytes for b in blocks)} bytes from {peer} passed its deadline",
+            details={"reason": "deadline", "peer": peer},
+        )
+        if time.monotonic() > deadline:
+            raise late
+        handle, prepped, n = self._request(peer, blocks, local, remote, strided)
+        try:
+            state = self._agent.transfer(handle)
+            pause = 1e-5
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise late
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise FillError(f"NIXL READ from {peer} failed ({state})", details={"reason": "transfer", "peer": peer})
+        finally:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as exc:  # an active transfer that cannot be cancelled; NIXL keeps it on its leak list
+                log.warning("NIXL could not release a transfer from %s: %s", peer, exc)
+            for p in prepped:
+                p.release()
+        return ReadStats(sum(b.nbytes for b in blocks), n, time.perf_counter() - t0)
+
+    def _request(
+        self, peer: str, blocks: Sequence[Block], local: MemoryRegion, remote: MemoryRegion, strided: bool
+    ) -> tuple[Any, list[Any], int]:
+        """The NIXL transfer request for ``blocks``, the prepared lists it holds, and its descriptor count."""
+        import numpy as np
+
+        nixl = self._agent
+        try:
+            if strided:
+                src = np.array(
+                    [(b.src, b.length, remote.device, b.src_stride or b.length, b.count) for b in blocks], np.uint64
+                )
+                dst = np.array(
+                    [(b.dst, b.length, local.device, b.dst_stride or b.length, b.count) for b in blocks], np.uint64
+                )
+                lp = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", dst, _MEM[local.kind], backends=["UCX"])
+                rp = nixl.prep_xfer_dlist(peer, src, _MEM[remote.kind], backends=["UCX"])
+                # a strided row expands to ``count`` entries of the prepared list: the request names them all
+                n = sum(b.count for b in blocks)
+                idx = np.arange(n, dtype=np.int32)
+                return nixl.make_prepped_xfer("READ", lp, idx, rp, idx, backends=["UCX"]), [lp, rp], n
+            lo = nixl.get_xfer_descs(_runs(blocks, "dst", local.device), _MEM[local.kind])
+            ro = nixl.get_xfer_descs(_runs(blocks, "src", remote.device), _MEM[remote.kind])
+            return nixl.initialize_xfer("READ", lo, ro, peer, backends=["UCX"]), [], sum(b.count for b in blocks)
+        except FillError:
+            raise
+        except Exception as exc:
+            raise FillError(
+                f"NIXL could not prepare a READ from {peer}: {type(exc).__name__}: {exc}",
+                details={"reason": "transfer", "peer": peer},
+            ) from exc
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+
+
+def _inside(start: int, stride: int, b: Block, region: MemoryRegion, side: str) -> None:
+    """Every run of ``b`` lies inside ``region`` (a plan that says otherwise is a bug: refused before NIXL)."""
+    last = start + (b.count - 1) * stride + b.length
+    if b.length <= 0 or b.count <= 0 or start < region.address or last > region.address + region.length:
+        raise ValueError(f"{side} block {b} is outside its region {region}")
+
+
+def _runs(blocks: Sequence[Block], side: str, device: int) -> Any:
+    """Every run of ``blocks`` on one side (``src`` or ``dst``) as an Nx3 (address, length, device) array:
+    NIXL builds its descriptor list from it without a Python object per run."""
+    import numpy as np
+
+    parts = []
+    for b in blocks:
+        start, stride = (b.src, b.src_stride) if side == "src" else (b.dst, b.dst_stride)
+        rows = np.empty((b.count, 3), dtype=np.uint64)
+        rows[:, 0] = start + np.arange(b.count, dtype=np.uint64) * np.uint64(stride)
+        rows[:, 1] = b.length
+        rows[:, 2] = device
+        parts.append(rows)
+    return np.concatenate(parts)
