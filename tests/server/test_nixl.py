@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ import pytest
 from wcache.errors import FillError
 from wcache.server import nixl as nixl_mod
 from wcache.server.backends.host import HostBackend, HostSlab
-from wcache.server.nixl import Agent, Block
+from wcache.server.nixl import Agent, Block, Registration
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
 
 SIZE = 1 << 20
+Pair = tuple[HostSlab, Registration, Agent, str]
 
 
 def _source_slab() -> HostSlab:
@@ -28,7 +30,7 @@ def _source_slab() -> HostSlab:
 
 
 @pytest.fixture
-def pair():
+def pair() -> Iterator[Pair]:
     src_slab = _source_slab()
     src, dst = Agent(f"t-src-{os.getpid()}"), Agent(f"t-dst-{os.getpid()}")
     reg = src.register(src_slab.region())
@@ -52,7 +54,7 @@ def test_a_sealed_host_slab_is_registered_read_only_and_unmapped_at_close() -> N
     assert f"{region.address:x}-" not in Path("/proc/self/maps").read_text()
 
 
-def test_read_contiguous_and_strided_blocks_into_a_fresh_slab(pair) -> None:
+def test_read_contiguous_and_strided_blocks_into_a_fresh_slab(pair: Pair) -> None:
     src_slab, reg, dst, peer = pair
     remote = reg.region
     out = HostBackend().allocate(SIZE)
@@ -77,7 +79,7 @@ def test_read_contiguous_and_strided_blocks_into_a_fresh_slab(pair) -> None:
         out.close()
 
 
-def test_blocks_outside_a_region_are_refused_before_nixl(pair) -> None:
+def test_blocks_outside_a_region_are_refused_before_nixl(pair: Pair) -> None:
     _, reg, dst, peer = pair
     remote = reg.region
     out = HostBackend().allocate(4096)
@@ -91,7 +93,7 @@ def test_blocks_outside_a_region_are_refused_before_nixl(pair) -> None:
         out.close()
 
 
-def test_a_read_past_its_deadline_is_a_fill_error(pair) -> None:
+def test_a_read_past_its_deadline_is_a_fill_error(pair: Pair) -> None:
     _, reg, dst, peer = pair
     remote = reg.region
     out = HostBackend().allocate(SIZE)
@@ -107,7 +109,7 @@ def test_a_read_past_its_deadline_is_a_fill_error(pair) -> None:
         out.close()
 
 
-def test_without_nixl_the_error_names_the_extra(monkeypatch) -> None:
+def test_without_nixl_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nixl_mod, "_loaded", None)
     monkeypatch.setattr(nixl_mod, "MODULES", ("wcache_no_such_nixl",))
     with pytest.raises(FillError, match=r"pip install -e \"\.\[fleet\]\"") as err:

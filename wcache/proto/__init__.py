@@ -2,7 +2,7 @@
 
 Layers, each importing only those above it (docs/architecture.md): ``codec`` (length prefix +
 msgpack), ``fields`` (field kinds and the one generic encoder/decoder), ``table`` (the columnar
-tensor table), ``daemon_frames`` and ``peer_frames`` (the frames by service), ``frames`` (the
+tensor table), ``daemon_frames``, ``peer_frames`` and ``fleet_frames`` (the frames by service), ``frames`` (the
 registry and ``decode_frame``), ``connection`` (the per-connection state machine: which service,
 which phase, which descriptors). Bytes in, typed frames out.
 """
@@ -16,6 +16,7 @@ from wcache.proto.connection import (
     Event,
     KeeperRequest,
     Misdirected,
+    PeerRequest,
     Phase,
     Role,
     Service,
@@ -41,6 +42,19 @@ from wcache.proto.frames import (
     Kept,
     LeaseInfo,
     ModelInfo,
+    PeerAuth,
+    PeerAuthOk,
+    PeerBlock,
+    PeerChallenge,
+    PeerFile,
+    PeerFiles,
+    PeerFilesReply,
+    PeerModel,
+    PeerOffer,
+    PeerProof,
+    PeerQuery,
+    PeerRead,
+    PeerReadOk,
     Preload,
     Preloaded,
     Reclaim,
@@ -92,6 +106,20 @@ __all__ = [
     "Kept",
     "LeaseInfo",
     "ModelInfo",
+    "PeerAuth",
+    "PeerAuthOk",
+    "PeerBlock",
+    "PeerChallenge",
+    "PeerFile",
+    "PeerFiles",
+    "PeerFilesReply",
+    "PeerModel",
+    "PeerOffer",
+    "PeerProof",
+    "PeerQuery",
+    "PeerRead",
+    "PeerReadOk",
+    "PeerRequest",
     "Phase",
     "Preload",
     "Preloaded",

@@ -1,7 +1,8 @@
 """Typed frames of protocol version 2 (docs/protocol.md §4) and their one decoder.
 
 The frames live by service: ``daemon_frames`` (the daemon's, plus the handshake, STATUS and ERROR
-every service speaks) and ``peer_frames`` (takeover and keeper); their fields are declared once
+every service speaks), ``peer_frames`` (takeover and keeper) and ``fleet_frames`` (the peer channel
+between daemons of a fleet, docs/protocol.md §10); their fields are declared once
 (``fields.py``) and one generic codec encodes and decodes them all; the tensor table is in
 ``table``. This module is the registry: :data:`Frame`, :data:`FRAME_TYPES` and
 :func:`decode_frame`, tagged by the ``type`` field, and it re-exports every frame.
@@ -42,6 +43,22 @@ from wcache.proto.daemon_frames import (
     StatusReply,
 )
 from wcache.proto.fields import MAX_NAME, MAX_PATH, REGISTRY, KeyMap, Message
+from wcache.proto.fleet_frames import (
+    MEMORY_KINDS,
+    PeerAuth,
+    PeerAuthOk,
+    PeerBlock,
+    PeerChallenge,
+    PeerFile,
+    PeerFiles,
+    PeerFilesReply,
+    PeerModel,
+    PeerOffer,
+    PeerProof,
+    PeerQuery,
+    PeerRead,
+    PeerReadOk,
+)
 from wcache.proto.peer_frames import (
     MAX_HANDOFF_FDS,
     MAX_KEPT_FDS,
@@ -65,6 +82,7 @@ __all__ = [
     "MAX_KEPT_FDS",
     "MAX_NAME",
     "MAX_PATH",
+    "MEMORY_KINDS",
     "MODES",
     "SLAB_KINDS",
     "TENSOR_KINDS",
@@ -87,6 +105,19 @@ __all__ = [
     "Kept",
     "LeaseInfo",
     "ModelInfo",
+    "PeerAuth",
+    "PeerAuthOk",
+    "PeerBlock",
+    "PeerChallenge",
+    "PeerFile",
+    "PeerFiles",
+    "PeerFilesReply",
+    "PeerModel",
+    "PeerOffer",
+    "PeerProof",
+    "PeerQuery",
+    "PeerRead",
+    "PeerReadOk",
     "Preload",
     "Preloaded",
     "Reclaim",
@@ -132,6 +163,16 @@ Frame = (
     | DepositSlab
     | Commit
     | Deposited
+    | PeerAuth
+    | PeerChallenge
+    | PeerProof
+    | PeerAuthOk
+    | PeerQuery
+    | PeerOffer
+    | PeerRead
+    | PeerReadOk
+    | PeerFiles
+    | PeerFilesReply
 )
 #: frame type -> class: every ``@message`` declared with a type (a test checks it equals ``Frame``'s members)
 FRAME_TYPES: dict[str, type[Message]] = REGISTRY
