@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU in one script: the GPU tests, then the GPU benchmarks; logs and JSON into $OUT
 # (or the folder given as $1). On the lent H200:  bash benchmarks/gpu_suite.sh
-# PARTS picks steps (default: all, about 23 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart imports fresh_moe fp8.
+# PARTS picks steps (default: all, about 29 min): bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart imports fresh_moe fp8 fleet.
 # The lent machine caps one call at 10 min, so it is run there in two calls, e.g.
 #   PARTS="bench tests" bash benchmarks/gpu_suite.sh   then   PARTS="sweep cold first_token kills" ...
 # Carried wheels in .whl/ (pytest-asyncio, pytest; fastsafetensors and runai-model-streamer for the
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
-PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart imports fresh_moe fp8}"
+PARTS="${PARTS:-bench tests sweep cold disk driver_order first_token kills tier handoff fresh restart imports fresh_moe fp8 fleet}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -118,5 +118,15 @@ sys.exit(0 if out["ok"] else 1)
 PY
   step fp8_writeback "${FP8_WB_TIMEOUT:-400}" python3 benchmarks/fp8_writeback_bench.py --device cuda:0 --work /tmp/wcache-fp8wb \
     --out "$OUT/fp8_writeback.json" ${FP8_WB_ARGS:-}
+fi
+if want fleet; then
+  # fleet fill over NIXL (docs/fleet.md, "What is measured"): raw NIXL READ between two processes of 16 GB host
+  # slabs, then 16 GB VMM slabs on the GPU, and the dim-1 shard comparison on each (about 6 min in all; the VM's
+  # UCX has TCP only). Needs NIXL for CUDA 13: carry nixl_cu13-*-cp312-*.whl in .whl/ (installed to /tmp/site).
+  python3 -c 'import nixl_cu13' 2>/dev/null || { echo "== fleet: nixl_cu13 is not installed (carry its wheel in .whl/)" | tee "$OUT/fleet.log"; status=1; }
+  step fleet_host "${FLEET_HOST_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 16 --chunk 64M,1G \
+    --reps 2 --out "$OUT/fleet_fill-host.json"
+  step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 16 --chunk 64M \
+    --reps 1 --out "$OUT/fleet_fill-cuda.json"
 fi
 exit $status
