@@ -30,7 +30,9 @@ def make_ca(d: Path, name: str) -> Path:
 
     now = datetime.datetime.now(datetime.UTC)
 
-    def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey, ca: bool):
+    def cert(
+        subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey, ca: bool
+    ) -> x509.Certificate:
         b = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

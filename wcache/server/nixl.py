@@ -28,7 +28,7 @@ from typing import Any
 from wcache.errors import FillError
 from wcache.server.backends.base import MemoryRegion
 
-__all__ = ["MODULES", "Agent", "Block", "ReadStats", "Registration", "nixl_module"]
+__all__ = ["MODULES", "Agent", "Block", "ReadStats", "Registration", "Transfer", "nixl_module"]
 
 log = logging.getLogger("wcache.fleet")
 
@@ -180,41 +180,48 @@ class Agent:
         strided: bool = False,
     ) -> ReadStats:
         """READ every block from ``peer``'s ``remote`` region into ``local`` (both registered), in one request;
-        returns when every byte has landed. ``deadline``: time.monotonic() by which it must be done, else the
-        request is released (UCX cancels what it can) and FillError (reason ``deadline``) raised; a transfer
-        NIXL reports failed is FillError (reason ``transfer``). ``strided``: blocks of several runs go as
-        NIXL's strided descriptors (one per block) instead of one descriptor per run (docs/fleet.md,
-        "Strided shards", picks by measurement)."""
+        returns when every byte has landed (:meth:`start_read`, then polled here, sleeping between polls)."""
+        t = self.start_read(peer, blocks, local, remote, deadline=deadline, strided=strided)
+        pause = 1e-5
+        try:
+            while not t.done():
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        finally:
+            t.release()
+        return t.stats()
+
+    def start_read(
+        self,
+        peer: str,
+        blocks: Sequence[Block],
+        local: MemoryRegion,
+        remote: MemoryRegion,
+        *,
+        deadline: float,
+        strided: bool = False,
+    ) -> Transfer:
+        """Post one READ request of every block (from ``peer``'s ``remote`` region into ``local``) and return at
+        once: poll :meth:`Transfer.done` (an event loop polls several, one per source), then ``release()``.
+        ``deadline``: time.monotonic() by which it must be done, else FillError (reason ``deadline``); a
+        transfer NIXL reports failed is FillError (reason ``transfer``). ``strided``: blocks of several runs go
+        as NIXL's strided lists instead of one descriptor per run (docs/fleet.md, "Strided shards"). Blocks
+        outside their regions are a ValueError before NIXL sees them."""
         for b in blocks:
             _inside(b.src, b.src_stride, b, remote, "remote")
             _inside(b.dst, b.dst_stride, b, local, "local")
-        t0 = time.perf_counter()
-        late = FillError(
-            f"READ of {sum(b.nbytes for b in blocks)} bytes from {peer} passed its deadline",
-            details={"reason": "deadline", "peer": peer},
-        )
+        nbytes = sum(b.nbytes for b in blocks)
         if time.monotonic() > deadline:
-            raise late
+            raise _late(peer, nbytes)
+        t0 = time.perf_counter()
         handle, prepped, n = self._request(peer, blocks, local, remote, strided)
+        t = Transfer(self, peer, handle, prepped, nbytes, n, deadline, t0)
         try:
-            state = self._agent.transfer(handle)
-            pause = 1e-5
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise late
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise FillError(f"NIXL READ from {peer} failed ({state})", details={"reason": "transfer", "peer": peer})
-        finally:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception as exc:  # an active transfer that cannot be cancelled; NIXL keeps it on its leak list
-                log.warning("NIXL could not release a transfer from %s: %s", peer, exc)
-            for p in prepped:
-                p.release()
-        return ReadStats(sum(b.nbytes for b in blocks), n, time.perf_counter() - t0)
+            t.post()
+        except BaseException:
+            t.release()
+            raise
+        return t
 
     def _request(
         self, peer: str, blocks: Sequence[Block], local: MemoryRegion, remote: MemoryRegion, strided: bool
@@ -251,6 +258,60 @@ class Agent:
     def close(self) -> None:
         for peer in list(self._peers):
             self.remove_peer(peer)
+
+
+def _late(peer: str, nbytes: int) -> FillError:
+    return FillError(
+        f"READ of {nbytes} bytes from {peer} passed its deadline", details={"reason": "deadline", "peer": peer}
+    )
+
+
+class Transfer:
+    """One posted READ request (:meth:`Agent.start_read`)."""
+
+    def __init__(
+        self, agent: Agent, peer: str, handle: Any, prepped: list[Any], nbytes: int, n: int, deadline: float, t0: float
+    ) -> None:
+        self._agent, self.peer, self._handle, self._prepped = agent, peer, handle, prepped
+        self.nbytes, self.descriptors, self.deadline, self._t0 = nbytes, n, deadline, t0
+        self._state = ""
+        self._seconds = 0.0
+
+    def post(self) -> None:
+        self._state = self._agent._agent.transfer(self._handle)
+        self._check()
+
+    def done(self) -> bool:
+        """True once every byte landed; FillError when NIXL reports a failure or the deadline passed."""
+        if self._state == "PROC":
+            if time.monotonic() > self.deadline:
+                raise _late(self.peer, self.nbytes)
+            self._state = self._agent._agent.check_xfer_state(self._handle)
+            self._check()
+        return self._state == "DONE"
+
+    def _check(self) -> None:
+        if self._state == "DONE" and not self._seconds:
+            self._seconds = time.perf_counter() - self._t0
+        elif self._state not in ("DONE", "PROC"):
+            raise FillError(
+                f"NIXL READ from {self.peer} failed ({self._state})", details={"reason": "transfer", "peer": self.peer}
+            )
+
+    def stats(self) -> ReadStats:
+        return ReadStats(self.nbytes, self.descriptors, self._seconds)
+
+    def release(self) -> None:
+        """Free the request (an unfinished one is cancelled where UCX can; NIXL keeps what it cannot)."""
+        if self._handle is None:
+            return
+        handle, self._handle = self._handle, None
+        try:
+            self._agent._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.warning("NIXL could not release a transfer from %s: %s", self.peer, exc)
+        for p in self._prepped:
+            p.release()
 
 
 def _inside(start: int, stride: int, b: Block, region: MemoryRegion, side: str) -> None:

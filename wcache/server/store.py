@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -33,6 +34,7 @@ from wcache.errors import (
 )
 from wcache.key import WeightCacheKey
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
+from wcache.peer_files import refuse_stubs
 from wcache.proto import (
     DTYPE_SIZES,
     Commit,
@@ -86,6 +88,8 @@ class ServedModel:
         self._hold_lock = threading.Lock()
         self._readers = 0
         self._closing = False
+        #: called once, just before the slabs are freed (a NIXL registration of them is dropped first)
+        self.finalizers: list[Callable[[], None]] = []
 
     def hold(self) -> bool:
         """Keep the slabs open while another thread reads them (``release_hold`` after); False once closed."""
@@ -142,6 +146,12 @@ class ServedModel:
         self._close_slabs()
 
     def _close_slabs(self) -> None:
+        fins, self.finalizers = self.finalizers, []
+        for fin in fins:
+            try:
+                fin()
+            except Exception as exc:  # freeing the memory must not depend on it
+                log.warning("slab finalizer failed key=%s: %s: %s", self.key.short(), type(exc).__name__, exc)
         for s in self.slabs:
             s.close()
         self.slabs.clear()
@@ -177,6 +187,7 @@ def _load_planned(
     ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
     transform = rp.spec.transform
     source = rp.spec.checkpoint
+    refuse_stubs(source, ckpt.files)  # a node filled from a peer has headers only: never serve its holes
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:

@@ -1,0 +1,326 @@
+"""The source side of a fleet fill (docs/fleet.md): the peer channel's request handler.
+
+``PeerService`` answers the peer frames of docs/protocol.md §10 for the server shell (which owns the TCP
+listener, the TLS handshake through ``StreamChannel``, limits, deadlines and the ERROR mapping): the
+shared-secret proofs, PEER_QUERY with an offer of the resident slabs that fill the target's key (registered
+with NIXL once per slab, their registration dropped just before the slab is freed), PEER_READ paced by
+``--peer-max-rate``, RELEASE of a fill's lease, and PEER_FILES. A slab offered to a fill is held
+(``ServedModel.hold``) until the fill releases it or its connection ends, so an eviction meanwhile frees it
+only afterwards: a READ never meets freed memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from wcache.errors import LimitExceededError, NotFoundError, PermissionDeniedError, UnknownLeaseError
+from wcache.peer_files import checkpoint_files
+from wcache.proto import Connection, Hello, HelloOk, Release, Released, Service
+from wcache.proto.fleet_frames import (
+    PeerAuth,
+    PeerFile,
+    PeerFiles,
+    PeerFilesReply,
+    PeerModel,
+    PeerOffer,
+    PeerProof,
+    PeerQuery,
+    PeerRead,
+    PeerReadOk,
+)
+from wcache.proto.frames import Frame
+from wcache.server.nixl import Agent, Registration
+from wcache.server.peer_auth import PeerSecurity, SecretServer
+from wcache.server.store import ServedModel, Store
+
+__all__ = ["RESHARD_FIELDS", "PeerService", "RateCap", "fills_key"]
+
+log = logging.getLogger("wcache.fleet")
+
+#: key fields a slab of another tensor-parallel layout must share with the target's key to fill it by resharding
+RESHARD_FIELDS = ("fingerprint", "fingerprint_kind", "architecture", "dtype", "layout", "transform")
+
+
+class _Ctx(Protocol):
+    """What the shell tells a handler of a connection (its ``Context``): an id, and the peer it proved."""
+
+    id: int
+
+
+class _Key(Protocol):
+    def to_wire(self) -> dict[str, str | int]: ...
+
+    def diff_wire(self, requested: dict[str, Any]) -> dict[str, list[Any]]: ...
+
+
+def fills_key(served: _Key, wanted: dict[str, str | int]) -> bool:
+    """Whether a slab served under ``served`` can fill a target whose key is ``wanted``: exactly that key (as
+    GET_STATE matches it), or — both plain checkpoint keys without a load-time transform — the same checkpoint
+    in another tensor-parallel layout (§10.3)."""
+    if not served.diff_wire(dict(wanted)):
+        return True
+    mine = served.to_wire()
+    if "engine" in mine or "engine" in wanted:  # a recipe key (deposit): its layout is the engine's
+        return False
+    defaults: dict[str, object] = {"transform": "", "fingerprint_kind": "sampled"}
+    if mine.get("transform", "") or wanted.get("transform", ""):
+        return False  # a transform's layout only a load of that layout gives
+    return all(mine.get(f, defaults.get(f)) == wanted.get(f, defaults.get(f)) for f in RESHARD_FIELDS)
+
+
+class RateCap:
+    """``rate`` bytes per second over every grant (0: none): each grant is timed to start when the bytes granted
+    before it would have gone at that rate (a virtual clock), so the served rate never exceeds the cap by more
+    than one grant."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._free = 0.0  # time.monotonic() at which the bytes granted so far are paid for
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before ``n`` more bytes may go (and books them)."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        start = max(now, self._free)
+        self._free = start + n / self.rate
+        return start - now
+
+
+@dataclass
+class _Fill:
+    lease: int
+    conn: int
+    model: ServedModel
+    started: float = field(default_factory=time.monotonic)
+    granted: int = 0
+
+
+class PeerService:
+    """The peer channel's handler (the server shell's ``Handler``: ``hello``, ``handle``, ``holds``,
+    ``protects``, ``closed``). ``max_fills``: connections holding fills at once; ``max_rate``: bytes/s granted
+    over all of them (0: none)."""
+
+    service = Service.PEER
+    holding = "fill"
+
+    def __init__(
+        self,
+        store: Store,
+        security: PeerSecurity,
+        *,
+        software: str,
+        max_fills: int = 4,
+        max_rate: int = 0,
+        agent: Callable[[], Agent] | None = None,
+        files: Callable[[Path], list[PeerFile]] = checkpoint_files,
+    ) -> None:
+        self.store = store
+        self.security = security.with_own_certificate()
+        self.software = software
+        self.max_fills = max_fills
+        self.cap = RateCap(max_rate)
+        self._make_agent = agent or (
+            lambda: Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
+        )
+        self._agent: Agent | None = None
+        self._files = files
+        #: id(slab) -> its registration (one per resident slab)
+        self.registered: dict[int, Registration] = {}
+        self.fills: dict[int, _Fill] = {}
+        self._secret: dict[int, SecretServer] = {}
+        self._next_lease = int.from_bytes(os.urandom(4), "big") % (1 << 30) + 1
+        #: bytes granted to fills (metrics) and fills served to the end
+        self.bytes_served = 0
+        self.fills_done = 0
+
+    # ------------------------------------------------------------------ the shell's questions
+    def hello(self, conn: Connection, hello: Hello, ctx: _Ctx) -> HelloOk:
+        backend = self.store.backend
+        return conn.hello_reply(
+            hello, software=self.software, backend=backend.name, device=backend.device, server_pid=os.getpid()
+        )
+
+    def holds(self, ctx: _Ctx) -> bool:
+        return any(f.conn == ctx.id for f in self.fills.values())
+
+    def protects(self) -> Callable[[_Ctx], bool]:
+        return lambda ctx: False
+
+    def closed(self, ctx: _Ctx) -> None:
+        """The connection ended (a target done, dead or SIGKILLed): its fills end, their holds are released."""
+        self._secret.pop(ctx.id, None)
+        for f in [f for f in self.fills.values() if f.conn == ctx.id]:
+            self._end(f, "connection closed")
+
+    # ------------------------------------------------------------------ registration
+    @property
+    def agent(self) -> Agent:
+        if self._agent is None:
+            self._agent = self._make_agent()
+        return self._agent
+
+    def register(self, model: ServedModel) -> Registration:
+        """Register the model's slab with NIXL once (when it becomes resident; else at its first offer); the
+        registration is dropped just before the slab is freed."""
+        slab = model.slabs[0]
+        reg = self.registered.get(id(slab))
+        if reg is not None:
+            return reg
+        reg = self.agent.register(slab.region())
+        self.registered[id(slab)] = reg
+        agent = self.agent
+
+        def drop() -> None:
+            self.registered.pop(id(slab), None)
+            agent.deregister(reg)
+
+        model.finalizers.append(drop)
+        log.info(
+            "registered for peers key=%s bytes=%d memory=%s seconds=%.4f",
+            model.key.short(),
+            reg.region.length,
+            reg.region.kind,
+            reg.seconds,
+        )
+        return reg
+
+    # ------------------------------------------------------------------ requests
+    async def handle(self, request: Frame, fds: list[int], ctx: _Ctx) -> Frame:
+        match request:
+            case PeerAuth():
+                return self._auth(ctx).challenge(request)
+            case PeerProof():
+                server = self._secret.get(ctx.id)
+                if server is None:
+                    raise PermissionDeniedError("PEER_PROOF before PEER_AUTH", details={"reason": "secret"})
+                return server.check(request)
+            case PeerQuery():
+                return self._offer(request, ctx)
+            case PeerRead():
+                return await self._grant(request, ctx)
+            case Release():
+                return self._release(request, ctx)
+            case PeerFiles():
+                return self._files_for(request)
+        raise NotFoundError(f"a peer channel does not answer {request.TYPE}")
+
+    def _auth(self, ctx: _Ctx) -> SecretServer:
+        if self.security.mode != "secret":
+            raise PermissionDeniedError("this source authenticates by TLS certificates, not a shared secret")
+        return self._secret.setdefault(ctx.id, SecretServer(self.security.secret, self.security.own_certificate))
+
+    def _offer(self, req: PeerQuery, ctx: _Ctx) -> PeerOffer:
+        wanted = dict(req.key)
+        held = [m for m in self.store.models.values() if len(m.slabs) == 1 and fills_key(m.key, wanted)]
+        if not held:
+            raise NotFoundError(
+                "this daemon holds nothing that fills that key",
+                details={"served": [k.short() for k in self.store.models]},
+            )
+        busy = {f.conn for f in self.fills.values()}
+        if ctx.id not in busy and len(busy) >= self.max_fills:
+            raise LimitExceededError(
+                f"this daemon serves {len(busy)} fills already (--peer-max-fills {self.max_fills}): ask another peer",
+                details={"fills": len(busy), "limit": self.max_fills},
+            )
+        models: list[PeerModel] = []
+        regs: list[Registration] = []
+        for m in held:
+            if not m.hold():  # closed meanwhile
+                continue
+            reg = self.register(m)
+            lease = self._next_lease
+            self._next_lease += 1
+            self.fills[lease] = _Fill(lease, ctx.id, m)
+            regs.append(reg)
+            r = reg.region
+            models.append(
+                PeerModel(
+                    lease=lease,
+                    key=m.key.to_wire(),
+                    size=r.length,
+                    memory=r.kind,
+                    address=r.address,
+                    tensors=m.table,
+                    aliases=m.aliases,
+                    buffers=m.buffers,
+                    payload=m.payload_bytes,
+                    device=r.device,
+                    register_seconds=reg.seconds,
+                )
+            )
+        if not models:
+            raise NotFoundError("the slabs that fill that key were evicted meanwhile")
+        log.info(
+            "peer fill offered conn=%d keys=%s bytes=%d fills=%d",
+            ctx.id,
+            ",".join(m.key.short() for m in held),
+            sum(m.size for m in models),
+            len({f.conn for f in self.fills.values()}),
+        )
+        return PeerOffer(id=req.id, agent=self.agent.metadata(regs), models=tuple(models), max_rate=self.cap.rate)
+
+    def _mine(self, lease: int, ctx: _Ctx) -> _Fill:
+        f = self.fills.get(lease)
+        if f is None or f.conn != ctx.id:
+            raise UnknownLeaseError(f"lease {lease} is not a fill of this connection")
+        return f
+
+    async def _grant(self, req: PeerRead, ctx: _Ctx) -> PeerReadOk:
+        f = self._mine(req.lease, ctx)
+        wait = self.cap.delay(req.bytes)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        f.granted += req.bytes
+        self.bytes_served += req.bytes
+        return PeerReadOk(id=req.id, lease=req.lease, bytes=req.bytes)
+
+    def _release(self, req: Release, ctx: _Ctx) -> Released:
+        f = self._mine(req.lease, ctx)
+        self._end(f, "released")
+        self.fills_done += 1
+        left = sum(1 for g in self.fills.values() if g.model is f.model)
+        return Released(id=req.id, lease=req.lease, leases_left=left)
+
+    def _end(self, f: _Fill, why: str) -> None:
+        del self.fills[f.lease]
+        f.model.release_hold()
+        secs = time.monotonic() - f.started
+        log.info(
+            "peer fill ended conn=%d lease=%d key=%s granted=%d seconds=%.2f reason=%s",
+            f.conn,
+            f.lease,
+            f.model.key.short(),
+            f.granted,
+            secs,
+            why,
+        )
+
+    def _files_for(self, req: PeerFiles) -> PeerFilesReply:
+        wanted = dict(req.key)
+        for m in self.store.models.values():
+            if m.source is not None and fills_key(m.key, wanted):
+                files = self._files(m.source)
+                log.info(
+                    "peer files sent key=%s files=%d bytes=%d",
+                    m.key.short(),
+                    len(files),
+                    sum(len(f.data) for f in files),
+                )
+                return PeerFilesReply(id=req.id, files=tuple(files))
+        raise NotFoundError("this daemon knows no checkpoint directory for that key")
+
+    def close(self) -> None:
+        for f in list(self.fills.values()):
+            self._end(f, "daemon stopping")
+        if self._agent is not None:
+            self._agent.close()
