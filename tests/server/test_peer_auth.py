@@ -306,6 +306,10 @@ def test_unauthenticated_listening_only_on_loopback(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="without authentication"):
             none.check_listen(host)
     secret(tmp_path, b"x" * 32).check_listen("0.0.0.0")
+    none.check_peer("127.0.0.1")
+    with pytest.raises(PermissionDeniedError, match="without authentication"):
+        none.check_peer("10.1.2.3")  # a target trusts what it reads: not from an unproven peer
+    secret(tmp_path, b"x" * 32).check_peer("10.1.2.3")
 
 
 def test_secret_files_must_be_private_and_long_enough(tmp_path: Path) -> None:

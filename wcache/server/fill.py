@@ -32,7 +32,7 @@ from wcache.errors import (
 )
 from wcache.key import WeightCacheKey
 from wcache.layout import Layout, plan_layout
-from wcache.proto import DTYPE_SIZES, Release
+from wcache.proto import DTYPE_SIZES, Frame, Release
 from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
 from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
@@ -42,7 +42,7 @@ from wcache.server.peer_auth import PeerSecurity
 from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
 from wcache.server.store import ServedModel
 
-__all__ = ["FillConfig", "check_sampled_blocks", "fill", "resolve_peers"]
+__all__ = ["FillConfig", "check_sampled_blocks", "fetch_files", "fill", "resolve_peers"]
 
 log = logging.getLogger("wcache.fleet")
 
@@ -115,7 +115,7 @@ async def _connect(addr: tuple[str, int], cfg: FillConfig) -> _Source:
     return _Source(f"{addr[0]}:{addr[1]}", ch)
 
 
-async def _request(src: _Source, frame: PeerQuery | PeerRead | Release, timeout: float) -> object:
+async def _request(src: _Source, frame: Frame, timeout: float) -> object:
     from wcache.channel import expect
 
     await src.ch.send(frame)
@@ -248,7 +248,7 @@ async def fill(
             payload,
             LoadStats(done, total, seconds, done),
             source=ckpt.path if ckpt is not None else None,
-            origin="peer " + ",".join(used),
+            origin=_origin(used),
             buffers=buffers,
         )
         log.info(
@@ -275,6 +275,45 @@ async def fill(
         if slab is not None:
             slab.close()  # never a half-filled slab served
         await _release(sources)
+
+
+async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) -> list[str]:
+    """A node without the checkpoint: the small files and safetensors stubs of the checkpoint ``key`` names (a
+    subset: ``{}`` for whatever the peers serve) from the first peer that has them, written into ``root``
+    (wcache/peer_files.py). FillError when no peer does."""
+    from wcache.peer_files import write_files
+    from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
+
+    last: BaseException | None = None
+    for addr in cfg.peers:
+        try:
+            src = await _connect(addr, cfg)
+        except (WCacheError, OSError, TimeoutError, ssl.SSLError) as exc:
+            last = exc
+            continue
+        try:
+            reply = await _request(src, PeerFiles(id=src.ch.conn.next_request_id(), key=key), cfg.connect_timeout)
+            assert isinstance(reply, PeerFilesReply)
+        except (WCacheError, OSError, TimeoutError, EOFError) as exc:
+            last = exc
+            continue
+        finally:
+            src.ch.close()
+        if not any(f.name.endswith(".safetensors") for f in reply.files):
+            last = FillError(f"peer {src.addr} sent no safetensors headers", details={"reason": "not-found"})
+            continue
+        written = await asyncio.to_thread(write_files, root, reply.files)
+        log.info("checkpoint files from peer=%s dir=%s files=%d", src.addr, root, len(written))
+        return written
+    raise FillError(
+        f"no peer sent the checkpoint's files: {last}", details={"reason": _reason(last) if last else "no-peer"}
+    )
+
+
+def _origin(used: Sequence[str]) -> str:
+    """STATUS's origin of a filled model: ``peer ADDR``, or ``peer ADDR +N`` for N more peers (the field holds
+    64 characters; the log line names them all)."""
+    return "peer " + used[0] + (f" +{len(used) - 1}" if len(used) > 1 else "")
 
 
 def agent_register_seconds(usable: Sequence[tuple[_Source, PeerModel, Layout | None]]) -> float:

@@ -306,9 +306,12 @@ class PeerService:
         )
 
     def _files_for(self, req: PeerFiles) -> PeerFilesReply:
+        """The files of the most recently used model whose key has every field ``req.key`` names (a target
+        without the checkpoint knows at most the fingerprint it expects: ``{}`` asks for any)."""
         wanted = dict(req.key)
-        for m in self.store.models.values():
-            if m.source is not None and fills_key(m.key, wanted):
+        for m in reversed(self.store.models.values()):
+            mine = m.key.to_wire()
+            if m.source is not None and all(mine.get(k) == v for k, v in wanted.items()):
                 files = self._files(m.source)
                 log.info(
                     "peer files sent key=%s files=%d bytes=%d",

@@ -141,6 +141,17 @@ class PeerSecurity:
             "listen on 127.0.0.1"
         )
 
+    def check_peer(self, host: str) -> None:
+        """A target without authentication talks to loopback peers only (it would trust whatever answered);
+        PermissionDeniedError (reason ``auth``) otherwise."""
+        if self.authenticates or _loopback(host):
+            return
+        raise PermissionDeniedError(
+            f"refusing to fill from {host} without authentication: pass --peer-cert/--peer-key/--peer-ca or "
+            "--peer-secret-file",
+            details={"reason": "auth"},
+        )
+
     def with_own_certificate(self) -> PeerSecurity:
         """Secret mode, source side: this daemon's certificate, made once at start (a no-op otherwise)."""
         if self.mode != "secret" or self._own is not None:

@@ -151,6 +151,7 @@ async def connect_peer(
     ``timeout``. CacheUnavailableError when nothing answers; ssl.SSLError (TLS refused either way) or
     PermissionDeniedError (a proof failed: the source's, checked here, or ours, refused there) when the
     authentication fails."""
+    security.check_peer(host)
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout):
         try:

@@ -26,8 +26,9 @@ from wcache.server.security import DaemonLock, check_private_dir, check_socket_p
 if TYPE_CHECKING:
     from wcache.key import WeightCacheKey
     from wcache.proto import HandedModel
-    from wcache.rank import RankSpec
+    from wcache.rank import RankPlan, RankSpec
     from wcache.server.backends.base import Slab
+    from wcache.server.fill import FillConfig
     from wcache.server.keeper_link import KeeperLink
     from wcache.server.store import ServedModel, Store
     from wcache.server.tier import HostTier, TierEntry
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 __all__ = [
     "adopt",
     "checkpoint_errors",
+    "fetch_checkpoint_files",
+    "fill_from_peers",
     "make_backend",
     "pytorch_bin_hint",
     "rank_spec",
@@ -285,6 +288,73 @@ def rank_spec(args: argparse.Namespace) -> RankSpec:
     )
 
 
+def _fill_config(args: argparse.Namespace) -> FillConfig:
+    from wcache.server.fill import FillConfig, resolve_peers
+
+    return FillConfig(
+        tuple(resolve_peers(args.fill_from)),
+        args.peer_security,
+        f"wcache/{__version__}",
+        timeout=args.fill_timeout,
+        verify_content=args.verify_content,
+    )
+
+
+def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
+    """--fill-from with a --model directory holding no weights: the checkpoint's small files and safetensors
+    stubs from a peer (docs/fleet.md, "A node without the checkpoint"); a directory with weights is left alone.
+    Without them there is nothing to load from disk either: the CheckpointError says why."""
+    import asyncio
+
+    from wcache.checkpoint import INDEX_NAME
+    from wcache.errors import FillError
+    from wcache.server.fill import fetch_files
+
+    if any(root.glob("*.safetensors")) or (root / INDEX_NAME).exists():
+        return
+    key: dict[str, str | int] = {"fingerprint": args.fill_fingerprint} if args.fill_fingerprint else {}
+    try:
+        asyncio.run(fetch_files(root, _fill_config(args), key))
+    except FillError as exc:
+        raise CheckpointError(
+            f"{root} holds no weights and no peer sent the checkpoint's files ({exc.details.get('reason')}: {exc.message})"
+        ) from exc
+
+
+def fill_from_peers(args: argparse.Namespace, rp: RankPlan, backend: Backend) -> ServedModel | None:
+    """--fill-from: the rank's slab from the peers (wcache/server/fill.py), or None — after one log line naming
+    the reason — for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
+    import asyncio
+
+    from wcache.errors import FillError
+    from wcache.server.fill import fill
+    from wcache.server.nixl import Agent
+
+    if args.fill_fingerprint and rp.key.fingerprint != args.fill_fingerprint:
+        raise CheckpointError(
+            f"{rp.spec.checkpoint}: its key's fingerprint is {rp.key.fingerprint}, not --fill-fingerprint "
+            f"{args.fill_fingerprint}: refusing to serve another checkpoint"
+        )
+    cfg = _fill_config(args)
+    agent: Agent | None = None
+    try:
+        agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
+        plan_id = rp.plan.id if rp.plan is not None else "none"
+        return asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
+    except FillError as exc:
+        log.warning(
+            "fill failed key=%s peers=%s reason=%s: %s; loading from disk",
+            rp.key.short(),
+            ",".join(f"{h}:{p}" for h, p in cfg.peers) or args.fill_from,
+            exc.details.get("reason", "fill"),
+            exc.message,
+        )
+        return None
+    finally:
+        if agent is not None:
+            agent.close()
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -292,7 +362,7 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wcache.rank import RankPlan, plan_rank
+    from wcache.rank import plan_rank
     from wcache.server.daemon import Daemon
     from wcache.server.loader import DEFAULT_STAGING
     from wcache.server.store import Store, load_model
@@ -353,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
                 drop(store.make_room(0), link, "budget")
             if args.model is not None:
                 spec = rank_spec(args)
+                if args.fill_from is not None:
+                    fetch_checkpoint_files(args, spec.checkpoint)
                 with planner(spec) as rp:
                     held = store.models.get(rp.key)
                     if held is not None:
@@ -362,7 +434,8 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        store.add(loader(rp))
+                        filled = fill_from_peers(args, rp, backend) if args.fill_from is not None else None
+                        store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
 
