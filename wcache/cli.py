@@ -48,7 +48,20 @@ async def _status(paths: list[Path], timeout: float) -> list[tuple[Path, StatusR
     return list(await asyncio.gather(*(one(p) for p in paths)))
 
 
-HEADER = ["SOCKET", "MODEL", "RANK", "TIER", "DEVICE", "SLAB", "LEASES", "LAST USE", "CONNS", "UPTIME"]
+HEADER = [
+    "SOCKET",
+    "MODEL",
+    "RANK",
+    "TIER",
+    "DEVICE",
+    "SLAB",
+    "ORIGIN",
+    "LOADED",
+    "LEASES",
+    "LAST USE",
+    "CONNS",
+    "UPTIME",
+]
 
 
 def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
@@ -67,6 +80,8 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
                 tier if m else "-",
                 f"{m.backend} (kept)" if keeper and m else f"{r.backend}:{r.device.uuid or r.device.kind}",
                 f"{(m.bytes if m else 0) / 1e9:.2f} GB",
+                (m.origin or "-") if m else "-",
+                _loaded(m.bytes, m.load_seconds) if m else "-",
                 str(m.leases if m else 0),
                 f"{now - m.last_use:.0f}s ago" if m and m.last_use else "never",
                 str(r.connections),
@@ -74,6 +89,13 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _loaded(nbytes: int, seconds: float) -> str:
+    """How long the bytes took to arrive (a load, a tier refill, a fill from peers) and at what rate."""
+    if seconds <= 0:
+        return "-"
+    return f"{seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
 
 
 def _summary(path: Path, r: StatusReply) -> str:

@@ -6,7 +6,9 @@ no peer means the disk path. The source here is the peer handler behind the test
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -99,11 +101,26 @@ async def test_a_node_without_the_checkpoint_serves_an_engine(ckpt: Path, socket
         svc.store.close()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
 def test_without_a_peer_the_daemon_loads_from_disk(ckpt: Path, socket_dir: Path) -> None:
-    d = spawn_daemon(ckpt, socket_dir, "--fill-from", "127.0.0.1:1", "--fill-timeout", "5")
+    mport = _free_port()
+    d = spawn_daemon(
+        ckpt, socket_dir, "--fill-from", "127.0.0.1:1", "--fill-timeout", "5", "--metrics-port", str(mport)
+    )
     try:
         (m,) = asyncio.run(WCacheClient(d.socket).status()).models
         assert m.origin == "disk"
+        assert 'wcache_fills_total{outcome="failed",reason="no-peer"} 1' in _metrics(mport)
     finally:
         d.stop()
 

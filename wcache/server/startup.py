@@ -321,7 +321,9 @@ def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
         ) from exc
 
 
-def fill_from_peers(args: argparse.Namespace, rp: RankPlan, backend: Backend) -> ServedModel | None:
+def fill_from_peers(
+    args: argparse.Namespace, rp: RankPlan, backend: Backend, outcomes: list[tuple[str, int, float]]
+) -> ServedModel | None:
     """--fill-from: the rank's slab from the peers (wcache/server/fill.py), or None — after one log line naming
     the reason — for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
     import asyncio
@@ -340,8 +342,11 @@ def fill_from_peers(args: argparse.Namespace, rp: RankPlan, backend: Backend) ->
     try:
         agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
         plan_id = rp.plan.id if rp.plan is not None else "none"
-        return asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
+        model = asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
+        outcomes.append(("", model.stats.bytes_read, model.stats.seconds))
+        return model
     except FillError as exc:
+        outcomes.append((str(exc.details.get("reason", "fill")), 0, 0.0))
         log.warning(
             "fill failed key=%s peers=%s reason=%s: %s; loading from disk",
             rp.key.short(),
@@ -418,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
                 reclaimed = handed = reclaim(link, backend, args.shard_plan)
         store = Store(backend, handed, budget=args.memory_budget or None)
+        fill_outcomes: list[tuple[str, int, float]] = []  # (reason or "", bytes, seconds) of each fill: metrics
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
                 drop(store.make_room(0), link, "budget")
@@ -434,7 +440,9 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        filled = fill_from_peers(args, rp, backend) if args.fill_from is not None else None
+                        filled = (
+                            fill_from_peers(args, rp, backend, fill_outcomes) if args.fill_from is not None else None
+                        )
                         store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
@@ -462,6 +470,8 @@ def run(args: argparse.Namespace) -> int:
                 keeper_check=args.keeper_check,
                 tier_restore=restorer(tier, store, backend, args) if tier is not None else None,
             )
+            for reason, nbytes, seconds in fill_outcomes:
+                daemon.metrics.observe_fill(reason, nbytes, seconds)
 
             def ready() -> None:
                 models = list(store.models.values())
