@@ -23,7 +23,7 @@ from wcache.errors import CheckpointError
 from wcache.files import open_regular
 from wcache.proto.fleet_frames import MAX_FILE_BYTES, PeerBlock, PeerFile
 
-__all__ = ["MARKER", "checkpoint_files", "refuse_stubs", "stub_names", "write_files"]
+__all__ = ["MARKER", "checkpoint_files", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
 
 MARKER = "wcache-peer-fill.json"
 
@@ -130,3 +130,10 @@ def refuse_stubs(root: Path, files: Sequence[Path]) -> None:
             "(--fill-from), or download the weights into it",
             details={"stubs": hit},
         )
+
+
+def refuse_stub_dir(root: str | os.PathLike[str]) -> None:
+    """``refuse_stubs`` for every safetensors file of a directory (an engine's own disk fallback)."""
+    d = Path(root)
+    if (d / MARKER).exists():
+        refuse_stubs(d, sorted(d.glob("*.safetensors")))

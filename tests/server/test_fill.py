@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from wcache.errors import FillError
+from wcache.errors import CheckpointError, FillError
 from wcache.peer_files import MARKER, refuse_stubs, write_files
 from wcache.rank import RankPlan, RankSpec, plan_rank
 from wcache.recipe import RecipeKey
@@ -273,10 +273,14 @@ async def test_a_node_without_the_checkpoint_gets_files_keys_and_weights(
             got = await _fill(rp, agent, _cfg(ports))
             assert _bytes(got) == _bytes(m)
             got.close()
-            with pytest.raises(Exception, match="hold no weights"):
+            with pytest.raises(CheckpointError, match="hold no weights"):
                 refuse_stubs(empty, rp.checkpoint.files)
-        with pytest.raises(Exception, match="hold no weights"):
+        with pytest.raises(CheckpointError, match="hold no weights"):
             _load(empty)  # a daemon restarted there without peers never serves the holes
+        from wcache.nn import load_from_disk
+
+        with pytest.raises(CheckpointError, match="hold no weights"):
+            load_from_disk(empty)  # nor does an engine's own disk fallback
 
 
 def test_fill_from_specs() -> None:

@@ -598,6 +598,9 @@ def _loader_class() -> type:
                 if not self.options["fallback"]:
                     raise
                 reason = f"{type(exc).__name__}: {exc}"
+                from wcache.peer_files import refuse_stub_dir
+
+                refuse_stub_dir(model_config.model)  # a directory filled from a peer holds headers, not weights
                 log.warning(
                     "wcache: %s loaded with vLLM's default loader instead of the cache (%s)", model_config.model, reason
                 )
