@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wcache.reshard import Copy
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
-from wcache.server.nixl import Agent, Block, nixl_module
+from wcache.server.nixl import Agent, nixl_module
 from wcache.server.startup import make_backend
 
 ROW = 4096 * 2  # bytes of one bf16 row of a 4096-wide matrix (o_proj)
@@ -86,9 +87,10 @@ class Target:
         slab = self.backend.allocate(size)
         return slab, self.agent.register(slab.region())
 
-    def read(self, blocks: list[Block], local: MemoryRegion, *, strided: bool = False) -> float:
+    def read(self, copies: list[Copy], local: MemoryRegion, *, strided: bool = False) -> float:
         t0 = time.perf_counter()
-        self.agent.read(self.peer, blocks, local, self.remote, deadline=time.monotonic() + 600, strided=strided)
+        deadline = time.monotonic() + 600
+        self.agent.start_read(self.peer, copies, local, self.remote, deadline=deadline, strided=strided).wait()
         return time.perf_counter() - t0
 
 
@@ -106,9 +108,7 @@ def contiguous(t: Target, size: int, chunk: int, reps: int, prefault: bool) -> d
             local = reg.region
             if prefault and local.kind == "host":
                 populate(local.address, 0, size, "bench")
-            blocks = [
-                Block(t.remote.address + o, local.address + o, min(chunk, size - o)) for o in range(0, size, chunk)
-            ]
+            blocks = [Copy(0, o, o, min(chunk, size - o)) for o in range(0, size, chunk)]
             secs = t.read(blocks, local)
             t.agent.deregister(reg)
             total = time.perf_counter() - t0
@@ -139,10 +139,10 @@ def strided(t: Target, rows: int, reps: int) -> dict[str, Any]:
                 local = reg.region
                 t0 = time.perf_counter()
                 if how == "superset_slice":
-                    t.read([Block(t.remote.address, local.address, rows * ROW)], local)
+                    t.read([Copy(0, 0, 0, rows * ROW)], local)
                     _slice_locally(slab, rows)
                 else:
-                    blk = Block(t.remote.address + half, local.address, half, rows, ROW, half)
+                    blk = Copy(0, half, 0, half, rows, ROW, half)
                     t.read([blk], local, strided=how == "nixl_strided")
                 times[how].append(time.perf_counter() - t0)
                 t.agent.deregister(reg)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from wcache.errors import FillError
+from wcache.reshard import Copy
 from wcache.server import nixl as nixl_mod
 from wcache.server.backends.host import HostBackend, HostSlab
-from wcache.server.nixl import Agent, Block, Registration
+from wcache.server.nixl import Agent, Registration
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
 
@@ -63,13 +64,12 @@ def test_read_contiguous_and_strided_blocks_into_a_fresh_slab(pair: Pair) -> Non
         lreg = dst.register(local)
         half = 2048  # a dim-1 shard: the right half of each 4 KiB row
         rows = 64
-        blocks = [Block(remote.address, local.address, 4096)]
-        dst.read(peer, blocks, local, remote, deadline=time.monotonic() + 30)
+        dst.start_read(peer, [Copy(0, 0, 0, 4096)], local, remote, deadline=time.monotonic() + 30).wait()
         assert bytes(out._mapping()[:4096]) == src_slab.read(0, 4096)
         for strided in (False, True):
             base = 8192 if strided else 8192 + rows * half
-            b = Block(remote.address + half, local.address + base, half, rows, 4096, half)
-            st = dst.read(peer, [b], local, remote, deadline=time.monotonic() + 30, strided=strided)
+            c = Copy(0, half, base, half, rows, 4096, half)
+            st = dst.start_read(peer, [c], local, remote, deadline=time.monotonic() + 30, strided=strided).wait()
             assert st.bytes == rows * half and st.descriptors == rows
             got = bytes(out._mapping()[base : base + rows * half])
             want = b"".join(src_slab.read(r * 4096 + half, half) for r in range(rows))
@@ -86,9 +86,9 @@ def test_blocks_outside_a_region_are_refused_before_nixl(pair: Pair) -> None:
     try:
         local = out.region()
         with pytest.raises(ValueError, match="outside"):
-            dst.read(peer, [Block(remote.address + SIZE - 10, local.address, 64)], local, remote, deadline=1e18)
+            dst.start_read(peer, [Copy(0, SIZE - 10, 0, 64)], local, remote, deadline=1e18)
         with pytest.raises(ValueError, match="outside"):
-            dst.read(peer, [Block(remote.address, local.address, 1024, 8, 1024, 1024)], local, remote, deadline=1e18)
+            dst.start_read(peer, [Copy(0, 0, 0, 1024, 8, 1024, 1024)], local, remote, deadline=1e18)
     finally:
         out.close()
 
@@ -100,9 +100,8 @@ def test_a_read_past_its_deadline_is_a_fill_error(pair: Pair) -> None:
     try:
         local = out.region()
         lreg = dst.register(local)
-        blocks = [Block(remote.address, local.address, SIZE)]
         with pytest.raises(FillError) as err:
-            dst.read(peer, blocks, local, remote, deadline=time.monotonic() - 1)
+            dst.start_read(peer, [Copy(0, 0, 0, SIZE)], local, remote, deadline=time.monotonic() - 1)
         assert err.value.details["reason"] in ("deadline",)
         dst.deregister(lreg)
     finally:

@@ -37,7 +37,7 @@ from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead,
 from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats, placement_extents
-from wcache.server.nixl import Agent, Block
+from wcache.server.nixl import Agent
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
 from wcache.server.store import ServedModel
@@ -353,8 +353,8 @@ async def _pull(
         ok = await _request(src, PeerRead(id=src.ch.conn.next_request_id(), lease=lease, bytes=n), left)
         assert isinstance(ok, PeerReadOk)
         assert src.agent_name is not None
-        contiguous = [_block(c, local, remote) for c in batch if c.count == 1]
-        strided = [_block(c, local, remote) for c in batch if c.count > 1]
+        contiguous = [c for c in batch if c.count == 1]
+        strided = [c for c in batch if c.count > 1]
         for blocks, as_strided in ((contiguous, False), (strided, STRIDED)):
             if not blocks:
                 continue
@@ -368,10 +368,6 @@ async def _pull(
                 t.release()
         done += n
     return done
-
-
-def _block(c: Copy, local: MemoryRegion, remote: MemoryRegion) -> Block:
-    return Block(remote.address + c.src, local.address + c.dst, c.length, c.count, c.src_stride, c.dst_stride)
 
 
 def _batches(copies: list[Copy], chunk: int) -> list[list[Copy]]:

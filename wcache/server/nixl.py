@@ -26,9 +26,10 @@ from types import ModuleType
 from typing import Any
 
 from wcache.errors import FillError
+from wcache.reshard import Copy
 from wcache.server.backends.base import MemoryRegion
 
-__all__ = ["MODULES", "Agent", "Block", "ReadStats", "Registration", "Transfer", "nixl_module"]
+__all__ = ["MODULES", "Agent", "ReadStats", "Registration", "Transfer", "nixl_module"]
 
 log = logging.getLogger("wcache.fleet")
 
@@ -69,23 +70,6 @@ class Registration:
     region: MemoryRegion
     seconds: float  # what registering it cost
     handle: Any = field(repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class Block:
-    """``count`` runs of ``length`` bytes: run *i* is read from remote ``src + i * src_stride`` into local
-    ``dst + i * dst_stride`` (addresses, not offsets). ``count`` 1 is one contiguous range."""
-
-    src: int
-    dst: int
-    length: int
-    count: int = 1
-    src_stride: int = 0
-    dst_stride: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.length * self.count
 
 
 @dataclass(frozen=True)
@@ -169,48 +153,28 @@ class Agent:
                 log.debug("NIXL remove_remote_agent %s: %s", peer, exc)
 
     # ------------------------------------------------------------------ transfers
-    def read(
-        self,
-        peer: str,
-        blocks: Sequence[Block],
-        local: MemoryRegion,
-        remote: MemoryRegion,
-        *,
-        deadline: float,
-        strided: bool = False,
-    ) -> ReadStats:
-        """READ every block from ``peer``'s ``remote`` region into ``local`` (both registered), in one request;
-        returns when every byte has landed (:meth:`start_read`, then polled here, sleeping between polls)."""
-        t = self.start_read(peer, blocks, local, remote, deadline=deadline, strided=strided)
-        pause = 1e-5
-        try:
-            while not t.done():
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-        finally:
-            t.release()
-        return t.stats()
-
     def start_read(
         self,
         peer: str,
-        blocks: Sequence[Block],
+        copies: Sequence[Copy],
         local: MemoryRegion,
         remote: MemoryRegion,
         *,
         deadline: float,
         strided: bool = False,
     ) -> Transfer:
-        """Post one READ request of every block (from ``peer``'s ``remote`` region into ``local``) and return at
-        once: poll :meth:`Transfer.done` (an event loop polls several, one per source), then ``release()``.
+        """Post one READ request of every copy (a resharding plan's, wcache/reshard.py: ``src`` offsets into
+        ``peer``'s ``remote`` region, ``dst`` offsets into ``local``) and return at once: poll
+        :meth:`Transfer.done` (an event loop polls several, one per source) or block in :meth:`Transfer.wait`.
         ``deadline``: time.monotonic() by which it must be done, else FillError (reason ``deadline``); a
-        transfer NIXL reports failed is FillError (reason ``transfer``). ``strided``: blocks of several runs go
-        as NIXL's strided lists instead of one descriptor per run (docs/fleet.md, "Strided shards"). Blocks
+        transfer NIXL reports failed is FillError (reason ``transfer``). ``strided``: copies of several runs go
+        as NIXL's strided lists instead of one descriptor per run (docs/fleet.md, "Strided shards"). Copies
         outside their regions are a ValueError before NIXL sees them."""
-        for b in blocks:
-            _inside(b.src, b.src_stride, b, remote, "remote")
-            _inside(b.dst, b.dst_stride, b, local, "local")
-        nbytes = sum(b.nbytes for b in blocks)
+        for c in copies:
+            _inside(c.src, c.src_stride, c, remote, "remote")
+            _inside(c.dst, c.dst_stride, c, local, "local")
+        nbytes = sum(c.nbytes for c in copies)
+        blocks = copies
         if time.monotonic() > deadline:
             raise _late(peer, nbytes)
         t0 = time.perf_counter()
@@ -224,7 +188,7 @@ class Agent:
         return t
 
     def _request(
-        self, peer: str, blocks: Sequence[Block], local: MemoryRegion, remote: MemoryRegion, strided: bool
+        self, peer: str, blocks: Sequence[Copy], local: MemoryRegion, remote: MemoryRegion, strided: bool
     ) -> tuple[Any, list[Any], int]:
         """The NIXL transfer request for ``blocks``, the prepared lists it holds, and its descriptor count."""
         import numpy as np
@@ -233,10 +197,18 @@ class Agent:
         try:
             if strided:
                 src = np.array(
-                    [(b.src, b.length, remote.device, b.src_stride or b.length, b.count) for b in blocks], np.uint64
+                    [
+                        (remote.address + b.src, b.length, remote.device, b.src_stride or b.length, b.count)
+                        for b in blocks
+                    ],
+                    np.uint64,
                 )
                 dst = np.array(
-                    [(b.dst, b.length, local.device, b.dst_stride or b.length, b.count) for b in blocks], np.uint64
+                    [
+                        (local.address + b.dst, b.length, local.device, b.dst_stride or b.length, b.count)
+                        for b in blocks
+                    ],
+                    np.uint64,
                 )
                 lp = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", dst, _MEM[local.kind], backends=["UCX"])
                 rp = nixl.prep_xfer_dlist(peer, src, _MEM[remote.kind], backends=["UCX"])
@@ -244,8 +216,8 @@ class Agent:
                 n = sum(b.count for b in blocks)
                 idx = np.arange(n, dtype=np.int32)
                 return nixl.make_prepped_xfer("READ", lp, idx, rp, idx, backends=["UCX"]), [lp, rp], n
-            lo = nixl.get_xfer_descs(_runs(blocks, "dst", local.device), _MEM[local.kind])
-            ro = nixl.get_xfer_descs(_runs(blocks, "src", remote.device), _MEM[remote.kind])
+            lo = nixl.get_xfer_descs(_runs(blocks, "dst", local), _MEM[local.kind])
+            ro = nixl.get_xfer_descs(_runs(blocks, "src", remote), _MEM[remote.kind])
             return nixl.initialize_xfer("READ", lo, ro, peer, backends=["UCX"]), [], sum(b.count for b in blocks)
         except FillError:
             raise
@@ -301,6 +273,17 @@ class Transfer:
     def stats(self) -> ReadStats:
         return ReadStats(self.nbytes, self.descriptors, self._seconds)
 
+    def wait(self) -> ReadStats:
+        """Block until done (sleeping between polls, for callers without an event loop), then release."""
+        pause = 1e-5
+        try:
+            while not self.done():
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        finally:
+            self.release()
+        return self.stats()
+
     def release(self) -> None:
         """Free the request (an unfinished one is cancelled where UCX can; NIXL keeps what it cannot)."""
         if self._handle is None:
@@ -314,21 +297,23 @@ class Transfer:
             p.release()
 
 
-def _inside(start: int, stride: int, b: Block, region: MemoryRegion, side: str) -> None:
-    """Every run of ``b`` lies inside ``region`` (a plan that says otherwise is a bug: refused before NIXL)."""
-    last = start + (b.count - 1) * stride + b.length
-    if b.length <= 0 or b.count <= 0 or start < region.address or last > region.address + region.length:
-        raise ValueError(f"{side} block {b} is outside its region {region}")
+def _inside(start: int, stride: int, c: Copy, region: MemoryRegion, side: str) -> None:
+    """Every run of ``c`` lies inside ``region`` (a plan that says otherwise is a bug: refused before NIXL)."""
+    last = start + (c.count - 1) * stride + c.length
+    if c.length <= 0 or c.count <= 0 or start < 0 or last > region.length:
+        raise ValueError(f"{side} side of {c} is outside its region {region}")
 
 
-def _runs(blocks: Sequence[Block], side: str, device: int) -> Any:
+def _runs(blocks: Sequence[Copy], side: str, region: MemoryRegion) -> Any:
     """Every run of ``blocks`` on one side (``src`` or ``dst``) as an Nx3 (address, length, device) array:
     NIXL builds its descriptor list from it without a Python object per run."""
     import numpy as np
 
+    device = region.device
     parts = []
     for b in blocks:
         start, stride = (b.src, b.src_stride) if side == "src" else (b.dst, b.dst_stride)
+        start += region.address
         rows = np.empty((b.count, 3), dtype=np.uint64)
         rows[:, 0] = start + np.arange(b.count, dtype=np.uint64) * np.uint64(stride)
         rows[:, 1] = b.length

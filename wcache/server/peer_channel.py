@@ -82,15 +82,18 @@ class StreamChannel(Channel):
     async def _flush(self) -> None:
         """Send everything TLS has queued."""
         while self._out.pending:
-            chunk = self._out.read()
-            view = memoryview(chunk)
-            while view:
-                try:
-                    n = self.sock.send(view)
-                except (BlockingIOError, InterruptedError):
-                    await self._wait(writable=True)
-                    continue
-                view = view[n:]
+            await self._send_all(self._out.read())
+
+    async def _send_all(self, data: bytes) -> None:
+        """Write ``data`` to the socket, waiting whenever it is full."""
+        view = memoryview(data)
+        while view:
+            try:
+                n = self.sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=True)
+                continue
+            view = view[n:]
 
     # ---------------------------------------------------------------- Channel's two byte movers
     def _recv_once(self) -> None:
@@ -121,18 +124,10 @@ class StreamChannel(Channel):
         if fds:
             raise ValueError("a peer channel carries no file descriptors")
         if self.tls is None:
-            view = memoryview(data)
-            while view:
-                try:
-                    n = self.sock.send(view)
-                except (BlockingIOError, InterruptedError):
-                    await self._wait(writable=True)
-                    continue
-                view = view[n:]
-                self._sent += n
-            return
-        self.tls.write(data)
-        await self._flush()
+            await self._send_all(data)
+        else:
+            self.tls.write(data)
+            await self._flush()
         self._sent += len(data)
 
 
