@@ -121,12 +121,17 @@ PY
 fi
 if want fleet; then
   # fleet fill over NIXL (docs/fleet.md, "What is measured"): raw NIXL READ between two processes of 16 GB host
-  # slabs, then 16 GB VMM slabs on the GPU, and the dim-1 shard comparison on each (about 6 min in all; the VM's
-  # UCX has TCP only). Needs NIXL for CUDA 13: carry nixl_cu13-*-cp312-*.whl in .whl/ (installed to /tmp/site).
+  # slabs, then 16 GB VMM slabs on the GPU, and the dim-1 shard comparison on each: with UCX's own choice of
+  # transport (one host: shared memory / CUDA IPC) and with TCP only, as between hosts without RDMA (about 6
+  # min in all). Needs NIXL for CUDA 13: carry nixl_cu13-1.5.1-cp312-*.whl in .whl/ (installed to /tmp/site).
   python3 -c 'import nixl_cu13' 2>/dev/null || { echo "== fleet: nixl_cu13 is not installed (carry its wheel in .whl/)" | tee "$OUT/fleet.log"; status=1; }
   step fleet_host "${FLEET_HOST_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 16 --chunk 64M,1G \
     --reps 2 --out "$OUT/fleet_fill-host.json"
+  step fleet_host_tcp "${FLEET_HOST_TIMEOUT:-200}" env UCX_TLS=tcp python3 benchmarks/fleet_fill_bench.py --device cpu \
+    --gib 16 --chunk 64M --reps 1 --out "$OUT/fleet_fill-host-tcp.json"
   step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 16 --chunk 64M \
-    --reps 1 --out "$OUT/fleet_fill-cuda.json"
+    --reps 2 --out "$OUT/fleet_fill-cuda.json"
+  step fleet_gpu_tcp "${FLEET_GPU_TIMEOUT:-200}" env UCX_TLS=tcp,cuda_copy python3 benchmarks/fleet_fill_bench.py \
+    --device cuda:0 --gib 16 --chunk 64M --reps 1 --out "$OUT/fleet_fill-cuda-tcp.json"
 fi
 exit $status
