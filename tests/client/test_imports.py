@@ -21,6 +21,8 @@ NOT_ON_THE_RESTART_PATH = (
     "wcache.server",
     "wcache.integrations",
     "wcache.client.wait",
+    "wcache.proto.fleet_frames",  # the peer channel's frames: ~2.4 ms of class building an engine never uses
+    "wcache.peer_files",
 )
 
 

@@ -39,8 +39,31 @@ _MISSING: Any = dataclasses.MISSING
 
 
 def test_registry_is_the_frame_union() -> None:
-    assert set(REGISTRY.values()) == set(get_args(Frame))
+    """Every registered frame is in the union, the peer channel's once imported (they register lazily)."""
+    from wcache.proto import fleet_frames
+    from wcache.proto.frames import FLEET_FRAME_TYPES
+
+    fleet = {c for c in vars(fleet_frames).values() if isinstance(c, type) and issubclass(c, Message) and c.TYPE}
+    assert {c.TYPE for c in fleet} == FLEET_FRAME_TYPES
+    assert set(REGISTRY.values()) == set(get_args(Frame)) | fleet
+    assert not set(get_args(Frame)) & fleet  # (the runtime union is the local services'; typing sees all)
     assert all(t == cls.TYPE for t, cls in REGISTRY.items())
+
+
+def test_peer_frames_decode_in_a_process_that_never_imported_them() -> None:
+    """An engine's restart does not import the peer channel's frames; a decoder meeting one imports them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from wcache.proto import decode_body, decode_frame, pack_frame\n"
+        "assert 'wcache.proto.fleet_frames' not in sys.modules\n"
+        "f = decode_frame(decode_body(pack_frame({'type': 'PEER_QUERY', 'id': 3, 'key': {}})[4:]))\n"
+        "print(type(f).__name__, f.id)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["PeerQuery", "3"]
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

@@ -7,6 +7,8 @@ registry and ``decode_frame``), ``connection`` (the per-connection state machine
 which phase, which descriptors). Bytes in, typed frames out.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, FrameBuffer, decode_body, pack_frame
 from wcache.proto.connection import (
     PROTOCOL_VERSION,
@@ -16,7 +18,6 @@ from wcache.proto.connection import (
     Event,
     KeeperRequest,
     Misdirected,
-    PeerRequest,
     Phase,
     Role,
     Service,
@@ -42,19 +43,6 @@ from wcache.proto.frames import (
     Kept,
     LeaseInfo,
     ModelInfo,
-    PeerAuth,
-    PeerAuthOk,
-    PeerBlock,
-    PeerChallenge,
-    PeerFile,
-    PeerFiles,
-    PeerFilesReply,
-    PeerModel,
-    PeerOffer,
-    PeerProof,
-    PeerQuery,
-    PeerRead,
-    PeerReadOk,
     Preload,
     Preloaded,
     Reclaim,
@@ -74,6 +62,23 @@ from wcache.proto.frames import (
     decode_frame,
     tensor_extent,
 )
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__``): an engine's restart never needs them
+    from wcache.proto.fleet_frames import (
+        PeerAuth,
+        PeerAuthOk,
+        PeerBlock,
+        PeerChallenge,
+        PeerFile,
+        PeerFiles,
+        PeerFilesReply,
+        PeerModel,
+        PeerOffer,
+        PeerProof,
+        PeerQuery,
+        PeerRead,
+        PeerReadOk,
+    )
 
 __all__ = [
     "BACKENDS",
@@ -119,7 +124,6 @@ __all__ = [
     "PeerQuery",
     "PeerRead",
     "PeerReadOk",
-    "PeerRequest",
     "Phase",
     "Preload",
     "Preloaded",
@@ -143,3 +147,31 @@ __all__ = [
     "pack_frame",
     "tensor_extent",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The peer channel's frames (wcache/proto/fleet_frames.py), imported on first use (PEP 562)."""
+    if name in _FLEET:
+        from wcache.proto import fleet_frames
+
+        return getattr(fleet_frames, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_FLEET = frozenset(
+    [
+        "PeerAuth",
+        "PeerAuthOk",
+        "PeerBlock",
+        "PeerChallenge",
+        "PeerFile",
+        "PeerFiles",
+        "PeerFilesReply",
+        "PeerModel",
+        "PeerOffer",
+        "PeerProof",
+        "PeerQuery",
+        "PeerRead",
+        "PeerReadOk",
+    ]
+)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from wcache.errors import (
     LocalProtocolError,
@@ -53,12 +53,6 @@ from wcache.proto.frames import (
     Hello,
     HelloOk,
     Keep,
-    PeerAuth,
-    PeerFiles,
-    PeerOffer,
-    PeerProof,
-    PeerQuery,
-    PeerRead,
     Preload,
     Reclaim,
     Release,
@@ -81,7 +75,6 @@ __all__ = [
     "Event",
     "KeeperRequest",
     "Misdirected",
-    "PeerRequest",
     "Phase",
     "Role",
     "Service",
@@ -223,7 +216,8 @@ SERVES: dict[Service, frozenset[str]] = {
 CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
 DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | Deposit | Commit
 KeeperRequest = Keep | Unkeep | Reclaim | Status
-PeerRequest = PeerAuth | PeerProof | PeerQuery | PeerRead | PeerFiles | Release
+if TYPE_CHECKING:  # the peer channel's frames: imported where a peer channel is used (not on an engine's path)
+    from wcache.proto.fleet_frames import PeerOffer
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
 
@@ -490,8 +484,9 @@ class Connection:
             if frame.lease in self.leases:
                 raise err(f"lease {frame.lease} granted twice on one connection")
             self.leases.add(frame.lease)
-        elif isinstance(frame, PeerOffer):  # every offered slab is held for this connection (§10.3)
-            offered = {m.lease for m in frame.models}
+        elif frame.TYPE == "PEER_OFFER":  # every offered slab is held for this connection (§10.3)
+            offer = cast("PeerOffer", frame)
+            offered = {m.lease for m in offer.models}
             if offered & self.leases:
                 raise err(f"lease(s) {sorted(offered & self.leases)} granted twice on one connection")
             self.leases |= offered
