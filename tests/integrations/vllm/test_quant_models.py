@@ -1,5 +1,5 @@
 """The hand-built quantized checkpoints without vLLM: same seed, same bytes; each file holds what its format's
-``quantization_config`` promises. (That vLLM dequantizes them to the float layer is test_vllm_quant.py's job.)"""
+``quantization_config`` promises. (That vLLM dequantizes them to the float layer is test_quant.py's job.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integrations.vllm_models import LLAMA
-from tests.integrations.vllm_quant_models import BUILDERS, GROUP, make_quantized
+from tests.integrations.vllm.models import LLAMA
+from tests.integrations.vllm.quant_models import BUILDERS, GROUP, make_quantized
 
 Q = "model.layers.0.self_attn.q_proj."
 

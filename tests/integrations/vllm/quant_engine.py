@@ -1,4 +1,5 @@
-"""One vLLM engine process for the quantized-checkpoint tests: ``python vllm_quant_engine.py SPEC.json``.
+"""One vLLM engine process for the quantized-checkpoint tests:
+``python -m tests.integrations.vllm.quant_engine SPEC.json``.
 
 SPEC: {"out": DIR, "runs": [{"name", "model", "dtype"}...]}. Each run builds an ``LLM`` with vLLM's default
 loader (CPU, eager, engine core and worker in this process), generates greedily from fixed token ids, asks the worker what ``process_weights_after_loading``
@@ -111,7 +112,7 @@ def module_state(model: torch.nn.Module) -> dict[str, Any]:
 def run(spec: dict[str, Any], out: Path) -> None:
     from vllm import LLM, SamplingParams
 
-    from tests.integrations.vllm_quant_engine import module_state as state  # by reference for the worker
+    from tests.integrations.vllm.quant_engine import module_state as state  # by reference for the worker
 
     name = spec["name"]
     print(f"=== RUN {name}", flush=True)

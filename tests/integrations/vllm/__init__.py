@@ -1,0 +1,37 @@
+"""Tests of wcache/integrations/vllm/, module by module, and the plugin inside a real vLLM.
+
+What needs no vLLM (the recipe key, the post-processing observation and plan on plain torch modules, the casts
+and registration, the refusals given plain configs) runs in the main test run. What needs vLLM calls
+:func:`require_vllm`: a skip where vLLM is not installed, a failure in the vLLM job (``WCACHE_REQUIRE_VLLM=1``,
+.ci/vllm.sh). The engine scripts (``engine.py``, ``quant_engine.py``) run as modules (``python -m``): run as
+files, their directory would come first on ``sys.path``, and this package would shadow vLLM itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+#: the repository root: the engine processes run there, with it on PYTHONPATH (their workers import the tests)
+ROOT = Path(__file__).parents[3]
+
+
+def require_vllm(module: str = "vllm") -> Any:
+    """``module`` of vLLM (a module: Any, as vLLM has no type stubs here); a skip without vLLM, a failure instead under ``WCACHE_REQUIRE_VLLM=1``."""
+    if os.environ.get("WCACHE_REQUIRE_VLLM") == "1":
+        return importlib.import_module(module)  # the vLLM job: a missing vLLM is a failure, not a skip
+    import pytest  # here: the engine processes import this package too
+
+    return pytest.importorskip(module)
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """The environment of an engine process: vLLM's CPU KV cache at 1 GiB, the repository importable."""
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
