@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -280,6 +281,19 @@ async def test_a_man_in_the_middle_fails_both_proofs(tmp_path: Path) -> None:
         for s in (mitm, real):
             s.close()
             await s.wait_closed()
+
+
+def test_one_proof_per_connection() -> None:
+    """After a wrong proof, nothing on that connection can prove the secret any more (no online guessing)."""
+    server = SecretServer(b"s" * 32, b"cert")
+    ch = server.challenge(PeerAuth(id=1, nonce=bytes(32)))
+    with pytest.raises(PermissionDeniedError):
+        server.check(PeerProof(id=2, proof=bytes(32)))
+    right = proof(b"s" * 32, "client", hashlib.sha256(b"cert").digest(), bytes(32), ch.nonce)
+    with pytest.raises(PermissionDeniedError):
+        server.check(PeerProof(id=3, proof=right))  # even the right proof, now
+    with pytest.raises(PermissionDeniedError):
+        server.challenge(PeerAuth(id=4, nonce=bytes(32)))
 
 
 def test_proofs_are_bound_to_side_certificate_and_nonces() -> None:

@@ -173,6 +173,9 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.AUTH, SEND, "PEER_CHALLENGE"): Phase.AUTH,
     (Role.SERVER, Phase.AUTH, RECV, "PEER_PROOF"): Phase.AUTH,
     (Role.SERVER, Phase.AUTH, SEND, "PEER_AUTH_OK"): Phase.OPEN,
+    # a refused proof (PERMISSION_DENIED): the connection stays unproven, admitting nothing but proofs
+    (Role.CLIENT, Phase.AUTH, RECV, "ERROR"): Phase.AUTH,
+    (Role.SERVER, Phase.AUTH, SEND, "ERROR"): Phase.AUTH,
     (Role.CLIENT, Phase.OPEN, SEND, "PEER_QUERY"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "PEER_OFFER"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "PEER_READ"): Phase.OPEN,

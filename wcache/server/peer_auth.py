@@ -78,19 +78,24 @@ class SecretServer:
         self._secret = secret
         self._cert = hashlib.sha256(own_cert_der).digest()
         self._nonces: tuple[bytes, bytes] | None = None
+        #: one attempt per connection: after a wrong proof, every further PEER_AUTH / PEER_PROOF is refused
+        self.failed = False
 
     def challenge(self, req: PeerAuth) -> PeerChallenge:
-        if self._nonces is not None:
-            raise _denied("PEER_AUTH was sent twice")
+        if self.failed or self._nonces is not None:
+            self.failed = True
+            raise _denied("PEER_AUTH was sent twice: one attempt per connection")
         mine = os.urandom(NONCE_BYTES)
         self._nonces = (req.nonce, mine)
         return PeerChallenge(id=req.id, nonce=mine, proof=proof(self._secret, "server", self._cert, req.nonce, mine))
 
     def check(self, req: PeerProof) -> PeerAuthOk:
-        if self._nonces is None:
-            raise _denied("PEER_PROOF before PEER_AUTH")
+        if self.failed or self._nonces is None:
+            self.failed = True
+            raise _denied("PEER_PROOF before PEER_AUTH, or after a refused one")
         want = proof(self._secret, "client", self._cert, *self._nonces)
         if not hmac.compare_digest(want, req.proof):
+            self.failed = True
             raise _denied("the peer does not prove this fleet's secret")
         return PeerAuthOk(id=req.id)
 
