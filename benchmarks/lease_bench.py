@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from wcache.channel import Channel, close_fds, connect, expect
 from wcache.key import WeightCacheKey
 from wcache.proto import GetState, Release, State
-from wcache.server.process import spawn_daemon
+from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 
@@ -63,22 +65,29 @@ async def measure(sock: Path, key: dict[str, str | int], counts: list[int], roun
             ch.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--leases", default="0,6400,12800,25600", help="comma-separated lease counts")
-    ap.add_argument("--rounds", type=int, default=300)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="wcache-lease-bench-") as tmp:
+@contextlib.contextmanager
+def tiny_daemon(prefix: str) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A daemon serving a fresh 10 MB checkpoint (``TINY``) from a temporary directory, and that checkpoint."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         root = Path(tmp)
         ckpt = make_llama_checkpoint(root / "ckpt", TINY, seed=1)
         sdir = root / "sock"
         sdir.mkdir(mode=0o700)
         d = spawn_daemon(ckpt, sdir, "--log-level", "WARNING", log=root / "daemon.log")
         try:
-            key = WeightCacheKey.from_checkpoint(ckpt).to_wire()
-            asyncio.run(measure(d.socket, key, [int(n) for n in args.leases.split(",")], args.rounds))
+            yield d, ckpt
         finally:
             d.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--leases", default="0,6400,12800,25600", help="comma-separated lease counts")
+    ap.add_argument("--rounds", type=int, default=300)
+    args = ap.parse_args()
+    with tiny_daemon("wcache-lease-bench-") as (d, ckpt):
+        key = WeightCacheKey.from_checkpoint(ckpt).to_wire()
+        asyncio.run(measure(d.socket, key, [int(n) for n in args.leases.split(",")], args.rounds))
 
 
 if __name__ == "__main__":

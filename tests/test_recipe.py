@@ -33,3 +33,11 @@ def test_recipe_key_refuses_what_it_cannot_carry() -> None:
         RecipeKey.of(BASE, engine="e", dtype="float16")
     with pytest.raises(ValueError, match="string or an integer"):
         RecipeKey.of(BASE, engine="e", fused=True)
+    # the bounds of every key on the wire (docs/protocol.md §7), checked before the daemon would refuse it
+    with pytest.raises(ValueError, match="at most 64 fields"):
+        RecipeKey.of(BASE, engine="e", **{f"f{i}": i for i in range(60)})
+    with pytest.raises(ValueError, match="16384 characters"):
+        RecipeKey.of(BASE, engine="e", **{f"f{i}": "x" * 1000 for i in range(17)})
+    with pytest.raises(ValueError, match="too long"):
+        RecipeKey.of(BASE, engine="e", note="x" * 1025)
+    assert len(RecipeKey.of(BASE, engine="e", **{f"f{i}": i for i in range(54)}).to_wire()) == 64  # the limit itself

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
 from wcache.proto import PROTOCOL_VERSION, Connection, ErrorFrame, Frame, Hello, HelloOk, Role
-from wcache.proto.codec import MAX_HANDSHAKE_FRAME
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_HANDSHAKE_FRAME
 from wcache.proto.connection import Event, Misdirected, Service
 
 __all__ = [
@@ -380,12 +380,19 @@ Pipeline = Callable[[Connection], Frame]
 
 
 async def connect(
-    path: Path, *, software: str, name: str, service: Service | None = None, pipeline: Pipeline | None = None
+    path: Path,
+    *,
+    software: str,
+    name: str,
+    service: Service | None = None,
+    pipeline: Pipeline | None = None,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
-    back (its reply is the next frame after HELLO_OK)."""
+    back (its reply is the next frame after HELLO_OK). ``max_frame_size``: the largest frame body taken
+    from the peer."""
     loop = asyncio.get_running_loop()
     sock = _socket()
     sock.setblocking(False)
@@ -395,7 +402,7 @@ async def connect(
         sock.close()
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
-    ch = Channel(sock, Connection(Role.CLIENT, service=service))
+    ch = Channel(sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size))
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
         frame, _ = await expect(ch)

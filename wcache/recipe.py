@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from wcache.errors import ProtocolError
 from wcache.key import KeyValue, WeightCacheKey
+from wcache.proto.fields import Key
 
 __all__ = ["RECIPE_FIELDS", "RecipeKey", "key_from_wire"]
 
@@ -43,7 +45,8 @@ class RecipeKey(WeightCacheKey):
     def of(cls, base: WeightCacheKey, **recipe: KeyValue) -> RecipeKey:
         """The recipe key of ``base`` (a rank's checkpoint key) as post-processed by the engine ``recipe``
         names: at least ``engine``; conventionally the fields of RECIPE_FIELDS. ValueError for a field
-        that would shadow a checkpoint field, or no engine."""
+        that would shadow a checkpoint field, no engine, or a key over the protocol's bounds (64 fields,
+        16,384 characters)."""
         if not recipe.get("engine"):
             raise ValueError("a recipe key needs a non-empty engine= (the engine that post-processed the weights)")
         clash = sorted(set(recipe) & _BASE)
@@ -52,7 +55,12 @@ class RecipeKey(WeightCacheKey):
         for k, v in recipe.items():
             if not isinstance(v, str | int) or isinstance(v, bool):
                 raise ValueError(f"recipe field {k!r} must be a string or an integer, got {type(v).__name__}")
-        return cls.from_wire({**base.to_wire(), **recipe})
+        wire = {**base.to_wire(), **recipe}
+        try:  # the bounds every frame's key has (docs/protocol.md §7), by the decoder's own check
+            Key().decode("RecipeKey", "key", wire, {})
+        except ProtocolError as exc:
+            raise ValueError(f"a recipe key the protocol cannot carry: {exc.message}") from None
+        return cls.from_wire(wire)
 
     @property
     def engine(self) -> str:

@@ -19,6 +19,8 @@ from wcache.proto.connection import CARRIES_FDS
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.fields import (
     INT64_MAX,
+    MAX_KEY_CHARS,
+    MAX_KEY_FIELDS,
     REGISTRY,
     Array,
     Bin,
@@ -119,6 +121,8 @@ def _bad_values(kind: Any) -> Iterator[tuple[str, Any]]:
         if isinstance(kind, Key):
             yield "float value", {"k": 1.5}
             yield "long value", {"k": "x" * 1025}
+            yield "too many fields", {f"f{i}": i for i in range(MAX_KEY_FIELDS + 1)}
+            yield "too many characters", {f"f{i}": "x" * 1000 for i in range(MAX_KEY_CHARS // 1000 + 1)}
         elif isinstance(kind, StrMap):
             yield "int value", {"k": 1}
         else:

@@ -5,6 +5,7 @@ engine SIGKILLed at each step of a deposit."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import mmap
 import os
@@ -22,7 +23,7 @@ import torch
 from tests.conftest import DaemonProc
 from tests.server.deposit_engine import STEPS, recipe_key, tensors
 from wcache import WCacheClient, WeightCacheKey
-from wcache.channel import connect, expect
+from wcache.channel import Channel, connect, expect
 from wcache.errors import (
     InUseError,
     KeyMismatchError,
@@ -31,6 +32,7 @@ from wcache.errors import (
     UnknownLeaseError,
     UnsupportedPlatformError,
 )
+from wcache.nn import load_from_disk
 from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor, DeviceInfo, ErrorFrame, SlabDescriptor
 from wcache.recipe import RecipeKey
 from wcache.server.backends.base import Backend
@@ -124,14 +126,20 @@ async def test_concurrent_second_deposit_of_a_key_is_refused(daemon: DaemonProc,
         assert torch.equal(w["w"], torch.zeros(4))  # the first deposit's bytes (never written: zeros)
 
 
+async def _four_floats(ch: Channel, key: RecipeKey) -> tuple[DepositSlab, list[int]]:
+    """DEPOSIT of one float32[4] on ``ch`` (request id 1): its DEPOSIT_SLAB and writable descriptor."""
+    await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
+    slab, fds = await expect(ch)
+    assert isinstance(slab, DepositSlab) and len(fds) == 1
+    return slab, fds
+
+
 async def test_commit_while_still_mapped_is_refused_and_leaves_nothing(daemon: DaemonProc, ckpt: Path) -> None:
     key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
     before = fd_count(daemon.pid)
     ch, _ = await connect(daemon.socket, software="t", name="mapper")
     try:
-        await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
-        slab, fds = await expect(ch)
-        assert isinstance(slab, DepositSlab)
+        slab, fds = await _four_floats(ch, key)
         mm = mmap.mmap(fds[0], slab.slabs[0].size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         await ch.send(Commit(id=2, deposit=slab.deposit))
         with pytest.raises(InUseError):
@@ -206,32 +214,22 @@ async def test_deposit_larger_than_memory_is_refused_before_allocation(daemon: D
     assert set(await models(daemon)) == {"ckpt"}
 
 
-@pytest.mark.parametrize(
-    ("tensors_", "aliases", "what"),
-    [
-        ((DepositTensor("w", "float32", (4,)), DepositTensor("w", "float32", (2,))), {}, "listed twice"),
-        ((DepositTensor("w", "float32", (4,)),), {"w": "w"}, "not a new name"),  # overlapping names
-        ((DepositTensor("w", "float32", (4,)),), {"tied": "missing"}, "not a new name"),
-        ((DepositTensor("w", "float32", (1 << 47, 4)),), {}, "at most"),  # too big to lay out
-    ],
-)
-async def test_malformed_table_is_refused(
-    daemon: DaemonProc, ckpt: Path, tensors_: tuple[DepositTensor, ...], aliases: dict[str, str], what: str
-) -> None:
-    """Bad tables never reach the store: a fatal PROTOCOL_ERROR naming the DEPOSIT field, nothing allocated."""
+def _fatal_reply(daemon: DaemonProc, bad: dict[str, object]) -> ErrorFrame:
+    """Send the wire map ``bad`` after HELLO on a raw socket (this side's encoder checks no rule) and return
+    the daemon's last frame before it closed the connection: its fatal ERROR."""
     import socket as socketlib
 
     from wcache.proto import Connection, Hello, Role, decode_body, decode_frame, pack_frame
 
-    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
-    bad = Deposit(id=1, key=key.to_wire(), tensors=tensors_, aliases=aliases).to_wire()
     with socketlib.socket(socketlib.AF_UNIX) as s:
         s.settimeout(10)
         s.connect(str(daemon.socket))
         conn = Connection(Role.CLIENT)
         s.sendall(conn.send(Hello(versions=(2,))))
-        s.sendall(pack_frame(bad))  # raw: this side's encoder does not check the rules
         data = b""
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):  # HELLO_OK first
+            data += s.recv(65536)
+        s.sendall(pack_frame(bad))
         while True:
             chunk = s.recv(65536)
             if not chunk:
@@ -243,7 +241,192 @@ async def test_malformed_table_is_refused(
         frames.append(decode_frame(decode_body(data[4 : 4 + n])))
         data = data[4 + n :]
     err = frames[-1]
-    assert isinstance(err, ErrorFrame) and err.fatal and err.code == 1 and what in err.message, err
+    assert isinstance(err, ErrorFrame) and err.fatal, frames
+    return err
+
+
+async def _ckpt_bytes(daemon: DaemonProc) -> int:
+    (m,) = (await WCacheClient(daemon.socket).status()).models
+    return m.bytes
+
+
+def _budget_for_one(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> tuple[DaemonProc, int]:
+    """A daemon serving ``ckpt`` with a budget 1 MiB over its slab, and the slab's bytes: a deposit of that
+    size fits only once the checkpoint is evicted."""
+    from wcache.server.store import planned_bytes
+
+    size = planned_bytes(ckpt)[1]
+    return daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20))), size
+
+
+async def _open_deposit(ch: Channel, key: RecipeKey, nbytes: int) -> DepositSlab:
+    """DEPOSIT one uint8 tensor of ``nbytes`` on ``ch``; its writable slab's fd is closed at once."""
+    await ch.send(
+        Deposit(id=ch.conn.next_request_id(), key=key.to_wire(), tensors=(DepositTensor("w", "uint8", (nbytes,)),))
+    )
+    slab, fds = await expect(ch)
+    assert isinstance(slab, DepositSlab)
+    for fd in fds:
+        os.close(fd)
+    return slab
+
+
+async def test_an_uncommitted_deposit_evicts_nothing(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
+    """A deposit in progress is a promise, not a model (docs/protocol.md §4.13): admitted against room that
+    evicting would free, it evicts nothing until its COMMIT. An engine that never commits leaves the served
+    checkpoint served (it used to be evicted at DEPOSIT, and never came back); the one that commits evicts it
+    then (DEPOSITED.evicted)."""
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    daemon, size = _budget_for_one(daemon_factory, ckpt)
+    client = WCacheClient(daemon.socket)
+    before = fd_count(daemon.pid)
+    ch, _ = await connect(daemon.socket, software="t", name="promise")
+    try:
+        await _open_deposit(ch, recipe_key(base), size)  # fits only once the checkpoint goes
+        assert await models(daemon) == {"ckpt": "disk"}
+        async with await client.fetch(base) as w:  # still served, mapped, bit for bit
+            assert torch.equal(w["model.norm.weight"], load_from_disk(ckpt)["model.norm.weight"])
+    finally:
+        ch.close()  # abandoned: never committed
+    await wait_for(lambda: fd_count(daemon.pid) == before, why="the abandoned deposit's slab closed")
+    assert await models(daemon) == {"ckpt": "disk"}
+    done = await client.deposit(recipe_key(base), {"w": torch.zeros(size, dtype=torch.uint8)})
+    assert done.evicted == (base.to_wire(),)
+    assert set(await models(daemon)) == {recipe_key(base).short()}
+
+
+async def test_a_commit_whose_room_got_leased_meanwhile_is_refused_and_evicts_nothing(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    """Admitted against the room evicting the idle checkpoint would free; an engine leases the checkpoint
+    before the COMMIT: OUT_OF_MEMORY for the COMMIT, the deposit dropped, the checkpoint still served."""
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    daemon, size = _budget_for_one(daemon_factory, ckpt)
+    before = fd_count(daemon.pid)
+    ch, _ = await connect(daemon.socket, software="t", name="late")
+    try:
+        slab = await _open_deposit(ch, recipe_key(base), size)
+        async with await WCacheClient(daemon.socket).fetch(base):
+            await ch.send(Commit(id=ch.conn.next_request_id(), deposit=slab.deposit))
+            with pytest.raises(OutOfMemoryError) as info:
+                await expect(ch)
+            assert info.value.details["pinned"] == [base.short()]
+    finally:
+        ch.close()
+    assert await models(daemon) == {"ckpt": "disk"}
+    await wait_for(lambda: fd_count(daemon.pid) == before, why="the dropped deposit's slab closed")
+
+
+async def test_a_deposit_the_memory_cannot_hold_is_refused_before_anything_is_evicted(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    """A budget larger than the host: a deposit that fits the budget only once the checkpoint is evicted, and
+    the host's memory not at all, is refused (OUT_OF_MEMORY, naming the host) with the checkpoint still
+    served (it used to be evicted first, unlogged, and the DEPOSIT refused after)."""
+    budget = 1 << 46  # 64 TiB
+    daemon = daemon_factory(ckpt, "--memory-budget", str(budget))
+    size = await _ckpt_bytes(daemon)
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    ch, _ = await connect(daemon.socket, software="t", name="huge")
+    try:
+        wire = DepositTensor("w", "uint8", (2, (budget - size // 2) // 2))
+        await ch.send(Deposit(id=ch.conn.next_request_id(), key=key.to_wire(), tensors=(wire,)))
+        with pytest.raises(OutOfMemoryError) as info:
+            await expect(ch)
+        assert "host" in info.value.details["where"] or "cgroup" in info.value.details["where"]
+    finally:
+        ch.close()
+    assert await models(daemon) == {"ckpt": "disk"}
+
+
+def test_deposits_in_progress_count_in_every_room_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared memory is counted as used only once written, so three DEPOSITs of 0.8 x the free memory were
+    all accepted: every host room check (deposits and loads) deducts what slabs being written still lack."""
+    from wcache.server.backends import host
+
+    room = 100 << 20
+    monkeypatch.setattr(host, "memory_room", lambda: host.MemoryRoom("a test room", room, 0))
+    store = Store(host.HostBackend())
+    try:
+        first = Deposit(id=1, key=_one_tensor_deposit().key, tensors=(DepositTensor("w", "uint8", (80 << 20,)),))
+        reply, fds, _ = store.begin_deposit(1, 1, first)
+        with pytest.raises(OutOfMemoryError) as info:
+            store.begin_deposit(
+                2,
+                1,
+                Deposit(id=1, key=recipe_key(WeightCacheKey("g", "A", 1, 0, "bf16")).to_wire(), tensors=first.tensors),
+            )
+        assert info.value.details["promised"] == 80 << 20
+        with pytest.raises(OutOfMemoryError):  # a load, too
+            store.backend.allocate(30 << 20)
+        store.drop_connection(1)  # abandoned: its promise is gone
+        store.backend.allocate(30 << 20).close()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "seals",
+    [fcntl.F_SEAL_SEAL, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL],
+    ids=["seal-seal", "every-seal"],
+)
+async def test_a_slab_the_engine_sealed_itself_is_refused_at_commit(daemon: DaemonProc, ckpt: Path, seals: int) -> None:
+    """An engine that adds F_SEAL_SEAL itself: the daemon cannot add its own seals. The COMMIT gets a fatal
+    PROTOCOL_ERROR saying so (it used to get nothing: a PermissionError traceback and a dropped
+    connection); the deposit is dropped, its slab freed, and the key takes a proper deposit after."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    before = fd_count(daemon.pid)
+    ch, _ = await connect(daemon.socket, software="t", name="sealer")
+    try:
+        slab, fds = await _four_floats(ch, key)
+        fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, seals)
+        os.close(fds[0])
+        await ch.send(Commit(id=2, deposit=slab.deposit))
+        with pytest.raises(ProtocolError) as info:
+            await expect(ch)
+        assert "F_SEAL_SEAL" in info.value.message and info.value.details == {"frame": "COMMIT", "field": "deposit"}
+    finally:
+        ch.close()
+    assert set(await models(daemon)) == {"ckpt"}
+    await wait_for(lambda: fd_count(daemon.pid) == before, why="the refused slab's fd closed")
+    await WCacheClient(daemon.socket).deposit(key, tensors())
+    assert (await models(daemon))[key.short()] == "deposit"
+
+
+@pytest.mark.parametrize(
+    ("tensors_", "aliases", "what"),
+    [
+        ((DepositTensor("w", "float32", (4,)), DepositTensor("w", "float32", (2,))), {}, "listed twice"),
+        ((DepositTensor("w", "float32", (4,)),), {"w": "w"}, "not a new name"),  # overlapping names
+        ((DepositTensor("w", "float32", (4,)),), {"tied": "missing"}, "not a new name"),
+        ((DepositTensor("w", "float32", (1 << 47, 4)),), {}, "at most"),  # too big to lay out
+        # 0 bytes, but the contiguous strides of the layout reach 2**48: no client's decoder takes that STATE
+        ((DepositTensor("w", "uint8", (0, 1 << 24, 1 << 24)),), {}, "strides: entries must be below 2**48"),
+        # strides past 2**64: the table's uint64 columns cannot even hold them (was a fatal INTERNAL)
+        ((DepositTensor("w", "uint8", (0, 1 << 40, 1 << 40)),), {}, "does not fit its wire field"),
+    ],
+)
+async def test_malformed_table_is_refused(
+    daemon: DaemonProc, ckpt: Path, tensors_: tuple[DepositTensor, ...], aliases: dict[str, str], what: str
+) -> None:
+    """Bad tables never reach the store: a fatal PROTOCOL_ERROR naming the DEPOSIT field, nothing allocated.
+    That includes every table the daemon's own clients would refuse to map: the daemon runs the STATE it
+    would serve through the clients' decoder at DEPOSIT (docs/protocol.md §4.13), so nothing is committed
+    that no engine can fetch (or that a later takeover cannot hand over)."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    err = _fatal_reply(daemon, Deposit(id=1, key=key.to_wire(), tensors=tensors_, aliases=aliases).to_wire())
+    assert err.code == 1 and what in err.message, err
+    assert err.details.get("frame") == "DEPOSIT", err
+    assert set(await models(daemon)) == {"ckpt"}
+
+
+async def test_a_key_over_its_bounds_is_refused(daemon: DaemonProc, ckpt: Path) -> None:
+    """A recipe key of 25,000 fields fits the 1 MiB request frame, and every fetch once compared it field by
+    field: keys are bounded (64 fields, 16,384 characters, docs/protocol.md §7) in every frame."""
+    key = {**recipe_key(WeightCacheKey.from_checkpoint(ckpt)).to_wire(), **{f"f{i}": i for i in range(25_000)}}
+    wire = Deposit(id=1, key=key, tensors=(DepositTensor("w", "int8", (1,)),)).to_wire()
+    err = _fatal_reply(daemon, wire)
+    assert err.code == 1 and err.details == {"frame": "DEPOSIT", "field": "key"} and "at most 64 fields" in err.message
     assert set(await models(daemon)) == {"ckpt"}
 
 
@@ -477,3 +660,26 @@ async def test_an_absent_recipe_on_a_load_on_demand_daemon_loads_nothing(
     with pytest.raises(KeyMismatchError):
         await WCacheClient(d.socket).fetch(key)
     assert [dict(m.key) for m in (await WCacheClient(d.socket).status()).models] == before
+
+
+async def test_deposits_in_progress_on_the_daemon_are_limited(daemon: DaemonProc, ckpt: Path) -> None:
+    """Beside 4 per connection, the daemon holds at most MAX_DEPOSITS deposits in progress in all (each
+    holds a descriptor and promised memory): the next is LIMIT_EXCEEDED, not fatal, until one ends."""
+    from wcache.errors import LimitExceededError
+    from wcache.server.store import MAX_DEPOSITS
+
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    chans = [(await connect(daemon.socket, software="t", name=f"many-{i}"))[0] for i in range(MAX_DEPOSITS // 4 + 1)]
+    try:
+        for i in range(MAX_DEPOSITS):
+            await _open_deposit(chans[i // 4], recipe_key(base, postprocess=i), 1)
+        with pytest.raises(LimitExceededError) as info:
+            await _open_deposit(chans[-1], recipe_key(base, postprocess=MAX_DEPOSITS), 1)
+        assert info.value.details == {"deposits": MAX_DEPOSITS, "limit": MAX_DEPOSITS}
+        held = fd_count(daemon.pid)
+        chans[0].close()  # its 4 deposits are abandoned: room for more
+        await wait_for(lambda: fd_count(daemon.pid) <= held - 5, why="4 slabs and a connection closed")
+        await _open_deposit(chans[-1], recipe_key(base, postprocess=MAX_DEPOSITS), 1)
+    finally:
+        for ch in chans:
+            ch.close()

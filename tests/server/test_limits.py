@@ -27,7 +27,7 @@ from wcache.proto import PROTOCOL_VERSION, Connection, GetState, Hello, Role, pa
 from wcache.proto.codec import MAX_HANDSHAKE_FRAME
 from wcache.server.backends.host import HostBackend
 from wcache.server.process import DaemonProcess
-from wcache.server.store import Store, load_model
+from wcache.server.store import Store, load_model, split_descriptors
 
 HELLO = pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire())
 
@@ -324,3 +324,63 @@ def test_connection_table_policy() -> None:
     table.remove(1)
     table.add(Peer(5, open=True, busy=True))
     assert table.make_room(pinned) is None  # everyone holds or works: refuse the new one
+
+
+# ------------------------------------------------------------------ what a peer can make the daemon hold
+def test_descriptor_shares_leave_room_to_accept_and_answer() -> None:
+    """Connections, slabs and the daemon's own reserve never add up past RLIMIT_NOFILE; slabs get at least
+    a quarter of what is shared, connections what the limit allows up to their cap."""
+    for nofile in (48, 128, 1024, 4096, 20_000, 1 << 20):
+        for cap in (1, 64, 1024, 100_000):
+            connections, slabs = split_descriptors(nofile, cap)
+            reserve = min(1024, max(16, nofile // 8))
+            assert connections + slabs + reserve <= max(nofile, reserve + 2), (nofile, cap)
+            assert 1 <= connections <= cap and slabs >= max(1, (nofile - reserve) // 4)
+    assert split_descriptors(20_000, 1024) == (1024, 20_000 - 1024 - 1024)
+
+
+def test_committed_deposits_cannot_exhaust_the_daemons_descriptors(socket_dir: Path, ckpt: Path) -> None:
+    """RLIMIT_NOFILE 128: 100 committed 1-byte deposits under new recipe keys once held a descriptor each, and
+    the next engines got CacheUnavailableError (accept failed). The daemon holds at most its share of slabs
+    (split_descriptors, Store.fit_descriptors): past it the least recently used unleased model goes, like
+    bytes past the budget, and 40 engines fetch at once while one holds the checkpoint."""
+    from tests.server.deposit_engine import recipe_key
+
+    ready, log = socket_dir.parent / "ready.json", socket_dir.parent / "daemon.log"
+    cmd = [sys.executable, "-m", "wcache.server.cli", "--model", str(ckpt), "--socket-dir", str(socket_dir)]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            ["sh", "-c", 'ulimit -n 128 && exec "$@"', "sh", *cmd, "--ready-file", str(ready)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    d = DaemonProcess(proc, log, ready, time.perf_counter())
+    probe = Store(HostBackend())
+    probe.fit_descriptors(split_descriptors(128, 1024)[1])
+    base = WeightCacheKey.from_checkpoint(ckpt)
+
+    async def scenario() -> None:
+        import torch
+
+        async with await WCacheClient(d.socket).fetch(base):  # the checkpoint is pinned by this engine
+            for i in range(100):
+                done = await WCacheClient(d.socket).deposit(recipe_key(base, postprocess=i), {"b": torch.ones(1)})
+                assert done.tensors == 1
+            st = await WCacheClient(d.socket).status()
+            assert len(st.models) == probe.max_models
+            assert any("engine" not in m.key for m in st.models)  # the leased checkpoint was never the one to go
+            newest = recipe_key(base, postprocess=99)
+            fetched = await asyncio.gather(*(WCacheClient(d.socket, timeout=30).fetch(newest) for _ in range(40)))
+            try:
+                assert all(torch.equal(w["b"], torch.ones(1)) for w in fetched)
+            finally:
+                for w in fetched:
+                    await w.release()
+
+    try:
+        d.wait_ready(60)
+        asyncio.run(scenario())
+        assert len(os.listdir(f"/proc/{d.pid}/fd")) < 128 - 16
+    finally:
+        rc = d.stop()
+    assert rc == 0

@@ -142,3 +142,45 @@ async def test_load_on_demand(daemon_factory: Callable[..., DaemonProc], ckpt: P
     make_llama_checkpoint(other, dataclasses.replace(SMALL, vocab=768), seed=99)
     with pytest.raises(KeyMismatchError):
         await client.fetch(WeightCacheKey.from_checkpoint(other))
+
+
+def test_a_fetch_compares_its_key_with_one_model_not_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GET_STATE, EVICT or load-on-demand check finds its model by the key it names (one hash lookup and
+    one comparison), not by comparing the request with every model's key: 40 deposits under recipe keys of
+    25,000 fields once slowed every checkpoint fetch from 13 ms to ~400 ms. Counted, not timed."""
+    from wcache.key import WeightCacheKey as Key
+    from wcache.proto import Evict, GetState, TensorEntry, TensorTable
+    from wcache.recipe import RecipeKey
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.loader import LoadStats
+    from wcache.server.store import ServedModel, Store
+
+    backend = HostBackend()
+    base = Key("f" * 32, "LlamaForCausalLM", 1, 0, "bfloat16")
+    keys: list[Key] = [RecipeKey.of(base, engine="e", postprocess=i) for i in range(40)] + [base]
+    table = TensorTable.from_entries([TensorEntry("w", "uint8", (4,), (1,), 0, 0)])
+    store = Store(
+        backend, [ServedModel(k, table, {}, [backend.allocate(256)], backend, 4, LoadStats(0, 4, 0)) for k in keys]
+    )
+    compared: list[Key] = []
+    for cls in (Key, RecipeKey):
+        real = cls.diff_wire
+
+        def counting(self: Key, requested: dict[str, object], real: Callable[..., object] = real) -> object:
+            if any(self is k for k in keys):  # a served model's key (RecipeKey's own diff makes a base key)
+                compared.append(self)
+            return real(self, requested)
+
+        monkeypatch.setattr(cls, "diff_wire", counting)
+    try:
+        for k in (base, keys[0], keys[20]):  # the last, the first and a middle one in LRU order
+            compared.clear()
+            state, fds, model = store.acquire(1, 1, GetState(id=1, key=k.to_wire()))
+            assert model.key == k and compared == [k]
+            store.revoke(state.lease)
+        compared.clear()
+        assert store.evict(Evict(id=1, key=keys[39].to_wire()).key).key == keys[39] and compared == [keys[39]]
+        assert store.lookup({**base.to_wire(), "extra": 1}) is None  # a field the served key lacks: not it
+        assert store.lookup({"architecture": "A"}) is None  # a map that names no key at all
+    finally:
+        store.close()

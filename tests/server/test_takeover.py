@@ -3,16 +3,21 @@ engines' zero_copy mappings stay valid, new connections reach the new daemon."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import DaemonProc
+from tests.server.deposit_engine import recipe_key
 from wcache import WCacheClient, WeightCacheKey
 from wcache.nn import load_from_disk
+from wcache.recipe import RecipeKey
 from wcache.server.process import spawn_daemon
 
 
@@ -37,16 +42,21 @@ async def test_takeover_hands_over_memory_socket_and_lock(
             assert w.server.server_pid == new.pid
             assert all(torch.equal(w[k], v) for k, v in ref.items())
         await engine.release()  # its connection went with the old daemon: not an error
-        third = subprocess.run(
-            [sys.executable, "-m", "wcache.server.cli", "--model", str(ckpt), "--socket-dir", str(socket_dir)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert third.returncode != 0 and f"pid {new.pid}" in third.stderr  # the new daemon holds the lock
+        _refused_naming(ckpt, socket_dir, new.pid)  # the new daemon holds the lock
     finally:
         new.stop()
+
+
+def _refused_naming(ckpt: Path, socket_dir: Path, holder: int) -> None:
+    """A third daemon on the socket exits with an error naming the pid that holds the one-daemon lock."""
+    third = subprocess.run(
+        [sys.executable, "-m", "wcache.server.cli", "--model", str(ckpt), "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert third.returncode != 0 and f"pid {holder}" in third.stderr, third.stderr[-2000:]
 
 
 def test_takeover_refuses_model_and_socket_arguments(ckpt: Path, tmp_path: Path) -> None:
@@ -58,3 +68,121 @@ def test_takeover_refuses_model_and_socket_arguments(ckpt: Path, tmp_path: Path)
         check=False,
     )
     assert r.returncode == 2 and "--takeover serves the running daemon's socket" in r.stderr
+
+
+async def _fake_new_daemon(old: DaemonProc, then: str) -> None:
+    """A new daemon that takes TAKEOVER_STATE and then fails: closes the connection (it died or its adoption
+    failed), sends another request instead of TAKEOVER_ADOPTED, or confirms fewer models than it got."""
+    from wcache.channel import close_fds, connect, expect
+    from wcache.errors import InUseError, UnexpectedFrameError
+    from wcache.proto import Status, Takeover, TakeoverAdopted, TakeoverState
+
+    ch, _ = await connect(old.socket, software="t", name="failing-new-daemon")
+    try:
+        await ch.send(Takeover(id=ch.conn.next_request_id(), backend="host", pid=os.getpid()))
+        state, fds = await expect(ch)
+        assert isinstance(state, TakeoverState) and len(fds) == state.fd_count
+        close_fds(fds)  # the listener's copy and the slabs: nothing adopted
+        if then == "other-request":
+            await ch.send(Status(id=ch.conn.next_request_id()))
+            with pytest.raises(UnexpectedFrameError):
+                await expect(ch)
+        elif then == "too-few":
+            await ch.send(TakeoverAdopted(id=ch.conn.next_request_id(), models=len(state.models) - 1))
+            with pytest.raises(InUseError):
+                await expect(ch)
+    finally:
+        ch.close()
+
+
+async def _serves_and_holds_its_lock(old: DaemonProc, ckpt: Path, socket_dir: Path) -> None:
+    """The old daemon is alive, accepts new connections, serves its model, and still holds its lock."""
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    assert old.proc.poll() is None
+    async with asyncio.timeout(20):  # a new connection is accepted and answered (it was not, once)
+        async with await WCacheClient(old.socket, timeout=10).fetch(key) as w:
+            assert w.server.server_pid == old.pid
+            assert all(torch.equal(w[k], v) for k, v in load_from_disk(ckpt).items())
+    _refused_naming(ckpt, socket_dir, old.pid)  # the old daemon still holds the lock
+
+
+@pytest.mark.parametrize("then", ["close", "other-request", "too-few"])
+async def test_a_hand_off_that_fails_after_takeover_state_leaves_the_old_daemon_serving(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path, then: str
+) -> None:
+    """The old daemon stops only once the new one confirms it adopted everything (TAKEOVER_ADOPTED). A new
+    daemon that gets TAKEOVER_STATE and then dies, breaks the hand-off or confirms less than it got leaves
+    the old daemon serving, accepting and holding its lock (it used to stop at once, or to stay alive, not
+    accepting, lock held: no daemon at all); a real takeover then succeeds."""
+    old = daemon_factory(ckpt)
+    engine = await WCacheClient(old.socket).fetch(WeightCacheKey.from_checkpoint(ckpt))  # mapped across it all
+    try:
+        await _fake_new_daemon(old, then)
+        await _serves_and_holds_its_lock(old, ckpt, socket_dir)
+    finally:
+        await engine.release()
+    new = spawn_daemon(None, socket_dir, takeover=old.socket, timeout=60)
+    try:
+        assert old.proc.wait(30) == 0
+        (m,) = (await WCacheClient(new.socket).status()).models
+        assert m.origin == "takeover"
+    finally:
+        new.stop()
+
+
+async def test_a_hand_off_too_large_for_the_new_daemon_is_refused_and_changes_nothing(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    """The old daemon checks TAKEOVER_STATE against the new daemon's frame limit (TAKEOVER's
+    max_frame_size, its --max-frame-size) before it stops anything: a hand-off over it is LIMIT_EXCEEDED,
+    the new daemon exits 1 saying why, and the old one serves on holding its lock (a 64 MiB hand-off once
+    left it alive but deaf, lock held)."""
+    old = daemon_factory(ckpt)
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    long_names = {f"{'x' * 1000}.{i}": torch.ones(1) for i in range(100)}  # a 100 KB table
+    await WCacheClient(old.socket).deposit(recipe_key(base), long_names)
+    new = spawn_daemon(None, socket_dir, "--max-frame-size", "65536", takeover=old.socket, timeout=None)
+    try:
+        assert new.proc.wait(60) == 1
+    finally:
+        new.stop()
+    assert "over the 65536 the new daemon accepts" in new.log_text() and "serves on" in new.log_text()
+    await _serves_and_holds_its_lock(old, ckpt, socket_dir)
+    assert set(await _models(old)) == {"ckpt", recipe_key(base).short()}
+
+
+async def _models(daemon: DaemonProc) -> dict[str, str]:
+    st = await WCacheClient(daemon.socket).status()
+    return {RecipeKey.from_wire(dict(m.key)).short() if "engine" in m.key else "ckpt": m.origin for m in st.models}
+
+
+async def test_fetches_during_the_hand_off_do_not_spoil_it(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path
+) -> None:
+    """Between TAKEOVER_STATE and TAKEOVER_ADOPTED the old daemon keeps answering its open connections; a
+    fetch there reorders its models (least recently used first) but changes none, so the confirmation is
+    answered with TAKEOVER_DONE and the old daemon stops."""
+    from wcache.channel import close_fds, connect, expect
+    from wcache.proto import GetState, State, Takeover, TakeoverAdopted, TakeoverDone, TakeoverState
+
+    old = daemon_factory(ckpt)
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    await WCacheClient(old.socket).deposit(recipe_key(base), {"b": torch.ones(1)})  # now the checkpoint is LRU
+    engine, _ = await connect(old.socket, software="t", name="engine")  # open before the hand-off
+    ch, _ = await connect(old.socket, software="t", name="new-daemon")
+    try:
+        await ch.send(Takeover(id=ch.conn.next_request_id(), backend="host", pid=os.getpid()))
+        state, fds = await expect(ch)
+        assert isinstance(state, TakeoverState) and len(state.models) == 2
+        close_fds(fds)
+        await engine.send(GetState(id=engine.conn.next_request_id(), key=base.to_wire()))  # the LRU moves
+        lease, lease_fds = await expect(engine)
+        assert isinstance(lease, State)
+        close_fds(lease_fds)
+        await ch.send(TakeoverAdopted(id=ch.conn.next_request_id(), models=2, pid=os.getpid()))
+        done, _ = await expect(ch)
+        assert isinstance(done, TakeoverDone) and done.pid == old.pid
+    finally:
+        ch.close()
+        engine.close()
+    assert old.proc.wait(30) == 0

@@ -50,8 +50,6 @@ from wcache.proto import (
     State,
     Status,
     StatusReply,
-    Takeover,
-    TakeoverState,
 )
 
 if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
@@ -596,23 +594,3 @@ class _Session:
     def close(self) -> None:
         if self.ch is not None:
             self.ch.close()
-
-
-async def take_over(
-    socket_path: str | os.PathLike[str], *, backend: str, device_uuid: str, timeout: float = 60.0
-) -> tuple[TakeoverState, list[int]]:
-    """TAKEOVER (wcache-server --takeover): the running daemon's models and listening socket, as a
-    frame and the fds it announces (slabs by their ``fd`` positions, then ``listener_fd``)."""
-    client = WCacheClient(socket_path, timeout=timeout, name="wcache-server --takeover", wait_for_daemon=0)
-    path = Path(socket_path)
-    async with asyncio.timeout(timeout):
-        ch, _ = await client._connect(path)
-        try:
-            await ch.send(
-                Takeover(id=ch.conn.next_request_id(), backend=backend, device_uuid=device_uuid, pid=os.getpid())
-            )
-            frame, fds = await expect(ch)
-        finally:
-            ch.close()
-    assert isinstance(frame, TakeoverState)
-    return frame, fds

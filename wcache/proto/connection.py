@@ -60,6 +60,7 @@ from wcache.proto.frames import (
     State,
     Status,
     Takeover,
+    TakeoverAdopted,
     Unkeep,
     decode_frame,
 )
@@ -123,6 +124,8 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.CLIENT, Phase.OPEN, SEND, "EVICT"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, SEND, "TAKEOVER"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "TAKEOVER_STATE"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "TAKEOVER_ADOPTED"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "TAKEOVER_DONE"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "PRELOADED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "EVICTED"): Phase.OPEN,
     (Role.CLIENT, Phase.OPEN, RECV, "STATE"): Phase.OPEN,
@@ -149,6 +152,8 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, RECV, "EVICT"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, RECV, "TAKEOVER"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "TAKEOVER_STATE"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "TAKEOVER_ADOPTED"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "TAKEOVER_DONE"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "PRELOADED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "EVICTED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "STATE"): Phase.OPEN,
@@ -198,6 +203,7 @@ REPLY_TO: dict[str, str] = {
     "PRELOAD": "PRELOADED",
     "EVICT": "EVICTED",
     "TAKEOVER": "TAKEOVER_STATE",
+    "TAKEOVER_ADOPTED": "TAKEOVER_DONE",
     "KEEP": "KEPT",
     "UNKEEP": "KEPT",
     "RECLAIM": "RECLAIMED",
@@ -211,13 +217,15 @@ REPLY_TO: dict[str, str] = {
 }
 #: The requests each service answers; a server with a service answers the others' with NOT_FOUND.
 SERVES: dict[Service, frozenset[str]] = {
-    Service.DAEMON: frozenset({"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER", "DEPOSIT", "COMMIT"}),
+    Service.DAEMON: frozenset(
+        {"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER", "TAKEOVER_ADOPTED", "DEPOSIT", "COMMIT"}
+    ),
     Service.KEEPER: frozenset({"KEEP", "UNKEEP", "RECLAIM", "STATUS"}),
     Service.PEER: frozenset({"PEER_AUTH", "PEER_PROOF", "PEER_QUERY", "PEER_READ", "PEER_FILES", "RELEASE"}),
 }
 #: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
 CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
-DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | Deposit | Commit
+DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
 KeeperRequest = Keep | Unkeep | Reclaim | Status
 if TYPE_CHECKING:  # the peer channel's frames: imported where a peer channel is used (not on an engine's path)
     from wcache.proto.fleet_frames import PeerOffer

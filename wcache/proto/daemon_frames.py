@@ -364,13 +364,14 @@ class Deposit(Message):
             v = self.key.get(name)
             if type(v) is not want or v == "":
                 raise fail("DEPOSIT", "key", f"a recipe key needs {name!r} ({want.__name__}, not empty)")
-        names = [t.name for t in self.tensors]
-        known = set(names)
+        # every check here is linear in the tensors: a DEPOSIT is decoded on the daemon's event loop (§7)
+        known: set[str] = set()
+        for tensor in self.tensors:
+            if tensor.name in known:
+                raise fail("DEPOSIT", "tensors", f"tensor {tensor.name[:64]!r} is listed twice")
+            known.add(tensor.name)
         if "" in known:
             raise fail("DEPOSIT", "tensors", "a tensor name is empty")
-        if len(known) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise fail("DEPOSIT", "tensors", f"tensor {dup[:64]!r} is listed twice")
         for a, t in self.aliases.items():
             if a in known or t not in known:
                 raise fail("DEPOSIT", "aliases", f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")

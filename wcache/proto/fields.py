@@ -29,6 +29,8 @@ from wcache.errors import ProtocolError
 from wcache.proto._record import record
 
 __all__ = [
+    "MAX_KEY_CHARS",
+    "MAX_KEY_FIELDS",
     "MAX_NAME",
     "MAX_PATH",
     "REGISTRY",
@@ -53,6 +55,10 @@ __all__ = [
 
 MAX_NAME = 1024  # characters of a tensor name or key string
 MAX_PATH = 4096  # characters of a file system path
+#: fields of one key (a checkpoint key has 9; a recipe adds its engine's, vLLM's about 8: docs/protocol.md §7)
+MAX_KEY_FIELDS = 64
+#: characters of one key's field names and string values together (each is also at most MAX_NAME)
+MAX_KEY_CHARS = 16384
 INT64_MAX = 2**63 - 1
 KeyMap = dict[str, str | int]
 
@@ -168,17 +174,27 @@ def _str_keys(frame: str, fld: str, v: Any) -> dict[str, Any]:
 
 
 class Key(Kind):
-    """A WeightCacheKey map: string keys of at most 1024 characters, string (same bound) or integer values."""
+    """A WeightCacheKey map: at most MAX_KEY_FIELDS fields, string keys of at most 1024 characters, string
+    (same bound) or integer values, MAX_KEY_CHARS characters of names and strings in all. Bounded so that
+    what one key costs the daemon (kept with a model, hashed per lookup, listed in STATUS) is bounded too."""
 
     __slots__ = ()
 
     def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> KeyMap:
         m = _str_keys(frame, fld, v)
+        if len(m) > MAX_KEY_FIELDS:
+            raise fail(frame, fld, f"a key has at most {MAX_KEY_FIELDS} fields, got {len(m)}")
+        chars = 0
         for k, x in m.items():
             if len(k) > MAX_NAME or not (type(x) is str or type(x) is int):
                 raise fail(frame, fld, f"key field {k[:64]!r} must be a string or integer")
-            if type(x) is str and len(x) > MAX_NAME:
-                raise fail(frame, fld, f"key field {k[:64]!r} is too long")
+            if type(x) is str:
+                if len(x) > MAX_NAME:
+                    raise fail(frame, fld, f"key field {k[:64]!r} is too long")
+                chars += len(x)
+            chars += len(k)
+        if chars > MAX_KEY_CHARS:
+            raise fail(frame, fld, f"a key's names and strings are at most {MAX_KEY_CHARS} characters, got {chars}")
         return m
 
     def encode(self, v: Any) -> Any:

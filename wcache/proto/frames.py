@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import ProtocolError
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, decode_body, pack_frame
 from wcache.proto.daemon_frames import (
     BACKENDS,
     MODES,
@@ -52,6 +53,8 @@ from wcache.proto.peer_frames import (
     Reclaim,
     Reclaimed,
     Takeover,
+    TakeoverAdopted,
+    TakeoverDone,
     TakeoverState,
     Unkeep,
 )
@@ -113,11 +116,14 @@ __all__ = [
     "Status",
     "StatusReply",
     "Takeover",
+    "TakeoverAdopted",
+    "TakeoverDone",
     "TakeoverState",
     "TensorEntry",
     "TensorGroup",
     "TensorTable",
     "Unkeep",
+    "as_received",
     "decode_frame",
     "tensor_extent",
 ]
@@ -139,6 +145,8 @@ LocalFrame = (
     | Evicted
     | Takeover
     | TakeoverState
+    | TakeoverAdopted
+    | TakeoverDone
     | Keep
     | Unkeep
     | Kept
@@ -219,6 +227,22 @@ def decode_frame(m: Mapping[str, Any]) -> Frame:
         raise ProtocolError(f"unknown frame type {t[:64]!r}", details={"type": t[:64]})
     frame: Frame = cls.from_wire(m)  # type: ignore[assignment]  # REGISTRY holds exactly Frame's members
     return frame
+
+
+def as_received(frame: Frame, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> Frame:
+    """``frame`` as its receiver gets it: encoded, checked against the receiver's ``max_frame_size`` and
+    decoded by the one decoder every receiver runs. A sender that builds a frame from a peer's input (the
+    daemon laying out a DEPOSIT's STATE, a daemon handing over its models) checks it here before it commits
+    to anything, so that what it accepts is never refused by its receivers: no second set of rules to drift
+    apart from the decoder's. Raises FrameTooLargeError past the size, else ProtocolError naming the
+    field a receiver refuses (an integer too large for its wire column included)."""
+    try:
+        data = pack_frame(frame.to_wire(), max_frame_size)
+    except OverflowError as exc:  # an integer no wire column holds (the tensor table's uint64 arrays)
+        raise ProtocolError(
+            f"{frame.TYPE}: an integer does not fit its wire field ({exc})", details={"frame": frame.TYPE}
+        ) from None
+    return decode_frame(decode_body(data[4:]))
 
 
 _FLEET_NAMES = frozenset(

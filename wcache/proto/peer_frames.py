@@ -1,5 +1,5 @@
 """Frames between wcache processes (docs/protocol.md §4.10, §4.11): a daemon taking over from a running
-one (TAKEOVER), and a daemon depositing its models with a keeper (KEEP, UNKEEP, RECLAIM).
+one (TAKEOVER, TAKEOVER_ADOPTED), and a daemon depositing its models with a keeper (KEEP, UNKEEP, RECLAIM).
 
 All of them move models as :class:`HandedModel` with their slabs' file descriptors.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_REPRESENTABLE
 from wcache.proto.daemon_frames import BACKENDS, SlabDescriptor, fd_positions
 from wcache.proto.fields import MAX_PATH, Array, Choice, Float, Int, Key, KeyMap, Message, Nested, Str, message, wire
 from wcache.proto.table import Aliases, Table, TensorTable
@@ -21,6 +22,8 @@ __all__ = [
     "Reclaim",
     "Reclaimed",
     "Takeover",
+    "TakeoverAdopted",
+    "TakeoverDone",
     "TakeoverState",
     "Unkeep",
 ]
@@ -64,6 +67,8 @@ class Takeover(Message):
     backend: str = wire(Choice(BACKENDS))  # the new daemon's: must be the running one's
     device_uuid: str = wire(Str(), default="")  # the new daemon's GPU: must be the running one's
     pid: int = wire(Int(), default=0)
+    #: the largest TAKEOVER_STATE body the new daemon accepts: a larger hand-off is refused before anything changes
+    max_frame_size: int = wire(Int(lo=1, hi=MAX_REPRESENTABLE), default=DEFAULT_MAX_FRAME_SIZE, omit_default=True)
 
 
 @message("TAKEOVER_STATE")
@@ -83,6 +88,24 @@ class TakeoverState(Message):
     def fd_count(self) -> int:
         """The slabs with ``fd >= 0`` and the listening socket."""
         return 1 + sum(1 for x in self.models for s in x.slabs if s.fd >= 0)
+
+
+@message("TAKEOVER_ADOPTED")
+class TakeoverAdopted(Message):
+    """New daemon -> running daemon, after TAKEOVER_STATE: every model is adopted; release your lock and stop.
+    Until it arrives the running daemon serves on (a new daemon that fails closes the connection instead)."""
+
+    id: int = wire(_ID)
+    models: int = wire(Int())  # how many models the new daemon adopted: all of TAKEOVER_STATE's
+    pid: int = wire(Int(), default=0)
+
+
+@message("TAKEOVER_DONE")
+class TakeoverDone(Message):
+    """Running daemon -> new daemon: its lock is released and it stops; the socket and models are yours."""
+
+    id: int = wire(_ID)
+    pid: int = wire(Int(), default=0)
 
 
 @message("KEEP")

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=size_arg,
         default=0,
         metavar="SIZE",
-        help="most slab bytes held at once; PRELOAD evicts unleased models, least recently used first (0: none)",
+        help="most slab bytes held at once; a new model (PRELOAD, a deposit's COMMIT) evicts unleased models, least "
+        "recently used first (0: none)",
     )
     p.add_argument(
         "--host-tier",

@@ -24,6 +24,7 @@ from typing import assert_never, cast
 from wcache.channel import DEFAULT_READ_BUDGET, Channel, ReadBudget, peer_credentials
 from wcache.errors import (
     DeviceMismatchError,
+    FrameTooLargeError,
     InternalError,
     InUseError,
     KeyMismatchError,
@@ -32,6 +33,8 @@ from wcache.errors import (
     NotFoundError,
     PermissionDeniedError,
     ProtocolError,
+    UnexpectedFrameError,
+    UnknownLeaseError,
     UnsupportedPlatformError,
     WCacheError,
 )
@@ -57,7 +60,10 @@ from wcache.proto import (
     Status,
     StatusReply,
     Takeover,
+    TakeoverAdopted,
+    TakeoverDone,
     TakeoverState,
+    as_received,
 )
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
@@ -66,7 +72,7 @@ from wcache.recipe import key_from_wire
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.listen import ConnectionTable, Peer, accept_loop, bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
-from wcache.server.store import ServedModel, Store
+from wcache.server.store import ServedModel, Store, split_descriptors
 from wcache.server.tier import HostTier, TierEntry
 
 __all__ = ["Daemon"]
@@ -101,6 +107,7 @@ class Daemon:
         keeper: KeeperLink | None = None,
         keeper_check: float = 5.0,
         tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
+        handoff_timeout: float = 10.0,
     ) -> None:
         self.store = store
         self.socket_path = Path(socket_path)
@@ -148,6 +155,10 @@ class Daemon:
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         self.keeper_check = keeper_check
+        #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
+        #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
+        self.handoff_timeout = handoff_timeout
+        self._handing_over = False
         self._handed_over = False
         self._accept_task: asyncio.Future[None] | None = None
 
@@ -168,14 +179,14 @@ class Daemon:
         http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
         if callable(on_ready):
             on_ready()
-        accept = self._accept_task = asyncio.ensure_future(accept_loop(listener, self._accepted, self._tag))
+        self._resume_accepting()
         watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
         try:
             await self._stop.wait()
         finally:
             if http is not None:
                 http.close()
-            for task in (accept, watch):
+            for task in (self._accept_task, watch):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -190,15 +201,40 @@ class Daemon:
                     loop.remove_signal_handler(sig)
             log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
 
+    def _resume_accepting(self) -> None:
+        if self._accept_task is None and self._listener is not None and not self._stop.is_set():
+            self._accept_task = asyncio.ensure_future(accept_loop(self._listener, self._accepted, self._tag))
+
+    def _pause_accepting(self) -> None:
+        """New connections queue on the listening socket (shared with a new daemon during a hand-off)."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            self._accept_task = None
+
     def _fd_limits(self) -> None:
         """Descriptors queued in sockets that peers have not read count against this uid's RLIMIT_NOFILE
-        (unless root): raise the soft limit to the hard one, and give each peer a share of it."""
+        (unless root): raise the soft limit to the hard one, and give each peer a share of it. Connections and
+        slabs (models, deposits in progress) get their shares of it too (``split_descriptors``), so that no
+        peer can make the daemon run out of descriptors to accept and answer with."""
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         want = hard if hard != resource.RLIM_INFINITY else 1 << 20
         if soft != resource.RLIM_INFINITY and soft < want:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
                 soft = want
+        nofile = soft if soft != resource.RLIM_INFINITY else 1 << 20
+        connections, slabs = split_descriptors(nofile, self.max_connections)
+        self.store.fit_descriptors(slabs)
+        if connections < self.max_connections:
+            self.max_connections = self._peers.limit = connections
+        log.info(
+            "descriptor shares %s nofile=%d connections=%d models=%d deposits=%d",
+            self._tag,
+            nofile,
+            self.max_connections,
+            self.store.max_models,
+            self.store.max_deposits,
+        )
         if self.max_unread_fds is None:
             self.max_unread_fds = max(1, min(64, soft // 16))
         worst = self.max_connections * self.max_unread_fds
@@ -410,6 +446,8 @@ class Daemon:
                     await ch.send(await self._preload(spec, frame.id, pid))
                 case Takeover():
                     await self._hand_over(ch, frame, pid)
+                case TakeoverAdopted():  # answered inside _hand_over; anywhere else there is no hand-off
+                    raise UnknownLeaseError("TAKEOVER_ADOPTED with no hand-off open on this connection")
                 case Evict():
                     gone = self.store.evict(frame.key)
                     if self.keeper is not None:
@@ -447,8 +485,7 @@ class Daemon:
     async def _deposit(self, ch: Channel, req: Deposit, conn_id: int, pid: int) -> None:
         """DEPOSIT (docs/protocol.md §4.13): room, a writable slab, DEPOSIT_SLAB with its descriptor. The
         deposit is the connection's until COMMIT: if it closes first, drop_connection frees the slab."""
-        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)
-        await self._evicted(dep.evicted, "deposit")
+        reply, fds, dep = self.store.begin_deposit(conn_id, pid, req)  # evicts nothing: a promise until COMMIT
         log.info(
             "deposit started %s pid=%d deposit=%d key=%s tensors=%d bytes=%d pending=%d",
             self._tag,
@@ -462,8 +499,9 @@ class Daemon:
         await ch.send(reply, fds)
 
     async def _commit(self, ch: Channel, req: Commit, conn_id: int, pid: int) -> None:
-        """COMMIT: seal the slab read-only, serve it under the recipe key, tell the keeper."""
-        reply, model, old = self.store.commit_deposit(conn_id, req)
+        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the keeper."""
+        reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
+        await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             if old is not None:
                 await self.keeper.unkeep(old)
@@ -484,11 +522,15 @@ class Daemon:
         self._save_to_tier(model)
 
     async def _hand_over(self, ch: Channel, req: Takeover, pid: int) -> None:
-        """TAKEOVER: give a new daemon (same uid, same device) every model's slabs and the listening
-        socket, stop accepting, release the lock, and stop. Engines' mappings stay valid: they
+        """TAKEOVER (docs/protocol.md §4.10): give a new daemon (same uid, same device) every model's slabs and
+        the listening socket, and stop only once it confirms (TAKEOVER_ADOPTED) that it adopted them all.
+        Until then this daemon keeps its lock and its connections; new ones queue on the shared socket. A
+        hand-off that fails at any point (refused here, a TAKEOVER_STATE over the new daemon's frame limit,
+        the new daemon refusing it, dying or silent past ``handoff_timeout``, the models changing meanwhile)
+        leaves this daemon serving and accepting as before. Engines' mappings stay valid either way: they
         reference the memory, not this process."""
         backend = self.store.backend
-        if self._handed_over:
+        if self._handing_over or self._handed_over:
             raise InUseError("this daemon is already handing over to another: wait for it to stop")
         if req.backend != backend.name or (backend.device.uuid and req.device_uuid != backend.device.uuid):
             raise DeviceMismatchError(
@@ -496,9 +538,10 @@ class Daemon:
                 f"{backend.name} {backend.device.uuid or '-'}: nothing handed over",
                 details={"backend": backend.name, "device_uuid": backend.device.uuid},
             )
+        held = list(self.store.models.values())
         models: list[HandedModel] = []
         fds: list[int] = []
-        for m in self.store.models.values():
+        for m in held:
             descs = m.export(fds)
             by_handle = [d.kind for d in descs if d.fd < 0]
             if by_handle:  # (the fds listed so far are the slabs' own: nothing to close)
@@ -509,11 +552,52 @@ class Daemon:
         if len(fds) + 1 > MAX_HANDOFF_FDS:
             raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
         assert self._listener is not None
-        if self._accept_task is not None:  # no new connection lands here from now on: they queue for the new daemon
-            self._accept_task.cancel()
-        self._handed_over = True
         reply = TakeoverState(id=req.id, models=tuple(models), listener_fd=len(fds), pid=os.getpid())
-        await ch.send(reply, [*fds, self._listener.fileno()])
+        try:  # what the new daemon's decoder will make of it, off the event loop (tens of MB for big tables)
+            await asyncio.to_thread(as_received, reply, req.max_frame_size)
+        except FrameTooLargeError as exc:
+            raise LimitExceededError(
+                f"the hand-off is {exc.details.get('size')} bytes, over the {req.max_frame_size} the new daemon "
+                "accepts (its --max-frame-size): nothing handed over; EVICT models first, or give the new daemon "
+                "a larger --max-frame-size",
+                details={"size": exc.details.get("size"), "max_size": req.max_frame_size},
+            ) from None
+        except ProtocolError as exc:
+            raise InternalError(f"a model here cannot be handed over ({exc.message}): nothing handed over") from None
+        if not self._holds(held):  # evicted meanwhile: its descriptor may be closed
+            raise InUseError("the models changed while the hand-off was prepared: nothing handed over; retry")
+        self._handing_over = True
+        self._pause_accepting()  # no new connection lands here meanwhile: they queue for whoever serves next
+        try:
+            await ch.send(reply, [*fds, self._listener.fileno()])
+            frame, _ = await asyncio.wait_for(ch.receive(frame_timeout=self.frame_timeout), self.handoff_timeout)
+        except (EOFError, OSError) as exc:  # the new daemon refused or died (EOF), or is silent (TimeoutError)
+            self._hand_over_failed(pid, f"no TAKEOVER_ADOPTED: {type(exc).__name__} {exc}")
+            raise ConnectionAbortedError("hand-off given up") from None
+        except BaseException as exc:
+            self._hand_over_failed(pid, f"{type(exc).__name__} {exc}")
+            raise
+        if not isinstance(frame, TakeoverAdopted):
+            self._hand_over_failed(pid, f"{frame.TYPE} instead of TAKEOVER_ADOPTED")
+            raise UnexpectedFrameError(
+                f"{frame.TYPE} after TAKEOVER_STATE: only TAKEOVER_ADOPTED may follow it (the hand-off is off)",
+                details={"type": frame.TYPE},
+            )
+        if frame.models != len(models) or not self._holds(held):
+            self._hand_over_failed(pid, f"adopted {frame.models} of {len(models)} models, or they changed")
+            refused = InUseError(
+                f"the new daemon adopted {frame.models} of the {len(models)} models handed over, or they changed "
+                "meanwhile: this daemon serves on; retry the takeover",
+                details={"adopted": frame.models, "handed": len(models)},
+            )
+            await ch.send(ErrorFrame.from_exception(refused, frame.id))
+            return
+        try:
+            await ch.send(TakeoverDone(id=frame.id, pid=os.getpid()))
+        except OSError as exc:
+            self._hand_over_failed(pid, f"TAKEOVER_DONE not sent: {exc}")
+            raise ConnectionAbortedError("hand-off given up") from None
+        self._handed_over = True
         log.info(
             "handed over %s to pid=%d models=%d bytes=%d leases_dropped=%d",
             self._tag,
@@ -525,6 +609,17 @@ class Daemon:
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()
+
+    def _holds(self, models: list[ServedModel]) -> bool:
+        """Whether the store serves exactly ``models`` (the same objects, in any LRU order), as when a hand-off
+        began: a fetch meanwhile only reorders them."""
+        now = {id(m) for m in self.store.models.values()}
+        return len(now) == len(models) and now == {id(m) for m in models}
+
+    def _hand_over_failed(self, pid: int, why: str) -> None:
+        self._handing_over = False
+        self._resume_accepting()
+        log.warning("hand-off failed %s to pid=%d reason=%s: serving on", self._tag, pid, why)
 
     async def _load_on_demand(self, req: GetState, pid: int) -> bool:
         """With --load-on-demand: load the requested variant (rank, dtype, transform) of a checkpoint the
@@ -556,7 +651,7 @@ class Daemon:
             dtype,
         )
         await self._preload(spec, req.id, pid)
-        return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
+        return self.store.lookup(req.key) is not None
 
     async def _evicted(self, models: Sequence[ServedModel], reason: str) -> None:
         """Models the store evicted to make room: one log line each, and the keeper lets them go too."""

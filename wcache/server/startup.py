@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from wcache import __version__
 from wcache.errors import CheckpointError, WCacheError
 from wcache.paths import default_socket_dir, socket_name
+from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
 from wcache.server.backends.base import Backend
 from wcache.server.security import DaemonLock, check_private_dir, check_socket_path, ensure_socket_dir
 
@@ -166,21 +167,26 @@ def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> 
     return served
 
 
-def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list[ServedModel], socket.socket]:
-    """--takeover: the running daemon's models (adopted slabs) and its listening socket; then its lock."""
+def take_over(
+    sock_path: Path, backend: Backend, lock: DaemonLock, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+) -> tuple[list[ServedModel], socket.socket]:
+    """--takeover (docs/protocol.md §4.10): the running daemon's models (adopted slabs) and its listening
+    socket, then its lock. The running daemon stops only once this one has adopted every model and said so
+    (TAKEOVER_ADOPTED, answered by TAKEOVER_DONE); whatever fails before that — a refusal, a TAKEOVER_STATE
+    over ``max_frame_size`` or one this side's decoder refuses, a slab it cannot adopt — raises here (the
+    daemon exits with that error) and leaves the running daemon serving, holding its lock."""
     import asyncio
 
-    from wcache.client.client import take_over as request
-
     t0 = time.perf_counter()
-    state, fds = asyncio.run(request(sock_path, backend=backend.name, device_uuid=backend.device.uuid))
-    listener = socket.socket(fileno=os.dup(fds[state.listener_fd]))
-    models: list[ServedModel] = []
     try:
-        models = adopt(state.models, fds, backend)  # closes the listener's original fd with the unused ones
-        for m in models:
-            m.origin = "takeover"  # STATUS: handed over by the old daemon
-        lock.acquire(wait=10.0)  # the old daemon releases it right after sending
+        pid, models, listener = asyncio.run(_take_over(sock_path, backend, max_frame_size))
+    except WCacheError as exc:
+        raise type(exc)(
+            f"--takeover {sock_path}: {exc.message} (nothing was taken over: the running daemon serves on)",
+            details=exc.details,
+        ) from exc
+    try:
+        lock.acquire(wait=10.0)  # the old daemon releases it right after TAKEOVER_DONE
     except BaseException:
         for m in models:
             m.close()
@@ -189,12 +195,63 @@ def take_over(sock_path: Path, backend: Backend, lock: DaemonLock) -> tuple[list
     log.info(
         "took over socket=%s from pid=%d models=%d bytes=%d seconds=%.3f",
         sock_path,
-        state.pid,
+        pid,
         len(models),
         sum(m.slab_bytes for m in models),
         time.perf_counter() - t0,
     )
     return models, listener
+
+
+async def _take_over(
+    sock_path: Path, backend: Backend, max_frame_size: int, timeout: float = 60.0
+) -> tuple[int, list[ServedModel], socket.socket]:
+    """TAKEOVER, adopt everything TAKEOVER_STATE hands over, TAKEOVER_ADOPTED, TAKEOVER_DONE; on any failure
+    the adopted slabs and the listener are closed and the connection with them (the old daemon serves on)."""
+    import asyncio
+
+    from wcache.channel import close_fds, connect, expect
+    from wcache.proto import Takeover, TakeoverAdopted, TakeoverDone, TakeoverState
+
+    async with asyncio.timeout(timeout):
+        ch, _ = await connect(
+            sock_path,
+            software=f"wcache/{__version__}",
+            name="wcache-server --takeover",
+            max_frame_size=max_frame_size,
+        )
+        try:
+            request = Takeover(
+                id=ch.conn.next_request_id(),
+                backend=backend.name,
+                device_uuid=backend.device.uuid,
+                pid=os.getpid(),
+                max_frame_size=max_frame_size,
+            )
+            await ch.send(request)
+            state, fds = await expect(ch)
+            assert isinstance(state, TakeoverState)  # the transition table admits nothing else
+            try:
+                listener = socket.socket(fileno=os.dup(fds[state.listener_fd]))
+            except BaseException:
+                close_fds(fds)
+                raise
+            models: list[ServedModel] = []
+            try:
+                models = adopt(state.models, fds, backend)  # closes the listener's original fd with the unused ones
+                for m in models:
+                    m.origin = "takeover"  # STATUS: handed over by the old daemon
+                await ch.send(TakeoverAdopted(id=ch.conn.next_request_id(), models=len(models), pid=os.getpid()))
+                done, _ = await expect(ch)
+                assert isinstance(done, TakeoverDone)
+            except BaseException:
+                for m in models:
+                    m.close()
+                listener.close()
+                raise
+        finally:
+            ch.close()
+    return state.pid, models, listener
 
 
 def _keeper_holds_some(args: argparse.Namespace, sock_path: Path) -> bool:
@@ -385,15 +442,15 @@ def run(args: argparse.Namespace) -> int:
         if args.takeover is None and not _keeper_holds_some(args, sock_path):  # it will load: set loads up first
             backend.prepare_loads()
         backend.check_platform()
-        handed: list[ServedModel] = []
-        listener = None
-        if args.takeover is not None:
-            handed, listener = take_over(sock_path, backend, lock)
         tier = None
-        if args.host_tier > 0:
+        if args.host_tier > 0:  # before a takeover: from TAKEOVER_DONE on, a failure here would lose the models
             from wcache.server.tier import HostTier, default_tier_dir
 
             tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
+        handed: list[ServedModel] = []
+        listener = None
+        if args.takeover is not None:
+            handed, listener = take_over(sock_path, backend, lock, args.max_frame_size)
 
         def planner(spec: RankSpec) -> RankPlan:
             with checkpoint_errors(str(spec.checkpoint)):
@@ -426,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
         fill_outcomes: list[tuple[str, int, float]] = []  # (reason or "", bytes, seconds) of each fill: metrics
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
-                drop(store.make_room(0), link, "budget")
+                drop(store.make_room(0, models=0), link, "budget")
             if args.model is not None:
                 spec = rank_spec(args)
                 if args.fill_from is not None:

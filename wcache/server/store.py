@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from wcache.errors import (
     CheckpointError,
     DeviceMismatchError,
+    InternalError,
     InUseError,
     KeyMismatchError,
     LimitExceededError,
     NotFoundError,
     OutOfMemoryError,
+    ProtocolError,
     TransformError,
     UnknownLeaseError,
     UnsupportedPlatformError,
@@ -51,9 +53,11 @@ from wcache.proto import (
     State,
     TensorEntry,
     TensorTable,
+    as_received,
 )
+from wcache.proto.fields import fail
 from wcache.rank import RankPlan, RankSpec, plan_rank
-from wcache.recipe import RecipeKey
+from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
 from wcache.server.tier import HostTier, TierEntry
@@ -63,7 +67,18 @@ if TYPE_CHECKING:
 
     from wcache.transforms import Transform
 
-__all__ = ["Lease", "PendingDeposit", "ServedModel", "Store", "load_from_tier", "load_model"]
+__all__ = [
+    "MAX_DEPOSITS",
+    "MAX_MODELS",
+    "Lease",
+    "PendingDeposit",
+    "ServedModel",
+    "Store",
+    "deposit_layout",
+    "load_from_tier",
+    "load_model",
+    "split_descriptors",
+]
 
 log = logging.getLogger("wcache.server")
 
@@ -342,6 +357,35 @@ class _Depositable(Protocol):
     def allocate_deposit(self, nbytes: int) -> Slab: ...
 
 
+@runtime_checkable
+class _RoomChecked(Protocol):
+    """A backend that can tell, before anything is evicted, whether a slab can fit its memory at all."""
+
+    def check_room(self, nbytes: int, freeing: int = 0) -> None:
+        """OutOfMemoryError when ``nbytes`` more do not fit even once ``freeing`` bytes are given back."""
+        ...
+
+
+#: Models one daemon serves at most (lowered to fit its descriptor limit: docs/protocol.md §7). A daemon
+#: serves one rank: its checkpoint and a few variants and recipes.
+MAX_MODELS = 64
+#: Deposits in progress on all connections at most (each holds a slab, a descriptor and promised memory).
+MAX_DEPOSITS = 16
+
+
+def split_descriptors(nofile: int, connections: int) -> tuple[int, int]:
+    """How a daemon whose RLIMIT_NOFILE is ``nofile`` shares its descriptors, so that it always has one to
+    accept and answer with (docs/protocol.md §7): an eighth (16 to 1024) is kept for its own work (the
+    listener, logs, a load's checkpoint files and reader threads, host-tier files, keeper and metrics
+    sockets); of the rest, ``connections`` go to connections (one each) and the remainder to slabs (the
+    models' and the deposits' in progress) — unless that leaves the slabs less than a quarter: then they get
+    the quarter and connections the rest. Returns (connections, slabs), each at least 1."""
+    reserve = min(1024, max(16, nofile // 8))
+    room = max(2, nofile - reserve)
+    slabs = max(1, room - connections if room - connections >= room // 4 else room // 4)
+    return max(1, min(connections, room - slabs)), slabs
+
+
 @dataclass
 class PendingDeposit:
     """A deposit between DEPOSIT_SLAB and COMMIT: its slab is the engine's to write, not served yet."""
@@ -355,13 +399,17 @@ class PendingDeposit:
     aliases: dict[str, str]
     buffers: tuple[str, ...]
     payload: int
-    evicted: tuple[ServedModel, ...]
     started: float = field(default_factory=time.perf_counter)
 
 
 def deposit_layout(req: Deposit) -> tuple[TensorTable, int, int]:
     """Where each tensor of a DEPOSIT goes: contiguous, ALIGN-aligned, in the order listed. Returns the
-    table, the slab size (at least ALIGN) and the payload bytes."""
+    table, the slab size (at least ALIGN) and the payload bytes.
+
+    Raises ProtocolError (``DEPOSIT.tensors``) for a layout the daemon's own clients would refuse: the STATE
+    that would serve it is built and run through the one decoder every client runs (``as_received``), so a
+    deposit is never accepted that no engine could fetch (an empty tensor whose strides reach 2**48, a
+    stride too large for the table's columns, a table over the 64 MiB frame a client reads)."""
     entries: list[TensorEntry] = []
     offset = payload = 0
     for t in req.tensors:
@@ -369,7 +417,24 @@ def deposit_layout(req: Deposit) -> tuple[TensorTable, int, int]:
         n = t.nbytes
         payload += n
         offset = align_up(offset + n)
-    return TensorTable.from_entries(entries), max(offset, ALIGN), payload
+    table, size = TensorTable.from_entries(entries), max(offset, ALIGN)
+    probe = State(
+        id=1,
+        lease=1,
+        key=req.key,
+        mode="zero_copy",
+        slabs=(SlabDescriptor(size=size, kind="memfd", fd=0),),
+        tensors=table,
+        aliases=dict(req.aliases),
+        buffers=tuple(t.name for t in req.tensors if t.kind == "buffer"),
+    )
+    try:
+        as_received(probe)
+    except ProtocolError as exc:
+        raise fail(
+            "DEPOSIT", "tensors", f"no client could fetch this deposit, its STATE is refused: {exc.message}"
+        ) from None
+    return table, size, payload
 
 
 @dataclass
@@ -402,6 +467,10 @@ class Store:
 
     ``budget``: the most slab bytes held at once; a new model evicts unleased models, least
     recently used first, and is refused (OUT_OF_MEMORY, naming what is pinned) if that is not enough.
+    ``max_models`` bounds the models the same way (LIMIT_EXCEEDED when every one is leased), and
+    ``max_deposits`` the deposits in progress; the daemon lowers both to fit its descriptor limit
+    (``fit_descriptors``). A deposit in progress is a promise, not a model: it counts in every room
+    check from DEPOSIT on, but evicts nothing before its COMMIT (docs/protocol.md §4.13).
     """
 
     def __init__(
@@ -412,9 +481,13 @@ class Store:
         budget: int | None = None,
         max_leases_per_connection: int = 64,
         max_deposits_per_connection: int = 4,
+        max_models: int = MAX_MODELS,
+        max_deposits: int = MAX_DEPOSITS,
     ) -> None:
         self.backend = backend
         self.budget = budget
+        self.max_models = max_models
+        self.max_deposits = max_deposits
         self.models: OrderedDict[WeightCacheKey, ServedModel] = OrderedDict()
         for m in models or []:
             self.models[m.key] = m
@@ -469,11 +542,29 @@ class Store:
         else:
             del self._per_key[lease.key]
 
+    def fit_descriptors(self, slabs: int) -> None:
+        """Hold at most ``slabs`` slab descriptors (the daemon's share of RLIMIT_NOFILE): a fifth of them, up
+        to MAX_DEPOSITS, for deposits in progress, the rest, up to MAX_MODELS, for models."""
+        self.max_deposits = max(1, min(self.max_deposits, slabs // 5))
+        self.max_models = max(1, min(self.max_models, slabs - self.max_deposits))
+
+    def lookup(self, requested: dict[str, str | int]) -> ServedModel | None:
+        """The model served under exactly ``requested`` (None if none): one hash lookup of the key it names and
+        one comparison, whatever the number of models (a scan compared the request with every model's key)."""
+        try:
+            key = key_from_wire(dict(requested))
+        except (TypeError, ValueError):  # a map that names no key (required fields missing)
+            return None
+        m = self.models.get(key)
+        if m is None or m.key.diff_wire(requested):  # equal keys but another type (True for 1): not the same
+            return None
+        return m
+
     def find(self, requested: dict[str, str | int]) -> ServedModel:
         """The model served under exactly ``requested``; KEY_MISMATCH against the most recent one else."""
-        for m in self.models.values():
-            if not m.key.diff_wire(requested):
-                return m
+        m = self.lookup(requested)
+        if m is not None:
+            return m
         if not self.models:
             raise NotFoundError("the daemon holds no weights; PRELOAD a model first")
         recent = next(reversed(self.models.values()))
@@ -486,24 +577,29 @@ class Store:
             details={"fields": diff, "served": served},
         )
 
-    def make_room(self, nbytes: int) -> list[ServedModel]:
-        """Evict unleased models, least recently used first, until ``nbytes`` more fit the budget.
-        Returns them (closed). Raises OutOfMemoryError, evicting nothing, if it cannot."""
-        if self.budget is None:
-            return []
-        free = self.budget - self.resident_bytes - self.pending_bytes
+    def _victims(self, nbytes: int, models: int, going: ServedModel | None = None) -> list[ServedModel]:
+        """The unleased models, least recently used first, whose eviction makes ``nbytes`` more bytes fit the
+        budget and ``models`` more models fit ``max_models`` — deposits in progress counting as held in both.
+        ``going``: a model that leaves anyway (the one a deposit replaces). Chooses; evicts nothing. Raises
+        where evicting every unleased model would not do: OUT_OF_MEMORY (bytes), LIMIT_EXCEEDED (models)."""
+        free = None if self.budget is None else self.budget - self.resident_bytes - self.pending_bytes
+        count = len(self.models) + len(self.deposits)
+        if going is not None:
+            count -= 1
+            free = None if free is None else free + going.slab_bytes
         victims: list[ServedModel] = []
         for m in self.models.values():
-            if free >= nbytes:
+            if (free is None or free >= nbytes) and count + models <= self.max_models:
                 break
-            if not self.leased(m.key):
+            if m is not going and not self.leased(m.key):
                 victims.append(m)
-                free += m.slab_bytes
-        if free < nbytes:
-            pinned = [m.key.short() for m in self.models.values() if self.leased(m.key)]
+                count -= 1
+                free = None if free is None else free + m.slab_bytes
+        pinned = [m.key.short() for m in self.models.values() if self.leased(m.key)]
+        if free is not None and free < nbytes:
             raise OutOfMemoryError(
                 f"{nbytes} bytes do not fit the {self.budget}-byte budget: {self.resident_bytes} bytes resident, "
-                f"pinned by leases: {', '.join(pinned) or 'none'}",
+                f"{self.pending_bytes} promised to deposits in progress, pinned by leases: {', '.join(pinned) or 'none'}",
                 details={
                     "needed": nbytes,
                     "budget": self.budget,
@@ -512,10 +608,30 @@ class Store:
                     "pinned": pinned,
                 },
             )
+        if count + models > self.max_models:
+            raise LimitExceededError(
+                f"the daemon holds {len(self.models)} models and {len(self.deposits)} deposits in progress (its limit "
+                f"is {self.max_models} models, docs/protocol.md §7), pinned by leases: {', '.join(pinned) or 'none'}; "
+                "release or EVICT one",
+                details={"models": len(self.models), "deposits": len(self.deposits), "limit": self.max_models},
+            )
+        return victims
+
+    def make_room(self, nbytes: int, models: int = 1) -> list[ServedModel]:
+        """Evict unleased models, least recently used first, until ``nbytes`` more bytes and ``models`` more
+        models fit (the budget, ``max_models``). Returns them (closed). Every refusal comes first, evicting
+        nothing: OutOfMemoryError (the budget; or the backend's memory, which cannot hold ``nbytes`` even with
+        the victims' bytes back), LimitExceededError (the model count)."""
+        victims = self._victims(nbytes, models)
+        if victims and isinstance(self.backend, _RoomChecked):
+            self.backend.check_room(nbytes, freeing=sum(m.slab_bytes for m in victims))
+        self._evict(victims)
+        return victims
+
+    def _evict(self, victims: list[ServedModel]) -> None:
         for m in victims:
             del self.models[m.key]
             m.close()
-        return victims
 
     def add(self, model: ServedModel) -> None:
         self.models[model.key] = model
@@ -544,7 +660,7 @@ class Store:
         return self.sources.get((fp, kind))
 
     def evict(self, requested: dict[str, str | int]) -> ServedModel:
-        m = next((m for m in self.models.values() if not m.key.diff_wire(requested)), None)
+        m = self.lookup(requested)
         if m is None:
             raise NotFoundError(
                 "no model is served under that key", details={"served": [k.short() for k in self.models]}
@@ -612,9 +728,12 @@ class Store:
 
     # ------------------------------------------------------------------ write-back (docs/protocol.md §4.13)
     def begin_deposit(self, conn_id: int, pid: int, req: Deposit) -> tuple[DepositSlab, list[int], PendingDeposit]:
-        """Lay out and allocate a writable slab for ``req``. Refuses, allocating nothing: IN_USE (a leased
-        model under the key, or a deposit of it in progress), OUT_OF_MEMORY (budget, then memory),
-        UNSUPPORTED_PLATFORM (a backend without writable slabs). Models evicted for room are in the result."""
+        """Lay out and allocate a writable slab for ``req``. Evicts nothing (a deposit is a promise until its
+        COMMIT) and refuses, allocating nothing: PROTOCOL_ERROR (a layout no client could fetch), IN_USE (a
+        leased model under the key, or a deposit of it in progress), LIMIT_EXCEEDED (deposits in progress,
+        the model count even after evicting every unleased model), OUT_OF_MEMORY (the budget even after
+        evicting every unleased model; the memory free now, other deposits' promises deducted),
+        UNSUPPORTED_PLATFORM (a backend without writable slabs)."""
         backend = self.backend
         if not isinstance(backend, _Depositable):
             raise UnsupportedPlatformError(
@@ -623,13 +742,19 @@ class Store:
                 "daemon, or let the engine post-process on every start",
                 details={"backend": backend.name},
             )
-        backend.check_deposits()  # before anything is evicted: a configuration that can never take one
+        backend.check_deposits()  # before anything is laid out: a configuration that can never take one
         key = RecipeKey.from_wire(dict(req.key))
         mine = sum(1 for d in self.deposits.values() if d.conn_id == conn_id)
         if mine >= self.max_deposits_per_connection:
             raise LimitExceededError(
                 f"connection already has {mine} deposits in progress (limit {self.max_deposits_per_connection}): "
                 "COMMIT them, or deposit from another connection"
+            )
+        if len(self.deposits) >= self.max_deposits:
+            raise LimitExceededError(
+                f"{len(self.deposits)} deposits are in progress on this daemon (its limit, docs/protocol.md §7): "
+                "retry once they are committed, or load normally",
+                details={"deposits": len(self.deposits), "limit": self.max_deposits},
             )
         for d in self.deposits.values():
             if d.key == key:
@@ -646,8 +771,8 @@ class Store:
                 details={"leases": n},
             )
         table, size, payload = deposit_layout(req)
-        evicted = self.make_room(size)
-        slab = backend.allocate_deposit(size)  # OUT_OF_MEMORY before any byte when memory cannot hold it
+        self._victims(size, 1)  # room that is free, or that evicting unleased models at COMMIT would free
+        slab = backend.allocate_deposit(size)  # OUT_OF_MEMORY before any byte when memory cannot hold it now
         dep = PendingDeposit(
             self._next_deposit,
             conn_id,
@@ -658,7 +783,6 @@ class Store:
             dict(req.aliases),
             tuple(t.name for t in req.tensors if t.kind == "buffer"),
             payload,
-            tuple(evicted),
         )
         self._next_deposit += 1
         self.deposits[dep.id] = dep
@@ -666,15 +790,18 @@ class Store:
         reply = DepositSlab(id=req.id, deposit=dep.id, slabs=(desc,), tensors=table, aliases=dep.aliases)
         return reply, fds, dep
 
-    def commit_deposit(self, conn_id: int, req: Commit) -> tuple[Deposited, ServedModel, ServedModel | None]:
-        """Seal the deposit's slab and serve it under its key. Any outcome ends the deposit: on an error
-        (UNKNOWN_LEASE: not this connection's; IN_USE: still mapped writable, or leases appeared on the
-        model under the key) its slab is freed and nothing is published. Returns the reply, the model and
-        the unleased model it replaced (closed), if any."""
+    def commit_deposit(
+        self, conn_id: int, req: Commit
+    ) -> tuple[Deposited, ServedModel, ServedModel | None, list[ServedModel]]:
+        """Seal the deposit's slab, make room for it and serve it under its key. Any outcome ends the deposit:
+        on an error (UNKNOWN_LEASE: not this connection's; IN_USE: still mapped writable, or leases appeared
+        on the model under the key; PROTOCOL_ERROR: the engine changed the slab's seals; OUT_OF_MEMORY /
+        LIMIT_EXCEEDED: leases taken meanwhile pin the room it was admitted against) its slab is freed and
+        nothing is published or evicted. Returns the reply, the model, the unleased model it replaced
+        (closed) and the models evicted for it (closed)."""
         dep = self.deposits.get(req.deposit)
         if dep is None or dep.conn_id != conn_id:
             raise UnknownLeaseError(f"deposit {req.deposit} is not open on this connection")
-        del self.deposits[dep.id]
         try:
             n = self.leased(dep.key)
             if n:
@@ -685,17 +812,26 @@ class Store:
                 )
             try:
                 dep.slab.seal()
+            except ProtocolError as exc:
+                raise fail(
+                    "COMMIT", "deposit", f"{exc.message}; an engine adds no seals (§4.13): the deposit is dropped"
+                ) from None
             except OSError as exc:
                 if exc.errno != errno.EBUSY:
-                    raise
+                    raise InternalError(f"sealing deposit {dep.id} failed: {exc}; the deposit is dropped") from exc
                 raise InUseError(
                     "the deposit slab is still mapped shared by the engine, so it cannot be sealed read-only: "
                     "unmap every mapping of it before COMMIT (the deposit is dropped; deposit again)",
                     details={"deposit": dep.id},
                 ) from None
+            old = self.models.get(dep.key)  # unleased (checked above): the deposit replaces it
+            victims = self._victims(0, 0, going=old)  # the deposit still counts as in progress: room for it
         except BaseException:
+            del self.deposits[dep.id]
             dep.slab.close()
             raise
+        del self.deposits[dep.id]
+        self._evict(victims)
         dep.table.encoded()
         stats = LoadStats(dep.payload, dep.payload, time.perf_counter() - dep.started)
         model = ServedModel(
@@ -711,8 +847,8 @@ class Store:
             # the checkpoint its recipe names, where this daemon loaded it: a restart re-checks that against it
             source=self.source_for(dep.key.to_wire()),
         )
-        old = self.models.pop(dep.key, None)
         if old is not None:
+            del self.models[dep.key]
             old.close()
         self.add(model)
         reply = Deposited(
@@ -722,9 +858,9 @@ class Store:
             bytes=model.slab_bytes,
             tensors=len(dep.table),
             replaced=old is not None,
-            evicted=tuple(m.key.to_wire() for m in dep.evicted),
+            evicted=tuple(m.key.to_wire() for m in victims),
         )
-        return reply, model, old
+        return reply, model, old, victims
 
     def _abandon(self, dep: PendingDeposit, why: str) -> None:
         del self.deposits[dep.id]

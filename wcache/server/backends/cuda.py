@@ -536,18 +536,24 @@ class CudaBackend:
                 details={"backend": self.name, "export": self.export},
             )
 
+    def check_room(self, nbytes: int, freeing: int = 0) -> None:
+        """OutOfMemoryError when the GPU's free memory, with ``freeing`` bytes given back (evictions), cannot
+        hold ``nbytes`` more: decided before anything is evicted for a load."""
+        free, total = self.memory_info()
+        if total and nbytes > free + freeing:
+            raise OutOfMemoryError(
+                f"a slab of {nbytes} bytes ({nbytes / 2**30:.2f} GiB) does not fit cuda:{self.index}: {free} of "
+                f"{total} bytes free" + (f", {freeing} more after evicting" if freeing else "") + ". Fix: free GPU "
+                "memory (evict models, stop other processes on the GPU) or load fewer bytes per daemon (a larger "
+                "--tp-size)",
+                details={"needed": nbytes, "free": free, "total": total, "where": f"cuda:{self.index}"},
+            )
+
     def allocate_deposit(self, nbytes: int) -> CudaDepositSlab:
         """A VMM slab an engine writes (its fd travels in DEPOSIT_SLAB); OutOfMemoryError first when the
         GPU has less free memory than the allocation (granularity-rounded) needs."""
         self.check_deposits()
-        free, total = self.memory_info()
-        if total and nbytes > free:
-            raise OutOfMemoryError(
-                f"a deposit slab of {nbytes} bytes ({nbytes / 2**30:.2f} GiB) does not fit cuda:{self.index}: "
-                f"{free} of {total} bytes free. Fix: free GPU memory (evict models, stop other processes on the "
-                "GPU) or deposit fewer bytes per daemon (a larger --tp-size)",
-                details={"needed": nbytes, "free": free, "total": total, "where": f"cuda:{self.index}"},
-            )
+        self.check_room(nbytes)  # free now: a deposit evicts nothing before its COMMIT
         return CudaDepositSlab(nbytes, self.index)
 
     def pinner(self) -> Callable[[Path, int], PinnedFile] | None:

@@ -13,6 +13,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -114,15 +115,28 @@ def memory_room(
     return min(rooms, key=lambda r: r.free) if rooms else None
 
 
-def check_room(nbytes: int, room: MemoryRoom | None) -> None:
-    """Refuse (OUT_OF_MEMORY, naming the limit) a host slab that cannot fit, before any byte is allocated."""
-    if room is None or nbytes <= room.free:
+def check_room(nbytes: int, room: MemoryRoom | None, *, promised: int = 0, freeing: int = 0) -> None:
+    """Refuse (OUT_OF_MEMORY, naming the limit) a host slab that cannot fit, before any byte is allocated.
+    ``promised``: bytes of slabs allocated and not yet written (deposits in progress, loads filling), which
+    the kernel does not count as used until they are; ``freeing``: bytes the caller frees first (evictions)."""
+    if room is None:
+        return
+    free = room.free - promised + freeing
+    if nbytes <= free:
         return
     raise OutOfMemoryError(
         f"a host slab of {nbytes} bytes ({nbytes / 2**30:.2f} GiB) does not fit {room.where}: limit {room.limit} "
-        f"bytes, {room.in_use} in use, {room.free} free; loading it would get the daemon OOM-killed. Fix: raise "
-        "the memory limit, load fewer bytes per daemon (a larger --tp-size, another --dtype) or use --device cuda:K",
-        details={"needed": nbytes, "limit": room.limit, "in_use": room.in_use, "where": room.where},
+        f"bytes, {room.in_use} in use, {promised} promised to slabs being written, {max(free, 0)} free"
+        + (f" after evicting {freeing}" if freeing else "")
+        + "; it would get the daemon or its engines OOM-killed. Fix: raise the memory limit, load fewer bytes per "
+        "daemon (a larger --tp-size, another --dtype) or use --device cuda:K",
+        details={
+            "needed": nbytes,
+            "limit": room.limit,
+            "in_use": room.in_use,
+            "promised": promised,
+            "where": room.where,
+        },
     )
 
 
@@ -243,6 +257,12 @@ class HostSlab:
     def read(self, offset: int, n: int) -> bytes:
         return os.pread(self.fd, n, offset)  # through the memfd: works sealed
 
+    def unwritten(self) -> int:
+        """Bytes of this slab not backed by memory yet (0 once sealed or closed): what writing it will take."""
+        if self.sealed or self.fd < 0:
+            return 0
+        return max(0, self.size - os.fstat(self.fd).st_blocks * 512)
+
     def seal(self) -> None:
         """Make the bytes immutable for every process. OSError EBUSY while any process still maps the memfd
         shared and writable-capable (a deposit whose engine did not unmap: docs/protocol.md §4.13)."""
@@ -250,7 +270,12 @@ class HostSlab:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        except PermissionError:  # EPERM: F_SEAL_SEAL is set; only a holder of the fd (a depositing engine) set it
+            raise RemoteProtocolError(
+                "the slab's seals were changed by another process (F_SEAL_SEAL is set), so it cannot be made read-only"
+            ) from None
         if os.fstat(self.fd).st_size != self.size:  # the size seals make this impossible; checked, not assumed
             raise RemoteProtocolError(f"slab of {self.size} bytes is now {os.fstat(self.fd).st_size} bytes")
         self.sealed = True
@@ -299,6 +324,10 @@ class HostBackend:
 
     def __init__(self) -> None:
         self.device = DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory")
+        #: slabs allocated here and not sealed yet (loads filling, deposits engines write): the memory they have
+        #: not been written with yet is promised, and every room check deducts it (the kernel counts a shared-
+        #: memory page only once written, so three concurrent deposits once each saw all the free memory)
+        self._filling: weakref.WeakSet[HostSlab] = weakref.WeakSet()
 
     def prepare_loads(self) -> None:
         """Nothing to set up: host loads need no device context."""
@@ -311,10 +340,28 @@ class HostBackend:
                 details={"platform": sys.platform, "backend": self.name},
             )
 
+    def check_room(self, nbytes: int, freeing: int = 0) -> None:
+        """OutOfMemoryError unless ``nbytes`` more fit the memory cgroup (or the host) once ``freeing`` bytes
+        are given back, with the unwritten bytes of every slab being filled counted as used."""
+        check_room(nbytes, memory_room(), promised=self._promised(), freeing=freeing)
+
+    def _promised(self) -> int:
+        total = 0
+        for slab in list(self._filling):
+            n = slab.unwritten()
+            if n == 0 and (slab.sealed or slab.fd < 0):
+                self._filling.discard(slab)
+            total += n
+        return total
+
+    def _filled(self, slab: HostSlab) -> HostSlab:
+        self._filling.add(slab)
+        return slab
+
     def allocate(self, nbytes: int) -> HostSlab:
         """A slab of ``nbytes``; raises OutOfMemoryError first if the memory cgroup (or the host) cannot hold it."""
-        check_room(nbytes, memory_room())
-        return HostSlab(nbytes)
+        self.check_room(nbytes)
+        return self._filled(HostSlab(nbytes))
 
     def check_deposits(self) -> None:
         """Every host daemon takes deposits (memfd sealing was checked by ``check_platform``)."""
@@ -322,14 +369,14 @@ class HostBackend:
     def allocate_deposit(self, nbytes: int) -> HostSlab:
         """A slab an engine writes (DEPOSIT_SLAB hands it the memfd, docs/protocol.md §4.13): sealed against
         resizing now, against writes by ``seal()`` at COMMIT. OutOfMemoryError first, as ``allocate``."""
-        check_room(nbytes, memory_room())
+        self.check_room(nbytes)
         slab = HostSlab(nbytes, name="wcache-deposit")
         try:
             fcntl.fcntl(slab.fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
         except BaseException:
             slab.close()
             raise
-        return slab
+        return self._filled(slab)
 
     def adopt(self, desc: SlabDescriptor, fd: int) -> HostSlab:
         """A sealed memfd handed over by another daemon."""
