@@ -155,29 +155,11 @@ __all__ = [
 ]
 
 
+
 def __getattr__(name: str) -> Any:
     """The peer channel's frames (wcache/proto/fleet_frames.py), imported on first use (PEP 562)."""
-    if name in _FLEET:
-        from wcache.proto import fleet_frames
+    from wcache.proto import frames
 
-        return getattr(fleet_frames, name)
+    if name in frames.FLEET_NAMES:
+        return getattr(frames, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_FLEET = frozenset(
-    [
-        "PeerAuth",
-        "PeerAuthOk",
-        "PeerBlock",
-        "PeerChallenge",
-        "PeerFile",
-        "PeerFiles",
-        "PeerFilesReply",
-        "PeerModel",
-        "PeerOffer",
-        "PeerProof",
-        "PeerQuery",
-        "PeerRead",
-        "PeerReadOk",
-    ]
-)

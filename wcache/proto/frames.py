@@ -245,7 +245,8 @@ def as_received(frame: Frame, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> F
     return decode_frame(decode_body(data[4:]))
 
 
-_FLEET_NAMES = frozenset(
+#: names this module (and the package) re-export from fleet_frames on first use
+FLEET_NAMES = frozenset(
     {
         "MEMORY_KINDS",
         "PeerAuth",
@@ -267,7 +268,7 @@ _FLEET_NAMES = frozenset(
 
 def __getattr__(name: str) -> Any:
     """The peer channel's frames, imported on first use (PEP 562)."""
-    if name in _FLEET_NAMES:
+    if name in FLEET_NAMES:
         from wcache.proto import fleet_frames
 
         return getattr(fleet_frames, name)
