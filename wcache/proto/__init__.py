@@ -155,7 +155,6 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name: str) -> Any:
     """The peer channel's frames (wcache/proto/fleet_frames.py), imported on first use (PEP 562)."""
     from wcache.proto import frames
