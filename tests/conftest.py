@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import pytest
 
@@ -54,6 +57,30 @@ def socket_dir(tmp_path: Path) -> Path:
 
 
 DaemonProc = DaemonProcess
+
+
+class Service(Protocol):
+    """A Daemon or a Keeper, as a test runs one in its own process."""
+
+    async def serve(self, on_ready: Callable[[], None] | None = None, *, signals: bool = True) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Service)
+
+
+@contextlib.asynccontextmanager
+async def serving_here(service: S, deadline_s: float = 30.0) -> AsyncIterator[S]:
+    """Run ``service`` in this process (its socket real, no signal handlers) from ready until the block ends."""
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(service.serve(ready.set, signals=False))
+    try:
+        await asyncio.wait_for(ready.wait(), deadline_s)
+        yield service
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, deadline_s)
 
 
 def server_cmd(*args: str) -> list[str]:

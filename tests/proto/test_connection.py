@@ -54,13 +54,31 @@ def test_handshake_and_request_cycle() -> None:
     assert list(s.events()) == [EXAMPLES["GET_STATE"]]
     c.receive_data(s.send(EXAMPLES["STATE"]))
     assert list(c.events()) == [EXAMPLES["STATE"]]
-    assert c.leases == s.leases == {1001}
+    assert c.leases == {1001}
+    assert s.leases == set()  # a server's leases are its store's, one ledger (wcache/server/store.py)
     s.receive_data(c.send(Release(id=2, lease=1001)))
     list(s.events())
     c.receive_data(s.send(Released(id=2, lease=1001)))
     list(c.events())
     assert c.leases == s.leases == set()
     assert c.pending == s.pending == {}
+
+
+def test_a_retracted_reply_leaves_its_request_pending_for_an_error() -> None:
+    """A STATE whose descriptors the kernel refused never left: retract() makes its GET_STATE pending again, the
+    ERROR that answers it is legal, and the client never held the lease."""
+    c, s = _open_pair()
+    s.receive_data(c.send(EXAMPLES["GET_STATE"]))
+    (request,) = s.events()
+    assert isinstance(request, GetState)
+    s.send(EXAMPLES["STATE"])
+    assert s.pending == {}
+    s.retract(request)
+    assert s.pending == {request.id: "GET_STATE"}
+    c.receive_data(s.send(ErrorFrame(id=request.id, code=ErrorCode.LIMIT_EXCEEDED, message="in flight")))
+    assert [f.TYPE for f in c.events()] == ["ERROR"] and c.leases == set() and c.pending == {}
+    with pytest.raises(LocalProtocolError):
+        s.retract(EXAMPLES["STATE"])  # not a request
 
 
 def test_version_negotiation_picks_highest_common() -> None:
@@ -293,7 +311,7 @@ def test_get_state_pipelined_behind_hello_is_answered_after_hello_ok() -> None:
     out += s.send(EXAMPLES["STATE"])
     c.receive_data(out)
     assert [f.TYPE for f in c.events()] == ["HELLO_OK", "STATE"]
-    assert c.phase is s.phase is Phase.OPEN and c.leases == s.leases == {1001}
+    assert c.phase is s.phase is Phase.OPEN and c.leases == {1001} and s.leases == set()
 
 
 @pytest.mark.parametrize("frame", [EXAMPLES["STATUS"], EXAMPLES["PRELOAD"], EXAMPLES["DEPOSIT"]])
@@ -379,7 +397,7 @@ def test_peer_offers_hold_leases_until_release() -> None:
     c, s = _peer_pair(auth=False)
     assert c.phase is s.phase is Phase.OPEN  # mutual TLS authenticated the connection already
     _exchange(c, s, "PEER_QUERY", "PEER_OFFER")
-    assert c.leases == s.leases == {77}
+    assert c.leases == {77} and not s.leases  # the source's ledger is its handler's, not the connection's
     _exchange(c, s, "PEER_READ", "PEER_READ_OK")
     _exchange(c, s, "PEER_FILES", "PEER_FILES_REPLY")
     s.receive_data(c.send(Release(id=9, lease=77)))

@@ -18,15 +18,15 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import DaemonProc, run_cli
+from tests.conftest import DaemonProc, run_cli, serving_here
 from wcache import WCacheClient, WeightCacheKey
-from wcache.channel import connect
+from wcache.channel import close_fds, connect, expect
 from wcache.checkpoint import SAMPLE_BLOCK
 from wcache.errors import (
     CacheUnavailableError,
@@ -38,7 +38,20 @@ from wcache.errors import (
 )
 from wcache.nn import load_from_disk
 from wcache.paths import KEEPER_SOCKET
-from wcache.proto import PROTOCOL_VERSION, HandedModel, Hello, Keep, Kept, SlabDescriptor, Status, pack_frame
+from wcache.proto import (
+    PROTOCOL_VERSION,
+    Connection,
+    HandedModel,
+    Hello,
+    HelloOk,
+    Keep,
+    Kept,
+    Reclaim,
+    Reclaimed,
+    SlabDescriptor,
+    Status,
+    pack_frame,
+)
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.rank import plan_rank
@@ -46,6 +59,9 @@ from wcache.server import keeper as kp
 from wcache.server import keeper_link as kl
 from wcache.server.process import DaemonProcess, spawn_keeper
 from wcache.server.security import DaemonLock
+from wcache.server.service import Context
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -219,16 +235,17 @@ class _Connections:
 
 
 class _CountingKeeper(kp.Keeper):
-    """A real keeper, in the test's process, that counts the connections it accepts and the KEEPs it gets."""
+    """A real keeper, in the test's process, that counts the handshakes it answers (one per connection of a
+    daemon) and the KEEPs it gets."""
 
     def __init__(self, socket_path: Path, limits: kp.KeeperLimits | None = None) -> None:
         super().__init__(socket_path, limits=limits)
         self.connections = _Connections()
         self.keeps = 0
 
-    def _accepted(self, sock: socket.socket) -> None:
+    def hello(self, conn: Connection, hello: Hello, ctx: Context) -> HelloOk:
         self.connections.one()
-        super()._accepted(sock)
+        return super().hello(conn, hello, ctx)
 
     def _keep(self, req: Keep, fds: list[int], pid: int) -> Kept:
         self.keeps += 1
@@ -237,15 +254,8 @@ class _CountingKeeper(kp.Keeper):
 
 @contextlib.asynccontextmanager
 async def _keeper_here(socket_dir: Path, limits: kp.KeeperLimits | None = None) -> AsyncIterator[_CountingKeeper]:
-    k = _CountingKeeper(socket_dir / KEEPER_SOCKET, limits)
-    ready = asyncio.Event()
-    task = asyncio.ensure_future(k.serve(ready.set, signals=False))
-    try:
-        await asyncio.wait_for(ready.wait(), 30)
+    async with serving_here(_CountingKeeper(socket_dir / KEEPER_SOCKET, limits)) as k:
         yield k
-    finally:
-        k.stop()
-        await task
 
 
 async def test_a_keeper_started_after_the_daemon_gets_its_models(
@@ -539,14 +549,15 @@ async def test_keeper_refuses_slabs_it_could_not_serve(keeper: DaemonProcess, so
 async def _connections_reach(keeper: kp.Keeper, n: int, deadline_s: float = 30.0) -> None:
     """Until the keeper serves ``n`` connections (a client's close reaches it a moment later)."""
     t_end = asyncio.get_running_loop().time() + deadline_s
-    while len(keeper._tasks) != n:
-        assert asyncio.get_running_loop().time() < t_end, f"{len(keeper._tasks)} connections, want {n}"
+    while len(keeper.shell) != n:
+        assert asyncio.get_running_loop().time() < t_end, f"{len(keeper.shell)} connections, want {n}"
         await asyncio.sleep(0.01)
 
 
 async def test_keeper_caps_refuse_with_limit_exceeded_and_spare_other_owners(socket_dir: Path) -> None:
     """Caps on owners, slabs in all and connections (LIMIT_EXCEEDED; the keeper, and every owner's entries,
-    as they were), and an idle connection closed after its deadline."""
+    as they were), and an idle connection closed after its deadline. (At the connection cap a connection that
+    has not said HELLO gives way to a new one, unless it is a daemon's: test_idle_peers_cannot_lock_a_daemon_out.)"""
     limits = kp.KeeperLimits(connections=4, owners=2, fds=3, idle_seconds=0.5)
     async with _keeper_here(socket_dir, limits) as keeper:
         path = keeper.socket_path
@@ -569,13 +580,15 @@ async def test_keeper_caps_refuse_with_limit_exceeded_and_spare_other_owners(soc
                 assert len(state.models) == n and state.dropped == 0
 
             await _connections_reach(keeper, 0)  # the requests' connections have closed
+            # connections of this process, which holds the lock of a socket the keeper holds slabs for: a
+            # daemon's, so none of them gives way, and a fifth is refused
             idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(limits.connections)]
             try:
                 for s in idle:
                     s.setblocking(False)
                     await asyncio.get_running_loop().sock_connect(s, str(path))
                 await _connections_reach(keeper, limits.connections)
-                with pytest.raises(LimitExceededError, match="connections open"):
+                with pytest.raises(LimitExceededError, match="too many connections"):
                     await kl.reclaim(path, owner=a, backend="host", device_uuid="")
             finally:
                 for s in idle:
@@ -593,6 +606,68 @@ async def test_keeper_caps_refuse_with_limit_exceeded_and_spare_other_owners(soc
                     await asyncio.wait_for(ch.receive(), 30)
             finally:
                 ch.close()
+
+
+@contextlib.asynccontextmanager
+async def _idle_peers(path: Path) -> AsyncIterator[Callable[[str], Awaitable[str]]]:
+    """Another process of this uid holding idle connections to ``path`` (tests/server/idle_peers.py): yields
+    ``ask(command)``, its answer to one command, within a deadline."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.server.idle_peers", str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def command(line: str) -> str:
+        stdin.write(line + "\n")
+        stdin.flush()
+        return stdout.readline().strip()
+
+    async def ask(line: str) -> str:
+        return await asyncio.wait_for(asyncio.to_thread(command, line), 120)
+
+    try:
+        yield ask
+    finally:
+        proc.kill()  # its sockets close with it (and a blocked readline returns)
+        proc.wait(30)
+        stdin.close()
+        stdout.close()
+
+
+async def test_idle_peers_cannot_lock_a_daemon_out_of_its_keeper(socket_dir: Path) -> None:
+    """1,100 connections of another process of the uid that said HELLO and nothing else, against a keeper
+    with its default cap of 64: each new one takes the place of the one idle longest, and a restarting
+    daemon's RECLAIM is answered with its models (it was refused with LIMIT_EXCEEDED, so the daemon loaded from
+    disk). A connection of the daemon holding its socket's lock never gives way: not even between its HELLO and
+    its request while 200 more idle peers arrive."""
+    limits = kp.KeeperLimits()
+    async with _keeper_here(socket_dir, limits) as keeper:
+        path = keeper.socket_path
+        with _holding_lock(socket_dir / "rank0.sock") as owner:
+            await _deposit(path, owner, *_memfd_model(0))
+            async with _idle_peers(path) as peers:
+                assert await peers("open 1100") == "opened 1100 ok=1100"  # each served, in an idle one's place
+                assert len(keeper.shell) == limits.connections
+                state, fds, _ = await kl.reclaim(path, owner=owner, backend="host", device_uuid="")
+                close_fds(fds)
+                assert len(state.models) == 1 and state.dropped == 0
+
+                ch, _ = await connect(path, software="test", name="wcache-server")  # the daemon, before RECLAIM
+                try:
+                    assert await peers("open 200") == "opened 200 ok=200"
+                    await ch.send(Reclaim(id=1, owner=owner, backend="host", device_uuid="", pid=os.getpid()))
+                    reply, fds = await expect(ch)
+                    close_fds(fds)
+                    assert isinstance(reply, Reclaimed) and len(reply.models) == 1
+                finally:
+                    ch.close()
+                assert await peers("live") == f"live {limits.connections - 1}"  # the cap held throughout
 
 
 async def test_forged_slabs_are_not_served_and_do_not_spoil_the_real_one(

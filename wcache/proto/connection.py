@@ -3,8 +3,9 @@
 Everything that affects the connection's state lives in this module: the transition
 table ``TRANSITIONS`` (docs/protocol.md §5), which service answers which requests
 (``SERVES``), which frames bring file descriptors (``CARRIES_FDS``, docs/protocol.md §2.2),
-the outstanding request ids, and the leases granted on this connection. The asyncio server
-and client only move bytes and descriptors between a socket and a :class:`Connection`.
+the outstanding request ids, and (on a client) the leases the peer granted it. The asyncio server
+and client only move bytes and descriptors between a socket and a :class:`Connection`. A server's leases
+live in one ledger, its store's (wcache/server/store.py): its connections do not keep a second copy.
 
 A server connection knows the service it speaks for (:class:`Service`): a request for another
 service (a RECLAIM to a daemon, a GET_STATE to a keeper or a peer channel) comes out as
@@ -304,7 +305,8 @@ class Connection:
         self.max_frame_size = max_frame_size
         #: request id -> request frame type, for requests awaiting a reply
         self.pending: dict[int, str] = {}
-        #: leases granted on this connection and not yet released
+        #: leases the peer granted this side (a STATE received) and has not ended (its RELEASED): a client's
+        #: record of what it may RELEASE. Empty on a server: it grants leases, and its store is their ledger
         self.leases: set[int] = set()
         self.max_handshake_frame = min(max_handshake_frame, max_frame_size)
         self._buffer = FrameBuffer(max_frame_size)
@@ -417,11 +419,13 @@ class Connection:
         self._on(SEND, frame)
         return pack_frame(frame.to_wire(), max_frame_size=MAX_REPRESENTABLE)
 
-    def retract_state(self, state: State) -> None:
-        """Undo ``send(state)`` when none of its bytes left (the kernel refused its descriptors): the
-        GET_STATE is pending again, to be answered with an ERROR, and the lease is not held."""
-        self.leases.discard(state.lease)
-        self.pending[state.id] = "GET_STATE"
+    def retract(self, request: Frame) -> None:
+        """Undo the reply just sent to ``request`` when none of its bytes left (the kernel refused its
+        descriptors): the request is pending again, to be answered with an ERROR."""
+        rid = getattr(request, "id", 0)
+        if request.TYPE not in REPLY_TO or rid in self.pending:
+            raise LocalProtocolError(f"{request.TYPE} {rid} is not a request just answered: no reply to retract")
+        self.pending[rid] = request.TYPE
 
     def next_request_id(self) -> int:
         rid = self._next_id
@@ -491,6 +495,8 @@ class Connection:
         if req is None or (not isinstance(frame, ErrorFrame) and REPLY_TO[req] != frame.TYPE):
             raise err(f"{frame.TYPE} with id {rid} answers no pending request of that kind")
         del self.pending[rid]
+        if direction == SEND:
+            return  # a server's leases are its store's (one ledger), not the connection's
         if isinstance(frame, State):
             if frame.lease in self.leases:
                 raise err(f"lease {frame.lease} granted twice on one connection")

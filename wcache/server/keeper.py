@@ -25,8 +25,11 @@ What the keeper does not take on trust (docs/security.md, "The keeper"):
   resizing, a slab's kind must be its backend's (else a fatal ``PROTOCOL_ERROR`` /
   ``DEVICE_MISMATCH``); a RECLAIM checks them again and drops (and counts) a bad entry alone;
 - the peers' appetite: connections, owners, descriptors and bytes are capped (``LIMIT_EXCEEDED``,
-  which leaves every other owner's entries as they were), and a connection idle after its
-  handshake is closed.
+  which leaves every other owner's entries as they were); the connections are the server shell's
+  (wcache/server/service.py), with the daemon's admission policy: a connection that has not said HELLO,
+  or is idle, gives way to a new one, and a connection of a daemon holding the lock of a socket the keeper
+  holds slabs for is never closed to make room — idle peers cannot lock a restarting daemon out of its
+  RECLAIM (docs/security.md, "idle peers").
 
 The daemon in turn checks what it reclaims against the checkpoint on disk before serving it
 (wcache/server/reclaim.py).
@@ -45,8 +48,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -57,31 +58,30 @@ from typing import assert_never, cast
 import msgpack
 
 from wcache import __version__
-from wcache.channel import Channel, close_fds, peer_credentials
+from wcache.channel import close_fds
 from wcache.errors import (
     DeviceMismatchError,
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
     ProtocolError,
-    WCacheError,
 )
 from wcache.key import WeightCacheKey
-from wcache.locks import lock_holder
+from wcache.locks import lock_holder, lock_holders
 from wcache.proto import (
+    DEFAULT_MAX_FRAME_SIZE,
     Connection,
     DeviceInfo,
-    ErrorFrame,
+    Frame,
     HandedModel,
     Hello,
+    HelloOk,
     Keep,
     KeeperRequest,
     Kept,
-    Misdirected,
     ModelInfo,
     Reclaim,
     Reclaimed,
-    Role,
     Service,
     SlabDescriptor,
     Status,
@@ -89,7 +89,8 @@ from wcache.proto import (
     Unkeep,
 )
 from wcache.proto.frames import MAX_KEPT_FDS
-from wcache.server.listen import accept_loop, bind_private_socket
+from wcache.server.listen import bind_private_socket
+from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, Shell, stop_on_signals
 
 __all__ = ["HOST_SEALS", "SLAB_KINDS", "Keeper", "KeeperLimits", "slab_problem"]
 
@@ -111,6 +112,7 @@ class KeeperLimits:
     carries them all); in all, ``owners`` owners, ``fds`` slabs and ``bytes`` bytes (0: no byte cap). A
     refused KEEP changes nothing, for its owner or any other."""
 
+    #: connections at once; at the cap a new one takes the place of one that has not said HELLO or is idle
     connections: int = 64
     owners: int = 64
     fds: int = 1024
@@ -171,10 +173,14 @@ def slab_problem(backend: str, desc: SlabDescriptor, fd: int) -> str | None:
 
 
 class Keeper:
-    """The asyncio server. ``entries``: (owner, packed key) -> what is held.
+    """The keeper service, a request handler of the server shell (wcache/server/service.py). ``entries``:
+    (owner, packed key) -> what is held.
 
     ``check_owner``: only the holder of ``<owner>.lock`` may KEEP, UNKEEP or RECLAIM for ``owner``
     (``wcache-keeper --no-owner-check`` turns it off, for daemons in a pid namespace the keeper cannot see)."""
+
+    service = Service.KEEPER
+    holding = "lock"
 
     def __init__(
         self,
@@ -195,9 +201,21 @@ class Keeper:
         self.dropped: dict[str, int] = {}
         self.started = time.monotonic()
         self._stop = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._uid = os.geteuid()
         self._tag = f"socket={self.socket_path}"
+        self.shell = Shell(
+            self,
+            limits=ConnectionLimits(
+                connections=self.limits.connections,
+                handshake_timeout=handshake_timeout,
+                idle_timeout=self.limits.idle_seconds,
+                frame_timeout=frame_timeout,
+                max_frame_size=DEFAULT_MAX_FRAME_SIZE,  # a KEEP carries a model's whole tensor table
+                shutdown_grace=0.0,
+            ),
+            tag=self._tag,
+            log=log,
+            peer_check=SameUid("keeper"),
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -236,98 +254,48 @@ class Keeper:
     async def serve(self, on_ready: Callable[[], None] | None = None, *, signals: bool = True) -> None:
         """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then close every held descriptor (freeing
         the memory)."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stop)
-        listener = bind_private_socket(self.socket_path)
-        if on_ready is not None:
-            on_ready()
-        accept = asyncio.ensure_future(accept_loop(listener, self._accepted, self._tag))
-        try:
-            await self._stop.wait()
-        finally:
-            accept.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await accept
-            listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
-            for t in list(self._tasks):
-                t.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
-            n, held = len(self.entries), self.held_bytes
-            for e in self.entries.values():
-                e.close()
-            self.entries.clear()
-            log.info("stopped %s models_freed=%d bytes_freed=%d", self._tag, n, held)
+        with stop_on_signals(self.stop, signals=signals):
+            self.shell.start(bind_private_socket(self.socket_path))
+            if on_ready is not None:
+                on_ready()
+            try:
+                await self._stop.wait()
+            finally:
+                await self.shell.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+                await self.shell.drain()
+                n, held = len(self.entries), self.held_bytes
+                for e in self.entries.values():
+                    e.close()
+                self.entries.clear()
+                log.info("stopped %s models_freed=%d bytes_freed=%d", self._tag, n, held)
 
-    def _accepted(self, sock: socket.socket) -> None:
-        task = asyncio.ensure_future(self._serve_connection(sock))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    # ------------------------------------------------------------------ the shell's handler (service.Handler)
+    def hello(self, conn: Connection, hello: Hello, ctx: Context) -> HelloOk:
+        device = DeviceInfo(kind="cpu", index=0, uuid="", name="wcache keeper")
+        return conn.hello_reply(hello, software=SOFTWARE, backend="host", device=device, server_pid=os.getpid())
 
-    async def _serve_connection(self, sock: socket.socket) -> None:
-        conn = Connection(Role.SERVER, service=Service.KEEPER)
-        ch = Channel(sock, conn)
-        pid = -1
-        try:
-            creds = peer_credentials(sock)
-            pid = creds.pid
-            if creds.uid != self._uid:
-                log.warning("refused %s pid=%d uid=%d reason=uid-mismatch", self._tag, pid, creds.uid)
-                err = PermissionDeniedError(
-                    f"peer uid {creds.uid} is not the keeper's uid {self._uid}", details={"peer_uid": creds.uid}
-                )
-                await ch.send_bytes(conn.fatal_error(err))
-                return
-            if len(self._tasks) > self.limits.connections:
-                log.warning(
-                    "refused %s pid=%d reason=connection-limit limit=%d", self._tag, pid, self.limits.connections
-                )
-                limit = LimitExceededError(
-                    f"the keeper has {self.limits.connections} connections open (its limit); try again later",
-                    details={"limit": self.limits.connections},
-                )
-                await asyncio.wait_for(ch.send_bytes(conn.fatal_error(limit)), 1.0)
-                return
-            hello, _ = await asyncio.wait_for(ch.receive(), self.handshake_timeout)
-            assert isinstance(hello, Hello)  # the transition table admits nothing else here
-            device = DeviceInfo(kind="cpu", index=0, uuid="", name="wcache keeper")
-            await ch.send(
-                conn.hello_reply(hello, software=SOFTWARE, backend="host", device=device, server_pid=os.getpid())
-            )
-            while True:
-                frame, fds = await asyncio.wait_for(
-                    ch.receive(frame_timeout=self.frame_timeout), self.limits.idle_seconds
-                )
-                try:
-                    await self._dispatch(ch, cast("KeeperRequest | Misdirected", frame), fds, pid)
-                except WCacheError as exc:
-                    if isinstance(exc, ProtocolError):
-                        raise
-                    log.info("request refused %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
-                    await ch.send(ErrorFrame.from_exception(exc, getattr(frame, "id", 0)))
-                finally:
-                    close_fds(fds)  # what a KEEP brought and did not keep (a kept entry took them: empty)
-        except ProtocolError as exc:
-            log.warning("protocol error %s pid=%d code=%s error=%s", self._tag, pid, exc.code.name, exc.message)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(ch.send_bytes(conn.fatal_error(exc)), 1.0)
-        except TimeoutError:
-            log.info("connection timed out %s pid=%d", self._tag, pid)
-        except (EOFError, ConnectionError, asyncio.CancelledError):
-            pass
-        except Exception:  # never let one connection take the keeper (and what it holds) down
-            log.exception("connection handler failed %s pid=%d", self._tag, pid)
-        finally:
-            ch.close()
+    def holds(self, ctx: Context) -> bool:
+        return False  # a daemon sends one request per connection: nothing lives with a connection
 
-    async def _dispatch(self, ch: Channel, frame: KeeperRequest | Misdirected, fds: list[int], pid: int) -> None:
+    def protects(self) -> Callable[[Context], bool]:
+        """A daemon holding the lock of a socket the keeper holds slabs for (one read of /proc/locks): its RECLAIM
+        at restart, or KEEP, is never closed to make room for idle peers."""
+        owners = {o for o, _ in self.entries}
+        daemons = {pid for pid in lock_holders(owners).values() if pid > 0} if owners else set()
+        return lambda ctx: ctx.pid in daemons
+
+    def closed(self, ctx: Context) -> None:
+        pass
+
+    async def handle(self, request: Frame, fds: list[int], ctx: Context) -> Reply | Frame:
+        # the connection lets through only requests (the transition table) of this service
+        frame = cast("KeeperRequest", request)
+        pid = ctx.pid
         match frame:
             case Keep():
-                await ch.send(self._keep(frame, fds, pid))
+                return self._keep(frame, fds, pid)
             case Unkeep():
                 self._authorise(frame.owner, pid, "UNKEEP")
                 gone = self.entries.pop((frame.owner, _key_id(frame.key)), None)
@@ -348,14 +316,12 @@ class Keeper:
                     kept.models,
                     self.held_bytes,
                 )
-                await ch.send(kept)
+                return kept
             case Reclaim():
                 reply, out = self._reclaim(frame, pid)
-                await ch.send(reply, out)
+                return Reply(reply, out)  # the entries' own descriptors: the keeper keeps holding them
             case Status():
-                await ch.send(self._status(frame.id))
-            case Misdirected():  # a daemon's request: the connection says NOT_FOUND, not fatal
-                raise frame.error
+                return self._status(frame.id)
             case _:
                 assert_never(frame)
 
@@ -481,7 +447,7 @@ class Keeper:
             backend="host",
             device=DeviceInfo(kind="cpu", index=0, uuid="", name="wcache keeper"),
             uptime_seconds=time.monotonic() - self.started,
-            connections=len(self._tasks),
+            connections=len(self.shell),
             models=tuple(
                 ModelInfo(
                     key=e.model.key,

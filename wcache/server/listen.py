@@ -1,4 +1,5 @@
-"""Listening on a private Unix socket and accepting connections: shared by the daemon and the keeper.
+"""Listening on a private Unix socket, accepting connections, and who gives way at the connection cap: the
+server shell's (wcache/server/service.py) parts that know nothing of a handler.
 
 ``ConnectionTable`` is the admission policy at the connection cap (docs/security.md, "idle peers"): a new
 connection is refused only when no live one may be closed to make room for it.
@@ -49,6 +50,10 @@ async def accept_loop(listener: socket.socket, accepted: Callable[[socket.socket
             await asyncio.sleep(0.1)
             continue
         accepted(sock)
+        # let the new connection's handler take its first step (its peer check, a HELLO already sent) before the
+        # next accept: a backlog of waiting connections is otherwise admitted in one go, before any of them is
+        # known, and the give-way policy would choose among strangers
+        await asyncio.sleep(0)
 
 
 @dataclass(eq=False)
@@ -76,10 +81,10 @@ class ConnectionTable:
 
     At ``limit`` live connections, a new one makes room by closing, in this order: the oldest connection
     that has not finished its handshake (it has shown nothing; a real engine says HELLO at once), else the
-    connection idle longest that is open, answering nothing and holding nothing (``pinned`` says what a
-    connection holds: a daemon's leases, which live with the connection and are never broken for room).
-    Only when every connection is pinned, busy or newer is the new one refused. Choosing is a scan, made only
-    at the cap.
+    connection idle longest that is open, answering nothing and holding nothing. ``pinned`` names the
+    connections never closed for room, whatever their phase: a daemon's lease holders (the leases live with
+    the connection), a keeper's daemons (wcache/server/service.py, ``Handler.protects``). Only when every
+    connection is pinned, busy or newer is the new one refused. Choosing is a scan, made only at the cap.
     """
 
     def __init__(self, limit: int) -> None:
@@ -100,10 +105,10 @@ class ConnectionTable:
     def victim(self, pinned: Callable[[int], bool]) -> Peer | None:
         """The connection to close for a new one (None: refuse the new one)."""
         live = [p for p in self.peers.values() if not p.evicted]
-        fresh = [p for p in live if not p.open]
+        fresh = [p for p in live if not p.open and not pinned(p.id)]
         if fresh:
             return min(fresh, key=lambda p: p.accepted)
-        idle = [p for p in live if not p.busy and not pinned(p.id)]
+        idle = [p for p in live if p.open and not p.busy and not pinned(p.id)]
         return min(idle, key=lambda p: p.active) if idle else None
 
     def make_room(self, pinned: Callable[[int], bool]) -> Peer | bool | None:

@@ -3,7 +3,7 @@
 The system we are modelled on trusted any explicitly given socket path; we check every
 directory, default or given: owned by the daemon's uid, a real directory (not a
 symlink), no group/other permission bits. The kernel's SO_PEERCRED check on each
-connection (daemon.py) is the second layer.
+connection (the server shell, service.py: SameUid) is the second layer.
 """
 
 from __future__ import annotations

@@ -427,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
     from wcache.rank import plan_rank
     from wcache.server.daemon import Daemon
     from wcache.server.loader import DEFAULT_STAGING
+    from wcache.server.service import ConnectionLimits
     from wcache.server.store import Store, load_model
 
     if args.takeover is not None:
@@ -512,9 +513,11 @@ def run(args: argparse.Namespace) -> int:
                 store,
                 sock_path,
                 software=f"wcache/{__version__}",
-                max_frame_size=args.max_frame_size,
-                idle_timeout=args.idle_timeout or None,
-                frame_timeout=args.frame_timeout,
+                limits=ConnectionLimits(
+                    max_frame_size=args.max_frame_size,
+                    idle_timeout=args.idle_timeout or None,
+                    frame_timeout=args.frame_timeout,
+                ),
                 metrics_port=args.metrics_port,
                 loader=loader,
                 planner=planner,

@@ -717,6 +717,13 @@ class Store:
         if lease is not None:
             self._end(lease)
 
+    def abandon(self, deposit_id: int, why: str) -> None:
+        """End a deposit in progress whose DEPOSIT_SLAB never reached its engine (the send failed): its slab is
+        freed, and the key may be deposited again."""
+        dep = self.deposits.get(deposit_id)
+        if dep is not None:
+            self._abandon(dep, why)
+
     def drop_connection(self, conn_id: int) -> list[Lease]:
         """End every lease of a closed connection: O(its own leases); abandon its deposits in progress."""
         ended = list(self._by_conn.get(conn_id, {}).values())
