@@ -22,12 +22,10 @@ from wcache.recipe import RecipeKey
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import FillConfig, fill, resolve_peers
 from wcache.server.nixl import Agent
-from wcache.server.peer import PeerService, RateCap
+from wcache.server.peer import PeerListener, PeerService, RateCap
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.store import ServedModel, Store, load_model
 from wcache.synthetic import TINY, make_llama_checkpoint
-
-from .peer_harness import Harness
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
 pytest.importorskip("cryptography", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
@@ -54,7 +52,7 @@ def agent() -> Iterator[Agent]:
 async def sources(
     *models: ServedModel, security: PeerSecurity = NONE, max_fills: int = 4, max_rate: int = 0
 ) -> AsyncIterator[list[int]]:
-    """One PeerService (own store) per model, each behind a harness: their ports."""
+    """One PeerService (own store) per model, each on a peer listener (the server shell) on loopback: ports."""
     async with AsyncExitStack() as stack:
         ports = []
         services = []
@@ -65,13 +63,23 @@ async def sources(
             services.append(svc)
             stack.callback(svc.store.close)
             stack.callback(svc.close)
-            ports.append(await stack.enter_async_context(Harness(svc).running()))
+            ports.append(await stack.enter_async_context(_listening(svc)))
         yield ports
         deadline = time.monotonic() + 10  # a connection the test closed ends at the source a moment later
         while any(svc.fills for svc in services) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for svc in services:
             assert not svc.fills  # every fill released its leases (or its connection ended)
+
+
+@asynccontextmanager
+async def _listening(svc: PeerService) -> AsyncIterator[int]:
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    _, port = listener.start()
+    try:
+        yield port
+    finally:
+        await listener.stop()
 
 
 def _cfg(ports: list[int], security: PeerSecurity = NONE, **kw: object) -> FillConfig:
@@ -153,30 +161,29 @@ def _link(fd: str) -> str:
         return ""
 
 
-async def test_a_peer_dying_mid_fill_fails_it_and_frees_the_slab(ckpt: Path, agent: Agent) -> None:
+async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path, agent: Agent) -> None:
+    """The source's handler fails on the second grant (the shell answers INTERNAL): the target gives up,
+    releases its lease and frees its slab. (A source SIGKILLed mid-fill: tests/server/test_fill_daemon.py.)"""
     m = _load(ckpt)
     before = _memfds()
     svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
-    harness = Harness(svc)
     original = svc.handle
     reads = 0
 
-    async def dying(request, fds, ctx):
+    async def failing(request, fds, ctx):
         nonlocal reads
         if type(request).__name__ == "PeerRead":
             reads += 1
             if reads == 2:
-                harness.kill.add(ctx.id)  # the connection drops at its next frame
-                raise ConnectionResetError("source SIGKILLed")
+                raise RuntimeError("the source broke")
         return await original(request, fds, ctx)
 
-    svc.handle = dying  # type: ignore[method-assign]
-    async with harness.running() as port:
+    svc.handle = failing  # type: ignore[method-assign]
+    async with _listening(svc) as port:
         with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
             await _fill(rp, agent, _cfg([port], chunk=1 << 20))
     assert err.value.details["reason"] in ("transfer", "deadline")
     assert not svc.fills and _memfds() <= before
-    svc.close()
     svc.store.close()
 
 
@@ -203,24 +210,24 @@ async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Pa
 async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
     m = _load(ckpt)
     size = m.slabs[0].size
-    rate = size * 4  # bytes/s: a quarter of a second for the whole slab, less one 1 MiB grant
+    rate = size * 4  # bytes/s: a quarter of a second for the whole slab
     async with sources(m, max_rate=rate) as ports:
         with plan_rank(RankSpec(ckpt)) as rp:
             t0 = time.monotonic()
             got = await _fill(rp, agent, _cfg(ports, chunk=1 << 20))
             took = time.monotonic() - t0
     got.close()
-    assert took >= (size - (1 << 20)) / rate
+    assert took >= size / rate
 
 
 def test_rate_cap_books_grants_on_a_virtual_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr("wcache.server.peer.time.monotonic", lambda: now[0])
     cap = RateCap(1000)
-    assert cap.delay(500) == 0.0
-    assert cap.delay(500) == pytest.approx(0.5)
-    now[0] += 2.0  # idle: no debt carried
-    assert cap.delay(1000) == 0.0
+    assert cap.delay(500) == pytest.approx(0.5)  # even the first grant waits for its bytes
+    assert cap.delay(500) == pytest.approx(1.0)  # behind the first
+    now[0] += 5.0  # idle: no debt carried, no credit saved up
+    assert cap.delay(1000) == pytest.approx(1.0)
     assert RateCap(0).delay(1 << 40) == 0.0
 
 

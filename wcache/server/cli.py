@@ -47,24 +47,30 @@ def _check_fleet(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The fleet options (docs/fleet.md): a fill needs a model to fill; the peer channel's security must be one
     complete mode (``args.peer_security``, None without --fill-from)."""
     args.peer_security = None
-    if args.fill_from is None:
+    if args.fill_from is None and args.peer_listen is None:
         for opt in ("fill_fingerprint", "peer_cert", "peer_key", "peer_ca", "peer_secret_file"):
             if getattr(args, opt) is not None:
-                p.error(f"--{opt.replace('_', '-')} belongs to --fill-from (docs/fleet.md)")
+                p.error(f"--{opt.replace('_', '-')} belongs to --fill-from or --peer-listen (docs/fleet.md)")
         return
-    if args.model is None:
+    if args.fill_from is not None and args.model is None:
         p.error("--fill-from fills the rank of --model: name the checkpoint directory (it may hold no weights)")
     if not args.fill_timeout > 0:
         p.error(f"--fill-timeout {args.fill_timeout} must be a positive number of seconds")
+    if args.peer_max_fills < 1:
+        p.error(f"--peer-max-fills {args.peer_max_fills} must be at least 1")
     from wcache.server.fill import resolve_peers
     from wcache.server.peer_auth import PeerSecurity
+    from wcache.server.peer_channel import parse_address
 
     try:
-        if not args.fill_from.startswith("dns:"):
+        if args.fill_from is not None and not args.fill_from.startswith("dns:"):
             resolve_peers(args.fill_from)
         args.peer_security = PeerSecurity.configure(
             cert=args.peer_cert, key=args.peer_key, ca=args.peer_ca, secret_file=args.peer_secret_file
         )
+        if args.peer_listen is not None:
+            args.peer_listen = parse_address(args.peer_listen, listen=True)
+            args.peer_security.check_listen(args.peer_listen[0])
     except ValueError as exc:
         p.error(str(exc))
 
@@ -206,6 +212,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="a fill must be done within this plus its bytes at 50 MB/s (default 30)",
+    )
+    fleet.add_argument(
+        "--peer-listen",
+        metavar="HOST:PORT",
+        help="serve this daemon's resident slabs to peer daemons' fills on a TCP port (authenticated unless "
+        "HOST is loopback); each slab is registered with NIXL once",
+    )
+    fleet.add_argument(
+        "--peer-max-rate",
+        type=size_arg,
+        default=0,
+        metavar="RATE",
+        help="bytes per second served to peers in all, e.g. 2G (0: no cap), so this node's engines are not starved",
+    )
+    fleet.add_argument(
+        "--peer-max-fills", type=int, default=4, metavar="N", help="fills served at once; more get LIMIT_EXCEEDED"
     )
     fleet.add_argument("--peer-cert", type=Path, help="this daemon's TLS certificate for the peer channel (mutual TLS)")
     fleet.add_argument("--peer-key", type=Path, help="its private key")

@@ -34,6 +34,8 @@ class Metrics:
         self.fills: Counter[tuple[str, str]] = Counter()
         self.fill_bytes = 0
         self.fill_seconds = 0.0
+        #: bytes granted to peer daemons' fills from this daemon's slabs (--peer-listen)
+        self.peer_served_bytes = 0
 
     def observe_fill(self, reason: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         """One fill: ``reason`` "" when it filled (``nbytes`` in ``seconds``), else the FillError's reason."""
@@ -117,6 +119,12 @@ class Metrics:
             "counter",
             "Seconds spent filling from peer daemons.",
             [("", self.fill_seconds)],
+        )
+        metric(
+            "wcache_peer_served_bytes_total",
+            "counter",
+            "Bytes this daemon's slabs served to peer daemons' fills (--peer-listen).",
+            [("", float(self.peer_served_bytes))],
         )
         metric("wcache_uptime_seconds", "gauge", "Seconds since the daemon started serving.", [("", uptime)])
         metric("wcache_load_seconds", "gauge", "Seconds the weights took to load.", [("", load_seconds)])

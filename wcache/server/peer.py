@@ -12,18 +12,23 @@ only afterwards: a READ never meets freed memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from wcache.errors import LimitExceededError, NotFoundError, PermissionDeniedError, UnknownLeaseError
+from wcache.channel import Channel, ReadBudget
+from wcache.errors import LimitExceededError, NotFoundError, PermissionDeniedError, UnknownLeaseError, WCacheError
 from wcache.peer_files import checkpoint_files
-from wcache.proto import Connection, Hello, HelloOk, Release, Released, Service
+from wcache.proto import Connection, ErrorFrame, Hello, HelloOk, Release, Released, Service
+from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.fleet_frames import (
     PeerAuth,
     PeerFile,
@@ -37,11 +42,14 @@ from wcache.proto.fleet_frames import (
     PeerReadOk,
 )
 from wcache.proto.frames import Frame
+from wcache.server.metrics import Metrics
 from wcache.server.nixl import Agent, Registration
 from wcache.server.peer_auth import PeerSecurity, SecretServer
+from wcache.server.peer_channel import StreamChannel
+from wcache.server.service import ConnectionLimits, PeerIdentity, Refusal, Shell
 from wcache.server.store import ServedModel, Store
 
-__all__ = ["RESHARD_FIELDS", "PeerService", "RateCap", "fills_key"]
+__all__ = ["RESHARD_FIELDS", "PeerListener", "PeerService", "PeerTls", "RateCap", "fills_key"]
 
 log = logging.getLogger("wcache.fleet")
 
@@ -77,9 +85,9 @@ def fills_key(served: _Key, wanted: dict[str, str | int]) -> bool:
 
 
 class RateCap:
-    """``rate`` bytes per second over every grant (0: none): each grant is timed to start when the bytes granted
-    before it would have gone at that rate (a virtual clock), so the served rate never exceeds the cap by more
-    than one grant."""
+    """``rate`` bytes per second over every grant (0: none). A virtual clock: a grant of ``n`` bytes is answered
+    once the bytes granted before it and these ``n`` are paid for at ``rate``, so what the targets READ after
+    their grants never runs ahead of the cap, the first grant included."""
 
     def __init__(self, rate: int) -> None:
         self.rate = rate
@@ -90,9 +98,8 @@ class RateCap:
         if self.rate <= 0:
             return 0.0
         now = time.monotonic()
-        start = max(now, self._free)
-        self._free = start + n / self.rate
-        return start - now
+        self._free = max(now, self._free) + n / self.rate
+        return self._free - now
 
 
 @dataclass
@@ -111,6 +118,8 @@ class PeerService:
 
     service = Service.PEER
     holding = "fill"
+    #: a fill older than this no longer pins its connection against the idle timeout (a target that hung)
+    max_fill_seconds = 600.0
 
     def __init__(
         self,
@@ -122,9 +131,12 @@ class PeerService:
         max_rate: int = 0,
         agent: Callable[[], Agent] | None = None,
         files: Callable[[Path], list[PeerFile]] = checkpoint_files,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self.security = security.with_own_certificate()
+        #: the shared-secret mode's AUTH phase (docs/protocol.md §10.2)
+        self.auth = self.security.mode == "secret"
         self.software = software
         self.max_fills = max_fills
         self.cap = RateCap(max_rate)
@@ -141,6 +153,7 @@ class PeerService:
         #: bytes granted to fills (metrics) and fills served to the end
         self.bytes_served = 0
         self.fills_done = 0
+        self.metrics = metrics
 
     # ------------------------------------------------------------------ the shell's questions
     def hello(self, conn: Connection, hello: Hello, ctx: _Ctx) -> HelloOk:
@@ -150,7 +163,10 @@ class PeerService:
         )
 
     def holds(self, ctx: _Ctx) -> bool:
-        return any(f.conn == ctx.id for f in self.fills.values())
+        """A connection with a fill in progress is not closed for silence (its target READs meanwhile), for up to
+        ``max_fill_seconds``; then the shell's idle timeout applies (a hung target's holds end with it)."""
+        now = time.monotonic()
+        return any(f.conn == ctx.id and now - f.started < self.max_fill_seconds for f in self.fills.values())
 
     def protects(self) -> Callable[[_Ctx], bool]:
         return lambda ctx: False
@@ -167,6 +183,16 @@ class PeerService:
         if self._agent is None:
             self._agent = self._make_agent()
         return self._agent
+
+    def resident(self, model: ServedModel) -> None:
+        """``Store.on_add``: a slab that becomes resident is registered now, not at its first offer (a failure
+        is one log line: a query then registers it, or refuses)."""
+        if len(model.slabs) != 1:
+            return
+        try:
+            self.register(model)
+        except WCacheError as exc:
+            log.warning("peer registration failed key=%s: %s", model.key.short(), exc.message)
 
     def register(self, model: ServedModel) -> Registration:
         """Register the model's slab with NIXL once (when it becomes resident; else at its first offer); the
@@ -200,9 +226,13 @@ class PeerService:
                 return self._auth(ctx).challenge(request)
             case PeerProof():
                 server = self._secret.get(ctx.id)
-                if server is None:
-                    raise PermissionDeniedError("PEER_PROOF before PEER_AUTH", details={"reason": "secret"})
-                return server.check(request)
+                try:
+                    if server is None:
+                        raise PermissionDeniedError("PEER_PROOF before PEER_AUTH", details={"reason": "secret"})
+                    return server.check(request)
+                except PermissionDeniedError as exc:  # fatal: the source closes (docs/protocol.md §10.2)
+                    log.warning("peer refused conn=%d reason=secret", ctx.id)
+                    return ErrorFrame.from_exception(exc, request.id, fatal=True)
             case PeerQuery():
                 return self._offer(request, ctx)
             case PeerRead():
@@ -282,6 +312,8 @@ class PeerService:
             await asyncio.sleep(wait)
         f.granted += req.bytes
         self.bytes_served += req.bytes
+        if self.metrics is not None:
+            self.metrics.peer_served_bytes += req.bytes
         return PeerReadOk(id=req.id, lease=req.lease, bytes=req.bytes)
 
     def _release(self, req: Release, ctx: _Ctx) -> Released:
@@ -327,3 +359,105 @@ class PeerService:
             self._end(f, "daemon stopping")
         if self._agent is not None:
             self._agent.close()
+
+
+class PeerTls:
+    """The peer channel's ``PeerCheck``: the TLS handshake (mutual TLS: the fleet CA's certificate; the
+    shared-secret mode: encryption, the proofs following in AUTH), within the shell's handshake deadline. A
+    failed handshake is one log line and the connection's end: no frame is exchanged with such a peer."""
+
+    def __init__(self, security: PeerSecurity) -> None:
+        self.security = security
+
+    async def identify(self, ch: Channel) -> PeerIdentity:
+        addr = _address(ch.sock)
+        assert isinstance(ch, StreamChannel)
+        try:
+            await ch.handshake()
+        except (ssl.SSLError, OSError) as exc:
+            log.warning("peer refused addr=%s reason=tls error=%s", addr, exc)
+            raise ConnectionError(f"TLS handshake with {addr} failed: {exc}") from exc
+        return PeerIdentity(principal=_subject(ch) or addr)
+
+    def refusal(self, peer: PeerIdentity) -> Refusal | None:
+        return None  # the handshake decided (and the shared secret's proofs decide in AUTH)
+
+
+def _address(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+def _subject(ch: StreamChannel) -> str:
+    """The common name of the certificate the peer presented (mutual TLS), else ""."""
+    if ch.tls is None:
+        return ""
+    cert: dict[str, Any] = dict(ch.tls.getpeercert() or {})
+    for rdn in cert.get("subject", ()):
+        for pair in rdn:
+            if pair[0] == "commonName":
+                return str(pair[1])
+    return ""
+
+
+class PeerListener:
+    """``--peer-listen HOST:PORT``: the peer channel served by the daemon's server shell — a TCP listener,
+    ``StreamChannel`` (TLS) as its channel, ``PeerTls`` as its check, ``PeerService`` as its handler — and every
+    resident slab registered with NIXL (now, and as each becomes resident)."""
+
+    def __init__(
+        self,
+        service: PeerService,
+        host: str,
+        port: int,
+        *,
+        limits: ConnectionLimits | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.service = service
+        self.host, self.port = host, port
+        sec = service.security
+        sec.check_listen(host)
+        self.limits = limits or ConnectionLimits(
+            connections=64, handshake_timeout=5.0, idle_timeout=60.0, max_frame_size=MAX_REQUEST_SIZE
+        )
+        self.shell = Shell(
+            service,
+            limits=self.limits,
+            tag=f"peer={host}:{port}",
+            log=log,
+            peer_check=PeerTls(sec),
+            channel=functools.partial(StreamChannel, context=sec.server_context(), server_side=True),
+            budget=ReadBudget(64 << 20),
+            metrics=metrics,
+        )
+
+    def start(self) -> tuple[str, int]:
+        """Listen (SO_REUSEADDR), register the resident slabs, accept; returns the address bound."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
+        self.host, self.port = sock.getsockname()[:2]
+        store = self.service.store
+        for m in list(store.models.values()):
+            self.service.resident(m)
+        store.on_add.append(self.service.resident)
+        self.shell.start(sock)
+        log.info("peer channel listening addr=%s:%d auth=%s", self.host, self.port, self.service.security.mode)
+        return self.host, self.port
+
+    async def stop(self) -> None:
+        await self.shell.close()
+        await self.shell.drain()
+        with contextlib.suppress(ValueError):
+            self.service.store.on_add.remove(self.service.resident)
+        self.service.close()

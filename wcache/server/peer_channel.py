@@ -131,10 +131,10 @@ class StreamChannel(Channel):
         self._sent += len(data)
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT`` (ValueError otherwise)."""
+def parse_address(text: str, *, listen: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` (ValueError otherwise); port 0 (any free one) only to ``listen``."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
         raise ValueError(f"{text!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
 

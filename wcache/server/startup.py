@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from wcache.server.backends.base import Slab
     from wcache.server.fill import FillConfig
     from wcache.server.keeper_link import KeeperLink
+    from wcache.server.metrics import Metrics
+    from wcache.server.peer import PeerListener
     from wcache.server.store import ServedModel, Store
     from wcache.server.tier import HostTier, TierEntry
 
@@ -417,6 +419,22 @@ def fill_from_peers(
             agent.close()
 
 
+def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> PeerListener:
+    """--peer-listen: the peer channel's handler and listener (started by the daemon once it serves)."""
+    from wcache.server.peer import PeerListener, PeerService
+
+    service = PeerService(
+        store,
+        args.peer_security,
+        software=f"wcache/{__version__}",
+        max_fills=args.peer_max_fills,
+        max_rate=args.peer_max_rate,
+        metrics=metrics,
+    )
+    host, port = args.peer_listen
+    return PeerListener(service, host, port, metrics=metrics)
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -532,6 +550,8 @@ def run(args: argparse.Namespace) -> int:
             )
             for reason, nbytes, seconds in fill_outcomes:
                 daemon.metrics.observe_fill(reason, nbytes, seconds)
+            if args.peer_listen is not None:
+                daemon.peers = peer_listener(args, store, daemon.metrics)
 
             def ready() -> None:
                 models = list(store.models.values())
@@ -551,10 +571,14 @@ def run(args: argparse.Namespace) -> int:
                     store.budget if store.budget is not None else "none",
                 )
                 if args.ready_file is not None:
-                    write_ready(
-                        args.ready_file,
-                        {"socket": str(sock_path), "pid": os.getpid(), "key": m.key.to_wire() if m else None},
-                    )
+                    payload: dict[str, object] = {
+                        "socket": str(sock_path),
+                        "pid": os.getpid(),
+                        "key": m.key.to_wire() if m else None,
+                    }
+                    if daemon.peers is not None:  # the peer channel's address (a port 0 is chosen at bind)
+                        payload["peer"] = f"{daemon.peers.host}:{daemon.peers.port}"
+                    write_ready(args.ready_file, payload)
 
             import uvloop
 

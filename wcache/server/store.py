@@ -501,6 +501,8 @@ class Store:
         self.max_deposits_per_connection = max_deposits_per_connection
         #: (fingerprint, fingerprint_kind) -> checkpoint directory, for every model ever loaded (load-on-demand)
         self.sources: dict[tuple[str, str], Path] = {}
+        #: called with every model that becomes resident through ``add`` (after the ones given here)
+        self.on_add: list[Callable[[ServedModel], None]] = []
         for m in models or []:
             self._remember(m)
         self._next_lease = secrets.randbits(31) + 1  # not reused across daemon restarts
@@ -636,6 +638,11 @@ class Store:
     def add(self, model: ServedModel) -> None:
         self.models[model.key] = model
         self._remember(model)
+        for hook in self.on_add:  # e.g. the peer channel registers the slab with NIXL (docs/fleet.md)
+            try:
+                hook(model)
+            except Exception as exc:  # serving the model must not depend on it
+                log.warning("model hook failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)
 
     def remember_source(self, model: ServedModel, source: Path) -> None:
         """``model`` (adopted from a keeper or a previous daemon) was loaded from ``source``: load-on-demand
