@@ -167,6 +167,135 @@ def _slice_locally(slab: Slab, rows: int) -> None:
     slab.synchronize()
 
 
+# --------------------------------------------------------------------------- the fill (two and more daemons)
+
+
+def _fill_part(device: str, model: Path, work: Path, reps: int, targets: list[int]) -> dict[str, Any]:
+    """A source daemon (``--peer-listen``) holding ``model``; in the same run: raw NIXL READs of its offered slab
+    into fresh slabs with this process's agent (what ``fill`` uses), ``fill`` itself (connect, query, plan,
+    allocate, register, grants, READ, verify, seal, release) of the same bytes, alternating, and 1/2/4 target
+    daemons filling from the one source at once. ``fill_over_nixl_raw``: the best fill's throughput over the best
+    raw READ's."""
+    import asyncio
+
+    from wcache.channel import expect
+    from wcache.proto import Release
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery
+    from wcache.rank import RankSpec, plan_rank
+    from wcache.server.fill import FillConfig, fill
+    from wcache.server.peer_auth import PeerSecurity
+    from wcache.server.peer_channel import connect_peer
+    from wcache.server.process import spawn_daemon
+
+    sec = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
+    sdir = work / "source"
+    sdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    source = spawn_daemon(model, sdir, "--device", device, "--peer-listen", "127.0.0.1:0", timeout=600)
+    peer = str(json.loads(source.ready_file.read_text())["peer"])
+    host, port = peer.rsplit(":", 1)
+    backend = make_backend(device)
+    backend.check_platform()
+    agent = Agent(f"bench-fill-{os.getpid()}")
+    out: dict[str, Any] = {"model": str(model), "source": peer}
+    try:
+        with plan_rank(RankSpec(model)) as rp:
+            size = rp.layout.total_bytes
+
+            async def raw() -> float:
+                ch, _ = await connect_peer(host, int(port), sec, timeout=10, software="bench")
+                try:
+                    await ch.send(PeerQuery(id=1, key=rp.key.to_wire()))
+                    offer, _ = await expect(ch)
+                    assert isinstance(offer, PeerOffer)
+                    m = offer.models[0]
+                    name = agent.add_peer(offer.agent)
+                    remote = MemoryRegion(m.address, m.size, m.memory, m.device)
+                    t0 = time.perf_counter()
+                    slab = backend.allocate(m.size)
+                    try:
+                        reg = agent.register(slab.region())
+                        copies = [Copy(0, o, o, min(64 << 20, m.size - o)) for o in range(0, m.size, 64 << 20)]
+                        agent.start_read(name, copies, reg.region, remote, deadline=time.monotonic() + 600).wait()
+                        agent.deregister(reg)
+                        secs = time.perf_counter() - t0
+                    finally:
+                        slab.close()
+                    await ch.send(Release(id=2, lease=m.lease))
+                    await expect(ch)
+                    return secs
+                finally:
+                    ch.close()
+
+            async def one_fill() -> float:
+                cfg = FillConfig(((host, int(port)),), sec, "bench")
+                t0 = time.perf_counter()
+                model_ = await fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=rp.key.plan)
+                secs = time.perf_counter() - t0
+                model_.close()
+                return secs
+
+            raws, fills = [], []
+            for _ in range(reps):  # alternating: a shared machine's load drifts
+                raws.append(asyncio.run(raw()))
+                fills.append(asyncio.run(one_fill()))
+        out.update(
+            bytes=size,
+            raw_s=raws,
+            fill_s=fills,
+            raw_gb_s=size / min(raws) / 1e9,
+            gb_s=size / min(fills) / 1e9,
+            fill_over_nixl_raw=min(raws) / min(fills),
+            source_register_s=_source_register_s(source),
+        )
+        out["scaling"] = [_targets(model, work, device, peer, n) for n in targets]
+    finally:
+        agent.close()
+        source.stop()
+    return out
+
+
+def _source_register_s(source: Any) -> float:
+    """The source's NIXL registration of its slab, from its one log line (``registered for peers ...``)."""
+    for line in source.log_text().splitlines():
+        if "registered for peers" in line and "seconds=" in line:
+            return float(line.rsplit("seconds=", 1)[1].split()[0])
+    return -1.0
+
+
+def _targets(model: Path, work: Path, device: str, peer: str, n: int) -> dict[str, Any]:
+    """``n`` target daemons filling from the one source at once: each one's fill seconds and the aggregate."""
+    import asyncio
+
+    from wcache import WCacheClient
+    from wcache.server.process import spawn_daemon
+
+    ds: list[Any] = []
+    t0 = time.perf_counter()
+    try:
+        for i in range(n):
+            sock_dir = work / f"target-{n}-{i}"
+            sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            ds.append(spawn_daemon(model, sock_dir, "--device", device, "--fill-from", peer, timeout=None))
+        for d in ds:
+            d.wait_ready(600)
+        wall = time.perf_counter() - t0
+        infos = [asyncio.run(WCacheClient(d.socket).status()).models[0] for d in ds]
+    finally:
+        for d in ds:
+            d.stop()
+    origins = [m.origin for m in infos]
+    secs = [m.load_seconds for m in infos]
+    nbytes = infos[0].bytes
+    return {
+        "targets": n,
+        "origins": origins,
+        "fill_s": secs,
+        "per_target_gb_s": [nbytes / x / 1e9 for x in secs],
+        "aggregate_gb_s": n * nbytes / max(secs) / 1e9,
+        "wall_s_with_daemon_starts": wall,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", help="cpu (host memfd slabs) or cuda:K (VMM slabs), both sides")
@@ -175,11 +304,23 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16384, help="rows of the strided case (x 8 KiB each)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--fill", type=Path, metavar="CHECKPOINT", help="measure the fill of this checkpoint's rank too")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-fleet-bench"), help="daemons' socket dirs")
+    ap.add_argument("--targets", default="1,2,4", help="target daemons filling at once from one source")
+    ap.add_argument("--raw", action=argparse.BooleanOptionalAction, default=True, help="the raw part")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     size = int(args.gib * (1 << 30)) // 4096 * 4096
     if args.serve:
         serve(args.device, size)
+        return
+    if not args.raw:
+        only: dict[str, Any] = {"bench": "fleet_fill", "part": "fill", "device": args.device, "host": platform.node()}
+        only["fill"] = _fill_part(
+            args.device, args.fill, args.work, args.reps, [int(n) for n in args.targets.split(",")]
+        )
+        only["load_average"] = os.getloadavg()
+        _write(only, args.out)
         return
     nixl = nixl_module()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])}
@@ -224,11 +365,19 @@ def main() -> None:
         if src.stdin is not None:
             src.stdin.close()
         src.wait(timeout=60)
+    if args.fill is not None:
+        result["fill"] = _fill_part(
+            args.device, args.fill, args.work, args.reps, [int(n) for n in args.targets.split(",")]
+        )
+    _write(result, args.out)
+
+
+def _write(result: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -121,17 +121,20 @@ PY
 fi
 if want fleet; then
   # fleet fill over NIXL (docs/fleet.md, "What is measured"): raw NIXL READ between two processes of 16 GB host
-  # slabs, then 16 GB VMM slabs on the GPU, and the dim-1 shard comparison on each: with UCX's own choice of
-  # transport (one host: shared memory / CUDA IPC) and with TCP only, as between hosts without RDMA (about 6
-  # min in all). Needs NIXL for CUDA 13: carry nixl_cu13-1.5.1-cp312-*.whl in .whl/ (installed to /tmp/site).
+  # slabs, then 16 GB VMM slabs on the GPU, the dim-1 shard comparison on each, and the fill itself — a source
+  # daemon (--peer-listen) with the 16 GB Llama, raw READs of its slab and fills of the same bytes alternating
+  # (fill_over_nixl_raw), then 1 and 2 target daemons at once; with UCX's own transport choice (one host: shared
+  # memory / CUDA IPC) and the raw READ with TCP only, as between hosts without RDMA (about 7 min in all).
+  # Needs NIXL for CUDA 13: carry nixl_cu13-1.5.1-cp312-*.whl in .whl/ (installed to /tmp/site).
   python3 -c 'import nixl_cu13' 2>/dev/null || { echo "== fleet: nixl_cu13 is not installed (carry its wheel in .whl/)" | tee "$OUT/fleet.log"; status=1; }
-  step fleet_host "${FLEET_HOST_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 16 --chunk 64M,1G \
-    --reps 2 --out "$OUT/fleet_fill-host.json"
-  step fleet_host_tcp "${FLEET_HOST_TIMEOUT:-200}" env UCX_TLS=tcp python3 benchmarks/fleet_fill_bench.py --device cpu \
+  [ -f $W/llama3-8b/config.json ] || timeout 300 python3 -c "from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint as m; from pathlib import Path; m(Path('$W/llama3-8b'), LLAMA3_8B, shards=4, seed=0, device='cuda:0')"
+  step fleet_host "${FLEET_HOST_TIMEOUT:-240}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 16 --chunk 64M,1G \
+    --reps 2 --fill $W/llama3-8b --targets 1,2 --work /tmp/wcache-fleet --out "$OUT/fleet_fill-host.json"
+  step fleet_host_tcp "${FLEET_TCP_TIMEOUT:-120}" env UCX_TLS=tcp python3 benchmarks/fleet_fill_bench.py --device cpu \
     --gib 16 --chunk 64M --reps 1 --out "$OUT/fleet_fill-host-tcp.json"
-  step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 16 --chunk 64M \
-    --reps 2 --out "$OUT/fleet_fill-cuda.json"
-  step fleet_gpu_tcp "${FLEET_GPU_TIMEOUT:-200}" env UCX_TLS=tcp,cuda_copy python3 benchmarks/fleet_fill_bench.py \
+  step fleet_gpu "${FLEET_GPU_TIMEOUT:-240}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 16 --chunk 64M \
+    --reps 1 --fill $W/llama3-8b --targets 1 --work /tmp/wcache-fleet --out "$OUT/fleet_fill-cuda.json"
+  step fleet_gpu_tcp "${FLEET_TCP_TIMEOUT:-120}" env UCX_TLS=tcp,cuda_copy python3 benchmarks/fleet_fill_bench.py \
     --device cuda:0 --gib 16 --chunk 64M --reps 1 --out "$OUT/fleet_fill-cuda-tcp.json"
 fi
 exit $status
