@@ -37,7 +37,7 @@ from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead,
 from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats, placement_extents
-from wcache.server.nixl import Agent
+from wcache.server.nixl import Agent, Transfer
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
 from wcache.server.store import ServedModel
@@ -343,31 +343,48 @@ async def _pull(
     chunk: int,
     deadline: float,
 ) -> int:
-    """READ ``copies`` from one source in batches of about ``chunk`` bytes, each granted first (PEER_READ)."""
+    """READ ``copies`` from one source in batches of about ``chunk`` bytes, each granted first (PEER_READ). The
+    next batch is granted and posted while the one before is in flight (two at a time), so neither the grant's
+    round trip nor the posting leaves the link idle."""
     done = 0
-    for batch in _batches(copies, chunk):
-        n = sum(c.nbytes for c in batch)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
-        ok = await _request(src, PeerRead(id=src.ch.conn.next_request_id(), lease=lease, bytes=n), left)
-        assert isinstance(ok, PeerReadOk)
-        assert src.agent_name is not None
-        contiguous = [c for c in batch if c.count == 1]
-        strided = [c for c in batch if c.count > 1]
-        for blocks, as_strided in ((contiguous, False), (strided, STRIDED)):
-            if not blocks:
-                continue
-            t = agent.start_read(src.agent_name, blocks, local, remote, deadline=deadline, strided=as_strided)
-            try:
-                pause = 1e-4
-                while not t.done():
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, 2e-3)
-            finally:
-                t.release()
-        done += n
+    inflight: list[Transfer] = []
+    try:
+        for batch in _batches(copies, chunk):
+            n = sum(c.nbytes for c in batch)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
+            ok = await _request(src, PeerRead(id=src.ch.conn.next_request_id(), lease=lease, bytes=n), left)
+            assert isinstance(ok, PeerReadOk)
+            assert src.agent_name is not None
+            for part, strided in (
+                ([c for c in batch if c.count == 1], False),
+                ([c for c in batch if c.count > 1], STRIDED),
+            ):
+                if part:
+                    inflight.append(
+                        agent.start_read(src.agent_name, part, local, remote, deadline=deadline, strided=strided)
+                    )
+            while len(inflight) > 2:
+                await _landed(inflight.pop(0))
+            done += n
+        while inflight:
+            await _landed(inflight.pop(0))
+    finally:
+        for t in inflight:
+            t.release()
     return done
+
+
+async def _landed(t: Transfer) -> None:
+    """Wait for one posted READ (polling, sleeping between polls), then release it."""
+    try:
+        pause = 1e-4
+        while not t.done():
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+    finally:
+        t.release()
 
 
 def _batches(copies: list[Copy], chunk: int) -> list[list[Copy]]:
