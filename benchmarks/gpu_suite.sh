@@ -73,7 +73,7 @@ if want kills; then
 fi
 if want tier; then
   [ -f $W/llama3-8b/config.json ] || timeout 300 python3 -c "from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint as m; from pathlib import Path; m(Path('$W/llama3-8b'), LLAMA3_8B, shards=4, seed=0, device='cuda:0')"
-  step tier_reload "${TIER_TIMEOUT:-200}" python3 benchmarks/tier_reload_bench.py --device cuda:0 --model $W/llama3-8b \
+  step tier_reload "${TIER_TIMEOUT:-300}" python3 benchmarks/tier_reload_bench.py --device cuda:0 --model $W/llama3-8b \
     --out "$OUT/tier_reload.json" ${TIER_ARGS:-}
 fi
 if want handoff; then

@@ -133,7 +133,7 @@ def test_daemon_and_keeper_command_lines_parse_with_the_real_cli(tmp_path: Path)
     (line,) = re.findall(r'CUDA_VISIBLE_DEVICES="\$uuid" wcache-server ((?:.*\\\n)*.*)', script)
     line = line.replace("\\\n", " ")
     line = line.replace('"$WCACHE_MODEL"', config["WCACHE_MODEL"]).replace("$WCACHE_ARGS", config["WCACHE_ARGS"])
-    line = line.replace("$uuid", "GPU-0").replace('"$port"', "9100").replace(" &", "")
+    line = line.replace("$uuid", "GPU-0").replace('"$port"', "19100").replace(" &", "")
     line = line.replace("$WCACHE_PEERS", config["WCACHE_PEERS"]).replace("$peer", "7070")
     tls = config["WCACHE_PEER_TLS"]
     for path in re.findall(r"/etc/wcache-peer/\S+", tls):  # the Secret's files, here for the CLI's checks

@@ -2,14 +2,18 @@
 
     wcache status [--socket-path P | --socket-dir D] [--json]
     wcache preload DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--socket-path P | --socket-dir D]
-    wcache evict DIR [same options]
+    wcache evict DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN | --all] [same socket options]
+    wcache make-checkpoint DIR [--size SIZE]
 
-``status`` prints one row per model of each daemon socket found (model, rank, tier, device,
-bytes, leases, last use, connections, uptime) and a line of device memory and host-tier use,
-or the STATUS_REPLY frames as JSON; exit 0 only if every socket found answered (1: none found, or
-one of them is unreachable — a stale socket of a crashed daemon counts; its row says why).
-``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased
-models, least recently used first, under its --memory-budget); ``evict`` drops it.
+``status`` prints one row per model of each daemon socket found (checkpoint directory, rank and dtype,
+origin: disk / tier / keeper / takeover / deposit, size, tier, device, leases, last use, connections,
+uptime) and a line of device memory and host-tier use, or the STATUS_REPLY frames as JSON; exit 0 only if
+every socket found answered (1: none found, or one of them is unreachable — a stale socket of a crashed
+daemon counts; its row says why, and whether a daemon is coming back to it). Nothing is waited for.
+``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased models, least
+recently used first, under its --memory-budget); ``evict`` drops it — without --tp-rank and --tp-size,
+whatever the daemons serve of that checkpoint (one model, or every one with --all).
+``make-checkpoint`` writes a small random Llama-shaped checkpoint to try the daemon on.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,11 +29,13 @@ from typing import Any
 
 from wcache import __version__
 from wcache.client import WCacheClient
-from wcache.errors import CheckpointError, WCacheError
+from wcache.errors import CacheUnavailableError, CheckpointError, NotFoundError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
-from wcache.proto import StatusReply
+from wcache.proto import ModelInfo, StatusReply
+from wcache.rank import tp_problem
+from wcache.units import size_arg
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
@@ -39,29 +46,71 @@ def _sockets(args: argparse.Namespace) -> list[Path]:
 
 
 async def _status(paths: list[Path], timeout: float) -> list[tuple[Path, StatusReply | str]]:
+    """Each socket's STATUS_REPLY, or why there is none. Nothing is waited for: a socket nobody listens on is
+    reported at once, with whether a daemon is coming back to it (its lock held, or the keeper holding a model
+    for it: wcache/client/wait.py) or not (a stale socket)."""
+    from wcache.client import wait
+    from wcache.paths import KEEPER_SOCKET
+
     async def one(p: Path) -> tuple[Path, StatusReply | str]:
         try:
-            return p, await WCacheClient(p, timeout=timeout).status()
+            return p, await WCacheClient(p, timeout=timeout, wait_for_daemon=0).status()
         except WCacheError as exc:
-            return p, f"{type(exc).__name__}: {exc.message}"
+            why = f"{type(exc).__name__}: {exc.message}"
+            if isinstance(exc, CacheUnavailableError) and wait.is_absent(exc):
+                coming = await wait.daemon_coming(p, p.parent / KEEPER_SOCKET, None)
+                why += (
+                    f"; a daemon is coming back ({coming})"
+                    if coming
+                    else "; nothing is coming back to it (a stale socket: start its daemon, or remove the file)"
+                )
+            return p, why
 
     return list(await asyncio.gather(*(one(p) for p in paths)))
 
 
 HEADER = [
     "SOCKET",
-    "MODEL",
+    "CHECKPOINT",
     "RANK",
+    "ORIGIN",
+    "SIZE",
+    "LOADED",
     "TIER",
     "DEVICE",
-    "SLAB",
-    "ORIGIN",
-    "LOADED",
     "LEASES",
     "LAST USE",
     "CONNS",
     "UPTIME",
 ]
+
+
+def _loaded(nbytes: int, seconds: float) -> str:
+    """How long the bytes took to arrive (a load, a tier refill, a fill from peers) and at what rate."""
+    if seconds <= 0:
+        return "-"
+    return f"{seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def checkpoint_of(m: ModelInfo) -> str:
+    """A served model's checkpoint as an operator knows it: its directory (the model's ``architecture@fingerprint``
+    where the daemon does not know it); a deposit (write-back) names its engine too."""
+    key = m.key
+    name = m.source or f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}"
+    if "engine" in key:
+        quant = f" {key['quantization']}" if key.get("quantization") else ""
+        name += f" [{key['engine']}{quant} deposit]"
+    return name
+
+
+def rank_of(key: dict[str, Any]) -> str:
+    """``tp0/2 bfloat16`` (and the load-time transform, if any) of a key map."""
+    t = f" {key['transform']}" if key.get("transform") else ""
+    return f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}{t}"
 
 
 def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
@@ -71,17 +120,24 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
     keeper = r.software.startswith("wcache-keeper/")  # holds daemons' slabs across their restarts
     tier = "keeper" if keeper else "device" if r.backend == "cuda" else "host"
     for m in r.models or (None,):
-        key = m.key if m else {}
+        if m is None:
+            device = f"{r.backend}:{r.device.uuid or r.device.kind}"
+        elif keeper:
+            owner = Path(m.owner) if m.owner else None
+            who = "" if owner is None else f", for {owner.name if owner.parent == path.parent else owner}"
+            device = f"{m.backend} (kept{who})"
+        else:
+            device = f"{r.backend}:{r.device.uuid or r.device.kind}"
         rows.append(
             [
                 str(path),
-                f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}" if m else "(none)",
-                f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}" if m else "-",
-                tier if m else "-",
-                f"{m.backend} (kept)" if keeper and m else f"{r.backend}:{r.device.uuid or r.device.kind}",
-                f"{(m.bytes if m else 0) / 1e9:.2f} GB",
-                (m.origin or "-") if m else "-",
+                checkpoint_of(m) if m else "(none)",
+                rank_of(m.key) if m else "-",
+                (m.origin or "?") if m else "-",
+                _size(m.bytes if m else 0),
                 _loaded(m.bytes, m.load_seconds) if m else "-",
+                tier if m else "-",
+                device,
                 str(m.leases if m else 0),
                 f"{now - m.last_use:.0f}s ago" if m and m.last_use else "never",
                 str(r.connections),
@@ -89,13 +145,6 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
             ]
         )
     return rows
-
-
-def _loaded(nbytes: int, seconds: float) -> str:
-    """How long the bytes took to arrive (a load, a tier refill, a fill from peers) and at what rate."""
-    if seconds <= 0:
-        return "-"
-    return f"{seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
 
 
 def _summary(path: Path, r: StatusReply) -> str:
@@ -111,37 +160,94 @@ def _to_json(r: StatusReply) -> dict[str, Any]:
     return r.to_wire()
 
 
-async def _manage(args: argparse.Namespace) -> int:
-    client = WCacheClient(args.socket_path, socket_dir=args.socket_dir)
-    try:
-        if args.cmd == "preload":
-            r = await client.preload(
-                args.model,
-                tp_rank=args.tp_rank,
-                tp_size=args.tp_size,
-                dtype=args.dtype,
-                plan_file=args.shard_plan,
-                transform=args.transform,
-                timeout=args.timeout,
-            )
-            gone = ", ".join(f"{k.get('architecture')}@{str(k.get('fingerprint'))[:12]}" for k in r.evicted)
-            print(
-                f"resident: {r.tensors} tensors, {r.bytes / 1e9:.2f} GB, loaded in {r.load_seconds:.2f} s"
-                + (f"; evicted {gone}" if gone else "")
-            )
-        else:
-            from wcache.key import WeightCacheKey
+def _served_of(args: argparse.Namespace, results: list[tuple[Path, StatusReply | str]]) -> list[tuple[Path, ModelInfo]]:
+    """The checkpoint models (not deposits) of ``args.model`` the daemons serve — the same directory, or the same
+    sampled fingerprint — that agree with every option given (an option left out matches anything)."""
+    from wcache.key import WeightCacheKey
 
-            key = WeightCacheKey.from_checkpoint(
-                args.model,
-                tp_rank=args.tp_rank,
-                tp_size=args.tp_size,
-                dtype=args.dtype,
-                plan_file=args.shard_plan,
-                transform=args.transform,
+    base = WeightCacheKey.from_checkpoint(args.model)  # headers only: its fingerprint and stored dtype
+    where = os.path.abspath(args.model)
+    want: dict[str, Any] = {"tp_rank": args.tp_rank, "tp_size": args.tp_size, "transform": args.transform}
+    want["dtype"] = base.dtype if args.dtype == "auto" else args.dtype
+    out = []
+    for p, r in results:
+        if not isinstance(r, StatusReply) or r.software.startswith("wcache-keeper/"):
+            continue  # a keeper only holds what daemons serve: evict through the daemon
+        for m in r.models:
+            k = m.key
+            same = (m.source and os.path.abspath(m.source) == where) or (
+                k.get("fingerprint") == base.fingerprint and k.get("fingerprint_kind", "sampled") == "sampled"
             )
-            ev = await client.evict(key, timeout=args.timeout)
-            print(f"evicted: {ev.bytes / 1e9:.2f} GB freed")
+            if same and "engine" not in k and all(v is None or k.get(f, "") == v for f, v in want.items()):
+                out.append((p, m))
+    return out
+
+
+def _options(m: ModelInfo) -> str:
+    k = m.key
+    t = f" --transform {k['transform']}" if k.get("transform") else ""
+    return f"--tp-rank {k.get('tp_rank')} --tp-size {k.get('tp_size')} --dtype {k.get('dtype')}{t}"
+
+
+async def _evict(args: argparse.Namespace) -> int:
+    """``wcache evict DIR``: with --tp-rank and --tp-size, the key they name (its daemon says how it differs
+    from what it serves); otherwise what the daemons serve of DIR, found through STATUS: one model (or, with
+    --all, every one) is evicted, several are listed with the options that pick each."""
+    from wcache.key import WeightCacheKey
+
+    if args.tp_rank is not None and args.tp_size is not None:
+        from wcache.server.startup import rank_spec
+
+        key = WeightCacheKey.from_spec(rank_spec(args))
+        client = WCacheClient(args.socket_path, socket_dir=args.socket_dir, wait_for_daemon=0)
+        ev = await client.evict(key, timeout=args.timeout)
+        print(f"evicted {args.model} {rank_of(key.to_wire())} from {client.socket_for(key)}: {_size(ev.bytes)} freed")
+        return 0
+    paths = _sockets(args)
+    if not paths:
+        raise NotFoundError(f"no daemon sockets in {args.socket_dir or default_socket_dir()}: nothing to evict from")
+    results = await _status(paths, min(args.timeout, 10.0))
+    found = _served_of(args, results)
+    if not found:
+        served = [
+            f"{checkpoint_of(m)} {rank_of(m.key)} on {p.name}"
+            for p, r in results
+            if isinstance(r, StatusReply)
+            for m in r.models
+            if not r.software.startswith("wcache-keeper/")
+        ]
+        where = args.socket_path or args.socket_dir or default_socket_dir()
+        raise NotFoundError(
+            f"no model of {args.model} matching the options given is served by the daemons at {where}"
+            + (f"; they serve: {'; '.join(served)}" if served else " (they serve nothing)"),
+            details={"served": served},
+        )
+    if len(found) > 1 and not args.all:
+        print(
+            f"wcache evict: {len(found)} models of {args.model} are served; pass the options of one, or --all:\n"
+            + "\n".join(f"  {_options(m)}    ({rank_of(m.key)} on {p})" for p, m in found),
+            file=sys.stderr,
+        )
+        return 1
+    for p, m in found:
+        ev = await WCacheClient(p, wait_for_daemon=0).evict(WeightCacheKey.from_wire(m.key), timeout=args.timeout)
+        print(f"evicted {args.model} {rank_of(m.key)} from {p}: {_size(ev.bytes)} freed")
+    return 0
+
+
+async def _manage(args: argparse.Namespace) -> int:
+    try:
+        if args.cmd == "evict":
+            return await _evict(args)
+        from wcache.server.startup import rank_spec
+
+        client = WCacheClient(args.socket_path, socket_dir=args.socket_dir)
+        r = await client.preload(rank_spec(args), timeout=args.timeout)
+        gone = ", ".join(f"{k.get('architecture')}@{str(k.get('fingerprint'))[:12]}" for k in r.evicted)
+        print(
+            f"resident: {r.tensors} tensors, {_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"
+            + (f"; evicted {gone}" if gone else "")
+        )
     except WCacheError as exc:
         from wcache.server.startup import pytorch_bin_hint
 
@@ -154,6 +260,27 @@ async def _manage(args: argparse.Namespace) -> int:
             f"wcache {args.cmd}: {type(exc).__name__}: {exc.message}" + (f". {hint}" if hint else ""), file=sys.stderr
         )
         return 1
+    return 0
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    import time
+
+    from wcache.synthetic import make_llama_checkpoint, shape_for_size
+
+    try:
+        shape = shape_for_size(args.size)
+    except ValueError as exc:
+        print(f"wcache make-checkpoint: {exc}", file=sys.stderr)
+        return 2
+    shards = args.shards if args.shards > 0 else max(1, -(-shape.nbytes() // (2 * 10**9)))
+    t0 = time.perf_counter()
+    root = make_llama_checkpoint(args.dir, shape, shards=shards, seed=args.seed)
+    print(
+        f"wrote {root}: {len(shape.tensors())} tensors, {_size(shape.nbytes())} of bf16 in {shards} file(s) "
+        f"({time.perf_counter() - t0:.1f} s; LlamaForCausalLM, hidden {shape.hidden}, {shape.layers} layers). "
+        f"Serve it: wcache-server --model {root}"
+    )
     return 0
 
 
@@ -170,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict,make-checkpoint}")
     st = sub.add_parser(
         "status",
         help="what each daemon serves, and who holds leases (exit 1 if one is unreachable)",
@@ -185,25 +312,74 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("model", type=Path, help="checkpoint directory (safetensors + config.json)")
-        sp.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank, in [0, --tp-size) (default 0)")
-        sp.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size (default 1)")
+        if name == "preload":
+            sp.add_argument(
+                "--tp-rank", type=int, default=0, help="tensor-parallel rank, in [0, --tp-size) (default 0)"
+            )
+            sp.add_argument("--tp-size", type=int, default=1, help="tensor-parallel world size (default 1)")
+        else:
+            any_ = "(default: whatever the daemons serve of the checkpoint)"
+            sp.add_argument("--tp-rank", type=int, help=f"tensor-parallel rank, in [0, --tp-size) {any_}")
+            sp.add_argument("--tp-size", type=int, help=f"tensor-parallel world size {any_}")
+            sp.add_argument(
+                "--all", action="store_true", help="evict every model of the checkpoint that matches, not just one"
+            )
         sp.add_argument(
             "--dtype",
             default=None,
             choices=["auto", "bfloat16", "float16", "float32", "float64"],
-            help="dtype the model is (to be) served in (default: as stored)",
+            help="dtype the model is (to be) served in (default: "
+            + ("as stored)" if name == "preload" else "any; with --tp-rank and --tp-size: as stored)"),
         )
         sp.add_argument("--shard-plan", type=Path, help="JSON sharding plan (format: docs/shard-plans.md)")
         sp.add_argument(
-            "--transform", default="", metavar="MODULE:FUNCTION", help="load-time transform, as wcache-server's"
+            "--transform",
+            default="" if name == "preload" else None,
+            metavar="MODULE:FUNCTION",
+            help="load-time transform, as wcache-server's" + ("" if name == "preload" else " (default: any)"),
         )
         _where(sp)
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon (default 600)")
+    mk = sub.add_parser(
+        "make-checkpoint",
+        help="write a small random Llama-shaped checkpoint to try the daemon on (python -m wcache.synthetic)",
+        description="Write a Llama-shaped safetensors checkpoint of random bf16 weights (config.json, shards, "
+        "index) into DIR, made locally: no download. Serve it with wcache-server --model DIR.",
+    )
+    mk.add_argument("dir", type=Path, help="directory to write (created; its files are replaced)")
+    mk.add_argument(
+        "--size",
+        type=size_arg,
+        default=100 * 10**6,
+        metavar="SIZE",
+        help="about this many bytes of weights, e.g. 10MB, 311MB (the demo's), 16GB (Llama-3-8B's) (default 100MB)",
+    )
+    mk.add_argument("--shards", type=int, default=0, help="safetensors files (default: one per 2 GB, at least one)")
+    mk.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     return ap
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.cmd in ("preload", "evict"):
+        rank, size = args.tp_rank, args.tp_size
+        problem = (
+            tp_problem(0 if rank is None else rank, size, flags=True)
+            if size is not None
+            else f"--tp-rank {rank} must be at least 0"
+            if rank is not None and rank < 0
+            else None
+        )
+        if problem is not None:
+            p.error(problem)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    if args.cmd == "make-checkpoint":
+        return _make_checkpoint(args)
     if args.cmd in ("preload", "evict"):
         return asyncio.run(_manage(args))
     paths = _sockets(args)

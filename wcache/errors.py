@@ -55,6 +55,7 @@ engine. ``wcache.nn.load_weights`` and ``wcache.integrations.transformers.from_p
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "UnsupportedPlatformError",
     "UnsupportedVersionError",
     "WCacheError",
+    "describe_fields",
     "error_from_frame",
 ]
 
@@ -208,18 +210,51 @@ class NotReadyError(ServerError):
     code = ErrorCode.NOT_READY
 
 
-class KeyMismatchError(ServerError):
-    """The requested key differs from the served one; ``fields`` names each differing field.
+def _show(value: Any) -> str:
+    if value is None:
+        return "nothing"  # the field is not in the request, or the daemon does not know it
+    if isinstance(value, str):
+        return repr(value) if not value else value if len(value) <= 24 else value[:12] + "…"
+    return str(value)
 
-    ``fields`` maps field name to ``[served, requested]``.
-    """
+
+def describe_fields(fields: Mapping[str, Any]) -> str:
+    """KEY_MISMATCH's ``fields`` (name -> ``[served, requested]``, docs/protocol.md §4.3) in words, each value
+    labelled: ``tp_size: requested 1, served 2; dtype: requested float16, served bfloat16``."""
+    parts = []
+    for name, pair in fields.items():
+        served, requested = pair if isinstance(pair, list | tuple) and len(pair) == 2 else (pair, None)
+        parts.append(f"{name}: requested {_show(requested)}, served {_show(served)}")
+    return "; ".join(parts)
+
+
+class _KeyDiff:
+    """``fields`` (name -> ``[served, requested]``) of a KEY_MISMATCH or NOT_FOUND, and the two sides by name."""
+
+    details: dict[str, Any]
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        raw = self.details.get("fields", {})
+        return dict(raw) if isinstance(raw, dict) else {}
+
+    @property
+    def requested_values(self) -> dict[str, Any]:
+        """What the request named, for each field that differs (None: not named)."""
+        return {k: v[1] for k, v in self.fields.items() if isinstance(v, list | tuple) and len(v) == 2}
+
+    @property
+    def served_values(self) -> dict[str, Any]:
+        """What the compared served model has, for each field that differs (None: no such field)."""
+        return {k: v[0] for k, v in self.fields.items() if isinstance(v, list | tuple) and len(v) == 2}
+
+
+class KeyMismatchError(_KeyDiff, ServerError):
+    """The requested key differs from every served one; ``fields`` names each differing field against the
+    closest served model (``details["closest"]``), as ``[served, requested]`` — ``requested_values`` and
+    ``served_values`` give the two sides by name, and the message labels them."""
 
     code = ErrorCode.KEY_MISMATCH
-
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
-        super().__init__(message, details=details)
-        raw = self.details.get("fields", {})
-        self.fields: dict[str, Any] = dict(raw) if isinstance(raw, dict) else {}
 
 
 class UnknownLeaseError(ServerError):
@@ -253,8 +288,9 @@ class InUseError(ServerError):
     code = ErrorCode.IN_USE
 
 
-class NotFoundError(ServerError):
-    """The daemon holds no model under that key (EVICT), or none at all (GET_STATE)."""
+class NotFoundError(_KeyDiff, ServerError):
+    """The daemon holds no model under that key (EVICT), or none at all (GET_STATE). An EVICT's names the
+    fields that differ from the closest served model, as KeyMismatchError does (empty when none is served)."""
 
     code = ErrorCode.NOT_FOUND
 

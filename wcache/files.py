@@ -30,7 +30,15 @@ from typing import Any
 
 from wcache.errors import CheckpointError, WCacheError
 
-__all__ = ["MAX_CONFIG_BYTES", "MAX_INDEX_BYTES", "open_regular", "read_capped", "read_json"]
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "MAX_INDEX_BYTES",
+    "file_kind",
+    "open_regular",
+    "read_at_most",
+    "read_capped",
+    "read_json",
+]
 
 #: config.json, generation_config.json, shard-plan files: a few KB in practice.
 MAX_CONFIG_BYTES = 16 << 20
@@ -40,8 +48,10 @@ MAX_INDEX_BYTES = 64 << 20
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, for an error message ("a FIFO", "a symlink" from ``lstat``...)."""
     for test, name in (
+        (stat.S_ISLNK, "a symlink"),
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
@@ -66,7 +76,7 @@ def open_regular(
     try:
         before = os.stat(p)
         if not stat.S_ISREG(before.st_mode):
-            raise error(f"{p}: {what} is {_kind(before.st_mode)}; it must be a regular file (or a symlink to one)")
+            raise error(f"{p}: {what} is {file_kind(before.st_mode)}; it must be a regular file (or a symlink to one)")
         fd = os.open(p, _FLAGS)
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the name
         reason = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be opened ({exc})"
@@ -74,7 +84,9 @@ def open_regular(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{p}: {what} is {_kind(st.st_mode)} (replaced while being opened); it must be a regular file")
+            raise error(
+                f"{p}: {what} is {file_kind(st.st_mode)} (replaced while being opened); it must be a regular file"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -89,20 +101,26 @@ def read_capped(
     try:
         if st.st_size > limit:
             raise error(f"{os.fspath(path)}: {what} is {st.st_size} bytes, over the {limit}-byte limit for metadata")
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
+        data = read_at_most(fd, limit + 1)
     except OSError as exc:
         raise error(f"{os.fspath(path)}: {what} cannot be read ({exc})") from exc
     finally:
         os.close(fd)
-    if got > limit:  # grew while read
+    if len(data) > limit:  # grew while read
         raise error(f"{os.fspath(path)}: {what} is over the {limit}-byte limit for metadata")
+    return data
+
+
+def read_at_most(fd: int, n: int) -> bytes:
+    """The bytes of ``fd`` from its position on, up to ``n`` (fewer at the end of the file)."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = os.read(fd, min(1 << 20, n - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
     return b"".join(chunks)
 
 

@@ -5,11 +5,12 @@ start-up (which decides with it whether it will load) and the client's wait for 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from wcache import __version__
 from wcache.channel import connect
-from wcache.proto import Status, StatusReply
+from wcache.proto import ModelInfo, Status, StatusReply
 
 __all__ = ["KEEPER_PROBE_TIMEOUT", "keeper_kept"]
 
@@ -17,9 +18,12 @@ __all__ = ["KEEPER_PROBE_TIMEOUT", "keeper_kept"]
 KEEPER_PROBE_TIMEOUT = 0.5
 
 
-async def keeper_kept(keeper_path: Path, rank: int | None, timeout: float = KEEPER_PROBE_TIMEOUT) -> int:
-    """How many models the keeper at ``keeper_path`` holds for ``rank`` (any rank if None); 0 when it is
-    absent, refuses, or does not answer within ``timeout``."""
+async def keeper_kept(
+    keeper_path: Path, rank: int | None, timeout: float = KEEPER_PROBE_TIMEOUT, owner: Path | None = None
+) -> int:
+    """How many models of ``rank`` (any rank if None) the keeper at ``keeper_path`` holds for the daemon of
+    socket ``owner`` (entries kept for other sockets do not count; a keeper that names no owner, docs/protocol.md
+    §4.11, is matched by rank alone); 0 when it is absent, refuses, or does not answer within ``timeout``."""
     try:
         async with asyncio.timeout(timeout):
             ch, _ = await connect(keeper_path, software=f"wcache/{__version__}", name="wcache keeper probe")
@@ -32,4 +36,11 @@ async def keeper_kept(keeper_path: Path, rank: int | None, timeout: float = KEEP
         return 0
     if not isinstance(frame, StatusReply):
         return 0
-    return sum(1 for m in frame.models if rank is None or m.key.get("tp_rank") == rank)
+    mine = os.path.abspath(owner) if owner is not None else None
+
+    def counts(m: ModelInfo) -> bool:
+        if m.owner and mine is not None and os.path.abspath(m.owner) != mine:
+            return False  # kept for another daemon
+        return rank is None or m.key.get("tp_rank") == rank
+
+    return sum(1 for m in frame.models if counts(m))

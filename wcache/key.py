@@ -8,11 +8,20 @@ key differs in any field and names those fields (``KEY_MISMATCH``).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Union
 
 from wcache.checkpoint import FLOATING, Checkpoint, DtypeBytes
-from wcache.errors import CheckpointError, ShardingError, TransformError, WCacheError
+from wcache.errors import (
+    CheckpointError,
+    KeyMismatchError,
+    NotFoundError,
+    ShardingError,
+    TransformError,
+    WCacheError,
+    describe_fields,
+)
 from wcache.proto._record import record
 from wcache.proto.frames import MAX_NAME
 
@@ -24,7 +33,7 @@ if TYPE_CHECKING:
 #: here only — layout.py re-exports it, so the key need not import the layout (tests/test_layout.py).
 LAYOUT_VERSION = 2  # 2: quantized checkpoints keep their stored dtypes (docs/protocol.md §4.4)
 
-__all__ = ["WeightCacheKey"]
+__all__ = ["WeightCacheKey", "closest", "key_mismatch", "not_served"]
 
 KeyValue = Union[str, int]
 
@@ -164,3 +173,54 @@ class WeightCacheKey:
 
 _FIELDS = tuple(f.name for f in fields(WeightCacheKey))
 _DEFAULTS = {f.name: f.default for f in fields(WeightCacheKey)}
+
+
+def closest(
+    requested: dict[str, Any], keys: Iterable[WeightCacheKey]
+) -> tuple[WeightCacheKey, dict[str, list[Any]]] | None:
+    """The served key nearest ``requested`` and its ``diff_wire``: the same checkpoint (fingerprint) first, then
+    the fewest differing fields, then the last in ``keys`` (a store lists the most recently used last)."""
+    best: tuple[tuple[bool, int], WeightCacheKey, dict[str, list[Any]]] | None = None
+    for k in keys:
+        d = k.diff_wire(requested)
+        score = ("fingerprint" in d, len(d))
+        if best is None or score <= best[0]:
+            best = (score, k, d)
+    return None if best is None else (best[1], best[2])
+
+
+def _served(keys: list[WeightCacheKey]) -> str:
+    shown = ", ".join(k.short() for k in keys[:8])
+    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def key_mismatch(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> WCacheError:
+    """The error a GET_STATE of a key none of ``keys`` equals gets: KEY_MISMATCH naming, per field, the
+    requested and the served value of the closest model (NOT_FOUND when nothing is served)."""
+    held = list(keys)
+    near = closest(requested, held)
+    if near is None:
+        return NotFoundError("the daemon holds no weights; PRELOAD a model first")
+    key, diff = near
+    many = f" (closest of {len(held)} served: {_served(held)})" if len(held) > 1 else ""
+    return KeyMismatchError(
+        f"requested key differs from the served {key.short()}: {describe_fields(diff)}{many}",
+        details={"fields": diff, "served": [k.short() for k in held], "closest": key.short()},
+    )
+
+
+def not_served(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> NotFoundError:
+    """The NOT_FOUND of an EVICT of a key not held: what was asked for, and how it differs from the closest
+    served model, per field (``describe_fields``)."""
+    held = list(keys)
+    near = closest(requested, held)
+    asked = f"{requested.get('architecture', '?')}@{str(requested.get('fingerprint', '?'))[:12]}"
+    asked += f"/tp{requested.get('tp_rank', '?')}of{requested.get('tp_size', '?')}/{requested.get('dtype', '?')}"
+    if near is None:
+        return NotFoundError(f"no model is served under the requested key {asked}: this daemon serves none")
+    key, diff = near
+    return NotFoundError(
+        f"no model is served under the requested key {asked}; the closest served, {key.short()}, differs in "
+        f"{describe_fields(diff)}" + (f" (served: {_served(held)})" if len(held) > 1 else ""),
+        details={"fields": diff, "served": [k.short() for k in held], "closest": key.short()},
+    )

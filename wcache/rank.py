@@ -27,9 +27,35 @@ if TYPE_CHECKING:  # a key (the engine's restart path) needs neither: plan_rank 
     from wcache.layout import Layout
     from wcache.sharding import ShardPlan
 
-__all__ = ["RankPlan", "RankSpec", "plan_rank"]
+__all__ = ["RankPlan", "RankSpec", "check_tp", "plan_rank", "tp_problem"]
 
 PathLike = str | os.PathLike[str]
+
+
+def tp_problem(tp_rank: object, tp_size: object, *, flags: bool = False) -> str | None:
+    """What is wrong with a tensor-parallel rank and world size, in words (None: nothing). The one range
+    check of every place that takes ranks: RankSpec (keys, PRELOAD, ``wcache.nn``), ``wcache-server`` and
+    ``wcache preload`` / ``evict``; ``flags`` names them as the command lines do (``--tp-rank``)."""
+    rank, size = ("--tp-rank", "--tp-size") if flags else ("tp_rank", "tp_size")
+    for name, value in ((size, tp_size), (rank, tp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{name} must be an integer, got {value!r}"
+    assert isinstance(tp_rank, int) and isinstance(tp_size, int)
+    if tp_size < 1:
+        return f"{size} {tp_size} must be at least 1 (1: one rank serves whole tensors)"
+    if not 0 <= tp_rank < tp_size:
+        last = f"0..{tp_size - 1}" if tp_size > 1 else "0"
+        return f"{rank} {tp_rank} must be in [0, {tp_size}) for {size} {tp_size} (ranks {last})"
+    return None
+
+
+def check_tp(tp_rank: object, tp_size: object) -> None:
+    """Raise ShardingError (INVALID_PLAN on the wire) for a rank outside ``[0, tp_size)`` or a size below 1."""
+    problem = tp_problem(tp_rank, tp_size)
+    if problem is not None:
+        from wcache.errors import ShardingError
+
+        raise ShardingError(problem, details={"tp_rank": repr(tp_rank), "tp_size": repr(tp_size)})
 
 
 @record
@@ -51,6 +77,7 @@ class RankSpec:
     verify_content: bool = False
 
     def __post_init__(self) -> None:
+        check_tp(self.tp_rank, self.tp_size)
         object.__setattr__(self, "checkpoint", Path(os.path.abspath(self.checkpoint)))
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", None)

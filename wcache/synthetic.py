@@ -5,15 +5,25 @@ what Hugging Face writes for LlamaForCausalLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["FP8_TINY", "LLAMA3_8B", "TINY", "LlamaShape", "make_fp8_llama_checkpoint", "make_llama_checkpoint"]
+__all__ = [
+    "FP8_TINY",
+    "LLAMA3_8B",
+    "TINY",
+    "LlamaShape",
+    "make_fp8_llama_checkpoint",
+    "make_llama_checkpoint",
+    "shape_for_size",
+]
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,36 @@ class LlamaShape:
             "bos_token_id": 1,
             "eos_token_id": 2,
         }
+
+    def nbytes(self, itemsize: int = 2) -> int:
+        """Bytes of every tensor together (the checkpoint's payload) at ``itemsize`` bytes per element."""
+        total = 0
+        for _, shape in self.tensors():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total * itemsize
+
+
+def shape_for_size(nbytes: int, itemsize: int = 2) -> LlamaShape:
+    """The Llama shape of the widest hidden size (4096 down to 64) whose embeddings and four layers (one, for
+    the smallest sizes) fit in ``nbytes``, with as many layers as then fit: a checkpoint of at most ``nbytes``,
+    close to it, that shards at tensor-parallel sizes 1, 2 and 4. ValueError below the smallest (one 64-wide
+    layer)."""
+    shapes = []
+    for hidden in (4096, 2048, 1024, 512, 256, 128, 64):
+        heads = hidden // 128 if hidden >= 1024 else max(4, hidden // 64)
+        vocab = 32000 if hidden >= 1024 else 4096 if hidden >= 256 else 512
+        shapes.append(LlamaShape(hidden, round(hidden * 2.75 / 64) * 64, 0, heads, max(4, heads // 4), vocab))
+    for least in (4, 1):
+        for base in shapes:
+            fixed = base.nbytes(itemsize)
+            per_layer = dataclasses.replace(base, layers=1).nbytes(itemsize) - fixed
+            if fixed + least * per_layer <= nbytes:
+                return dataclasses.replace(base, layers=(nbytes - fixed) // per_layer)
+    smallest = dataclasses.replace(shapes[-1], layers=1).nbytes(itemsize)
+    raise ValueError(f"a Llama-shaped checkpoint needs at least {smallest} bytes (one 64-wide layer), not {nbytes}")
 
 
 #: Llama-3-8B shapes: 291 tensors, 16.06 GB in bf16.
@@ -166,3 +206,9 @@ def make_fp8_llama_checkpoint(
     meta = {"shape": asdict(shape), "seed": seed, "fp8": {"block": list(block), "dtype": str(fp8_dtype)}}
     (root / "wcache-synthetic.json").write_text(json.dumps(meta) + "\n")
     return root
+
+
+if __name__ == "__main__":  # python -m wcache.synthetic DIR [--size SIZE ...]: ``wcache make-checkpoint``
+    from wcache.cli import main
+
+    sys.exit(main(["make-checkpoint", *sys.argv[1:]]))

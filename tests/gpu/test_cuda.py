@@ -151,6 +151,43 @@ def test_platform_check_names_alternatives() -> None:
         CudaBackend(index=torch.cuda.device_count() + 5).check_platform()
 
 
+@pytest.mark.parametrize("visible", [None, "MIG-00000000-0000-0000-0000-000000000000"])
+def test_an_index_or_mig_entry_that_is_not_visible_is_one_line_before_the_lock(
+    ckpt: Path, socket_dir: Path, visible: str | None
+) -> None:
+    """On a real driver: an index past the visible GPUs, or a CUDA_VISIBLE_DEVICES entry naming no GPU or MIG
+    instance, is one line saying what to do, exit 1, nothing in the socket directory (checked before the lock)."""
+    env = {**os.environ}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    index = torch.cuda.device_count() + 5 if visible is None else 0
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wcache.server.cli",
+            "--model",
+            str(ckpt),
+            "--socket-dir",
+            str(socket_dir),
+            "--device",
+            f"cuda:{index}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()[-1:]
+    assert f"--device cuda:{index}" in line and ("does not exist" in line if visible is None else visible in line)
+    assert list(socket_dir.iterdir()) == []
+    from wcache.server.backends.cuda import CudaBackend
+
+    CudaBackend(0).check_device(True)  # the visible GPU passes, torch's count making no context first
+
+
 async def test_takeover_on_gpu_keeps_engine_mappings(
     daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
 ) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import DaemonProc, run_cli, server_cmd
 from wcache import __version__
@@ -60,7 +61,7 @@ def test_every_option_has_help(parser: Callable[[], argparse.ArgumentParser]) ->
 
 def test_subcommands_have_help() -> None:
     sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert {c.dest for c in sub._choices_actions if c.help} == {"status", "preload", "evict"}
+    assert {c.dest for c in sub._choices_actions if c.help} == {"status", "preload", "evict", "make-checkpoint"}
 
 
 @pytest.mark.parametrize(
@@ -118,6 +119,46 @@ def test_values_that_would_serve_nobody_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         server_cli.parse_args(argv)
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "gpu0", "cuda:GPU-1234"])
+def test_device_that_is_not_a_device_name_is_refused(device: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        server_cli.parse_args(["--device", device])
+    assert e.value.code == 2
+
+
+def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """One range check (wcache.rank.tp_problem) for wcache-server, wcache preload and wcache evict."""
+    from wcache.cli import parse_args as wcache_args
+
+    for parse, argv in (
+        (server_cli.parse_args, []),
+        (wcache_args, ["preload", "/m"]),
+        (wcache_args, ["evict", "/m"]),
+    ):
+        for bad, says in (
+            (["--tp-rank", "5", "--tp-size", "2"], "--tp-rank 5 must be in [0, 2) for --tp-size 2"),
+            (["--tp-size", "0"], "--tp-size 0 must be at least 1"),
+            (["--tp-rank", "-1", "--tp-size", "2"], "--tp-rank -1 must be in [0, 2)"),
+        ):
+            with pytest.raises(SystemExit) as e:
+                parse([*argv, *bad])
+            assert e.value.code == 2
+            assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        wcache_args(["evict", "/m", "--tp-rank", "-1"])
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a torch built without CUDA (the README's CPU build)")
+def test_cuda_device_without_cuda_is_one_line_before_the_lock(ckpt: Path, socket_dir: Path) -> None:
+    """The README's --device cuda:0 on the CPU torch it installs: one line saying what to do, exit 1, and
+    nothing created in the socket directory (the device is checked before the lock)."""
+    out = run_server("--model", str(ckpt), "--socket-dir", str(socket_dir), "--device", "cuda:0")
+    clean_failure(out)
+    (line,) = out.stderr.strip().splitlines()
+    assert "--device cuda:0 cannot be used here" in line and "built without CUDA" in line and "--device cpu" in line
+    assert list(socket_dir.iterdir()) == []
 
 
 # ---------------------------------------------------------------- paths
@@ -301,3 +342,28 @@ def test_status_exits_nonzero_when_a_listed_daemon_is_unreachable(daemon: Daemon
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 1
     assert str(daemon.socket) in out.stdout  # the live one is still listed
+
+
+def test_status_reports_a_stale_socket_at_once_saying_whether_a_daemon_is_coming(
+    daemon: DaemonProc, socket_dir: Path
+) -> None:
+    """Nothing is waited for (it used to wait the client's 5 s for a socket whose lock was held): each row says
+    whether a daemon is coming back to it."""
+    starting = socket_dir / "wcache-rank1.sock"  # a daemon still starting: its lock held, nobody listening yet
+    stale = socket_dir / "wcache-rank2.sock"  # a crashed daemon's socket, nothing coming
+    for path in (starting, stale):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        s.close()
+    lock = DaemonLock(starting)
+    lock.acquire()
+    try:
+        out = run_cli("status", "--socket-dir", str(socket_dir))
+    finally:
+        lock.release()
+    assert out.returncode == 1
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert f"a daemon is coming back (its lock {starting}.lock is held by pid {os.getpid()})" in rows[str(starting)]
+    assert "waited" not in rows[str(starting)]
+    assert "nothing is coming back to it (a stale socket" in rows[str(stale)]
+    assert str(daemon.socket) in rows

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import serving_here
+from tests.server import exposition
 from tests.server.deposit_engine import recipe_key, tensors
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import Channel, close_fds, connect, expect
@@ -104,6 +105,10 @@ async def test_get_state_release_and_status(store: Store, socket_dir: Path, ckpt
             await w.release()
         assert (await _status(d)).models[0].leases == 0
         assert d.metrics.fetches["zero_copy"] == 1 and d.metrics.releases == 1 and not store.leases
+        fam = exposition.parse(d.render_metrics())
+        (model,) = store.models.values()
+        assert exposition.value(fam, "wcache_resident_bytes", tier="host", key=key.short()) == model.slab_bytes
+        assert exposition.value(fam, "wcache_fetches_total", mode="zero_copy") == 1
 
 
 async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_dir: Path, ckpt: Path) -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from wcache.demo import DEMO_SHAPE, build_parser
+
 
 def test_demo_restarts_engines_and_the_daemon(ckpt: Path) -> None:
     r = subprocess.run(
@@ -19,3 +21,26 @@ def test_demo_restarts_engines_and_the_daemon(ckpt: Path) -> None:
     rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(("1 ", "2 ", "after "))]
     assert [row[0] for row in rows] == ["1", "2", "after"] and all(row[-1] == "True" for row in rows)
     assert "came back from wcache-keeper in" in r.stdout and "nothing loaded" in r.stdout
+    assert "first touch of fresh memory" in r.stdout  # the copy column is explained, with its own figures
+
+
+def test_every_demo_option_is_explained() -> None:
+    missing = [a.option_strings for a in build_parser()._actions if a.dest != "help" and not a.help]
+    assert missing == []
+
+
+def test_the_size_the_readme_quotes_is_the_demo_checkpoints() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"It builds a {DEMO_SHAPE.nbytes() / 1e6:.0f} MB Llama-shaped checkpoint" in readme
+
+
+def test_an_unusable_device_is_one_line_before_anything_is_built(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "wcache.demo", "--device", "cuda:x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "built a" not in r.stdout
+    assert r.stderr.strip().startswith("wcache-demo: --device must be cpu, cuda or cuda:K")

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import DaemonProc, run_cli
+from tests.server import exposition
 from wcache import KeyMismatchError, UnknownLeaseError, WCacheClient, WeightCacheKey
 from wcache.sharding import LLAMA_PLAN
 
@@ -75,8 +76,9 @@ async def test_key_mismatch_names_fields(daemon: DaemonProc, ckpt: Path) -> None
     with pytest.raises(KeyMismatchError) as info:
         await WCacheClient(daemon.socket).fetch(key)
     assert set(info.value.fields) == {"dtype"}
-    assert info.value.fields["dtype"] == ["bfloat16", "float16"]
-    assert "dtype" in str(info.value)
+    assert info.value.fields["dtype"] == ["bfloat16", "float16"]  # [served, requested], docs/protocol.md §4.3
+    assert info.value.requested_values == {"dtype": "float16"} and info.value.served_values == {"dtype": "bfloat16"}
+    assert "dtype: requested float16, served bfloat16" in str(info.value)
     # the connection-level failure cost nothing: the daemon still serves
     async with await WCacheClient(daemon.socket).fetch(WeightCacheKey.from_checkpoint(ckpt)) as w:
         assert len(w) > 0
@@ -126,6 +128,8 @@ async def test_tp_rank_key_mismatch(daemon: DaemonProc, ckpt: Path) -> None:
     with pytest.raises(KeyMismatchError) as info:
         await WCacheClient(daemon.socket).fetch(key)
     assert {"tp_rank", "tp_size", "plan"} <= set(info.value.fields)
+    assert info.value.requested_values["tp_size"] == 2 and info.value.served_values["tp_size"] == 1
+    assert "tp_size: requested 2, served 1" in info.value.message
 
 
 async def test_64_concurrent_clients(daemon: DaemonProc, ckpt: Path) -> None:
@@ -184,15 +188,21 @@ async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
     await w.release()
 
 
-def test_wcache_status_cli(daemon: DaemonProc, socket_dir: Path) -> None:
+def test_wcache_status_cli(daemon: DaemonProc, socket_dir: Path, ckpt: Path) -> None:
+    """A row names the model as an operator knows it: checkpoint directory, rank and dtype, origin, size."""
     import json
 
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 0, out.stderr
-    assert "LlamaForCausalLM@" in out.stdout and "tp0/1 bfloat16" in out.stdout and "host:cpu" in out.stdout
+    head, row = out.stdout.splitlines()[:2]
+    assert head.split()[:6] == ["SOCKET", "CHECKPOINT", "RANK", "ORIGIN", "SIZE", "TIER"]
+    cells = row.split()
+    assert cells[:7] == [str(daemon.socket), str(ckpt), "tp0/1", "bfloat16", "disk", "10.0", "MB"], row
+    assert "host:cpu" in cells
     js = run_cli("status", "--socket-path", str(daemon.socket), "--json")
     doc = json.loads(js.stdout)[str(daemon.socket)]
     assert doc["type"] == "STATUS_REPLY" and doc["models"][0]["tensors"] == 39
+    assert doc["models"][0]["source"] == str(ckpt) and doc["models"][0]["origin"] == "disk"
     none = run_cli("status", "--socket-path", str(socket_dir / "nope.sock"))
     assert none.returncode == 1 and "CacheUnavailableError" in none.stdout
 
@@ -223,6 +233,7 @@ async def test_prometheus_metrics(daemon_factory: Callable[..., DaemonProc], ckp
 
     status, text = await asyncio.to_thread(get, "/metrics")
     assert status == 200
+    exposition.parse(text)  # what was served, under the reference parser
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert lines['wcache_fetches_total{mode="zero_copy"}'] == "1"
     assert lines['wcache_fetches_total{mode="copy"}'] == "1"

@@ -111,7 +111,7 @@ async def test_restart_after_a_crash_reclaims_the_models_and_reads_no_disk(
     table = run_cli("status", "--socket-dir", str(second.socket.parent))
     assert table.returncode == 0
     (row,) = [line for line in table.stdout.splitlines() if "wcache-keeper.sock" in line]
-    assert " keeper " in row and "host (kept)" in row and key.fingerprint[:12] in row
+    assert " keeper " in row and f"host (kept, for {second.socket.name})" in row and str(model) in row
 
     await WCacheClient(second.socket).evict(key)  # an eviction frees the memory in the keeper too
     assert (await WCacheClient(keeper.socket).status()).models == ()
@@ -454,7 +454,8 @@ async def test_keeper_refuses_descriptors_no_frame_announces(keeper: DaemonProce
 def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonProcess, socket_dir: Path) -> None:
     second = spawn_keeper(socket_dir, timeout=None)
     assert second.proc.wait(30) != 0
-    assert f"pid {keeper.pid}" in second.log_text()  # the start-up error (the feature) names the lock's holder
+    # the start-up error (the feature) names the lock's holder, as the program it is
+    assert f"another wcache-keeper (pid {keeper.pid}) already serves {KEEPER_SOCKET}" in second.log_text()
     m, fd = _memfd_model(0)
     with _holding_lock(socket_dir / "o.sock") as owner:
         asyncio.run(kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd]))
@@ -791,3 +792,22 @@ async def test_a_kept_deposit_is_served_after_a_crash_and_dropped_once_its_check
     assert [("engine" in m.key, m.origin) for m in served] == [(False, "disk")]
     kept = (await WCacheClient(keeper.socket).status()).models
     assert [("engine" in m.key) for m in kept] == [False]
+
+
+def test_status_counts_kept_models_for_the_socket_they_were_kept_for(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
+) -> None:
+    """Two ranks' daemons keep one model each; rank 1's crashes. Its row says the keeper holds one model for it
+    (it used to count every rank's: "holds 2 model(s)"), and the keeper's rows name whose each model is."""
+    daemon_factory(model, "--keeper", "--tp-size", "2", "--tp-rank", "0")
+    r1 = daemon_factory(model, "--keeper", "--tp-size", "2", "--tp-rank", "1")
+    r1.stop(signal.SIGKILL)
+    out = run_cli("status", "--socket-dir", str(socket_dir))
+    assert out.returncode == 1
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(str(r1.socket))]
+    assert f"the keeper at {keeper.socket} holds 1 model for it" in row
+    kept = [line for line in out.stdout.splitlines() if line.startswith(str(keeper.socket))]
+    assert sorted(line.split("(kept, for ")[1].split(")")[0] for line in kept) == [
+        "wcache-rank0.sock",
+        "wcache-rank1.sock",
+    ]

@@ -55,6 +55,58 @@ async def test_preload_fetch_evict(daemon_factory: Callable[..., DaemonProc], sm
         await client.evict(WeightCacheKey.from_checkpoint(b))
 
 
+async def test_key_mismatch_is_against_the_closest_served_model(
+    daemon_factory: Callable[..., DaemonProc], small_models: list[Path]
+) -> None:
+    """With several models served, the fields named are those of the one nearest the request (the same
+    checkpoint), not of whichever was used last."""
+    a, b, _ = small_models
+    d = daemon_factory(a)
+    client = WCacheClient(d.socket)
+    await client.preload(b)  # b is now the most recently used
+    with pytest.raises(KeyMismatchError) as info:
+        await client.fetch(WeightCacheKey.from_checkpoint(a, dtype="float16"))
+    assert set(info.value.fields) == {"dtype"} and info.value.details["closest"].startswith("LlamaForCausalLM@")
+    assert WeightCacheKey.from_checkpoint(a).fingerprint[:12] in info.value.details["closest"]
+
+
+async def test_evict_of_a_key_not_served_names_requested_and_served_values(
+    daemon_factory: Callable[..., DaemonProc], small_models: list[Path]
+) -> None:
+    d = daemon_factory(small_models[0], "--tp-size", "2", "--tp-rank", "0")
+    with pytest.raises(NotFoundError) as info:
+        await WCacheClient(d.socket).evict(WeightCacheKey.from_checkpoint(small_models[0]))
+    assert info.value.requested_values["tp_size"] == 1 and info.value.served_values["tp_size"] == 2
+    assert "tp_size: requested 1, served 2" in info.value.message and "tp0of1" in info.value.message
+
+
+def test_wcache_evict_finds_what_is_served_of_the_checkpoint(
+    daemon_factory: Callable[..., DaemonProc], small_models: list[Path], socket_dir: Path
+) -> None:
+    """``wcache evict DIR`` of a model loaded as tp0 of 2 evicts it (it used to default to --tp-size 1 and say
+    NotFoundError naming nothing); with two of DIR's models served it names the options of each."""
+    import asyncio
+
+    a = small_models[0]
+    d = daemon_factory(a, "--tp-size", "2", "--tp-rank", "0")
+    asyncio.run(WCacheClient(d.socket).preload(a))  # tp0/1 too, on the same daemon
+    where = ("--socket-dir", str(socket_dir))
+    both = run_cli("evict", str(a), *where)
+    assert both.returncode == 1, both.stdout
+    assert "--tp-rank 0 --tp-size 2 --dtype bfloat16" in both.stderr and "--tp-size 1" in both.stderr
+    wrong = run_cli("evict", str(a), "--tp-rank", "1", "--tp-size", "2", *where)  # rank 1's daemon: none runs
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    one = run_cli("evict", str(a), "--tp-size", "1", *where)
+    assert one.returncode == 0, one.stderr
+    models = asyncio.run(WCacheClient(d.socket).status()).models
+    assert [(m.key["tp_rank"], m.key["tp_size"]) for m in models] == [(0, 2)]
+    rest = run_cli("evict", str(a), *where)
+    assert rest.returncode == 0 and "tp0/2 bfloat16" in rest.stdout, rest.stderr
+    assert asyncio.run(WCacheClient(d.socket).status()).models == ()
+    none = run_cli("evict", str(a), *where)
+    assert none.returncode == 1 and "NotFoundError" in none.stderr and "serve nothing" in none.stderr
+
+
 async def test_budget_evicts_lru_but_never_a_leased_model(
     daemon_factory: Callable[..., DaemonProc], small_models: list[Path]
 ) -> None:

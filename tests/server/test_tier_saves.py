@@ -1,14 +1,18 @@
-"""The host tier's writes (wcache/server/tier.py): two saves of one key at once, and what a daemon
-killed in the middle of a save leaves behind."""
+"""The host tier's files (wcache/server/tier.py): two saves of one key at once, what a daemon killed in the
+middle of a save leaves behind, a deposit's save that a later commit superseded, files under an entry's name that
+the daemon did not write, and the block checksums a refill verifies on every copy path."""
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any, cast
+
+import pytest
 
 from wcache.key import WeightCacheKey
 from wcache.proto.table import TensorEntry, TensorTable
@@ -118,18 +122,153 @@ def test_an_eviction_during_a_save_frees_the_slab_after_the_save() -> None:
 
 def test_an_entry_whose_aliases_or_buffers_name_no_tensor_is_rejected(tmp_path: Path) -> None:
     """A meta file (same user, private directory) whose aliases or buffers point outside its table would make every
-    fetch of it fail in the client: the entry is rejected and removed instead, and the model loaded as usual."""
-    import msgpack
+    fetch of it fail in the client: the entry is rejected and removed instead, and the model loaded as usual. (Its
+    checksum is made to match: the table's consistency is checked on its own.)"""
+    from wcache.server.tier import _pack_meta, _unpack_meta
 
     tier = HostTier(tmp_path / "tier", 1 << 30)
     key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
     for bad in ({"aliases": {"x": "missing"}}, {"buffers": ["missing"]}, {"aliases": {"w": "w"}}):
         assert tier.save(key, cast("Any", _Slab(3)), _table(), {}, SIZE)
         slab, meta = tier._paths(key)
-        m = msgpack.unpackb(meta.read_bytes(), raw=False)
+        m = _unpack_meta(meta.read_bytes())
         m.update(bad)
-        meta.write_bytes(msgpack.packb(m, use_bin_type=True))
+        meta.write_bytes(_pack_meta(m))
         assert tier.lookup(key) is None, bad
         assert not meta.exists() and not slab.exists()
     assert tier.save(key, cast("Any", _Slab(3)), _table(), {}, SIZE)
     assert tier.lookup(key) is not None
+
+
+def test_a_deposits_save_publishes_only_over_its_own_tombstone(tmp_path: Path) -> None:
+    """v1's save is still running when v2 is committed under the key (``supersede``, before DEPOSITED): v1 must not
+    be published after that, or a crash before v2's save would leave v1 to restore. v2's save then publishes."""
+    tier = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    tier.supersede(key, "g1")
+    halfway = threading.Event()
+    v1, v2 = _Slab(1, halfway=halfway), _Slab(2)
+    saved: list[bool] = []
+    t = threading.Thread(target=lambda: saved.append(tier.save(key, v1, _table(), {}, SIZE, generation="g1")))  # type: ignore[arg-type]
+    t.start()
+    assert halfway.wait(30)
+    tier.supersede(key, "g2")  # v2 committed while v1 is being written
+    v1.resume.set()
+    t.join(30)
+    assert saved == [False] and tier.lookup(key) is None
+    assert not tier.save(key, cast("Any", _Slab(3)), _table(), {}, SIZE, generation="g1")  # late, any time
+    assert tier.save(key, cast("Any", v2), _table(), {}, SIZE, generation="g2")
+    entry = tier.lookup(key)
+    assert entry is not None and entry.generation == "g2" and entry.slab_path.read_bytes() == v2.data
+    assert tier.lookup(key, generation="g1") is None  # a daemon that committed g1 never restores another
+    assert [p.name for p in tier.dir.iterdir() if p.suffix not in (".slab", ".meta")] == []
+
+
+def _lookup_with_deadline(tier: HostTier, key: WeightCacheKey) -> object:
+    """``tier.lookup(key)`` in a thread: a lookup that blocks (a FIFO opened for reading) fails here, not forever."""
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(tier.lookup(key)), daemon=True)
+    t.start()
+    t.join(10)
+    assert out, "lookup blocked"
+    return out[0]
+
+
+def _release(path: Path) -> None:
+    """Let a reader stuck opening the FIFO ``path`` go (only a lookup that blocked would be)."""
+    if path.exists() and stat.S_ISFIFO(os.lstat(path).st_mode):
+        os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("which", ["meta", "slab"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "hardlink", "mode"])
+def test_a_file_the_daemon_did_not_write_is_absent_never_followed_or_waited_on(
+    tmp_path: Path, which: str, kind: str
+) -> None:
+    """An entry's meta or slab replaced by a FIFO, a symlink to a copy of the real file outside the directory, a
+    directory, a second link to the file, or a copy readable by others: the lookup answers at once, None, and
+    removes what is the daemon's (not a directory, nor the file a link points at); the budget does not count it;
+    the key is saved again afterwards, except over a directory (which stays, and the save fails)."""
+    tier = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    assert tier.save(key, cast("Any", _Slab(4)), _table(), {}, SIZE)
+    slab, meta = tier._paths(key)
+    path = meta if which == "meta" else slab
+    outside = tmp_path / f"outside.{which}"
+    outside.write_bytes(path.read_bytes())
+    os.chmod(outside, 0o666)
+    keep = path.with_name("kept")
+    if kind == "hardlink":
+        os.link(path, keep)  # the daemon's own file, with a second name
+    else:
+        path.unlink()
+        if kind == "fifo":
+            os.mkfifo(path, 0o600)
+        elif kind == "symlink":
+            path.symlink_to(outside)
+        elif kind == "directory":
+            path.mkdir()
+        else:
+            path.write_bytes(outside.read_bytes())
+            os.chmod(path, 0o644)
+    try:
+        assert _lookup_with_deadline(tier, key) is None
+        assert tier.entries() == []
+        assert outside.read_bytes() and stat.S_IMODE(outside.stat().st_mode) == 0o666  # never touched
+        assert path.is_dir() if kind == "directory" else not os.path.lexists(path)
+        if kind == "directory":
+            with pytest.raises(OSError):
+                tier.save(key, cast("Any", _Slab(5)), _table(), {}, SIZE)
+            assert tier.entries() == [] and _lookup_with_deadline(tier, key) is None
+        else:
+            assert tier.save(key, cast("Any", _Slab(5)), _table(), {}, SIZE)
+            entry = tier.lookup(key)
+            assert entry is not None and entry.slab_path.read_bytes() == bytes([5]) * SIZE
+    finally:
+        _release(path)
+    if kind == "hardlink":
+        assert keep.exists()  # the other name is not the entry's: left alone
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("where", ["none", "first", "middle", "last"])
+def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads: int, where: str) -> None:
+    """A host-tier refill into a host slab (one thread sendfiles, in the kernel; the others read into the slab's
+    mapping) verifies every 1 MiB block's CRC-32 on the bytes it copied: one byte flipped anywhere, the short last
+    block included, fails the refill; an unaltered file is copied whole."""
+    from wcache.errors import TierEntryError
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.loader import Files, Job, load_file_into, read_job
+    from wcache.server.tier import CHECK_BLOCK, BlockCrcs, _block_crcs
+
+    size = 8 * CHECK_BLOCK + 4096
+    data = bytearray(os.urandom(size))
+    f = tmp_path / "entry.slab"
+    f.write_bytes(bytes(data))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        check = BlockCrcs(_block_crcs(fd, size), size)
+    finally:
+        os.close(fd)
+    flip = {"none": None, "first": 10, "middle": 5 * CHECK_BLOCK + 77, "last": size - 1}[where]
+    if flip is not None:
+        data[flip] ^= 0x80
+        f.write_bytes(bytes(data))
+    slab = HostBackend().allocate(size)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        if flip is not None:  # the read path on its own (mapping and staging writers): the flipped block alone
+            start = flip - flip % CHECK_BLOCK
+            n = min(CHECK_BLOCK, size - start)
+            job = Job(None, start, [(f, start, n)])
+            with pytest.raises(TierEntryError, match="differs from its checksum"):
+                read_job(Files(opened={f: fd}, check=check), job, memoryview(bytearray(n)))
+        if flip is None:
+            load_file_into(f, slab, threads=threads, staging_bytes=4 * threads << 20, fd=fd, check=check)
+            assert slab.read(0, size) == bytes(data)
+        else:
+            with pytest.raises(TierEntryError, match="differs from its checksum"):
+                load_file_into(f, slab, threads=threads, staging_bytes=4 * threads << 20, fd=fd, check=check)
+    finally:
+        os.close(fd)
+        slab.close()

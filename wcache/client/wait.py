@@ -7,15 +7,16 @@ evidently on its way before it gives up:
   is held by a live process: read from ``/proc/locks``, matched by device and inode. This is a
   read-only check: trying the lock ourselves, even with ``LOCK_NB`` and for a moment, could make a
   daemon that starts in that moment fail its own ``LOCK_EX | LOCK_NB`` ("another wcache-server already
-  serves"); and the pid written in the file outlives a SIGKILLed daemon (the file is never removed)
+  serves"); and the pid written in the file outlives a SIGKILLed daemon (only a clean stop removes it)
   and may be reused, so it is not trusted either. A lock is held only while an open file description
   holds it, so a holder listed there is alive (locks go when the last descriptor closes, before a
   process becomes a zombie).
 - a keeper (``wcache-keeper.sock`` beside the socket, or the one the caller names) reports a kept model
-  for the socket's rank in its STATUS_REPLY: a daemon started with ``--keeper`` that crashed left it
-  there and gets it back when it restarts. The keeper's STATUS does not name owners (§4.11), so the
-  client matches kept models by the ``tp_rank`` of the key it asks for (one daemon per rank in a
-  socket directory; without a key, any kept model counts). A keeper that is absent, refuses, or does
+  for that socket in its STATUS_REPLY: a daemon started with ``--keeper`` that crashed left it
+  there and gets it back when it restarts. The keeper's STATUS names each entry's owner, the daemon's
+  socket (§4.11): kept models count for the socket they were kept for. A keeper that names no owners
+  (older versions) is matched by the ``tp_rank`` of the key asked for (one daemon per rank in a socket
+  directory; without a key, any kept model counts). A keeper that is absent, refuses, or does
   not answer within ``wcache.keeper_probe.KEEPER_PROBE_TIMEOUT`` means "nothing kept".
 
 When neither holds, the first error is raised at once. Otherwise the client retries the connection
@@ -58,10 +59,9 @@ async def daemon_coming(socket_path: Path, keeper_path: Path, rank: int | None) 
     if holder is not None:
         who = f"pid {holder}" if holder else "a process not visible here"
         return f"its lock {socket_path}.lock is held by {who}"
-    kept = await keeper_kept(keeper_path, rank)
+    kept = await keeper_kept(keeper_path, rank, owner=socket_path)
     if kept:
-        which = "" if rank is None else f" for tp_rank {rank}"
-        return f"the keeper at {keeper_path} holds {kept} model(s){which}"
+        return f"the keeper at {keeper_path} holds {kept} model{'s' if kept > 1 else ''} for it"
     return None
 
 

@@ -141,6 +141,10 @@ class ModelInfo(Message):
     last_use: float = wire(Float(), default=0.0)  # unix time of the last GET_STATE, 0 if never
     #: where the bytes came from: "disk", "tier", "deposit" ... ("" unknown, left off the wire)
     origin: str = wire(Str(max_len=64), default="", omit_default=True)
+    #: the checkpoint directory it was loaded from ("" unknown or a deposit without one; left off the wire)
+    source: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
+    #: a keeper's entries only: the socket of the daemon it holds the model for ("" from a daemon)
+    owner: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
 
 
 @message()

@@ -134,7 +134,15 @@ EXAMPLES: dict[str, Frame] = {
         connections=1,
         models=(
             ModelInfo(
-                key=_KEY, backend="host", bytes=768, tensors=2, leases=1, load_seconds=0.25, last_use=1700000000.0
+                key=_KEY,
+                backend="host",
+                bytes=768,
+                tensors=2,
+                leases=1,
+                load_seconds=0.25,
+                last_use=1700000000.0,
+                origin="disk",
+                source="/models/llama3-8b",
             ),
         ),
         leases=(LeaseInfo(lease=1001, mode="zero_copy", pid=777, age_seconds=3.0),),

@@ -17,6 +17,7 @@ from types import FrameType
 from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, socket_name
+from wcache.rank import tp_problem
 from wcache.server.startup import run
 from wcache.units import size_arg
 
@@ -37,8 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--takeover serves the running daemon's socket and models: no --model/--socket-path/--socket-dir")
     if not args.keeper_check > 0:
         p.error(f"--keeper-check must be a positive number of seconds, got {args.keeper_check}")
-    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
-        p.error(f"--tp-rank {args.tp_rank} must be in [0, --tp-size {args.tp_size})")
+    problem = tp_problem(args.tp_rank, args.tp_size, flags=True)
+    if problem is not None:
+        p.error(problem)
     _check_fleet(p, args)
     return args
 
@@ -145,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="tensor-parallel world size: each rank gets its slice of every sharded tensor (default 1: whole tensors)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (host shared memory) or cuda:K (default: cpu)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        type=_device_arg,
+        help="cpu (host shared memory) or cuda:K, K a visible GPU's index (by UUID or MIG instance: "
+        "CUDA_VISIBLE_DEVICES=UUID with cuda:0; default: cpu)",
+    )
     p.add_argument(
         "--cuda-export",
         default="vmm",
@@ -273,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="log lines on stderr at or above this level (default INFO: one line per event that matters)",
     )
     return p
+
+
+def _device_arg(text: str) -> str:
+    """argparse ``type=`` for ``--device``: cpu, cuda or cuda:K (whether that GPU exists is the backend's
+    check at start: CudaBackend.check_device)."""
+    from wcache.server.startup import device_index
+
+    try:
+        device_index(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _io_arg(text: str) -> str:

@@ -354,8 +354,11 @@ class Daemon:
         return Reply(reply, fds, undo=lambda: self.store.abandon(dep.id, "its DEPOSIT_SLAB could not be sent"))
 
     async def _commit(self, req: Commit, conn_id: int, pid: int) -> Reply:
-        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the keeper."""
+        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the host tier (before
+        DEPOSITED: no older generation of the key survives there, a crash included) and the keeper."""
         reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
+        if self.tier is not None:
+            await asyncio.to_thread(self.tier.supersede, model.key, model.generation)
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             if old is not None:
@@ -542,14 +545,19 @@ class Daemon:
         async with self._preload_lock:
             if key in self.store.models:
                 return True
-            entry = await asyncio.to_thread(tier.lookup, key)
+            since = self.store.generations.get(key)  # a deposit committed here since: only its generation
+            entry = await asyncio.to_thread(tier.lookup, key, generation=since)
             if entry is None:
                 return False
             await self._evicted(self.store.make_room(entry.size), "tier-restore")
             model = await asyncio.to_thread(restore, entry, key)
             if model is None:
                 return False
-            self.store.add(model)
+            if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
+                log.info(
+                    "deposit restore dropped %s pid=%d key=%s (committed anew meanwhile)", self._tag, pid, key.short()
+                )
+                return key in self.store.models
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(
@@ -581,6 +589,7 @@ class Daemon:
                     dict(model.aliases),
                     model.payload_bytes,
                     buffers=model.buffers,
+                    generation=model.generation,
                 )
             except Exception as exc:  # the tier is an optimisation: serving goes on without it
                 log.warning("host tier save failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)

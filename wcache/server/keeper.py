@@ -458,6 +458,9 @@ class Keeper:
                     leases=0,
                     load_seconds=e.model.load_seconds,
                     last_use=e.kept_at,
+                    origin=e.model.origin,
+                    source=e.model.source,
+                    owner=e.owner,
                 )
                 for e in self.entries.values()
             ),

@@ -19,7 +19,7 @@ from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server.keeper import Keeper, KeeperLimits
-from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir
+from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir, hold_socket_dir
 
 __all__ = ["fd_budget", "keeper_socket", "main", "parse_args"]
 
@@ -117,9 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         path = keeper_socket(args.socket_path, args.socket_dir)
-        lock = DaemonLock(path)
+        hold = hold_socket_dir(path.parent)
+    except WCacheError as exc:
+        print(f"wcache-keeper: error: {exc.message}", file=sys.stderr)
+        return 1
+    lock = DaemonLock(path, program="wcache-keeper")
+    try:
         lock.acquire()
     except WCacheError as exc:
+        hold.release()
         print(f"wcache-keeper: error: {exc.message}", file=sys.stderr)
         return 1
     try:
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(keeper.serve(ready))
     finally:
         lock.release()
+        hold.release()
     return 0
 
 

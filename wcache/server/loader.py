@@ -34,6 +34,11 @@ Checkpoint data is read through the descriptors ``Checkpoint.open`` validated th
 computed the fingerprint from (``layout.checkpoint``), never by reopening a path: a file
 replaced after planning cannot be served under the planned key. O_DIRECT descriptors are
 reopened from those (``/proc/self/fd/N``, the same inode, checked).
+
+A load may carry a ``BlockCheck`` (a host-tier refill: the CRC-32 of every block of the file): every
+byte read is passed to it before the load completes — the bytes in the mapping or staging buffer they
+were read into, or, where ``sendfile`` copied them in the kernel, read back from the slab — and the
+first block that differs fails the load. Checked loads read no file with O_DIRECT.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
@@ -64,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALIGN_IO",
     "DEFAULT_STAGING",
+    "BlockCheck",
     "IO_MODES",
     "STREAM_BLOCK",
     "Files",
@@ -320,22 +326,44 @@ def page_cache_fraction(path: Path | int) -> float:
         return 1.0
 
 
+class BlockCheck(Protocol):
+    """Verifies bytes a load read from a file before the load counts them as loaded (a host-tier entry's
+    ``BlockCrcs``): called with a ``block``-aligned file offset and the bytes read from there (whole blocks,
+    the file's last one possibly shorter); raises (a WCacheError) on bytes that differ."""
+
+    @property
+    def block(self) -> int: ...
+
+    def __call__(self, offset: int, data: memoryview) -> None: ...
+
+
 class _Files:
     """One read-only fd per file (and an O_DIRECT one where asked), shared by the reader threads.
 
     With a ``checkpoint`` the fds are its own validated descriptors (borrowed, not closed here) and
-    a path it does not hold is an error; without one (host-tier slab files) each path is opened once
-    through ``open_regular``."""
+    a path it does not hold is an error; ``opened`` maps paths to descriptors the caller opened and
+    checked (borrowed too: a host-tier slab file); any other path is opened once through
+    ``open_regular``. ``check``: every byte read is passed to it (``BlockCheck``)."""
 
-    def __init__(self, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint | None = None,
+        *,
+        opened: dict[Path, int] | None = None,
+        check: BlockCheck | None = None,
+    ) -> None:
         self.checkpoint = checkpoint
-        self.fds: dict[Path, int] = {}
+        self.fds: dict[Path, int] = dict(opened or {})
         self.owned: list[int] = []
         self.direct_fds: dict[Path, int] = {}
         self.lock = threading.Lock()
+        self.check = check
 
     def direct_fd(self, path: Path) -> int:
-        """An O_DIRECT fd of the same open file as ``fd(path)``, or -1 where the filesystem refuses it (tmpfs...)."""
+        """An O_DIRECT fd of the same open file as ``fd(path)``, or -1 where the filesystem refuses it (tmpfs...)
+        or the load is checked (its reads go through ``read_job``, which checks them)."""
+        if self.check is not None:
+            return -1
         fd = self.direct_fds.get(path)
         if fd is None:
             base = self.fd(path)
@@ -396,6 +424,11 @@ def _read(files: _Files, job: _Job, view: memoryview) -> None:
                 raise CheckpointError(f"{f}: {job.label}: file ended early (truncated while loading?)")
             done += got
         pos += n
+    if files.check is not None:
+        pos = 0
+        for _, off, n in job.extents:
+            files.check(off, view[pos : pos + n])
+            pos += n
 
 
 def _send(files: _Files, job: _Job, out_fd: int) -> None:
@@ -414,6 +447,27 @@ def _send(files: _Files, job: _Job, out_fd: int) -> None:
             if got == 0:
                 raise CheckpointError(f"{f}: {job.label}: file ended early (truncated while loading?)")
             done += got
+    if files.check is not None:
+        _check_sent(files.check, job, out_fd)
+
+
+def _check_sent(check: BlockCheck, job: _Job, out_fd: int) -> None:
+    """The bytes ``sendfile`` copied into the slab (in the kernel: nothing else saw them), checked where they landed:
+    through a read-only mapping of the slab's range (no second copy; it does not hinder sealing, and is gone after)."""
+    start = job.dest - job.dest % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(out_fd, job.dest + job.nbytes - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start)
+    view = memoryview(mm)
+    try:
+        pos = job.dest - start
+        for _, off, n in job.extents:
+            check(off, view[pos : pos + n])
+            pos += n
+    finally:
+        view.release()
+        try:
+            mm.close()
+        except BufferError:  # a slice held by a failed check's traceback: unmapped when that goes
+            pass
 
 
 def _read_direct(fd: int, view: memoryview, off: int, n: int, where: str) -> int:
@@ -534,15 +588,22 @@ def load_file_into(
     staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
     started: float | None = None,
+    fd: int | None = None,
+    check: BlockCheck | None = None,
 ) -> LoadStats:
     """Fill ``slab`` with the first ``slab.size`` bytes of ``path`` (a host-tier copy), with the
     same readers, staging and host-to-device pipeline as ``load_into``, in jobs of at most
-    ``FLAT_CHUNK``: a restarted daemon page-locks less staging before its first copy."""
+    ``FLAT_CHUNK``: a restarted daemon page-locks less staging before its first copy.
+    ``fd``: the file, opened and checked by the caller (read through it, never the path again);
+    ``check``: verifies every byte copied (jobs are then whole multiples of its ``block``)."""
     t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
     chunk = min(FLAT_CHUNK, _chunk(threads, staging_bytes))
+    if check is not None:
+        chunk = max(check.block, chunk - chunk % check.block)
     jobs = [_Job(None, off, [(path, off, min(chunk, slab.size - off))]) for off in range(0, slab.size, chunk)]
-    total = _execute(jobs, slab, threads, chunk, set(), progress)
+    files = _Files(opened={path: fd} if fd is not None else None, check=check)
+    total = _execute(jobs, slab, threads, chunk, set(), progress, files=files)
     return LoadStats(total, total, time.perf_counter() - t0, total)
 
 
@@ -560,6 +621,7 @@ def _execute(
     checkpoint: Checkpoint | None = None,
     *,
     block: int = 0,
+    files: _Files | None = None,
 ) -> int:
     """Run the jobs on ``threads`` readers; returns the bytes read. How bytes reach the slab (the
     host's sendfile / mapping, the device's pinned staging and streams) is the slab's writer.
@@ -570,7 +632,7 @@ def _execute(
     if progress not in (None, False, True):
         stream = progress  # type: ignore[assignment]
     bar = _Progress(total, stream)
-    files = _Files(checkpoint)
+    files = files if files is not None else _Files(checkpoint)
     staged = _streamed(jobs, direct) if block else []
     writer = slab.writer(jobs, threads, direct, staged)
     if not isinstance(writer, StagedWriter):

@@ -1,7 +1,9 @@
 """Prometheus text metrics, served on an optional loopback port (``--metrics-port``).
 
 Counters and a fetch-latency histogram kept by the daemon; rendered in the Prometheus text
-exposition format (version 0.0.4) at ``GET /metrics`` on 127.0.0.1 only.
+exposition format (version 0.0.4) at ``GET /metrics`` on 127.0.0.1 only. Rendered here rather than
+by prometheus_client (docs/architecture.md, "Libraries"); tests/server/test_metrics.py checks the
+text under that library's parser.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 def _label(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _value(v: float) -> str:
+    """A sample value, exact: integral values as integers (byte counts, counters past six digits), others
+    as the shortest repr that reads back to the same float — never ``{:g}``, which keeps six digits."""
+    if isinstance(v, int):
+        return str(v)
+    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
 
 
 class Metrics:
@@ -66,10 +76,7 @@ class Metrics:
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             out.append(f"# HELP {name} {help_}")
             out.append(f"# TYPE {name} {kind}")
-            out.extend(
-                f"{name}{labels} {value:g}" if isinstance(value, float) else f"{name}{labels} {value}"
-                for labels, value in samples
-            )
+            out.extend(f"{name}{labels} {_value(value)}" for labels, value in samples)
 
         metric(
             "wcache_resident_bytes",
@@ -104,8 +111,8 @@ class Metrics:
         cum.append(('{le="+Inf"}', float(self.fetch_count)))
         out.append("# HELP wcache_fetch_seconds Time from GET_STATE received to STATE sent.")
         out.append("# TYPE wcache_fetch_seconds histogram")
-        out.extend(f"wcache_fetch_seconds_bucket{labels} {value:g}" for labels, value in cum)
-        out.append(f"wcache_fetch_seconds_sum {self.fetch_sum:g}")
+        out.extend(f"wcache_fetch_seconds_bucket{labels} {_value(value)}" for labels, value in cum)
+        out.append(f"wcache_fetch_seconds_sum {_value(self.fetch_sum)}")
         out.append(f"wcache_fetch_seconds_count {self.fetch_count}")
         metric(
             "wcache_fills_total",

@@ -93,6 +93,7 @@ def spawn_keeper(
     socket_dir: str | os.PathLike[str],
     *extra: str,
     log: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
     timeout: float | None = 60.0,
 ) -> DaemonProcess:
     """Start ``wcache-keeper --socket-dir D --ready-file ... *extra`` and wait for it (see spawn_daemon)."""
@@ -101,7 +102,7 @@ def spawn_keeper(
     ready = sdir.parent / f".wcache-keeper-ready-{tag}.json"
     log_path = Path(log) if log is not None else sdir.parent / f"wcache-keeper-{tag}.log"
     return _spawn(
-        "wcache.server.keeper", ["--socket-dir", str(sdir), *extra], ready, log_path, None, timeout, "wcache-keeper"
+        "wcache.server.keeper", ["--socket-dir", str(sdir), *extra], ready, log_path, env, timeout, "wcache-keeper"
     )
 
 

@@ -1,7 +1,8 @@
 """``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
-goes through, in an order where a bad start costs nothing: socket directory checks -> one-daemon lock ->
-platform check -> takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) -> load
-into one slab -> listen -> ready line (and ready file).
+goes through, in an order where a bad start costs nothing: socket directory checks (and a hold on the
+directory) -> device check -> one-daemon lock -> platform check -> takeover or keeper reclaim -> checkpoint
+headers, key and shard plan (no data) -> load into one slab -> listen -> ready line (and ready file). At
+the end, clean or not, the lock file goes, and the default socket directory with the last user of it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from wcache.errors import CheckpointError, WCacheError
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
 from wcache.server.backends.base import Backend
-from wcache.server.security import DaemonLock, check_private_dir, check_socket_path, ensure_socket_dir
+from wcache.server.security import (
+    DaemonLock,
+    check_private_dir,
+    check_socket_path,
+    ensure_socket_dir,
+    hold_socket_dir,
+)
 
 if TYPE_CHECKING:
     from wcache.key import WeightCacheKey
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "adopt",
     "checkpoint_errors",
+    "device_index",
     "fetch_checkpoint_files",
     "fill_from_peers",
     "make_backend",
@@ -53,17 +61,35 @@ __all__ = [
 log = logging.getLogger("wcache.server")
 
 
-def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
+def device_index(device: str) -> int | None:
+    """``--device``: None for ``cpu``, the index K of ``cuda`` / ``cuda:K``; ValueError (its message says what
+    to pass) for anything else."""
     if device == "cpu":
+        return None
+    if device == "cuda":
+        return 0
+    head, _, index = device.partition(":")
+    if head == "cuda" and index.isdigit() and index.isascii():
+        return int(index)
+    raise ValueError(
+        f"--device must be cpu, cuda or cuda:K (K: the index of a visible GPU, from 0), got {device!r}"
+        + (
+            f"; for a GPU or MIG instance by UUID, pass CUDA_VISIBLE_DEVICES={index} and --device cuda:0"
+            if head == "cuda" and index.startswith(("GPU-", "MIG-"))
+            else ""
+        )
+    )
+
+
+def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
+    index = device_index(device)
+    if index is None:
         from wcache.server.backends.host import HostBackend
 
         return HostBackend()
-    if device == "cuda" or device.startswith("cuda:"):
-        from wcache.server.backends.cuda import CudaBackend
+    from wcache.server.backends.cuda import CudaBackend
 
-        backend: Backend = CudaBackend(int(device.split(":", 1)[1]) if ":" in device else 0, cuda_export)
-        return backend
-    raise SystemExit(f"wcache-server: error: --device must be cpu or cuda:K, got {device!r}")
+    return CudaBackend(index, cuda_export)
 
 
 def resolve_socket(args: argparse.Namespace) -> Path:
@@ -267,7 +293,7 @@ def _keeper_holds_some(args: argparse.Namespace, sock_path: Path) -> bool:
     from wcache.paths import KEEPER_SOCKET
 
     kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
-    return asyncio.run(keeper_kept(kpath, args.tp_rank)) > 0
+    return asyncio.run(keeper_kept(kpath, args.tp_rank, owner=sock_path)) > 0
 
 
 def restorer(
@@ -333,7 +359,8 @@ def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> No
 
 def rank_spec(args: argparse.Namespace) -> RankSpec:
     """The rank ``--model``, ``--tp-rank``, ``--tp-size``, ``--dtype``, ``--shard-plan``, ``--transform`` and
-    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank)."""
+    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank); also what
+    ``wcache preload`` / ``evict DIR`` name (``model`` their directory)."""
     from wcache.rank import RankSpec
 
     return RankSpec(
@@ -342,8 +369,8 @@ def rank_spec(args: argparse.Namespace) -> RankSpec:
         tp_size=args.tp_size,
         dtype=args.dtype,
         plan_file=args.shard_plan,
-        transform=args.transform,
-        verify_content=args.verify_content,
+        transform=args.transform or "",
+        verify_content=getattr(args, "verify_content", False),  # wcache preload / evict: the daemon's policy
     )
 
 
@@ -453,19 +480,28 @@ def run(args: argparse.Namespace) -> int:
         check_private_dir(sock_path.parent)
     else:
         sock_path = resolve_socket(args)
+    hold = hold_socket_dir(sock_path.parent)
     lock = DaemonLock(sock_path)
-    if args.takeover is None:
-        lock.acquire()
     try:
         backend = make_backend(args.device, args.cuda_export)
-        if args.takeover is None and not _keeper_holds_some(args, sock_path):  # it will load: set loads up first
+        loads = args.takeover is None and not _keeper_holds_some(args, sock_path)
+        backend.check_device(loads)  # an unusable device: one line, before the lock is taken or a file read
+        if args.takeover is None:
+            lock.acquire()
+    except BaseException:
+        hold.release()
+        raise
+    try:
+        if loads:  # set loads up first (CudaBackend.prepare_loads says why)
             backend.prepare_loads()
         backend.check_platform()
         tier = None
         if args.host_tier > 0:  # before a takeover: from TAKEOVER_DONE on, a failure here would lose the models
             from wcache.server.tier import HostTier, default_tier_dir
 
-            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=backend.pinner())
+            # --verify-content: no refill by one DMA copy (the one way that checks only sampled blocks, tier.py)
+            pin = None if args.verify_content else backend.pinner()
+            tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=pin)
         handed: list[ServedModel] = []
         listener = None
         if args.takeover is not None:
@@ -588,5 +624,6 @@ def run(args: argparse.Namespace) -> int:
             if tier is not None:
                 tier.close()
     finally:
-        lock.release()
+        lock.release()  # a clean stop leaves neither the lock file nor (the default one, if empty) the directory
+        hold.release()
     return 0

@@ -25,16 +25,15 @@ from wcache.errors import (
     DeviceMismatchError,
     InternalError,
     InUseError,
-    KeyMismatchError,
     LimitExceededError,
-    NotFoundError,
     OutOfMemoryError,
     ProtocolError,
+    TierEntryError,
     TransformError,
     UnknownLeaseError,
     UnsupportedPlatformError,
 )
-from wcache.key import WeightCacheKey
+from wcache.key import WeightCacheKey, key_mismatch, not_served
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.peer_files import refuse_stubs
 from wcache.proto import (
@@ -96,6 +95,8 @@ class ServedModel:
     source: Path | None = None  # the checkpoint directory it was loaded from
     origin: str = ""  # how this daemon got it (STATUS): "disk", "tier", "keeper", "takeover", "deposit"
     buffers: tuple[str, ...] = ()  # tensors deposited as module buffers (STATE's ``buffers``)
+    #: a deposit's generation (random, given at COMMIT; a tier restore keeps the entry's): "" for a checkpoint
+    generation: str = ""
 
     def __post_init__(self) -> None:
         self._slab_bytes = sum(s.size for s in self.slabs)
@@ -248,8 +249,10 @@ def load_from_tier(
     staging_bytes: int,
     source: Path | None,
 ) -> ServedModel | None:
-    """Fill a new slab from a host-tier entry (one DMA copy where it is page-locked here, else staged);
-    None when the entry's file went away meanwhile (then load from the checkpoint)."""
+    """Fill a new slab from a host-tier entry: one DMA copy where it is page-locked here, else staged through
+    the file ``lookup`` checked, every block's checksum verified on the bytes copied (tier.py says what each
+    way verifies). None when the entry's file went away or was altered (then it is removed where it is still
+    the one checked, and the caller loads from the checkpoint, or the deposit is absent)."""
     started = time.perf_counter()
     slab = backend.allocate(entry.size)
     how = "staged"
@@ -258,8 +261,24 @@ def load_from_tier(
             stats = LoadStats(entry.size, entry.size, time.perf_counter() - started, entry.size)
             how = "pinned"
         else:
-            stats = load_file_into(entry.slab_path, slab, threads=threads, staging_bytes=staging_bytes, started=started)
+            fd = tier.open_slab(entry)
+            try:
+                stats = load_file_into(
+                    entry.slab_path,
+                    slab,
+                    threads=threads,
+                    staging_bytes=staging_bytes,
+                    started=started,
+                    fd=fd,
+                    check=entry.check,
+                )
+            finally:
+                os.close(fd)
         slab.seal()
+    except TierEntryError as exc:  # replaced since lookup, or a block differs from its checksum
+        slab.close()
+        tier.discard(entry, exc)
+        return None
     except CheckpointError as exc:  # the entry vanished or shrank under us: load from the checkpoint
         slab.close()
         log.warning("host tier read failed key=%s (%s); loading from disk", key.short(), exc)
@@ -289,6 +308,7 @@ def load_from_tier(
         source=source,
         origin="tier",
         buffers=entry.buffers,
+        generation=entry.generation,
     )
 
 
@@ -509,6 +529,9 @@ class Store:
         #: deposit id -> deposit between DEPOSIT_SLAB and COMMIT (its bytes count against the budget)
         self.deposits: dict[int, PendingDeposit] = {}
         self._next_deposit = secrets.randbits(31) + 1
+        #: recipe key -> generation of the deposit last committed under it in this process: the host tier restores
+        #: no other generation of the key, and a restore that a commit overtook is dropped (``add_restored``)
+        self.generations: dict[WeightCacheKey, str] = {}
 
     @property
     def resident_bytes(self) -> int:
@@ -563,21 +586,11 @@ class Store:
         return m
 
     def find(self, requested: dict[str, str | int]) -> ServedModel:
-        """The model served under exactly ``requested``; KEY_MISMATCH against the most recent one else."""
+        """The model served under exactly ``requested``; KEY_MISMATCH against the closest served one else."""
         m = self.lookup(requested)
         if m is not None:
             return m
-        if not self.models:
-            raise NotFoundError("the daemon holds no weights; PRELOAD a model first")
-        recent = next(reversed(self.models.values()))
-        diff = recent.key.diff_wire(requested)
-        served = [m.key.short() for m in self.models.values()]
-        raise KeyMismatchError(
-            "requested key differs from the served one in: "
-            + ", ".join(sorted(diff))
-            + (f" (serving {len(served)} models)" if len(served) > 1 else ""),
-            details={"fields": diff, "served": served},
-        )
+        raise key_mismatch(requested, self.models)  # per field: requested vs the closest served model
 
     def _victims(self, nbytes: int, models: int, going: ServedModel | None = None) -> list[ServedModel]:
         """The unleased models, least recently used first, whose eviction makes ``nbytes`` more bytes fit the
@@ -644,6 +657,16 @@ class Store:
             except Exception as exc:  # serving the model must not depend on it
                 log.warning("model hook failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)
 
+    def add_restored(self, model: ServedModel, since: str | None) -> bool:
+        """Serve a deposit restored from the host tier, unless a deposit was committed under its key since the
+        restore began (``since``: ``generations.get(key)`` then) or one is served under it now: then the restore
+        is stale, its slab is freed and False returned (the newer deposit stays served)."""
+        if model.key in self.models or self.generations.get(model.key) != since:
+            model.close()
+            return False
+        self.add(model)
+        return True
+
     def remember_source(self, model: ServedModel, source: Path) -> None:
         """``model`` (adopted from a keeper or a previous daemon) was loaded from ``source``: load-on-demand
         may load other variants of that checkpoint."""
@@ -669,9 +692,7 @@ class Store:
     def evict(self, requested: dict[str, str | int]) -> ServedModel:
         m = self.lookup(requested)
         if m is None:
-            raise NotFoundError(
-                "no model is served under that key", details={"served": [k.short() for k in self.models]}
-            )
+            raise not_served(requested, self.models)
         n = self.leased(m.key)
         if n:
             raise InUseError(f"{m.key.short()} is held by {n} lease(s)", details={"leases": n})
@@ -812,7 +833,8 @@ class Store:
         on the model under the key; PROTOCOL_ERROR: the engine changed the slab's seals; OUT_OF_MEMORY /
         LIMIT_EXCEEDED: leases taken meanwhile pin the room it was admitted against) its slab is freed and
         nothing is published or evicted. Returns the reply, the model, the unleased model it replaced
-        (closed) and the models evicted for it (closed)."""
+        (closed) and the models evicted for it (closed). The model has a new ``generation``, recorded in
+        ``generations``; the caller supersedes the key's host-tier entry with it before sending DEPOSITED."""
         dep = self.deposits.get(req.deposit)
         if dep is None or dep.conn_id != conn_id:
             raise UnknownLeaseError(f"deposit {req.deposit} is not open on this connection")
@@ -848,6 +870,7 @@ class Store:
         self._evict(victims)
         dep.table.encoded()
         stats = LoadStats(dep.payload, dep.payload, time.perf_counter() - dep.started)
+        generation = secrets.token_hex(16)
         model = ServedModel(
             dep.key,
             dep.table,
@@ -860,11 +883,13 @@ class Store:
             buffers=dep.buffers,
             # the checkpoint its recipe names, where this daemon loaded it: a restart re-checks that against it
             source=self.source_for(dep.key.to_wire()),
+            generation=generation,
         )
         if old is not None:
             del self.models[dep.key]
             old.close()
         self.add(model)
+        self.generations[dep.key] = generation  # what the host tier may hold of the key from now on
         reply = Deposited(
             id=req.id,
             deposit=dep.id,
@@ -899,6 +924,7 @@ class Store:
                 load_seconds=m.stats.seconds,
                 last_use=m.last_use,
                 origin=m.origin,
+                source=str(m.source or ""),
             )
             for m in self.models.values()
         )

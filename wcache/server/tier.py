@@ -2,31 +2,63 @@
 
 ``wcache-server --host-tier BYTES`` keeps, in a private directory on tmpfs (default
 ``/dev/shm/wcache-<uid>``), one entry per served key: ``<id>.slab`` (the slab's bytes,
-exactly as laid out) and ``<id>.meta`` (msgpack: format, key, tensor table, aliases,
-payload bytes, size, sampled digest, a deposit's buffers). A daemon restart, or a PRELOAD /
-load-on-demand of a model evicted from the device, then fills the device slab from that file at
-host-to-device speed instead of reading and sharding the checkpoint again. Deposits (write-back)
-are saved once committed and restored when an engine asks for their recipe key after an eviction
-or a restart: the recipe key names the checkpoint's fingerprint, so an engine of a changed
+exactly as laid out) and ``<id>.meta``. A daemon restart, or a PRELOAD / load-on-demand of a
+model evicted from the device, then fills the device slab from that file at host-to-device
+speed instead of reading and sharding the checkpoint again. Deposits (write-back) are saved
+once committed and restored when an engine asks for their recipe key after an eviction or a
+restart: the recipe key names the checkpoint's fingerprint, so an engine of a changed
 checkpoint never asks for an entry of the old one.
 
-An entry is used only if its key equals the key the daemon computes from the checkpoint
-*now* (names, headers and sampled data blocks: the fingerprint, so a changed checkpoint
-never reloads stale bytes), its size matches and a digest of 16 sampled 4 KiB blocks of
-the slab file matches; anything else is logged, removed and loaded from disk. Entries are
-written to temporary names and renamed (slab first, meta last): a present meta means a
-complete slab. Entries beyond the budget are removed least recently used first (meta
-mtime, touched on use). Several daemons of one user may share the directory.
+What a restore verifies (docs/security.md, "The host tier"):
+
+- **the meta, whole**: ``<id>.meta`` is msgpack ``{format, body, sha256}``; ``body`` (msgpack:
+  key, size, payload, tensor table, aliases, buffers, generation, sampled digest, block
+  checksums) is used only if its SHA-256 matches, its key equals the key asked for (for a
+  checkpoint: computed from the checkpoint *now*, so a changed checkpoint never reloads stale
+  bytes), and its table, aliases and buffers are consistent with the slab;
+- **the slab file**: its size, and a digest of 16 sampled 4 KiB blocks at lookup (a cheap
+  early refusal); then, as the restore reads it, the CRC-32 of **every** 1 MiB block
+  (``BlockCrcs``, checked by the loader on the bytes it copies: in the mapping or staging
+  buffer it read them into, or read back from the slab where ``sendfile`` copied them in the
+  kernel). A refill by one DMA copy from the page-locked file (CUDA) is the exception: it
+  checks the meta, size and sampled digest only, and copies a file whose every block this
+  daemon checked (its first, staged refill) or wrote (its own save) before pinning it;
+  ``--verify-content`` pins nothing, so every refill is staged and checked;
+- **the files themselves**: both must be regular files of the daemon's uid, mode 0600, one
+  link, opened ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat``: a symlink, a FIFO, a
+  directory or a hard link is never followed, read or waited on. An entry that is not what
+  the daemon wrote is treated as absent and removed (one log line); a directory under an
+  entry's name is left where it is (it is not the daemon's to remove) and logged once.
+
+Generations (deposits): every committed deposit carries a random generation. Its COMMIT
+replaces the key's entry with a *tombstone* (a meta of that generation and no slab) before
+DEPOSITED is sent, and a deposit's save publishes only over its own tombstone; so the tier
+holds for a recipe key the last generation committed (by any daemon sharing the directory)
+or nothing, never an older one, a crash before the save included. A daemon that committed a
+deposit asks for its generation only (``lookup(key, generation=...)``): another generation's
+entry is then absent for it (between its COMMIT and the tombstone, the older one is still there). Checkpoint entries have no generation: their bytes follow from their key.
+
+Entries are written to temporary names and renamed (slab first, meta last) under a lock on
+the directory (``flock``, shared by every daemon using it): a present meta means a complete
+slab. Entries beyond the budget are removed least recently used first (meta mtime, touched on
+use). Several daemons of one user may share the directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import logging
+import mmap
 import os
+import stat
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,20 +67,60 @@ import msgpack
 
 from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import ProtocolError, TierEntryError, WCacheError
+from wcache.files import file_kind, read_at_most
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import PinnedFile, Slab
 from wcache.server.security import check_private_dir
 
-__all__ = ["FORMAT", "HostTier", "TierEntry", "default_tier_dir"]
+__all__ = ["CHECK_BLOCK", "FORMAT", "BlockCrcs", "HostTier", "TierEntry", "default_tier_dir"]
 
 log = logging.getLogger("wcache.tier")
 
-FORMAT = 1
+FORMAT = 2
+#: every block of this many bytes of a slab file has its CRC-32 in the meta (the last one may be shorter)
+CHECK_BLOCK = 1 << 20
+#: a meta file over this size is not read (a table of 1M tensors is ~100 MB); a save that would write one skips
+MAX_META_BYTES = 256 << 20
+#: how long a save or a commit waits for another process's publish to finish before giving up on the lock
+LOCK_WAIT_S = 2.0
+
+_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_ERRORS = (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException)
 
 
 def default_tier_dir() -> Path:
     return Path(f"/dev/shm/wcache-{os.geteuid()}")
+
+
+class _Foreign(Exception):
+    """A file under an entry's name that the daemon did not write (a symlink, a FIFO, a directory, a hard link,
+    another owner or mode): the entry is absent."""
+
+
+@dataclass(frozen=True)
+class BlockCrcs:
+    """The CRC-32 of every ``block`` bytes of a slab file of ``size`` bytes (little-endian uint32 each). Called by
+    the loader with bytes it read from the file at a block-aligned ``offset`` (``loader.BlockCheck``); raises
+    TierEntryError on the first block that differs."""
+
+    crcs: bytes
+    size: int
+    block: int = CHECK_BLOCK
+
+    def __call__(self, offset: int, data: memoryview) -> None:
+        if offset % self.block or offset + len(data) > self.size:
+            raise TierEntryError(f"bytes {offset}..{offset + len(data)} are not whole checked blocks of the entry")
+        for pos in range(0, len(data), self.block):
+            i = (offset + pos) // self.block
+            piece = data[pos : pos + self.block]
+            if len(piece) != min(self.block, self.size - offset - pos):
+                raise TierEntryError(f"block {i} of the entry was read in part only")
+            if zlib.crc32(piece) != int.from_bytes(self.crcs[4 * i : 4 * i + 4], "little"):
+                raise TierEntryError(
+                    f"block {i} (bytes {offset + pos}..{offset + pos + len(piece)}) of the slab file differs from its "
+                    "checksum (corrupted or rewritten)"
+                )
 
 
 @dataclass(frozen=True)
@@ -61,19 +133,103 @@ class TierEntry:
     payload: int
     pinned: PinnedFile | None = None  # the slab file page-locked in this daemon by its backend
     buffers: tuple[str, ...] = ()  # a deposit's tensors that are module buffers (STATE's ``buffers``)
+    generation: str = ""  # the deposit's generation ("" for a checkpoint's entry)
+    check: BlockCrcs | None = None  # every block's checksum, verified as the restore reads it
+    inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the slab file verified at lookup: the restore reads that
 
 
-def _digest(path: Path, size: int) -> str:
+def _open_own(path: Path) -> int | None:
+    """A read-only descriptor of ``path`` if it is a file as the daemon writes entries: regular (not a symlink:
+    ``O_NOFOLLOW``), of this uid, mode 0600 or stricter, one link. None if absent; _Foreign otherwise. Never
+    blocks (``O_NONBLOCK``: a FIFO swapped in after the ``lstat`` opens at once, then ``fstat`` refuses it)."""
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(before.st_mode):
+        raise _Foreign(f"{path.name} is {file_kind(before.st_mode)}")
+    try:
+        fd = os.open(path, _OPEN)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Foreign(f"{path.name} became a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise _Foreign(f"{path.name} was replaced while being opened")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_nlink != 1:
+            raise _Foreign(
+                f"{path.name} is not as the daemon writes entries (uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o}, {st.st_nlink} links; written: this uid, 0600, 1 link)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pack_meta(body: dict[str, Any]) -> bytes:
+    packed = msgpack.packb(body, use_bin_type=True)
+    out: bytes = msgpack.packb(
+        {"format": FORMAT, "body": packed, "sha256": hashlib.sha256(packed).digest()}, use_bin_type=True
+    )
+    return out
+
+
+def _unpack_meta(raw: bytes) -> dict[str, Any]:
+    """The body of a meta file, if its format is this one and its SHA-256 matches; TierEntryError otherwise."""
+    outer: Any = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    if not isinstance(outer, dict) or outer.get("format") != FORMAT:
+        raise TierEntryError(f"unknown tier format {outer.get('format') if isinstance(outer, dict) else '?'}")
+    packed = outer.get("body")
+    if not isinstance(packed, bytes) or hashlib.sha256(packed).digest() != outer.get("sha256"):
+        raise TierEntryError("the meta's checksum differs (corrupted or rewritten)")
+    body: Any = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    if not isinstance(body, dict):
+        raise TierEntryError("the meta's body is not a map")
+    return body
+
+
+def _digest(fd: int, size: int) -> str:
     h = hashlib.sha256(size.to_bytes(8, "little"))
-    with open(path, "rb") as fh:
-        for off in _sample_offsets(size):
-            h.update(os.pread(fh.fileno(), SAMPLE_BLOCK, off))
+    for off in _sample_offsets(size):
+        h.update(os.pread(fd, SAMPLE_BLOCK, off))
     return h.hexdigest()
+
+
+def _block_crcs(fd: int, size: int) -> bytes:
+    """The CRC-32 of every CHECK_BLOCK of the file ``fd`` (``size`` bytes), on up to 8 threads (zlib releases the
+    GIL): 1 GiB in 0.28-0.42 s on one core of the 2-core machine (benchmarks/results/tier_verify-cpu-2026-12-01.json)."""
+    if size == 0:
+        return b""
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            blocks = range(0, size, CHECK_BLOCK)
+            with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(blocks)))) as pool:
+                crcs = list(pool.map(lambda off: zlib.crc32(view[off : off + CHECK_BLOCK]), blocks))
+        finally:
+            view.release()
+    return b"".join(c.to_bytes(4, "little") for c in crcs)
+
+
+def _unlink(path: Path) -> bool:
+    """Remove an entry's file, never a directory (unlink refuses one: EISDIR). False if it is still there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 class HostTier:
     """``pin``: how to keep entries page-locked in this process for DMA-speed refills (the backend's
-    ``pinner()``: CUDA backends), or None."""
+    ``pinner()``: CUDA backends), or None (every refill staged and checked block by block)."""
 
     def __init__(self, directory: Path, budget: int, *, pin: Callable[[Path, int], PinnedFile] | None = None) -> None:
         self.dir = Path(os.path.abspath(directory))
@@ -84,6 +240,10 @@ class HostTier:
         #: one save at a time in this process: two saves of one key shared a temporary file (and the budget's
         #: count of what is stored), so a late one wrote into the entry the other had just completed
         self._save_lock = threading.Lock()
+        #: this process's half of the directory lock (the flock is per open file: threads need their own order)
+        self._publish_lock = threading.Lock()
+        #: paths refused and left in place (directories): logged once, not at every lookup
+        self._reported: set[Path] = set()
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
         except FileExistsError:
@@ -91,12 +251,34 @@ class HostTier:
         check_private_dir(self.dir, what="host tier directory")
         self._remove_dead_temporaries()
 
+    @contextlib.contextmanager
+    def _publishing(self) -> Iterator[None]:
+        """Hold the directory's lock (every daemon sharing it): publishing an entry, a tombstone, or removing an
+        entry happens under it. TimeoutError after LOCK_WAIT_S (a process holding it that long is not a save)."""
+        with self._publish_lock:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                deadline = time.monotonic() + LOCK_WAIT_S
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(
+                                f"host tier directory {self.dir} stayed locked for {LOCK_WAIT_S} s"
+                            ) from None
+                        time.sleep(0.001)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+
     def _remove_dead_temporaries(self) -> None:
-        """Remove the temporary files of saves whose daemon died in the middle (``.<entry>.<pid>.tmp`` and
-        ``.metatmp``): on tmpfs they are memory, outside every budget. A live process's save is left alone."""
+        """Remove the temporary files of saves whose daemon died in the middle (``.<entry>.<pid>.tmp``,
+        ``.metatmp``, ``.stonetmp``): on tmpfs they are memory, outside every budget. A live process's are left."""
         for p in self.dir.glob(".*.*tmp"):
             parts = p.name.split(".")
-            if len(parts) < 4 or parts[-1] not in ("tmp", "metatmp") or not parts[2].isdigit():
+            if len(parts) < 4 or parts[-1] not in ("tmp", "metatmp", "stonetmp") or not parts[2].isdigit():
                 continue
             pid = int(parts[2])
             if pid == os.getpid():
@@ -109,11 +291,11 @@ class HostTier:
             except PermissionError:
                 continue
             try:
-                size = p.stat().st_size
-                p.unlink()
+                size = os.lstat(p).st_size
             except FileNotFoundError:
                 continue
-            log.info("host tier removed %s bytes=%d (left by pid %d, which died during a save)", p.name, size, pid)
+            if _unlink(p):
+                log.info("host tier removed %s bytes=%d (left by pid %d, which died during a save)", p.name, size, pid)
 
     @staticmethod
     def entry_id(key: WeightCacheKey) -> str:
@@ -125,24 +307,39 @@ class HostTier:
         return self.dir / f"{i}.slab", self.dir / f"{i}.meta"
 
     def entries(self) -> list[tuple[Path, Path, int]]:
-        """(slab, meta, bytes) of every complete entry, least recently used first."""
+        """(slab, meta, bytes) of every complete entry, least recently used first: both regular files (a
+        tombstone has no slab; a symlink or FIFO is not counted)."""
         out = []
         for meta in self.dir.glob("*.meta"):
             slab = meta.with_suffix(".slab")
             try:
-                out.append((meta.stat().st_mtime, slab, meta, slab.stat().st_size))
+                ms, ss = os.lstat(meta), os.lstat(slab)
             except FileNotFoundError:
                 continue
+            if stat.S_ISREG(ms.st_mode) and stat.S_ISREG(ss.st_mode):
+                out.append((ms.st_mtime, slab, meta, ss.st_size))
         return [(s, m, n) for _, s, m, n in sorted(out)]
 
-    def _pin_in_background(self, slab: Path, size: int) -> None:
+    def _pin_in_background(self, slab: Path, size: int, inode: tuple[int, int]) -> None:
+        """Page-lock the slab file ``inode`` (the one this daemon wrote or checked whole), through a descriptor
+        opened as lookups open it: a file put in its place meanwhile is not pinned."""
         pinner = self.pin
 
         def pin() -> None:
             assert pinner is not None
             t0 = time.perf_counter()
             try:
-                p = pinner(slab, size)
+                fd = _open_own(slab)
+                if fd is None:
+                    return
+                try:
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != inode:
+                        log.info("host tier pin skipped entry=%s (the file was replaced meanwhile)", slab.stem)
+                        return
+                    p = pinner(Path(f"/proc/self/fd/{fd}"), size)  # the same open file, not the path again
+                finally:
+                    os.close(fd)
             except Exception as exc:  # a thread of its own: whatever goes wrong is logged, serving goes on
                 log.warning("host tier pin failed entry=%s: %s: %s", slab.stem, type(exc).__name__, exc)
                 return
@@ -152,7 +349,7 @@ class HostTier:
             if old is not None:
                 old.close()
             try:
-                gone = os.stat(slab).st_ino != p.inode
+                gone = p.inode != inode[1] or os.lstat(slab).st_ino != inode[1]
             except FileNotFoundError:
                 gone = True
             if gone:  # removed or rewritten while we pinned it
@@ -165,10 +362,11 @@ class HostTier:
             threading.Thread(target=pin, name="wcache-tier-pin", daemon=True).start()
 
     def pin_later(self, entry: TierEntry) -> None:
-        """After a refill from ``entry`` through staging: page-lock it now, so that the next refill (after
-        an eviction) is one DMA copy. Not during the refill: both would compete for the driver and memory."""
+        """After a refill from ``entry`` through staging (which checked every block): page-lock it now, so that
+        the next refill (after an eviction) is one DMA copy. Not during the refill: both would compete for the
+        driver and memory."""
         if entry.pinned is None:
-            self._pin_in_background(entry.slab_path, entry.size)
+            self._pin_in_background(entry.slab_path, entry.size, entry.inode)
 
     def _unpin(self, slab: Path) -> None:
         with self._lock:
@@ -183,47 +381,177 @@ class HostTier:
     def remove(self, slab: Path, meta: Path) -> None:
         self._unpin(slab)
         for p in (meta, slab):  # meta first: the entry stops existing before its bytes go
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+            _unlink(p)
 
-    def lookup(self, key: WeightCacheKey) -> TierEntry | None:
-        slab, meta = self._paths(key)
-        if not meta.exists():
+    def _refuse(self, slab: Path, meta: Path, why: object) -> None:
+        """An entry that cannot be used: its files removed (those the daemon may remove: not a directory, which
+        is left in place) and one log line; a path left in place is logged once, not at every lookup. Under the
+        directory lock where it can be had (a save of another process may be publishing the entry anew)."""
+        try:
+            with self._publishing():
+                left = [p for p in (meta, slab) if not self._remove_one(p, slab)]
+        except (OSError, TimeoutError):
+            left = [p for p in (meta, slab) if not self._remove_one(p, slab)]
+        if left and set(left) <= self._reported:
+            return
+        self._reported.update(left)
+        kept = f"; left in place (not the daemon's to remove): {', '.join(p.name for p in left)}" if left else ""
+        log.warning("host tier entry %s refused (%s)%s; treated as absent", meta.stem, why, kept)
+
+    def _remove_one(self, p: Path, slab: Path) -> bool:
+        if p == slab:
+            self._unpin(slab)
+        return _unlink(p)
+
+    def _read_meta(self, meta: Path) -> dict[str, Any] | None:
+        """The meta's body (format and checksum verified); None if there is none. _Foreign, TierEntryError."""
+        fd = _open_own(meta)
+        if fd is None:
             return None
         try:
-            m: Any = msgpack.unpackb(meta.read_bytes(), raw=False, strict_map_key=True)
-            if not isinstance(m, dict) or m.get("format") != FORMAT:
-                raise TierEntryError(f"unknown tier format {m.get('format') if isinstance(m, dict) else m!r}")
-            if m.get("key") != key.to_wire():
-                raise TierEntryError("its key differs from the checkpoint's key now")
-            size = int(m["size"])
-            if slab.stat().st_size != size:
-                raise TierEntryError(f"slab file has {slab.stat().st_size} bytes, the entry says {size}")
-            if _digest(slab, size) != m.get("digest"):
+            raw = read_at_most(fd, MAX_META_BYTES + 1)
+            if len(raw) > MAX_META_BYTES:
+                raise TierEntryError(f"the meta file is over {MAX_META_BYTES} bytes")
+            body = _unpack_meta(raw)
+            os.utime(fd)  # least recently used goes first (through the descriptor: never a path followed)
+        finally:
+            os.close(fd)
+        return body
+
+    def lookup(self, key: WeightCacheKey, *, generation: str | None = None) -> TierEntry | None:
+        """The entry for ``key`` if it is whole and as the daemon wrote it (the module docstring says what is
+        checked here and what the restore checks as it reads); None otherwise, removing what is not. With
+        ``generation`` (the deposit the daemon last committed under ``key``), another generation's entry is None
+        too, and left in place."""
+        slab, meta = self._paths(key)
+        fd = -1
+        try:
+            body = self._read_meta(meta)
+            if body is None:
+                return None
+            if body.get("key") != key.to_wire():
+                raise TierEntryError("its key differs from the key asked for (the checkpoint's key now)")
+            found = str(body.get("generation", ""))
+            if body.get("tombstone"):
+                return None  # a deposit committed, its save not (yet) done: nothing of this key in the tier
+            if generation is not None and found != generation:
+                log.info(
+                    "host tier entry %s is generation %s, not %s (served): not restored", meta.stem, found, generation
+                )
+                return None
+            size = int(body["size"])
+            opened = _open_own(slab)
+            if opened is None:
+                raise TierEntryError("its slab file is missing")
+            fd = opened
+            st = os.fstat(fd)
+            if st.st_size != size:
+                raise TierEntryError(f"slab file has {st.st_size} bytes, the entry says {size}")
+            if _digest(fd, size) != body.get("digest"):
                 raise TierEntryError("sampled digest of the slab file differs (corrupted or rewritten)")
-            table = TensorTable.from_wire(m["tensors"], [size])
-            aliases = {str(a): str(t) for a, t in dict(m.get("aliases", {})).items()}
-            with self._lock:
-                pinned = self._pinned.get(slab)
-            if pinned is not None and pinned.inode != slab.stat().st_ino:  # rewritten by another daemon
-                self._unpin(slab)
-                pinned = None
-            buffers = tuple(str(b) for b in m.get("buffers", ()))
+            crcs = body.get("crc32")
+            if (
+                body.get("block") != CHECK_BLOCK
+                or not isinstance(crcs, bytes)
+                or len(crcs) != 4 * -(-size // CHECK_BLOCK)
+            ):
+                raise TierEntryError("its block checksums do not cover the slab")
+            table = TensorTable.from_wire(body["tensors"], [size])
+            aliases = {str(a): str(t) for a, t in dict(body.get("aliases", {})).items()}
+            buffers = tuple(str(b) for b in body.get("buffers", ()))
             names = set(table.names)
             if any(t not in names or a in names for a, t in aliases.items()) or not set(buffers) <= names | set(
                 aliases
             ):
                 raise TierEntryError("its aliases or buffers name tensors its table does not hold")
-            entry = TierEntry(slab, meta, size, table, aliases, int(m["payload"]), pinned, buffers)
+            with self._lock:
+                pinned = self._pinned.get(slab)
+            if pinned is not None and pinned.inode != st.st_ino:  # rewritten by another daemon
+                self._unpin(slab)
+                pinned = None
+            return TierEntry(
+                slab,
+                meta,
+                size,
+                table,
+                aliases,
+                int(body["payload"]),
+                pinned,
+                buffers,
+                found,
+                BlockCrcs(crcs, size),
+                (st.st_dev, st.st_ino),
+            )
+        except _Foreign as exc:
+            self._refuse(slab, meta, exc)
+        except _ERRORS as exc:
+            self._refuse(slab, meta, f"{type(exc).__name__}: {exc}")
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return None
 
-        except (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
-            log.warning("host tier entry %s rejected (%s); removed, loading from disk", meta.name, exc)
+    def open_slab(self, entry: TierEntry) -> int:
+        """A descriptor of the slab file ``lookup`` checked (the caller closes it); TierEntryError if another file
+        is there now."""
+        try:
+            fd = _open_own(entry.slab_path)
+        except (_Foreign, OSError) as exc:
+            raise TierEntryError(f"the slab file cannot be opened as checked ({exc})") from None
+        if fd is None:
+            raise TierEntryError("the slab file was removed")
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != entry.inode or st.st_size != entry.size:
+            os.close(fd)
+            raise TierEntryError("the slab file was replaced since it was checked")
+        return fd
+
+    def discard(self, entry: TierEntry, why: object) -> None:
+        """The restore found ``entry`` altered (a block's checksum): removed, unless its files were replaced
+        meanwhile (then they are another save's)."""
+        try:
+            if os.lstat(entry.slab_path).st_ino != entry.inode[1]:
+                return
+        except FileNotFoundError:
+            return
+        self._refuse(entry.slab_path, entry.meta_path, why)
+
+    def supersede(self, key: WeightCacheKey, generation: str) -> None:
+        """A deposit of ``generation`` was committed under ``key``: from now on the tier holds nothing of the key
+        but that generation's save. Replaces the entry by a tombstone of ``generation`` (the old slab removed);
+        called before DEPOSITED is sent, so that no crash can leave an older deposit to restore. Where the
+        tombstone cannot be written, the entry is removed all the same (a save then finds no tombstone of its
+        generation and publishes nothing: the key is absent, never older)."""
+        slab, meta = self._paths(key)
+        tmp = self.dir / f".{meta.stem}.{os.getpid()}.stonetmp"
+        try:
+            with self._publishing():
+                try:
+                    self._write_new(
+                        tmp, _pack_meta({"key": key.to_wire(), "generation": generation, "tombstone": True})
+                    )
+                    os.replace(tmp, meta)
+                finally:
+                    _unlink(tmp)
+                self._remove_one(slab, slab)
+        except (OSError, TimeoutError) as exc:
             self.remove(slab, meta)
-            return None
-        os.utime(meta)  # least recently used goes first
-        return entry
+            log.warning(
+                "host tier tombstone for key=%s not written (%s: %s); its entry removed instead",
+                key.short(),
+                type(exc).__name__,
+                exc,
+            )
+
+    @staticmethod
+    def _write_new(path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
 
     def save(
         self,
@@ -234,11 +562,13 @@ class HostTier:
         payload: int,
         *,
         buffers: tuple[str, ...] = (),
+        generation: str = "",
     ) -> bool:
-        """Copy ``slab`` into the tier (evicting older entries to fit the budget). False if it cannot fit.
-        ``buffers``: a deposit's tensors that are module buffers (kept with the entry)."""
+        """Copy ``slab`` into the tier (evicting older entries to fit the budget). False if it cannot fit, or if
+        it is a deposit (``generation``) that a later commit under the key superseded meanwhile (its tombstone
+        is not this generation's). ``buffers``: a deposit's tensors that are module buffers (kept with it)."""
         with self._save_lock:
-            return self._save(key, slab, table, aliases, payload, buffers)
+            return self._save(key, slab, table, aliases, payload, buffers, generation)
 
     def _save(
         self,
@@ -248,6 +578,7 @@ class HostTier:
         aliases: dict[str, str],
         payload: int,
         buffers: tuple[str, ...],
+        generation: str,
     ) -> bool:
         size = slab.size
         if size > self.budget:
@@ -264,37 +595,56 @@ class HostTier:
             log.info("host tier evict entry=%s bytes=%d", old_meta.stem, n)
         t0 = time.perf_counter()
         tmp = self.dir / f".{slab_path.stem}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        tmp_meta = tmp.with_suffix(".metatmp")
+        for p in (tmp, tmp_meta):  # this process's own, from a save that failed before it could clean up
+            _unlink(p)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             try:
                 slab.save_to(fd)
+                st = os.fstat(fd)
+                body = {
+                    "key": key.to_wire(),
+                    "generation": generation,
+                    "size": size,
+                    "payload": payload,
+                    "tensors": table.to_wire(),
+                    "aliases": dict(aliases),
+                    "buffers": list(buffers),
+                    "digest": _digest(fd, size),
+                    "block": CHECK_BLOCK,
+                    "crc32": _block_crcs(fd, size),
+                }
             finally:
                 os.close(fd)
-            meta = {
-                "format": FORMAT,
-                "key": key.to_wire(),
-                "size": size,
-                "payload": payload,
-                "tensors": table.to_wire(),
-                "aliases": dict(aliases),
-                "buffers": list(buffers),
-                "digest": _digest(tmp, size),
-            }
-            tmp_meta = tmp.with_suffix(".metatmp")
-            tmp_meta.write_bytes(msgpack.packb(meta, use_bin_type=True))
-            os.chmod(tmp_meta, 0o600)
-            self._unpin(slab_path)  # a pinned mapping of an older file with this name
-            os.replace(tmp, slab_path)
-            os.replace(tmp_meta, meta_path)
-        except BaseException:
-            for p in (tmp, tmp.with_suffix(".metatmp")):
+            packed = _pack_meta(body)
+            if len(packed) > MAX_META_BYTES:
+                log.info(
+                    "host tier skip key=%s: its meta is %d bytes (over %d)", key.short(), len(packed), MAX_META_BYTES
+                )
+                return False
+            self._write_new(tmp_meta, packed)
+            with self._publishing():
+                if generation and not self._tombstone_of(meta_path, key, generation):
+                    log.info(
+                        "host tier save of key=%s generation=%s dropped: the entry is not this generation's tombstone "
+                        "(a later deposit was committed under the key, or the entry was removed)",
+                        key.short(),
+                        generation,
+                    )
+                    return False
+                self._unpin(slab_path)  # a pinned mapping of an older file with this name
+                os.replace(tmp, slab_path)
                 try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
-            raise
+                    os.replace(tmp_meta, meta_path)
+                except BaseException:
+                    _unlink(slab_path)  # a slab without its meta would be memory no budget counts
+                    raise
+        finally:
+            for p in (tmp, tmp_meta):
+                _unlink(p)
         secs = time.perf_counter() - t0
-        self._pin_in_background(slab_path, size)
+        self._pin_in_background(slab_path, size, (st.st_dev, st.st_ino))
         log.info(
             "host tier saved key=%s bytes=%d seconds=%.2f gb_s=%.2f dir=%s used=%d budget=%d",
             key.short(),
@@ -306,3 +656,17 @@ class HostTier:
             self.budget,
         )
         return True
+
+    def _tombstone_of(self, meta: Path, key: WeightCacheKey, generation: str) -> bool:
+        """Whether ``meta`` is the tombstone ``supersede`` wrote for this generation of ``key`` (the one place a
+        deposit's save may publish)."""
+        try:
+            body = self._read_meta(meta)
+        except (_Foreign, *_ERRORS):
+            return False
+        return (
+            body is not None
+            and bool(body.get("tombstone"))
+            and body.get("generation") == generation
+            and body.get("key") == key.to_wire()
+        )

@@ -146,6 +146,13 @@ class Backend(Protocol):
     name: str  # "host" | "cuda"
     device: DeviceInfo
 
+    def check_device(self, loads: bool) -> None:
+        """Before the daemon takes its lock or touches a checkpoint: raise UnsupportedPlatformError, with a
+        message that says what to do, if this device cannot be used at all here (CUDA: a torch without CUDA
+        where ``loads`` needs torch, no cuda-bindings, no GPU visible, an index past the visible ones). Cheap,
+        and it creates no device context (``prepare_loads`` must come first where one is made)."""
+        ...
+
     def check_platform(self) -> None:
         """Raise UnsupportedPlatformError if this machine cannot share this kind of memory."""
         ...

@@ -463,6 +463,68 @@ class CudaBackend:
         torch.cuda.init()  # type: ignore[no-untyped-call]
         torch.empty(1, device=f"cuda:{self.index}")
 
+    def check_device(self, loads: bool) -> None:
+        """Can ``cuda:<index>`` be used here at all? Asked before the lock and the checkpoint, and before any
+        device context exists: the torch build (only where ``loads`` or ``--cuda-export ipc`` need torch: a
+        daemon serving what its keeper holds does not), cuda-bindings, the OS, and the devices the driver counts (torch's count where torch
+        loads, which makes no context; the driver's cuInit + cuDeviceGetCount otherwise). Every message ends in
+        what to do."""
+        where = f"{sys.platform} {platform.release()}"
+        problems = []
+        if sys.platform != "linux" or "microsoft" in platform.release().lower():
+            problems.append(f"CUDA memory cannot be shared between processes on {where}")
+        torch_count: Callable[[], int] | None = None
+        if loads or self.export == "ipc":  # ipc slabs are torch allocations, even the platform probe's
+            import torch
+
+            torch_count = torch.cuda.device_count
+            if torch.version.cuda is None:
+                problems.append(
+                    f"this torch ({torch.__version__}) was built without CUDA: install a CUDA build of torch "
+                    "(pip install torch --index-url https://download.pytorch.org/whl/cu128, or the command "
+                    "pytorch.org gives for your CUDA driver)"
+                )
+        try:
+            _cuda._bindings()
+        except UnsupportedPlatformError:
+            problems.append("the cuda-bindings package is not installed (pip install cuda-bindings)")
+        if problems:
+            raise UnsupportedPlatformError(
+                f"--device cuda:{self.index} cannot be used here: {'; and '.join(problems)}. Or serve host shared "
+                "memory instead: --device cpu",
+                details={"platform": where, "device": f"cuda:{self.index}"},
+            )
+        count = int(torch_count()) if torch_count is not None else _cuda.device_count()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        entries = [e.strip() for e in visible.split(",")] if visible else []
+        hidden = ""
+        if visible is not None and count < len(entries):  # the driver stops at the first entry it cannot find
+            hidden = (
+                f" CUDA_VISIBLE_DEVICES={visible!r} names {len(entries)}, but {entries[count]!r} is not a GPU "
+                "or MIG instance of this machine, which hides it and every entry after it (nvidia-smi -L lists "
+                "the GPUs and MIG instances with their UUIDs)."
+            )
+        elif visible is not None and not entries:
+            hidden = " CUDA_VISIBLE_DEVICES is set but empty, which hides every GPU."
+        if count == 0:
+            raise UnsupportedPlatformError(
+                f"--device cuda:{self.index}: no CUDA device is visible to this process.{hidden or ' '}"
+                + (
+                    ""
+                    if hidden
+                    else "Check that nvidia-smi lists a GPU (in a container: that the runtime passes one in). "
+                )
+                + "Or serve host shared memory instead: --device cpu",
+                details={"platform": where, "device": f"cuda:{self.index}", "visible": 0},
+            )
+        if self.index >= count:
+            names = "cuda:0" if count == 1 else f"cuda:0 .. cuda:{count - 1}"
+            raise UnsupportedPlatformError(
+                f"--device cuda:{self.index} does not exist: {count} CUDA device{'s' if count > 1 else ''} "
+                f"visible ({names}).{hidden} Pass one of those (indices count the visible devices only)",
+                details={"platform": where, "device": f"cuda:{self.index}", "visible": count},
+            )
+
     def check_platform(self) -> None:
         """Before anything loads: can this machine share CUDA memory between processes? Asks the driver
         (cuda-bindings), not torch, so a daemon serving only kept slabs starts without torch; with

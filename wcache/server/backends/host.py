@@ -159,10 +159,11 @@ class _HostWriter:
             self.view = memoryview(mm)
 
     def _out_fd(self) -> int:
-        """This thread's own open file of the memfd (its own file position for sendfile)."""
+        """This thread's own open file of the memfd (its own file position for sendfile; readable, so that a
+        checked load can read back what sendfile copied)."""
         mine: int | None = getattr(self.local, "out", None)
         if mine is None:
-            mine = self.local.out = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+            mine = self.local.out = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
             with self.lock:
                 self.out_fds.append(mine)
         return mine
@@ -331,6 +332,10 @@ class HostBackend:
 
     def prepare_loads(self) -> None:
         """Nothing to set up: host loads need no device context."""
+
+    def check_device(self, loads: bool) -> None:
+        """Host memory is always there: the platform check is the device check."""
+        self.check_platform()
 
     def check_platform(self) -> None:
         if sys.platform != "linux" or not hasattr(os, "memfd_create") or not hasattr(fcntl, "F_ADD_SEALS"):

@@ -1,0 +1,152 @@
+"""A deposit replaced, restored and committed at once (wcache/server/daemon.py with a host tier): what the daemon
+serves under a recipe key is always the deposit last committed under it, never an older one the tier still held
+or a restore that a commit overtook (docs/reliability.md, "Host tier"). In-process daemons on the host backend:
+the tier's save and restore are held at the point where the interleaving matters."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.server.deposit_engine import recipe_key
+from wcache import WCacheClient, WeightCacheKey
+from wcache.client import CachedWeights
+from wcache.errors import KeyMismatchError, NotFoundError
+from wcache.server.backends.host import HostBackend
+from wcache.server.daemon import Daemon
+from wcache.server.store import ServedModel, Store, load_from_tier
+from wcache.server.tier import HostTier, TierEntry
+
+
+@dataclass
+class InProcess:
+    daemon: Daemon
+    tier: HostTier
+    store: Store
+
+    @property
+    def socket(self) -> Path:
+        return self.daemon.socket_path
+
+
+@pytest.fixture
+async def served(socket_dir: Path, tmp_path: Path) -> AsyncIterator[InProcess]:
+    backend = HostBackend()
+    store = Store(backend)
+    tier = HostTier(tmp_path / "tier", 1 << 30)
+
+    def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
+        return load_from_tier(tier, entry, key, backend, 2, 16 << 20, None)
+
+    daemon = Daemon(store, socket_dir / "d.sock", software="test", tier=tier, tier_restore=restore)
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(daemon.serve(ready.set))
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        yield InProcess(daemon, tier, store)
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(asyncio.gather(*daemon._tier_saves, return_exceptions=True), 30)
+        store.close()
+        tier.close()
+
+
+def _version(n: int) -> dict[str, torch.Tensor]:
+    """Deposit ``n`` of one recipe: the same names and shapes, other bytes."""
+    g = torch.Generator().manual_seed(n)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
+
+
+def _holds(w: CachedWeights, ts: dict[str, torch.Tensor]) -> bool:
+    return set(w) == set(ts) and all(torch.equal(w[n], t) for n, t in ts.items())
+
+
+async def _until(what: Callable[[], object], why: str, deadline_s: float = 20.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not what():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {deadline_s} s: {why}")
+        await asyncio.sleep(0.01)
+
+
+async def _saved(d: InProcess) -> None:
+    await _until(lambda: not d.daemon._tier_saves, "the deposit's background save finished")
+
+
+async def test_a_replaced_deposit_is_not_restored_while_its_replacement_is_being_saved(
+    served: InProcess, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1 is committed and saved; v2 replaces it (DEPOSITED) and its save is still running when the key is
+    evicted and asked for: the tier's v1 must not be restored (it was, origin "tier"). Once v2's save is done,
+    v2 comes back from the tier."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    client = WCacheClient(served.socket)
+    await client.deposit(key, _version(1))
+    await _saved(served)
+    gate = threading.Event()
+    save = served.tier.save
+
+    def held(*args: Any, **kwargs: Any) -> bool:
+        assert gate.wait(30)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(served.tier, "save", held)
+    done = await client.deposit(key, _version(2))
+    assert done.replaced
+    await client.evict(key)
+    try:
+        with pytest.raises((KeyMismatchError, NotFoundError)):
+            async with await client.fetch(key) as w:
+                raise AssertionError(f"served after the eviction: v1 {_holds(w, _version(1))}")
+    finally:
+        gate.set()
+    await _saved(served)
+    async with await client.fetch(key) as w:
+        assert _holds(w, _version(2))
+    assert [m.origin for m in served.store.models.values()] == ["tier"]
+
+
+async def test_a_restore_overtaken_by_a_commit_serves_the_commit_and_frees_its_slab(
+    served: InProcess, ckpt: Path
+) -> None:
+    """Engine A's GET_STATE restores v1 from the tier while engine B deposits and commits v2 under the same key:
+    v2 is what A gets and what is served afterwards (v1 was, and v2's slab leaked), and the restored slab is freed."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    await WCacheClient(served.socket).deposit(key, _version(1))
+    await _saved(served)
+    await WCacheClient(served.socket).evict(key)
+    restored: list[ServedModel] = []
+    filled, gate = threading.Event(), threading.Event()
+    restore = served.daemon.tier_restore
+    assert restore is not None
+
+    def held(entry: TierEntry, k: WeightCacheKey) -> ServedModel | None:
+        m = restore(entry, k)
+        assert m is not None
+        restored.append(m)
+        filled.set()
+        assert gate.wait(30)
+        return m
+
+    served.daemon.tier_restore = held
+    engine_a = asyncio.ensure_future(WCacheClient(served.socket).fetch(key))
+    try:
+        await _until(filled.is_set, "engine A's restore filled its slab")
+        done = await WCacheClient(served.socket).deposit(key, _version(2))  # engine B
+        assert not done.replaced  # nothing was served under the key when B committed
+    finally:
+        gate.set()
+    async with await asyncio.wait_for(engine_a, 30) as w:
+        assert _holds(w, _version(2))
+    (model,) = served.store.models.values()
+    assert model.origin == "deposit" and model is not restored[0]
+    assert restored[0].slabs == []  # the overtaken restore's slab is closed, not left behind
