@@ -15,9 +15,17 @@ after ``import torch`` and CUDA initialisation, so both exclude interpreter star
 
     python benchmarks/cold_load_bench.py --device cuda:0 --out $OUT/cold_load.json
     python benchmarks/cold_load_bench.py --device cpu --repeats 3      # CPU ratio, medians of 3
-    # issue 20 in a short device call: the read-pattern variants against fastsafetensors, same run
+    # the read-pattern variants against fastsafetensors, same run (a short device call)
     python benchmarks/cold_load_bench.py --device cuda:0 --only wcache wcache_stream wcache_stream_512k \
         wcache_stream_4m fastsafetensors disk_direct disk_direct_512k
+    # the suite's cold step: wcache and fastsafetensors adjacent, in both orders, then the disk's ceiling;
+    # one cold run per entry (page cache dropped before each), warm runs only for --warm
+    python benchmarks/cold_load_bench.py --device cuda:0 --sequence wcache fastsafetensors fastsafetensors \
+        wcache disk_direct --warm wcache
+
+``--sequence`` runs loaders in exactly that order (a name may repeat) and reports the sequence as run,
+``pairs_wcache_over_fastsafetensors`` (each wcache run over the fastsafetensors run next to it) and the ratio
+of the medians: the machine's drift over the run shows as the spread of the pairs.
 
 ``--io stream`` variants read as fastsafetensors 0.5.0 does (docs/performance.md);
 ``variants_over_fastsafetensors_cold`` gives each wcache variant's cold ratio and warm seconds.
@@ -163,6 +171,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="cold and warm runs per loader (the median is reported)")
     ap.add_argument("--only", nargs="*", help="loaders to run (default: all)")
     ap.add_argument("--threads", type=int, help="wcache-server --threads")
+    ap.add_argument("--sequence", nargs="+", help="loaders to run cold, in this order (repeats allowed)")
+    ap.add_argument("--warm", nargs="*", default=None, help="with --sequence: loaders also run warm once")
     args = ap.parse_args()
     os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
     from wcache.synthetic import LLAMA3_8B, LlamaShape, make_llama_checkpoint
@@ -220,6 +230,13 @@ def main() -> None:
             ("fastsafetensors", lambda: child(FASTSAFETENSORS, str(model), args.device)),
             ("runai_model_streamer", lambda: child(RUNAI, str(model), args.device)),
         ]
+    if args.sequence:
+        known = dict(loaders)
+        unknown = [n for n in args.sequence + (args.warm or []) if n not in known]
+        if unknown:
+            ap.error(f"unknown loaders {unknown}; known: {sorted(known)}")
+        res["sequence"] = _sequence(known, args.sequence, args.warm or [], runs)
+        loaders = []
     for name, fn in loaders:
         if args.only and name not in args.only:
             continue
@@ -254,9 +271,10 @@ def main() -> None:
         "wcache_over_safetensors_warm": _ratio(w["warm"], s["warm"]),
         "targets": {"cold_s": 7.0, "warm_s": 1.0, "tp2_read_fraction": 0.55} if gpu else {"ratio_max": 1.0},
     }
-    # issue 20's figure: wcache's cold load over fastsafetensors' in the same run (target <= 0.95)
+    # wcache's cold load over fastsafetensors' in the same run (medians), and each adjacent pair's ratio
     fst = runs.get("fastsafetensors", {}).get("cold", {})
     res["wcache_over_fastsafetensors_cold"] = _ratio(w["cold"], fst)
+    res["pairs_wcache_over_fastsafetensors"] = runs.get("wcache", {}).get("pairs_over_fastsafetensors", [])
     # every wcache variant of this run against the same fastsafetensors run (cold), and its warm load
     res["variants_over_fastsafetensors_cold"] = {
         name: {"cold_ratio": _ratio(r["cold"], fst), "warm_s": r["warm"].get("seconds")}
@@ -267,6 +285,43 @@ def main() -> None:
     dest = args.out or REPO / "benchmarks" / "results" / f"cold_load-{args.device.replace(':', '')}-{res['date']}.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(res, indent=2) + "\n")
+
+
+def _sequence(
+    loaders: dict[str, Any], order: list[str], warm: list[str], runs: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Run ``order`` cold (page cache dropped before each), then each of ``warm`` once warm (after a run of it
+    that filled the page cache); fill ``runs`` as the per-loader loop does. Returns the sequence as run."""
+    done: list[dict[str, Any]] = []
+    colds: dict[str, list[dict[str, Any]]] = {}
+    for name in order:
+        dropped = drop_caches()
+        r = loaders[name]()
+        colds.setdefault(name, []).append(r)
+        done.append({"loader": name, "seconds": r.get("seconds"), "page_cache_dropped": dropped, **r})
+        print(name, "cold", json.dumps(r), flush=True)
+    for name in warm:
+        if done[-1]["loader"] != name:  # its files into the page cache first (the drops above emptied it)
+            loaders[name]()
+        r = loaders[name]()
+        done.append({"loader": name, "warm": True, **r})
+        runs.setdefault(name, {})["warm"] = r
+        print(name, "warm", json.dumps(r), flush=True)
+    for name, rs in colds.items():
+        runs.setdefault(name, {}).update(
+            cold=_median_run(rs), cold_all_s=[r.get("seconds") for r in rs], page_cache_dropped=True
+        )
+        runs[name].setdefault("warm", {})
+    pairs = []
+    for i, a in enumerate(done[:-1]):
+        b = done[i + 1]
+        if {a["loader"], b["loader"]} == {"wcache", "fastsafetensors"} and not a.get("warm") and not b.get("warm"):
+            w, f = (a, b) if a["loader"] == "wcache" else (b, a)
+            if w.get("seconds") and f.get("seconds"):
+                pairs.append(float(w["seconds"]) / float(f["seconds"]))
+    if pairs:
+        runs.setdefault("wcache", {})["pairs_over_fastsafetensors"] = pairs
+    return done
 
 
 def _median_run(rs: list[dict[str, Any]]) -> dict[str, Any]:

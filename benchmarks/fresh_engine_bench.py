@@ -1,4 +1,4 @@
-"""A restart is a first fetch in a fresh engine, imports included (issue 20).
+"""A restart is a first fetch in a fresh engine, imports included (docs/performance.md, "The restart weight path").
 
 Against one running daemon, each sample is a fresh Python process that imports torch and
 starts its CUDA context (not timed: an engine has both before it asks for weights), then times:
@@ -19,13 +19,24 @@ starts its CUDA context (not timed: an engine has both before it asks for weight
   pickled; the fresh engine unpickles, rebuilds every tensor and touches it the same way
   (CUDA only). ``first_fetch_over_per_tensor_ipc`` is the ratio of the medians, same run.
 
-``phases_ms`` breaks the median restart sample down (import, key, connect incl. HELLO, GET_STATE
-decode, map, views, materialize, touch). Children run from compiled bytecode (a warm-up child
-writes wcache's first), as an installed wcache would.
+``phases_ms`` breaks the median restart sample down and ``phases_ms_median`` gives each phase's median over
+the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the client): ``import``, ``key``
+(the directory listed and its files stated: docs/protocol.md §4.3.1), ``socket`` (connect, peer check),
+``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back), ``prepare`` (CUDA only, while the STATE is
+in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
+``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
+(the rest of the wait for STATE, and its decode), ``import_handle`` (cuMemImportFromShareableHandle),
+``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess), ``map`` (every slab, the two
+above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),
+``materialize`` (or ``groups``), ``touch`` (two elements read back, synchronised). ``key_proven_samples``:
+how many samples the daemon answered on the files' proof (the engine read no header). Children run from
+compiled bytecode (a warm-up child writes wcache's first), as an installed wcache would; the checkpoint's
+files are left to settle for 2 s first, as the daemon records no file changed just before it reads it.
 
     python benchmarks/fresh_engine_bench.py --device cuda:0 --model /tmp/wcache-bench/llama3-8b --out r.json
     python benchmarks/fresh_engine_bench.py --device cuda:0 --moe --out r.json      # 50,000 tensors
     python benchmarks/fresh_engine_bench.py --device cpu --out r.json               # host backend
+    python benchmarks/fresh_engine_bench.py --device cpu --moe --out r.json         # 50,000 tensors, host
 """
 
 from __future__ import annotations
@@ -84,6 +95,7 @@ print(json.dumps({
     "phases_ms": {"import": ms(t0, t1), "key": ms(t1, t2), **w.timings, "fetch_total": ms(t2, t3),
                   ("groups" if views == "groups" else "materialize"): ms(t3, t4), "touch": ms(t4, t5)},
     "tensors": len(w), "cuda_bindings_imported": "cuda.bindings" in sys.modules, "touched": touched,
+    "key_proven": w.key_proven, "key_scanned": key.scanned,
 }))
 w.release_sync()
 """
@@ -148,6 +160,12 @@ def run_child(code: str, *args: str, env: dict[str, str], timeout: float = 300) 
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def phase_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each phase's median over the samples that have it (a sample that fell back to the scan has other phases)."""
+    keys = list(dict.fromkeys(k for r in runs for k in r["phases_ms"]))
+    return {k: round(statistics.median(r["phases_ms"][k] for r in runs if k in r["phases_ms"]), 3) for k in keys}
+
+
 def stats(xs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(xs), "max": max(xs), "samples": [round(x, 3) for x in xs]}
 
@@ -171,6 +189,15 @@ def per_tensor_ipc(model: Path, device: str, work: Path, samples: int, env: dict
             holder.stdin.close()
         holder.wait(60)
         pkl.unlink(missing_ok=True)
+
+
+def settle(model: Path) -> None:
+    """Wait until the checkpoint's files are old enough for the daemon to record their proof (wcache.key.RACY_NS:
+    a daemon that read files changed just before cannot prove them, and every engine would scan)."""
+    from wcache.key import RACY_NS
+
+    newest = max(f.stat().st_ctime_ns for f in model.iterdir())
+    time.sleep(max(0.0, (newest + RACY_NS - time.time_ns()) / 1e9 + 0.05))
 
 
 def small_checkpoint(path: Path) -> Path:
@@ -215,11 +242,17 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/wcache-bench"))
     ap.add_argument("--model", type=Path, help="a checkpoint (the suite's 16 GB one: $W/llama3-8b)")
     ap.add_argument("--moe", action="store_true", help="the 50,000-tensor layout of gpu_bench.py")
-    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--samples", type=int, default=10, help="fresh engines per zero_copy figure (and the anchors')")
+    ap.add_argument("--copy-samples", type=int, help="fresh engines for the copy-mode figure (default: --samples)")
+    ap.add_argument("--named-samples", type=int, help="--moe: fresh engines building every name (default: --samples)")
     ap.add_argument("--cuda-export", choices=["vmm", "ipc"], default="vmm")
     args = ap.parse_args()
     if args.samples < 1:
         ap.error("--samples must be >= 1")
+    copy_samples = args.samples if args.copy_samples is None else args.copy_samples
+    named_samples = args.samples if args.named_samples is None else args.named_samples
+    if copy_samples < 1 or named_samples < 1:
+        ap.error("--copy-samples and --named-samples must be >= 1")
     cuda = args.device.startswith("cuda")
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -241,6 +274,7 @@ def main() -> None:
         "load_average": os.getloadavg(),
     }
     extra = ["--device", args.device] + (["--cuda-export", args.cuda_export] if cuda else [])
+    settle(model)
     d = gb.Daemon(model, work / "sock" / "fresh", *extra, name="fresh")
     try:
         sock = d.wait(900)
@@ -249,9 +283,11 @@ def main() -> None:
         engine = [str(sock), str(model), args.device]
         run_child(ENGINE, *engine, "zero_copy", views, env=env, timeout=900)  # writes bytecode
         runs = [run_child(ENGINE, *engine, "zero_copy", views, env=env) for _ in range(args.samples)]
-        copies = [run_child(ENGINE, *engine, "copy", views, env=env) for _ in range(args.samples)]
+        copies = [run_child(ENGINE, *engine, "copy", views, env=env) for _ in range(copy_samples)]
         named = (
-            [run_child(ENGINE, *engine, "zero_copy", "names", env=env) for _ in range(args.samples)] if args.moe else []
+            [run_child(ENGINE, *engine, "zero_copy", "names", env=env) for _ in range(named_samples)]
+            if args.moe
+            else []
         )
     finally:
         d.stop()
@@ -276,9 +312,7 @@ def main() -> None:
             "first and last tensor, in other fresh processes"
         )
         results["first_fetch_materialized_ms"] = stats([r["fetch_ms"] for r in named])
-        results["materialized_phases_ms_median"] = {
-            k: round(statistics.median(r["phases_ms"][k] for r in named), 3) for k in named[0]["phases_ms"]
-        }
+        results["materialized_phases_ms_median"] = phase_medians(named)
     results["first_fetch_fresh_engine_ms"] = first
     results["restart_weight_path_ms"] = stats([r["restart_weight_path_ms"] for r in runs])
     results["first_copy_fresh_engine_ms"] = stats([r["fetch_ms"] for r in copies])
@@ -297,20 +331,20 @@ def main() -> None:
     by_path = sorted(runs, key=lambda r: r["restart_weight_path_ms"])
     median_run = by_path[len(by_path) // 2]
     results["phases_ms"] = {k: round(v, 3) for k, v in median_run["phases_ms"].items()}
-    results["phases_ms_median"] = {
-        k: round(statistics.median(r["phases_ms"][k] for r in runs), 3) for k in runs[0]["phases_ms"]
-    }
-    results["copy_phases_ms_median"] = {
-        k: round(statistics.median(r["phases_ms"][k] for r in copies), 3) for k in copies[0]["phases_ms"]
-    }
+    results["phases_ms_median"] = phase_medians(runs)
+    results["copy_phases_ms_median"] = phase_medians(copies)
+    results["key_proven_samples"] = sum(bool(r.get("key_proven")) for r in runs)
+    results["key_scanned_samples"] = sum(bool(r.get("key_scanned")) for r in runs)
     results["tensors"] = runs[0]["tensors"]
     results["cuda_bindings_imported_by_engine"] = any(r["cuda_bindings_imported"] for r in runs)
+    results["wall_s"] = round(time.perf_counter() - STARTED, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, dict) or "median" in v}, default=str))
 
 
+STARTED = time.perf_counter()
+
 if __name__ == "__main__":
-    t0 = time.perf_counter()
     main()
-    print(f"fresh_engine_bench: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"fresh_engine_bench: {time.perf_counter() - STARTED:.1f} s", file=sys.stderr)

@@ -217,8 +217,9 @@ def test_a_shard_swapped_after_validation_is_not_served(tmp_path: Path, how: str
 def test_fingerprint_reads_the_validated_descriptor(tmp_path: Path) -> None:
     a = make_llama_checkpoint(tmp_path / "a", SMALL, seed=1)
     b = make_llama_checkpoint(tmp_path / "b", SMALL, seed=2)
-    want = {content: WeightCacheKey.from_checkpoint(a, verify_content=content) for content in (False, True)}
-    key_b = WeightCacheKey.from_checkpoint(b)
+    # resolved now: a deferred key (docs/protocol.md §4.3.1) would scan the files as they are when first read
+    want = {content: WeightCacheKey.from_checkpoint(a, verify_content=content).resolve() for content in (False, True)}
+    key_b = WeightCacheKey.from_checkpoint(b).resolve()
     with Checkpoint.open(a) as c:
         _swap(a / "model.safetensors", b / "model.safetensors", "rename")
         for content in (False, True):

@@ -131,8 +131,8 @@ def test_other_headers_take_the_full_parse_and_give_its_key(tmp_path: Path, case
 )
 def test_bad_headers_are_still_a_checkpoint_error(tmp_path: Path, header: bytes) -> None:
     model = _raw_checkpoint(tmp_path / "m", header, bytes(4))
-    with pytest.raises(CheckpointError):
-        WeightCacheKey.from_checkpoint(model)
+    with pytest.raises(CheckpointError):  # the scan runs when the key is resolved (a deferred key: §4.3.1)
+        WeightCacheKey.from_checkpoint(model).resolve()
 
 
 def test_fp8_dtype_rules_hold_on_the_scanned_path(tmp_path: Path) -> None:
@@ -140,4 +140,4 @@ def test_fp8_dtype_rules_hold_on_the_scanned_path(tmp_path: Path) -> None:
     model = _library_checkpoint(tmp_path / "m", shards)
     assert WeightCacheKey.from_checkpoint(model).dtype == "bfloat16"
     with pytest.raises(CheckpointError, match="FP8 checkpoint"):
-        WeightCacheKey.from_checkpoint(model, dtype="float16")
+        WeightCacheKey.from_checkpoint(model, dtype="float16").resolve()

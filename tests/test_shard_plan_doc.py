@@ -69,4 +69,4 @@ def test_doc_plan_shards_gpt_neox(tmp_path: Path) -> None:
 
 def test_without_a_plan_the_error_names_both_ways_to_give_one(tmp_path: Path) -> None:
     with pytest.raises(ShardingError, match=r"plan_file=.*--shard-plan"):
-        WeightCacheKey.from_checkpoint(_neox(tmp_path / "neox"), tp_rank=0, tp_size=2)
+        WeightCacheKey.from_checkpoint(_neox(tmp_path / "neox"), tp_rank=0, tp_size=2).resolve()

@@ -103,7 +103,7 @@ def test_served_as_stored_and_casts_refused(fp8_ckpt: Path) -> None:
     assert {p.dtype for p in lay.placements} == {"float8_e4m3fn", "float32", "bfloat16"}
     for bad in ("float16", "float32"):
         with pytest.raises(CheckpointError, match=r"FP8 checkpoint.*'auto'") as info:
-            WeightCacheKey.from_checkpoint(fp8_ckpt, dtype=bad)
+            WeightCacheKey.from_checkpoint(fp8_ckpt, dtype=bad).resolve()
         assert info.value.details == {"requested": bad, "stored": "bfloat16"}
 
 

@@ -16,13 +16,19 @@ import fcntl
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
-from wcache.proto import PROTOCOL_VERSION, Connection, ErrorFrame, Frame, Hello, HelloOk, Role
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_HANDSHAKE_FRAME
-from wcache.proto.connection import Event, Misdirected, Service
+from wcache.proto.connection import PROTOCOL_VERSION, Connection, Misdirected, Role, Service
+from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk
+
+if TYPE_CHECKING:  # the unions of every frame: an engine's restart imports only its own frames' module
+    from wcache.proto.connection import Event
+    from wcache.proto.frames import Frame
 
 __all__ = [
     "Channel",
@@ -375,8 +381,14 @@ def _opening(conn: Connection, software: str, name: str, pipeline: Pipeline | No
     return data + conn.send(pipeline(conn)) if pipeline is not None else data
 
 
+def _timed(timings: dict[str, float] | None, t0: float, t1: float) -> None:
+    """A connect's ``socket`` (``t0`` to ``t1``: connected, peer checked) and ``hello`` (to now) phases, in ms."""
+    if timings is not None:
+        timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
+
+
 #: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
-Pipeline = Callable[[Connection], Frame]
+Pipeline = Callable[[Connection], "Frame"]
 
 
 async def connect(
@@ -386,13 +398,16 @@ async def connect(
     name: str,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    timings: dict[str, float] | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
     back (its reply is the next frame after HELLO_OK). ``max_frame_size``: the largest frame body taken
-    from the peer."""
+    from the peer. ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK
+    in), in ms."""
+    t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     sock = _socket()
     sock.setblocking(False)
@@ -402,6 +417,7 @@ async def connect(
         sock.close()
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
+    t1 = time.perf_counter()
     ch = Channel(sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size))
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
@@ -410,6 +426,7 @@ async def connect(
     except BaseException:
         ch.close()
         raise
+    _timed(timings, t0, t1)
     return ch, frame
 
 
@@ -421,9 +438,11 @@ def connect_blocking(
     timeout: float,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[Channel, HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
     TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
+    t0 = time.perf_counter()
     sock = _socket()
     try:
         sock.settimeout(timeout)
@@ -435,6 +454,7 @@ def connect_blocking(
         sock.close()
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
+    t1 = time.perf_counter()
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
         ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
@@ -443,6 +463,7 @@ def connect_blocking(
     except BaseException:
         ch.close()
         raise
+    _timed(timings, t0, t1)
     return ch, frame
 
 

@@ -38,7 +38,8 @@ from wcache.errors import CheckpointError
 from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_json
 from wcache.proto._record import record
 from wcache.proto.codec import gc_paused
-from wcache.proto.frames import DTYPE_SIZES, MAX_DIMS, MAX_NAME
+from wcache.proto.fields import MAX_NAME
+from wcache.proto.table import DTYPE_SIZES, MAX_DIMS
 
 __all__ = ["FLOATING", "FP8_DTYPES", "SAFETENSORS_DTYPES", "Checkpoint", "DtypeBytes", "TensorInfo"]
 

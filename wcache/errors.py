@@ -25,6 +25,7 @@ class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same 
     │   ├── OutOfMemoryError            OUT_OF_MEMORY       a PRELOAD does not fit; details name what is pinned
     │   ├── InUseError                  IN_USE              EVICT of a model with live leases; a second TAKEOVER
     │   ├── NotFoundError               NOT_FOUND           no model under that key
+    │   ├── KeyUnprovenError            KEY_UNPROVEN        a GET_STATE's files proof the daemon cannot use
     │   └── InternalError               INTERNAL            an unexpected failure inside the daemon
     ├── CheckpointError                 INVALID_CHECKPOINT  a checkpoint directory or file is unusable
     ├── ShardingError                   INVALID_PLAN        no plan, a bad plan file, a dimension that does not divide
@@ -72,6 +73,7 @@ __all__ = [
     "IncompatibleModelError",
     "InternalError",
     "KeyMismatchError",
+    "KeyUnprovenError",
     "LimitExceededError",
     "LocalProtocolError",
     "NotReadyError",
@@ -111,6 +113,7 @@ class ErrorCode(enum.IntEnum):
     OUT_OF_MEMORY = 26
     IN_USE = 27
     NOT_FOUND = 28
+    KEY_UNPROVEN = 29
     UNAVAILABLE = 30
     INVALID_CHECKPOINT = 40
     INVALID_PLAN = 41
@@ -295,6 +298,14 @@ class NotFoundError(_KeyDiff, ServerError):
     code = ErrorCode.NOT_FOUND
 
 
+class KeyUnprovenError(ServerError):
+    """A GET_STATE's proof (docs/protocol.md §4.3.1) names files this daemon did not read as they are, or cannot
+    complete the key (``details.proof`` says why): not a refusal of the key, which the client then computes from
+    the headers and asks for on the same connection (the reference client does it itself)."""
+
+    code = ErrorCode.KEY_UNPROVEN
+
+
 class InternalError(ServerError):
     code = ErrorCode.INTERNAL
 
@@ -365,6 +376,7 @@ ERROR_CLASSES: dict[ErrorCode, type[WCacheError]] = {
     ErrorCode.OUT_OF_MEMORY: OutOfMemoryError,
     ErrorCode.IN_USE: InUseError,
     ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.KEY_UNPROVEN: KeyUnprovenError,
     ErrorCode.UNAVAILABLE: CacheUnavailableError,
     ErrorCode.INVALID_CHECKPOINT: CheckpointError,
     ErrorCode.INVALID_PLAN: ShardingError,

@@ -3,29 +3,41 @@
 A key names a checkpoint (fingerprint of its file names, headers and a data sample), the rank's
 sharding and dtype, and the slab layout version. The daemon refuses a GET_STATE whose
 key differs in any field and names those fields (``KEY_MISMATCH``).
+
+Four fields come from the checkpoint's files (``fingerprint``, ``architecture``, ``dtype``, ``plan``), and
+computing them means reading every header (4 ms for a dense 16 GB checkpoint, 120 ms for a 50,000-tensor
+MoE). A daemon has computed them already, from the very files, when it read them. So an engine proves the
+files instead (docs/protocol.md §4.3.1): ``from_checkpoint`` lists the directory and ``stat``s the files a key
+covers (:func:`checkpoint_files`), and ``fetch`` sends that identity with GET_STATE; the daemon completes the
+key from what it recorded (:class:`KeyFacts`) when those files, unchanged since, were read. The header scan
+runs only when a file-derived field is read first (:meth:`WeightCacheKey.resolve`), or when the daemon does
+not recognise the files — then fetch retries with the full key on the same connection.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Union
 
-from wcache.checkpoint import FLOATING, Checkpoint, DtypeBytes
 from wcache.errors import (
     CheckpointError,
     KeyMismatchError,
     NotFoundError,
+    ProtocolError,
     ShardingError,
     TransformError,
     WCacheError,
     describe_fields,
 )
 from wcache.proto._record import record
-from wcache.proto.frames import MAX_NAME
+from wcache.proto.daemon_frames import MAX_PROOF_FILES, CheckpointProof, FileStat
+from wcache.proto.fields import MAX_NAME
 
 if TYPE_CHECKING:
+    from wcache.checkpoint import Checkpoint, DtypeBytes
     from wcache.rank import RankSpec
     from wcache.sharding import ShardPlan
 
@@ -33,7 +45,7 @@ if TYPE_CHECKING:
 #: here only — layout.py re-exports it, so the key need not import the layout (tests/test_layout.py).
 LAYOUT_VERSION = 2  # 2: quantized checkpoints keep their stored dtypes (docs/protocol.md §4.4)
 
-__all__ = ["WeightCacheKey", "closest", "key_mismatch", "not_served"]
+__all__ = ["KeyFacts", "WeightCacheKey", "checkpoint_files", "closest", "key_mismatch", "not_served"]
 
 KeyValue = Union[str, int]
 
@@ -48,6 +60,7 @@ _UNSET = _Unset()
 def resolve_dtype(counted: DtypeBytes, config: dict[str, Any], requested: str | None) -> str:
     """The key's ``dtype``: ``None``/``"auto"`` -> the floating dtype holding the most bytes (``counted``:
     ``Checkpoint.dtype_bytes()``); FP8 checkpoints are served as stored, never cast (``wcache.quant``)."""
+    from wcache.checkpoint import FLOATING
     from wcache.quant import is_fp8_checkpoint, stored_dtype
 
     if counted.fp8 or is_fp8_checkpoint({}, config):
@@ -100,16 +113,37 @@ class WeightCacheKey:
     def from_spec(
         cls, spec: RankSpec, *, checkpoint: Checkpoint | None = None, plan: ShardPlan | _Unset | None = _UNSET
     ) -> WeightCacheKey:
-        """The key of one rank. Reads headers and 64 KiB of data per file (all data with
-        ``spec.verify_content``), through the descriptors ``checkpoint`` validated them from (a
-        checkpoint opened here is closed before returning); ``plan``: the rank's shard plan when the
-        caller resolved it already (``wcache.rank.plan_rank``).
+        """The key of one rank.
+
+        Given neither ``checkpoint`` nor ``plan``, and where the files can prove it (no ``plan_file``, no
+        ``verify_content``, a directory whose files :func:`checkpoint_files` can state), the key is *deferred*:
+        only the directory is listed and its files ``stat``ed here, ``fetch`` proves them to the daemon
+        (docs/protocol.md §4.3.1), and the header scan runs only if a file-derived field is read first,
+        :meth:`resolve` is called, or the daemon does not recognise the files. Its errors are raised there.
+
+        Otherwise (and by :meth:`resolve`) it reads headers and 64 KiB of data per file (all data with
+        ``spec.verify_content``), through the descriptors ``checkpoint`` validated them from (a checkpoint
+        opened here is closed before returning); ``plan``: the rank's shard plan when the caller resolved it
+        already (``wcache.rank.plan_rank``).
 
         Raises CheckpointError / ShardingError, and for a key string the protocol cannot carry (over
         1024 characters, docs/protocol.md §7) the class of whatever it came from (``_TOO_LONG``)."""
+        if checkpoint is None and isinstance(plan, _Unset) and spec.plan_file is None and not spec.verify_content:
+            files = checkpoint_files(spec.checkpoint)
+            if files is not None:
+                return _DeferredKey.of(spec, files)
+        return cls._scanned(spec, checkpoint, plan)
+
+    @classmethod
+    def _scanned(
+        cls, spec: RankSpec, checkpoint: Checkpoint | None, plan: ShardPlan | _Unset | None = _UNSET
+    ) -> WeightCacheKey:
+        """The key from the files' headers (and data sample)."""
         if checkpoint is None:  # the key's own: headers and bytes per dtype, not a validated entry per tensor
+            from wcache.checkpoint import Checkpoint
+
             with Checkpoint.open(spec.checkpoint, tensors=False) as ckpt:
-                return cls.from_spec(spec, checkpoint=ckpt, plan=plan)
+                return cls._scanned(spec, ckpt, plan)
         ckpt = checkpoint
         if isinstance(plan, _Unset):
             plan = None
@@ -118,7 +152,7 @@ class WeightCacheKey:
 
                 plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
 
-        key = cls(
+        key = WeightCacheKey(
             fingerprint=ckpt.fingerprint(content=spec.verify_content),
             architecture=ckpt.architecture,
             tp_size=spec.tp_size,
@@ -137,6 +171,30 @@ class WeightCacheKey:
                     f"(docs/protocol.md §7): {fix}"
                 )
         return key
+
+    def resolve(self) -> WeightCacheKey:
+        """Every field computed now (a deferred key scans its checkpoint's headers here, raising what the scan
+        raises); returns ``self``."""
+        return self
+
+    @property
+    def scanned(self) -> bool:
+        """Whether this process read the checkpoint's headers for this key (False for a key whose file-derived
+        fields the daemon supplied: docs/protocol.md §4.3.1)."""
+        return True
+
+    def proof(self) -> tuple[dict[str, KeyValue], CheckpointProof] | None:
+        """For a deferred key: (the key map less the file-derived fields, the files' proof) to send in GET_STATE;
+        None for a key whose fields are all known (send ``to_wire()``)."""
+        return None
+
+    def adopt(self, served: dict[str, Any]) -> None:
+        """Take the file-derived fields from the key a daemon served for :meth:`proof` (the rest must be this
+        key's: ProtocolError otherwise). A known key only checks that ``served`` equals it."""
+        if self.diff_wire(served):
+            raise ProtocolError(
+                f"the daemon served key {served} for the request {self.to_wire()}", details={"served": served}
+            )
 
     def to_wire(self) -> dict[str, KeyValue]:
         return {name: getattr(self, name) for name in _FIELDS}
@@ -224,3 +282,227 @@ def not_served(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> Not
         f"{describe_fields(diff)}" + (f" (served: {_served(held)})" if len(held) > 1 else ""),
         details={"fields": diff, "served": [k.short() for k in held], "closest": key.short()},
     )
+
+
+_TYPES: dict[str, type] = {"tp_size": int, "tp_rank": int, "layout": int}
+_TYPES.update((n, str) for n in _FIELDS if n not in _TYPES)
+
+
+#: Key fields the checkpoint's files determine: the daemon completes them from a proof (docs/protocol.md §4.3.1).
+FROM_FILES = ("fingerprint", "architecture", "dtype", "plan")
+#: Names whose files the proof covers, besides every ``*.safetensors`` entry: all a key reads.
+PROOF_NAMES = frozenset({"config.json", "model.safetensors.index.json"})
+#: The reference client sends a proof only while its GET_STATE stays well inside the 64 KiB that a pipelined
+#: frame may take (docs/protocol.md §7): names plus ~100 bytes of fields and msgpack per file.
+PROOF_BUDGET = 48 << 10
+#: A file changed less than this long before the daemon read it (its ctime) is not recorded: a later change
+#: within the same timestamp tick would leave its stat unchanged. 2 s covers the coarsest timestamps of
+#: filesystems in use (1 s: ext4 with 128-byte inodes, ext3, HFS+; 2 s: FAT's mtime).
+RACY_NS = 2_000_000_000
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> tuple[FileStat, ...] | None:
+    """The identity of every file a key of ``path`` reads, without reading any: the directory's entries named
+    ``config.json``, ``model.safetensors.index.json`` or ``*.safetensors``, each ``os.stat``ed (symlinks
+    followed), sorted by name. None when that cannot prove a key: no such file, one that is not a regular file
+    (or vanished meanwhile), a name that is not UTF-8, more files than a proof carries. The same function on
+    both sides: the daemon records it before it reads (:meth:`KeyFacts.recorded`), an engine sends it.
+
+    Raises CheckpointError when ``path`` is not a directory (as the scan would)."""
+    root = os.fspath(path)
+    try:
+        with os.scandir(root) as it:
+            names = sorted(e.name for e in it if e.name.endswith(".safetensors") or e.name in PROOF_NAMES)
+    except (NotADirectoryError, FileNotFoundError) as exc:
+        raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory") from exc
+    except OSError:
+        return None
+    if not names or len(names) > MAX_PROOF_FILES or sum(len(n) + 100 for n in names) > PROOF_BUDGET:
+        return None
+    out = []
+    for name in names:
+        try:
+            name.encode()
+            st = os.stat(os.path.join(root, name))
+        except (OSError, UnicodeEncodeError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        out.append(FileStat(name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
+def same_file(a: FileStat, st: os.stat_result) -> bool:
+    """``st`` (an fstat) is the file ``a`` stated, unchanged."""
+    return (a.dev, a.ino, a.size, a.mtime_ns, a.ctime_ns) == (
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+    )
+
+
+class KeyFacts:
+    """What a key takes from a checkpoint's files, as the daemon found them when it read them, and the files'
+    identity before that read (docs/protocol.md §4.3.1): with a request's rank and dtype it completes a key
+    (:meth:`complete`) exactly as a header scan of those files would. (A plain class: an engine imports this
+    module, and only daemons make these.)"""
+
+    __slots__ = ("architecture", "config", "counted", "files", "fingerprint", "fingerprint_kind")
+
+    def __init__(
+        self,
+        files: tuple[FileStat, ...],
+        fingerprint: str,
+        fingerprint_kind: str,
+        architecture: str,
+        counted: DtypeBytes,
+        config: dict[str, Any],
+    ) -> None:
+        self.files, self.fingerprint, self.fingerprint_kind = files, fingerprint, fingerprint_kind
+        self.architecture, self.counted, self.config = architecture, counted, config
+
+    def __repr__(self) -> str:
+        return f"KeyFacts({len(self.files)} files, {self.architecture or 'model'}@{self.fingerprint[:12]})"
+
+    @classmethod
+    def recorded(
+        cls, files: tuple[FileStat, ...] | None, read_ns: int, ckpt: Checkpoint, key: WeightCacheKey
+    ) -> KeyFacts | None:
+        """The facts of ``key``, planned from ``ckpt``, if ``files`` (:func:`checkpoint_files`, taken before
+        ``ckpt`` read anything; ``read_ns``: ``time.time_ns()`` after it) prove them. None when they do not:
+        no files; a file changed less than RACY_NS before ``read_ns`` (or dated after it); a file the key read
+        that the files do not name, or whose descriptor is not the file stated (replaced in between)."""
+        if files is None:
+            return None
+        by_name = {f.name: f for f in files}
+        if any(f.ctime_ns > read_ns - RACY_NS for f in files):
+            return None
+        for path in ckpt.files:
+            stated = by_name.get(path.name)
+            if stated is None or path.parent != ckpt.path:
+                return None
+            try:
+                if not same_file(stated, os.fstat(ckpt.fd(path))):
+                    return None
+            except (OSError, CheckpointError):
+                return None
+        return cls(files, key.fingerprint, key.fingerprint_kind, key.architecture, ckpt.dtype_bytes(), ckpt.config)
+
+    def complete(self, partial: dict[str, Any], dtype: str) -> dict[str, Any]:
+        """The key map a header scan of these files would give for the request ``partial`` (a GET_STATE key
+        without the file-derived fields) and ``dtype`` ("auto" or a dtype name): ``partial`` with
+        ``fingerprint``, ``architecture``, ``dtype`` and ``plan`` set as :meth:`WeightCacheKey.from_spec` sets
+        them. Raises CheckpointError (a dtype this checkpoint is not served in), ShardingError (a
+        ``tp_size`` without a built-in plan for the architecture), or KeyMismatchError-worthy ValueError for
+        a ``tp_size`` that is not a positive integer or a ``fingerprint_kind`` other than the recorded one."""
+        tp_size = partial.get("tp_size")
+        if type(tp_size) is not int or tp_size < 1:
+            raise ValueError(f"tp_size {tp_size!r} is not a positive integer")
+        kind = partial.get("fingerprint_kind", _DEFAULTS["fingerprint_kind"])
+        if kind != self.fingerprint_kind:
+            raise ValueError(f"fingerprint_kind {kind!r}: the daemon read these files for {self.fingerprint_kind!r}")
+        plan = "none"
+        if tp_size != 1:
+            from wcache.sharding import resolve_plan
+
+            resolved = resolve_plan(self.architecture, tp_size, None)
+            plan = resolved.id if resolved is not None else "none"
+        out = dict(partial)
+        out["fingerprint"] = self.fingerprint
+        out["architecture"] = self.architecture
+        out["dtype"] = resolve_dtype(self.counted, self.config, None if dtype == "auto" else dtype)
+        out["plan"] = plan
+        return out
+
+
+class _DeferredKey(WeightCacheKey):
+    """A key whose file-derived fields (FROM_FILES) are not computed yet: its files were only ``stat``ed
+    (``from_spec``). Reading one of those fields runs the header scan; a daemon's STATE for its proof
+    supplies them instead (:meth:`adopt`). Equal to, and hashing as, the WeightCacheKey of the same fields."""
+
+    __slots__ = ("_files", "_scanned_here", "_spec")
+
+    _files: tuple[FileStat, ...]
+    _spec: RankSpec
+    _scanned_here: bool
+
+    @classmethod
+    def of(cls, spec: RankSpec, files: tuple[FileStat, ...]) -> _DeferredKey:
+        key = object.__new__(cls)
+        put = object.__setattr__
+        for name, value in (
+            ("tp_size", spec.tp_size),
+            ("tp_rank", spec.tp_rank),
+            ("layout", LAYOUT_VERSION),
+            ("fingerprint_kind", "sampled"),
+            ("transform", spec.transform),
+            ("_spec", spec),
+            ("_files", files),
+            ("_scanned_here", False),
+        ):
+            put(key, name, value)
+        return key
+
+    def _pending(self) -> bool:
+        try:
+            object.__getattribute__(self, "fingerprint")
+        except AttributeError:
+            return True
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in FROM_FILES:
+            raise AttributeError(name)
+        self.resolve()
+        return object.__getattribute__(self, name)
+
+    def resolve(self) -> WeightCacheKey:
+        if self._pending():
+            full = WeightCacheKey._scanned(self._spec, None)
+            for name in FROM_FILES:
+                object.__setattr__(self, name, getattr(full, name))
+            object.__setattr__(self, "_scanned_here", True)
+        return self
+
+    @property
+    def scanned(self) -> bool:
+        return getattr(self, "_scanned_here", True)
+
+    def proof(self) -> tuple[dict[str, KeyValue], CheckpointProof] | None:
+        if not self._pending():
+            return None
+        partial: dict[str, KeyValue] = {n: getattr(self, n) for n in _FIELDS if n not in FROM_FILES}
+        return partial, CheckpointProof(files=self._files, dtype=self._spec.dtype or "auto")
+
+    def adopt(self, served: dict[str, Any]) -> None:
+        if not self._pending():
+            super().adopt(served)
+            return
+        for name in _FIELDS:
+            want = _TYPES[name]
+            v = served.get(name, _DEFAULTS[name])
+            if type(v) is not want or (name not in FROM_FILES and v != getattr(self, name)):
+                raise ProtocolError(
+                    f"the daemon served key {served} for a proof of {self._spec.checkpoint} "
+                    f"({', '.join(f'{n}={getattr(self, n)!r}' for n in _FIELDS if n not in FROM_FILES)})",
+                    details={"served": served, "field": name},
+                )
+        for name in FROM_FILES:
+            object.__setattr__(self, name, served[name])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WeightCacheKey):
+            return NotImplemented
+        return self.to_wire() == other.to_wire()
+
+    def __hash__(self) -> int:
+        return hash(tuple([getattr(self, n) for n in _FIELDS]))
+
+    def __repr__(self) -> str:
+        pending = self._pending()
+        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS if not (pending and n in FROM_FILES))
+        if pending:
+            return f"WeightCacheKey(<{', '.join(FROM_FILES)} of {str(self._spec.checkpoint)!r}>, {shown})"
+        return f"WeightCacheKey({shown})"

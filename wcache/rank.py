@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcache.checkpoint import Checkpoint
-from wcache.key import WeightCacheKey
-from wcache.proto import Preload
+from wcache.key import KeyFacts, WeightCacheKey, checkpoint_files
 from wcache.proto._record import record
 
-if TYPE_CHECKING:  # a key (the engine's restart path) needs neither: plan_rank imports them
+if TYPE_CHECKING:  # a key (the engine's restart path) needs none of them: plan_rank imports them
+    from wcache.checkpoint import Checkpoint
     from wcache.layout import Layout
+    from wcache.proto.admin_frames import Preload
     from wcache.sharding import ShardPlan
 
 __all__ = ["RankPlan", "RankSpec", "check_tp", "plan_rank", "tp_problem"]
@@ -109,6 +110,8 @@ class RankSpec:
 
     def to_preload(self, id: int) -> Preload:
         """The PRELOAD frame asking a daemon for this rank (``verify_content`` is the daemon's choice)."""
+        from wcache.proto.admin_frames import Preload
+
         return Preload(
             id=id,
             model=str(self.checkpoint),
@@ -122,13 +125,16 @@ class RankSpec:
 
 @record
 class RankPlan:
-    """A rank's open checkpoint, key, shard plan and slab layout: computed once per load, then passed on."""
+    """A rank's open checkpoint, key, shard plan and slab layout: computed once per load, then passed on.
+    ``facts``: what the key took from the files and their identity before they were read, when that identity
+    proves the key to engines (docs/protocol.md §4.3.1), else None."""
 
     checkpoint: Checkpoint
     key: WeightCacheKey
     plan: ShardPlan | None
     layout: Layout
     spec: RankSpec
+    facts: KeyFacts | None = None
 
     def close(self) -> None:
         self.checkpoint.close()
@@ -148,10 +154,13 @@ def plan_rank(spec: RankSpec | PathLike, **fields: Any) -> RankPlan:
     read through them and the loader reads the data through them, so the bytes served are those of
     the files validated here even if the directory changes meanwhile. ``close()`` (or ``with``)
     releases them; an unreferenced plan releases them when collected."""
+    from wcache.checkpoint import Checkpoint
     from wcache.layout import plan_layout
     from wcache.sharding import VOCAB_PADDED_TRANSFORMS, resolve_plan
 
     spec = RankSpec.of(spec, **fields)
+    files = checkpoint_files(spec.checkpoint)  # before anything is read: what an engine's proof must match
+    read_ns = time.time_ns()
     ckpt = Checkpoint.open(spec.checkpoint)
     try:
         plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
@@ -164,7 +173,8 @@ def plan_rank(spec: RankSpec | PathLike, **fields: Any) -> RankPlan:
             plan=plan,
             vocab_padding=VOCAB_PADDED_TRANSFORMS.get(spec.transform),
         )
+        facts = KeyFacts.recorded(files, read_ns, ckpt, key)
     except BaseException:
         ckpt.close()
         raise
-    return RankPlan(ckpt, key, plan, layout, spec)
+    return RankPlan(ckpt, key, plan, layout, spec, facts)

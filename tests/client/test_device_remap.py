@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from wcache import DeviceMismatchError, WCacheClient, _cuda
-from wcache.client import cuda
+from wcache.client import cuda, driver
 from wcache.proto import DeviceInfo, HelloOk, SlabDescriptor
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"  # physical GPU 0: the daemon's (started with CUDA_VISIBLE_DEVICES=0)
@@ -25,6 +25,7 @@ def permuted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_cuda, "device_count", lambda: len(local))
     monkeypatch.setattr(_cuda, "device_uuid", lambda i: local[i])
+    monkeypatch.setattr(driver, "device_uuids", lambda: None)  # as if CUDA were not initialised: torch's view
 
 
 def _hello(uuid: str) -> HelloOk:
@@ -56,7 +57,9 @@ def test_a_slab_maps_on_the_local_index_of_its_uuid(permuted: None, monkeypatch:
     the engine named that is not where the slab lives, or a slab on a GPU it cannot see."""
     seen: list[int] = []
 
-    def fake_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[object, bool]:
+    def fake_import(
+        fd: int, offset: int, size: int, index: int, *, read_only: bool, **kw: object
+    ) -> tuple[object, bool]:
         seen.append(index)
         return object(), True
 

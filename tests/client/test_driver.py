@@ -102,9 +102,49 @@ def test_no_driver_library_is_unsupported_platform(monkeypatch: pytest.MonkeyPat
 
 
 def test_old_driver_without_an_entry_point_is_unsupported_platform(fake: Callable[..., FakeLib]) -> None:
+    """Entry points are looked up on first use: a driver without one fails the call that needs it (and the check
+    of them all), not the calls it has."""
     fake(missing=("cuMemImportFromShareableHandle",))
+    driver.ipc_open(bytes(64))
     with pytest.raises(UnsupportedPlatformError, match="cuMemImportFromShareableHandle"):
-        driver.driver()
+        driver.vmm_import_map(5, 2 << 20, 0, read_only=True)
+    with pytest.raises(UnsupportedPlatformError, match="cuMemImportFromShareableHandle"):
+        driver.driver().resolve_all()
+
+
+def test_a_mapping_looks_up_only_the_entry_points_it_calls(fake: Callable[..., FakeLib]) -> None:
+    """A restart's first fetch pays for the half dozen symbols it uses, not the table (looked up once each)."""
+    lib = fake()
+    timings: dict[str, float] = {}
+    driver.vmm_import_map(5, 2 << 20, 0, read_only=True, timings=timings)
+    used = {"cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess", "cuMemRelease"}
+    assert set(vars(driver.driver())) - {"_lib"} == used and set(lib.calls) == used
+    assert set(timings) == {"import_handle", "reserve_map_access"} and all(v >= 0 for v in timings.values())
+    driver.vmm_import_map(5, 2 << 20, 0, read_only=True)
+    assert set(vars(driver.driver())) - {"_lib"} == used
+
+
+def test_device_uuids_are_formatted_as_torch_formats_them(fake: Callable[..., FakeLib]) -> None:
+    lib = fake()
+
+    def count(out: Any) -> int:
+        out._obj.value = 2
+        return 0
+
+    raw = [bytes(range(16)), bytes(range(16, 32))]
+
+    def uuid(out: Any, dev: Any) -> int:
+        ctypes.memmove(ctypes.addressof(out._obj), raw.pop(0), 16)
+        return 0
+
+    lib.__dict__["cuDeviceGetCount"] = count
+    lib.__dict__["cuDeviceGetUuid_v2"] = uuid
+    assert driver.device_uuids() == [
+        "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f",
+        "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f",
+    ]
+    lib2 = fake(results={"cuDeviceGetCount": [3]})  # CUDA_ERROR_NOT_INITIALIZED: no context yet, ask torch
+    assert driver.device_uuids() is None and lib2.calls == ["cuDeviceGetCount"]
 
 
 def test_ipc_open_falls_back_to_the_unversioned_symbol(fake: Callable[..., FakeLib]) -> None:

@@ -1,14 +1,24 @@
-"""An engine's restart imports only what its weight path uses (issue 20): ``import wcache`` loads nothing,
-the client and the key load the protocol, the key and the client, never the loader's modules (layout,
-sharding, recipes, the daemon)."""
+"""An engine's restart imports only what its weight path uses (docs/performance.md, "The restart weight path"):
+``import wcache`` loads nothing; the client and the key load exactly the modules of the fetch — the engine's
+frames, never the other services' (STATUS/PRELOAD/EVICT, write-back, takeover and keeper), never the header
+scan (checkpoint, files) when the daemon proves the key from the files' identity (docs/protocol.md §4.3.1),
+never the loader's modules (layout, sharding, recipes, the daemon)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from tests.conftest import DaemonProc
+from wcache.key import RACY_NS
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 #: modules of other paths: the daemon's loader and planning, write-back recipes, integrations
@@ -21,9 +31,39 @@ NOT_ON_THE_RESTART_PATH = (
     "wcache.server",
     "wcache.integrations",
     "wcache.client.wait",
-    "wcache.proto.fleet_frames",  # the peer channel's frames: ~2.4 ms of class building an engine never uses
     "wcache.peer_files",
+    "wcache.reshard",
+    "wcache.checkpoint",
+    "wcache.files",
+    "wcache.quant",
+    "wcache.proto.admin_frames",
+    "wcache.proto.deposit_frames",
+    "wcache.proto.peer_frames",
+    "wcache.proto.fleet_frames",  # the peer channel's frames: ~2.4 ms of class building an engine never uses
 )
+#: every wcache module ``from wcache import WCacheClient, WeightCacheKey`` loads: the fetch's, and no other
+RESTART_PATH = {
+    "wcache",
+    "wcache._cuda",
+    "wcache.channel",
+    "wcache.client",
+    "wcache.client.client",
+    "wcache.client.cuda",
+    "wcache.client.driver",
+    "wcache.client.mapping",
+    "wcache.errors",
+    "wcache.key",
+    "wcache.paths",
+    "wcache.proto",
+    "wcache.proto._lazy",
+    "wcache.proto._record",
+    "wcache.proto.codec",
+    "wcache.proto.connection",
+    "wcache.proto.daemon_frames",
+    "wcache.proto.fields",
+    "wcache.proto.frames",
+    "wcache.proto.table",
+}
 
 
 def _loaded(code: str, *args: str) -> list[str]:
@@ -42,9 +82,25 @@ def test_import_wcache_loads_no_submodule() -> None:
 
 def test_the_client_and_key_import_only_the_restart_path() -> None:
     loaded = _loaded("from wcache import WCacheClient, WeightCacheKey")
-    assert {"wcache.client.client", "wcache.key", "wcache.proto.connection"} <= set(loaded)
+    assert {m for m in loaded if m.startswith("wcache")} == RESTART_PATH
     extra = [m for m in loaded if m.startswith(NOT_ON_THE_RESTART_PATH)]
     assert extra == [], f"the restart path imports {extra}"
+
+
+def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
+    """``import wcache.proto`` loads nothing; one frame name loads its own module, the union of every frame all."""
+    assert _loaded("import wcache.proto") == ["wcache", "wcache.proto", "wcache.proto._lazy"]
+    one = _loaded("from wcache.proto import State")
+    assert "wcache.proto.daemon_frames" in one and not [
+        m for m in one if m.endswith(("admin_frames", "peer_frames", "fleet_frames"))
+    ]
+    every = _loaded("from wcache.proto import Frame")
+    assert {
+        "wcache.proto.admin_frames",
+        "wcache.proto.deposit_frames",
+        "wcache.proto.peer_frames",
+        "wcache.proto.fleet_frames",
+    } <= set(every)
 
 
 def test_errors_stay_importable_by_name() -> None:
@@ -61,3 +117,33 @@ def test_computing_a_key_imports_no_loader_module(tmp_path: Path) -> None:
     )
     extra = [m for m in loaded if m.startswith(NOT_ON_THE_RESTART_PATH)]
     assert extra == [], f"computing a key imports {extra}"
+
+
+@pytest.fixture(scope="module")
+def settled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose files the daemon can prove (none changed within RACY_NS of its read)."""
+    model = make_llama_checkpoint(tmp_path_factory.mktemp("imports") / "m", TINY, seed=0)
+    newest = max(os.stat(p).st_ctime_ns for p in model.iterdir())
+    time.sleep(max(0.0, (newest + RACY_NS - time.time_ns()) / 1e9 + 0.05))
+    return model
+
+
+def test_a_proven_fetch_imports_no_header_scan(
+    daemon_factory: Callable[..., DaemonProc], settled: Path, tmp_path: Path
+) -> None:
+    """A restart whose files the daemon recognises never loads the scan's modules (checkpoint, files): the key
+    costs a listing and a stat per file; a changed file loads them (the fallback), and is served the same."""
+    daemon = daemon_factory(settled)
+    fetch = (
+        "import sys\nfrom wcache import WCacheClient, WeightCacheKey\n"
+        "key = WeightCacheKey.from_checkpoint(sys.argv[1])\n"
+        "w = WCacheClient(sys.argv[2]).fetch_sync(key)\nassert len(w) > 0 and w.key_proven != key.scanned\n"
+        "w.release_sync()\n"
+    )
+    loaded = _loaded(fetch, str(settled), str(daemon.socket))
+    extra = [m for m in loaded if m.startswith(NOT_ON_THE_RESTART_PATH)]
+    assert extra == [], f"a proven fetch imports {extra}"
+    touched = tmp_path / "touched"
+    shutil.copytree(settled, touched)  # other inodes: the daemon did not read these files
+    scanned = _loaded(fetch, str(touched), str(daemon.socket))
+    assert {"wcache.checkpoint", "wcache.files"} <= set(scanned)

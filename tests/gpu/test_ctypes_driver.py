@@ -101,3 +101,14 @@ def test_driver_device_facts_equal_torchs() -> None:
     uuid, name, count, total = out.stdout.split("\n")[:4]
     assert uuid == _cuda.device_uuid(0) and name == torch.cuda.get_device_properties(0).name
     assert int(count) == torch.cuda.device_count() and int(total) == torch.cuda.mem_get_info(0)[1]
+
+
+def test_driver_uuids_are_torchs() -> None:
+    """The client finds the daemon's GPU through the driver's UUIDs (microseconds): they must be torch's, in
+    torch's order, and a prepared device maps without looking anything else up."""
+    torch.empty(1, device="cuda:0")
+    uuids = driver.device_uuids()
+    assert uuids == [_cuda.device_uuid(i) for i in range(torch.cuda.device_count())]
+    cuda.prepare(uuids[0])
+    looked_up = set(vars(driver.driver()))
+    assert {"cuMemImportFromShareableHandle", "cuMemMap", "cuMemSetAccess"} <= looked_up

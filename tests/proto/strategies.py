@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from wcache.proto import (
     BACKENDS,
     DTYPE_SIZES,
+    CheckpointProof,
     Commit,
     Deposit,
     Deposited,
@@ -18,6 +19,7 @@ from wcache.proto import (
     ErrorFrame,
     Evict,
     Evicted,
+    FileStat,
     GetState,
     HandedModel,
     Hello,
@@ -73,6 +75,26 @@ plain = st.recursive(
     ),
     max_leaves=12,
 )
+
+
+file_stats = st.builds(
+    FileStat,
+    name=st.text(min_size=1, max_size=40),
+    dev=st.integers(0, 2**64 - 1),
+    ino=st.integers(0, 2**64 - 1),
+    size=uints,
+    mtime_ns=st.integers(-(2**63), 2**63 - 1),
+    ctime_ns=st.integers(-(2**63), 2**63 - 1),
+)
+
+
+def proofs() -> st.SearchStrategy[CheckpointProof]:
+    """A GET_STATE proof: files with unique names (docs/protocol.md §4.3.1), a dtype request."""
+    return st.builds(
+        CheckpointProof,
+        files=st.lists(file_stats, min_size=1, max_size=6, unique_by=lambda f: f.name).map(tuple),
+        dtype=st.sampled_from(["auto", "bfloat16", "float16"]) | text,
+    )
 
 
 @st.composite
@@ -320,7 +342,14 @@ frames = st.one_of(
         max_frame_size=st.integers(1, 2**32 - 1),
         server_pid=st.integers(0, 2**31),
     ),
-    st.builds(GetState, id=ids, key=keys, mode=st.sampled_from(["zero_copy", "copy"]), device_uuid=text),
+    st.builds(
+        GetState,
+        id=ids,
+        key=keys,
+        mode=st.sampled_from(["zero_copy", "copy"]),
+        device_uuid=text,
+        proof=st.none() | proofs(),
+    ),
     states(),
     st.builds(Release, id=ids, lease=st.integers(1, 2**63 - 1)),
     st.builds(Released, id=ids, lease=st.integers(1, 2**63 - 1), leases_left=uints),

@@ -41,15 +41,27 @@ _MISSING: Any = dataclasses.MISSING
 
 
 def test_registry_is_the_frame_union() -> None:
-    """Every registered frame is in the union, the peer channel's once imported (they register lazily)."""
-    from wcache.proto import fleet_frames
-    from wcache.proto.frames import FLEET_FRAME_TYPES
-
-    fleet = {c for c in vars(fleet_frames).values() if isinstance(c, type) and issubclass(c, Message) and c.TYPE}
-    assert {c.TYPE for c in fleet} == FLEET_FRAME_TYPES
-    assert set(REGISTRY.values()) == set(get_args(Frame)) | fleet
-    assert not set(get_args(Frame)) & fleet  # (the runtime union is the local services'; typing sees all)
+    assert set(REGISTRY.values()) == set(get_args(Frame))
     assert all(t == cls.TYPE for t, cls in REGISTRY.items())
+
+
+def test_the_frame_annotation_names_every_registered_frame() -> None:
+    """``Frame`` as the type checker reads it (frames.py's annotation) and as the registry builds it at run time
+    (every module of FRAME_MODULES) are the same classes: a frame module missing from either shows here."""
+    import ast
+    import inspect
+
+    from wcache.proto import frames
+
+    tree = ast.parse(inspect.getsource(frames))
+    (union,) = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["Frame"]
+    ]
+    annotated = {n.id for n in ast.walk(union) if isinstance(n, ast.Name)}
+    assert annotated == {cls.__name__ for cls in frames.load_frames().values()}
+    assert {cls.__module__ for cls in REGISTRY.values()} == set(frames.FRAME_MODULES)
 
 
 def test_peer_frames_decode_in_a_process_that_never_imported_them() -> None:

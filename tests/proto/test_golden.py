@@ -10,7 +10,7 @@ import pytest
 
 from wcache.errors import ProtocolError
 from wcache.proto import Connection, Keep, Kept, Reclaimed, Role, TakeoverState, decode_body, decode_frame, pack_frame
-from wcache.proto.examples import EXAMPLES, hexdump
+from wcache.proto.examples import EXAMPLES, VARIANTS, hexdump
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -53,7 +53,10 @@ GOLDEN_SHA256 = {
     "PEER_READ_OK": "1f12a97732b9d442ae2823c63f672315178b79eda7cf57afc64fbeeef9c649df",
     "PEER_FILES": "f98509fb0fc14afdc08ba8e426b1358c741b3e843fd67f73a9c6eb0b566a8776",
     "PEER_FILES_REPLY": "4eb707ff3eab9aa05390d268f35bc9ed579895c76d133e4f6652e03230f1da3b",
+    # variants: optional fields that change a frame's shape (§4.3.1's proof)
+    "GET_STATE with a proof": "c03abb1dcc02f3833af92abe96c5b3c462851652951b7a8b26e8bed726e3af7d",
 }
+ALL = {**EXAMPLES, **VARIANTS}
 
 HELLO_BYTES = bytes.fromhex(
     "0000003b84a474797065a548454c4c4fa876657273696f6e739102a8736f6674"
@@ -65,23 +68,23 @@ def test_hello_bytes_literal() -> None:
     assert pack_frame(EXAMPLES["HELLO"].to_wire()) == HELLO_BYTES
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", list(ALL))
 def test_golden_digest(name: str) -> None:
-    data = pack_frame(EXAMPLES[name].to_wire())
+    data = pack_frame(ALL[name].to_wire())
     assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256[name]
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", list(ALL))
 def test_golden_decodes_to_example(name: str) -> None:
-    data = pack_frame(EXAMPLES[name].to_wire())
+    data = pack_frame(ALL[name].to_wire())
     assert int.from_bytes(data[:4], "big") == len(data) - 4
-    assert decode_frame(decode_body(data[4:])) == EXAMPLES[name]
+    assert decode_frame(decode_body(data[4:])) == ALL[name]
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", list(ALL))
 def test_protocol_doc_shows_the_bytes(name: str) -> None:
     """docs/protocol.md §8 must show exactly what the encoder produces."""
-    data = pack_frame(EXAMPLES[name].to_wire())
+    data = pack_frame(ALL[name].to_wire())
     doc = DOC.read_text()
     m = re.search(rf"### {name} \((\d+) bytes\)\n```\n(.*?)\n```", doc, re.S)
     assert m, f"docs/protocol.md has no example for {name}"

@@ -148,14 +148,13 @@ def test_post_init_weakref_slot_and_dataclasses_api() -> None:
 def test_frames_import_compiles_nothing_per_class() -> None:
     """@dataclass compiled six functions per frame class at import (16 ms of `import wcache`)."""
     code = (
-        "import builtins, sys, wcache.errors, wcache.proto.codec\n"
+        "import builtins, dataclasses, sys, wcache.errors, wcache.proto.codec\n"  # the stdlib's modules first
         "n = [0]\n"
         "real = builtins.exec\n"
         "def counting(*a, **k):\n"
         "    n[0] += 1\n"
         "    return real(*a, **k)\n"
         "builtins.exec = counting\n"
-        "import dataclasses\n"
         "sys.modules.pop('wcache.proto.frames', None)\n"
         "import wcache.proto.frames\n"
         "print(n[0])\n"

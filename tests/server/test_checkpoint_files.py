@@ -111,7 +111,7 @@ def test_the_loaded_slab_holds_the_validated_files_bytes_when_a_shard_is_swapped
     b = make_llama_checkpoint(tmp_path / "b", SMALL, seed=2)
     shard = a / "model.safetensors"
     original = shard.read_bytes()
-    key_a = WeightCacheKey.from_checkpoint(a)
+    key_a = WeightCacheKey.from_checkpoint(a).resolve()  # before the swap (a deferred key scans when read)
 
     def swap_then_load(*args: Any, **kwargs: Any) -> Any:
         tmp = shard.with_name("swap.tmp")

@@ -125,7 +125,7 @@ def test_get_state_goes_out_in_the_same_write_as_hello(
     monkeypatch.setattr(channel, "_opening", spy)
     sent: list[str] = []
     monkeypatch.setattr(channel.Channel, "send_blocking", lambda self, frame, timeout: sent.append(frame.TYPE))
-    key = WeightCacheKey.from_checkpoint(ckpt)
+    key = WeightCacheKey.from_checkpoint(ckpt).resolve()  # whole: no proof a daemon may refuse (§4.3.1)
     c = WCacheClient(daemon.socket)
     w = c.fetch_sync(key) if blocking else asyncio.run(c.fetch(key))
     ref = reference(ckpt)

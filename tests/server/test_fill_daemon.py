@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import time
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 from wcache import WCacheClient, WeightCacheKey
+from wcache.key import RACY_NS
 from wcache.rank import RankSpec, plan_rank
 from wcache.server.process import DaemonProcess, spawn_daemon
 
@@ -139,6 +141,24 @@ def test_a_node_without_the_checkpoint_serves_an_engine(
     target = daemons(empty, "--fill-from", peer)
     assert WeightCacheKey.from_checkpoint(empty) == WeightCacheKey.from_checkpoint(ckpt)
     _assert_slices(target, empty, ckpt)  # the engine computed its key on the directory without weights
+
+
+def test_an_engine_proves_the_files_of_a_filled_rank(
+    ckpt: Path, daemons: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """A rank filled from a peer records the facts of its local files as a disk load does (docs/protocol.md
+    §4.3.1): an engine whose files are unchanged gets the key from their identity, reading no header."""
+    settled = shutil.copytree(ckpt, tmp_path / "settled")
+    time.sleep(RACY_NS / 1e9 + 0.1)  # no file changed within RACY_NS of the target's read
+    _, peer = _source(daemons, ckpt)
+    target = daemons(settled, "--fill-from", peer)
+    assert _origin(target) == f"peer {peer}"
+    key = WeightCacheKey.from_checkpoint(settled)
+    w = WCacheClient(target.socket).fetch_sync(key)
+    try:
+        assert w.key_proven and not key.scanned
+    finally:
+        w.release_sync()
 
 
 def test_a_source_sigkilled_mid_fill_leaves_the_target_on_the_disk_path(

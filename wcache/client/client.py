@@ -30,30 +30,28 @@ from wcache import __version__
 from wcache.channel import Channel, Pipeline, close_fds, connect, connect_blocking, expect, expect_blocking
 from wcache.client import cuda
 from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs, write_deposit
-from wcache.errors import CacheUnavailableError, DeviceMismatchError, ProtocolError, error_from_frame
+from wcache.errors import (
+    CacheUnavailableError,
+    DeviceMismatchError,
+    KeyMismatchError,
+    KeyUnprovenError,
+    NotFoundError,
+    ProtocolError,
+    error_from_frame,
+)
 from wcache.key import WeightCacheKey
 from wcache.paths import default_socket_dir, socket_name
-from wcache.proto import (
-    DTYPE_SIZES,
-    Commit,
-    Deposit,
-    Deposited,
-    DepositSlab,
-    DepositTensor,
-    ErrorFrame,
-    Evict,
-    Evicted,
-    GetState,
-    HelloOk,
-    Preloaded,
-    Release,
-    State,
-    Status,
-    StatusReply,
-)
+from wcache.proto.daemon_frames import ErrorFrame, GetState, HelloOk, Release, State
 
-if TYPE_CHECKING:  # the fetch path imports neither (tests/client/test_imports.py)
-    from wcache.proto import Connection
+if TYPE_CHECKING:  # the fetch path imports none of them (tests/client/test_imports.py): the methods that do
+    from wcache.proto import (
+        Connection,
+        Deposited,
+        Evicted,
+        Frame,
+        Preloaded,
+        StatusReply,
+    )
     from wcache.rank import RankSpec
     from wcache.recipe import RecipeKey
 
@@ -102,9 +100,15 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.socket_path = socket_path
         self._channel = channel
         self._keepalive = keepalive
-        #: where the fetch spent its time, in ms: connect (incl. HELLO), state (GET_STATE -> STATE decoded),
-        #: map (slab mappings), views (the name -> view mapping set up; per-name views are cut from their
-        #: group's stacked view on first look-up), copy (copy mode only)
+        #: the daemon completed the key from the checkpoint files' proof (docs/protocol.md §4.3.1): this process
+        #: did not scan the headers
+        self.key_proven = False
+        #: where the fetch spent its time, in ms: connect (socket: connected and the peer checked; hello: HELLO
+        #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
+        #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest of the wait for STATE and
+        #: its decode), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
+        #: as_tensor), views (the name -> view mapping set up; per-name views are cut from their group's stacked
+        #: view on first look-up), copy (copy mode only)
         self.timings: dict[str, float] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -241,13 +245,16 @@ class WCacheClient:
         session: _Session | None = None,
         rank: int | None = None,
         pipeline: Pipeline | None = None,
+        timings: dict[str, float] | None = None,
     ) -> tuple[Channel, HelloOk]:
         """Connect and shake hands; a socket missing or refused while a daemon is coming back is waited on
         (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any). ``pipeline``:
-        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1)."""
+        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1); ``timings``: ``channel.connect``'s."""
 
         async def attempt() -> tuple[Channel, HelloOk]:
-            return await connect(path, software=f"wcache/{__version__}", name=self.name, pipeline=pipeline)
+            return await connect(
+                path, software=f"wcache/{__version__}", name=self.name, pipeline=pipeline, timings=timings
+            )
 
         try:
             return await attempt()
@@ -278,6 +285,17 @@ class WCacheClient:
                 details={"client": mine, "daemon": hello.device.uuid},
             )
 
+    def _on_hello(self, hello: HelloOk, timings: dict[str, float]) -> None:
+        """Between HELLO_OK and the STATE, while the daemon answers the pipelined GET_STATE: a CUDA daemon's GPU
+        checked (``_check_device``) and the first mapping's preparation done (``cuda.prepare``: context,
+        granularity, driver entry points), so that it overlaps the daemon's work (``prepare`` ms)."""
+        if hello.backend != "cuda":
+            return
+        t0 = time.perf_counter()
+        self._check_device(hello)
+        cuda.prepare(hello.device.uuid, timings)
+        timings["prepare"] = (time.perf_counter() - t0) * 1e3
+
     def _rank(self, key: WeightCacheKey | None) -> int | None:
         """The rank whose kept models mean its daemon is coming back: the key's, else rank 0's socket."""
         if key is not None:
@@ -297,18 +315,24 @@ class WCacheClient:
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=True) as session:
             t0 = time.perf_counter()
-            get_state = _get_state(key, mode)
-            ch, hello = session.ch, session.hello = await self._connect(path, session, key.tp_rank, get_state)
+            timings: dict[str, float] = {}
+            request = _Request(key, mode)
+            ch, hello = session.ch, session.hello = await self._connect(
+                path, session, key.tp_rank, request.build, timings
+            )
             t1 = time.perf_counter()
-            if hello.backend == "cuda":
-                self._check_device(hello)
-            frame, fds = await expect(ch)
-            if not isinstance(frame, State):
-                close_fds(fds)
-                raise ProtocolError(f"expected STATE, got {frame.TYPE}")
-            t2 = time.perf_counter()
-            weights = self._materialise(ch, hello, frame, fds, key, mode, path)
-            weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
+            self._on_hello(hello, timings)
+            t_state = time.perf_counter()
+            try:
+                frame, fds = await expect(ch)
+            except (KeyUnprovenError, KeyMismatchError, NotFoundError) as exc:
+                request.refused(exc)
+                await ch.send(request.scanned(ch.conn))  # the daemon does not know these files: the full key
+                frame, fds = await expect(ch)
+            state = request.state(frame, fds)
+            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3)
+            weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
+            weights.key_proven = request.proven
             if mode == "copy":
                 await weights.release()  # the engine owns its copy: no lease needed
             return weights
@@ -350,10 +374,13 @@ class WCacheClient:
         key: WeightCacheKey,
         mode: str,
         path: Path,
+        timings: dict[str, float],
     ) -> CachedWeights:
+        """The STATE's slabs mapped and its views built; ``timings`` (the fetch's, so far) gets ``map``, ``views``
+        (and ``copy``) and becomes the weights' ``timings``."""
         t0 = time.perf_counter()
-        slabs = map_slabs(state, fds, self.device)
-        timings = {"map": (time.perf_counter() - t0) * 1e3}
+        slabs = map_slabs(state, fds, self.device, timings)
+        timings["map"] = (time.perf_counter() - t0) * 1e3
         keepalive: list[Any] = list(slabs)
         bases = [s.base for s in slabs]
         if mode == "copy":
@@ -385,6 +412,8 @@ class WCacheClient:
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
+        from wcache.proto.admin_frames import Status, StatusReply
+
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path, session, self._rank(key))
@@ -408,6 +437,7 @@ class WCacheClient:
         does not fit the budget, CheckpointError / ShardingError / TransformError for a directory, plan
         or transform the daemon cannot use.
         """
+        from wcache.proto.admin_frames import Preloaded
         from wcache.rank import RankSpec
 
         spec = RankSpec.of(model_dir, **fields)
@@ -421,6 +451,8 @@ class WCacheClient:
 
     async def evict(self, key: WeightCacheKey, *, timeout: float | None = None) -> Evicted:
         """Drop the model served under ``key``; InUseError while leases hold it, NotFoundError if absent."""
+        from wcache.proto.admin_frames import Evict, Evicted
+
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path, session, key.tp_rank)
@@ -450,6 +482,9 @@ class WCacheClient:
         key is leased, or being deposited by another engine), OutOfMemoryError, UnsupportedPlatformError
         (the daemon's backend takes no deposits), CacheUnavailableError. Any failure leaves nothing behind
         on the daemon: the connection closes and the daemon frees the slab."""
+        from wcache.proto.deposit_frames import Commit, Deposit, Deposited, DepositSlab, DepositTensor
+        from wcache.proto.table import DTYPE_SIZES
+
         kinds = dict(kinds or {})
         links = dict(aliases or {})
         entries: list[DepositTensor] = []
@@ -521,13 +556,16 @@ class WCacheClient:
         ch: Channel | None = None
         try:
             t0 = time.perf_counter()
+            timings: dict[str, float] = {}
+            request = _Request(key, mode)
             try:
                 ch, hello = connect_blocking(
                     path,
                     software=f"wcache/{__version__}",
                     name=self.name,
                     timeout=limit,
-                    pipeline=_get_state(key, mode),
+                    pipeline=request.build,
+                    timings=timings,
                 )
             except CacheUnavailableError as exc:
                 from wcache.client import wait  # the failure path only
@@ -536,14 +574,18 @@ class WCacheClient:
                     raise
                 return asyncio.run(self.fetch(key, mode, timeout=timeout))  # wait.py's wait is asyncio's
             t1 = time.perf_counter()
-            if hello.backend == "cuda":
-                self._check_device(hello)
-            frame, fds = expect_blocking(ch, _left(deadline))
-            if not isinstance(frame, State):
-                close_fds(fds)
-                raise ProtocolError(f"expected STATE, got {frame.TYPE}")
-            t2 = time.perf_counter()
-            weights = self._materialise(ch, hello, frame, fds, key, mode, path)
+            self._on_hello(hello, timings)
+            t_state = time.perf_counter()
+            try:
+                frame, fds = expect_blocking(ch, _left(deadline))
+            except (KeyUnprovenError, KeyMismatchError, NotFoundError) as exc:
+                request.refused(exc)
+                ch.send_blocking(request.scanned(ch.conn), _left(deadline))  # the full key, same connection
+                frame, fds = expect_blocking(ch, _left(deadline))
+            state = request.state(frame, fds)
+            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3)
+            weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
+            weights.key_proven = request.proven
         except TimeoutError as exc:
             if ch is not None:
                 ch.close()
@@ -556,20 +598,60 @@ class WCacheClient:
             if ch is not None:
                 ch.close()
             raise
-        weights.timings = {"connect": (t1 - t0) * 1e3, "state": (t2 - t1) * 1e3, **weights.timings}
         if mode == "copy":
             weights.release_sync(max(deadline - time.monotonic(), 0.001))  # the engine owns its copy: no lease needed
         return weights
 
 
-def _get_state(key: WeightCacheKey, mode: str) -> Pipeline:
-    """The GET_STATE pipelined behind HELLO (docs/protocol.md §5.1): ``device_uuid`` is left empty — the daemon's
-    GPU is not known yet — and the client checks it on HELLO_OK (``_check_device``)."""
+class _Request:
+    """One fetch's GET_STATE: pipelined behind HELLO (docs/protocol.md §5.1), so ``device_uuid`` is left empty —
+    the daemon's GPU is not known yet — and the client checks it on HELLO_OK (``_check_device``). A deferred key
+    sends its files' proof instead of the file-derived fields (§4.3.1); if the daemon does not recognise the files
+    (KEY_MISMATCH, or NOT_FOUND from a daemon holding nothing), :meth:`scanned` is the GET_STATE of the full key,
+    after the header scan, on the same connection."""
 
-    def build(conn: Connection) -> GetState:
-        return GetState(id=conn.next_request_id(), key=key.to_wire(), mode=mode)
+    def __init__(self, key: WeightCacheKey, mode: str) -> None:
+        self.key, self.mode = key, mode
+        self._proof = key.proof()
+        #: the GET_STATE in flight carries a proof (the daemon completes the key)
+        self.proven = self._proof is not None
 
-    return build
+    def build(self, conn: Connection) -> GetState:
+        rid = conn.next_request_id()
+        if self._proof is not None:
+            partial, proof = self._proof
+            return GetState(id=rid, key=partial, mode=self.mode, proof=proof)
+        return GetState(id=rid, key=self.key.to_wire(), mode=self.mode)
+
+    def refused(self, exc: KeyUnprovenError | KeyMismatchError | NotFoundError) -> None:
+        """The GET_STATE was refused: re-raise ``exc`` unless it refused the proof itself (then the caller sends
+        :meth:`scanned`): KEY_UNPROVEN, or from a daemon older than proofs KEY_MISMATCH / NOT_FOUND without
+        ``details.key``. A daemon that completed the key from the proof names it (``details.key``): the refusal
+        is that key's, final, and the key takes its fields without a scan."""
+        if not self.proven:
+            raise exc
+        completed = exc.details.get("key")
+        if isinstance(completed, dict) and not isinstance(exc, KeyUnprovenError):
+            self.key.adopt(completed)
+            raise exc
+
+    def scanned(self, conn: Connection) -> GetState:
+        """The retry after a refused proof: the header scan runs here (raising what it raises)."""
+        self._proof, self.proven = None, False
+        return self.build(conn)
+
+    def state(self, frame: Frame, fds: list[int]) -> State:
+        """``frame`` as the STATE answering this request; a proven key takes its file-derived fields from it."""
+        if not isinstance(frame, State):
+            close_fds(fds)
+            raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+        if self.proven:
+            try:
+                self.key.adopt(frame.key)
+            except BaseException:
+                close_fds(fds)
+                raise
+        return frame
 
 
 def _left(deadline: float) -> float:

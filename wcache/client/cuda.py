@@ -6,6 +6,7 @@ loaded), not cuda-bindings: importing those cost a restarting engine 69-130 ms (
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -13,9 +14,9 @@ import torch
 from wcache import _cuda
 from wcache.client import driver
 from wcache.errors import DeviceMismatchError, ProtocolError, UnsupportedPlatformError
-from wcache.proto import SlabDescriptor
+from wcache.proto.daemon_frames import SlabDescriptor
 
-__all__ = ["ipc_open", "local_uuid", "map_slab", "vmm_import", "write_vmm_deposit"]
+__all__ = ["ipc_open", "local_uuid", "map_slab", "prepare", "visible_uuids", "vmm_import", "write_vmm_deposit"]
 
 
 def _require_cuda() -> None:
@@ -26,19 +27,68 @@ def _require_cuda() -> None:
         )
 
 
+def visible_uuids() -> list[str]:
+    """The UUIDs of the devices this process sees, by local index: from the driver (microseconds) once CUDA is
+    initialised here, else from torch (which initialises it; its first ``get_device_properties`` of a device
+    queries every property)."""
+    _require_cuda()
+    try:
+        uuids = driver.device_uuids()
+    except UnsupportedPlatformError:
+        uuids = None
+    if uuids is None:
+        uuids = [_cuda.device_uuid(i) for i in range(torch.cuda.device_count())]
+    return uuids
+
+
 def local_uuid(device: torch.device | None, daemon_uuid: str) -> str:
     """The UUID this client sends in GET_STATE: its chosen device's, or the daemon's GPU if visible."""
-    _require_cuda()
+    visible = visible_uuids()
     if device is not None and device.type == "cuda":
-        return _cuda.device_uuid(device.index if device.index is not None else torch.cuda.current_device())
-    if _cuda.device_index_for_uuid(daemon_uuid) is None:
-        visible = [_cuda.device_uuid(i) for i in range(torch.cuda.device_count())]
+        return visible[device.index if device.index is not None else torch.cuda.current_device()]
+    if daemon_uuid not in visible:
         raise DeviceMismatchError(
             f"the daemon's GPU {daemon_uuid} is not visible to this process (visible: {visible}); "
             "check CUDA_VISIBLE_DEVICES",
             details={"daemon": daemon_uuid, "visible": visible},
         )
     return daemon_uuid
+
+
+#: the driver entry points a VMM slab's mapping calls (looked up ahead by ``prepare``)
+_VMM_CALLS = (
+    "cuMemImportFromShareableHandle",
+    "cuMemAddressReserve",
+    "cuMemMap",
+    "cuMemSetAccess",
+    "cuMemRelease",
+    "cuMemUnmap",
+    "cuMemAddressFree",
+)
+
+
+def prepare(uuid: str, timings: dict[str, float] | None = None) -> None:
+    """A first mapping's work that does not need the slab, done ahead: the GPU ``uuid``'s context current on this
+    thread, its VMM granularity, the driver's entry points looked up. The client calls it between HELLO_OK and
+    the STATE (the daemon is answering the pipelined GET_STATE meanwhile: docs/protocol.md §5.1). ``timings``
+    (ms): ``prepare_device`` (the visible GPUs' UUIDs: the first one loads the driver library's handle),
+    ``prepare_context`` (the device's context current), ``prepare_driver`` (granularity, entry points)."""
+    t0 = time.perf_counter()
+    visible = visible_uuids()
+    t1 = time.perf_counter()
+    if uuid not in visible:
+        return  # nothing will be mapped here: map_slab says why
+    index = visible.index(uuid)
+    _make_current(index)
+    t2 = time.perf_counter()
+    driver.granularity(index)
+    d = driver.driver()
+    for name in _VMM_CALLS:
+        getattr(d, name)
+    if timings is not None:
+        timings["prepare_device"] = (t1 - t0) * 1e3
+        timings["prepare_context"] = (t2 - t1) * 1e3
+        timings["prepare_driver"] = (time.perf_counter() - t2) * 1e3
 
 
 def _make_current(index: int) -> None:
@@ -59,25 +109,30 @@ def ipc_open(handle: bytes, offset: int, size: int, index: int) -> _cuda.DeviceB
     return _cuda.DeviceBuffer(base + offset, size, index, lambda: driver.ipc_close(base))
 
 
-def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[_cuda.DeviceBuffer, bool]:
-    """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only."""
+def vmm_import(
+    fd: int, offset: int, size: int, index: int, *, read_only: bool, timings: dict[str, float] | None = None
+) -> tuple[_cuda.DeviceBuffer, bool]:
+    """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only
+    (``timings``: the driver calls' ms, ``driver.vmm_import_map``)."""
     _make_current(index)
     gran = driver.granularity(index)
     total = max(gran, -(-(offset + size) // gran) * gran)
-    ptr, ro = driver.vmm_import_map(fd, total, index, read_only=read_only)
+    ptr, ro = driver.vmm_import_map(fd, total, index, read_only=read_only, timings=timings)
     return _cuda.DeviceBuffer(ptr + offset, size, index, lambda: driver.vmm_unmap(ptr, total)), ro
 
 
 def _slab_device(desc: SlabDescriptor) -> int:
-    _require_cuda()
-    index = _cuda.device_index_for_uuid(desc.device_uuid)
-    if index is None:
+    visible = visible_uuids()
+    if desc.device_uuid not in visible:
         raise DeviceMismatchError(f"slab lives on GPU {desc.device_uuid}, which this process cannot see")
-    return index
+    return visible.index(desc.device_uuid)
 
 
-def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> _cuda.DeviceBuffer:
-    """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle)."""
+def map_slab(
+    desc: SlabDescriptor, fd: int, device: torch.device | None, timings: dict[str, float] | None = None
+) -> _cuda.DeviceBuffer:
+    """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle; ``timings``: see
+    ``vmm_import``)."""
     index = _slab_device(desc)
     if device is not None and device.type == "cuda" and device.index not in (None, index):
         raise DeviceMismatchError(f"asked for cuda:{device.index}, but the slab lives on cuda:{index}")
@@ -87,7 +142,7 @@ def map_slab(desc: SlabDescriptor, fd: int, device: torch.device | None) -> _cud
         return ipc_open(desc.handle, desc.offset, desc.size, index)
     if fd < 0:
         raise ProtocolError("cuda_vmm slab without a file descriptor")
-    buf, _read_only = vmm_import(fd, desc.offset, desc.size, index, read_only=True)
+    buf, _read_only = vmm_import(fd, desc.offset, desc.size, index, read_only=True, timings=timings)
     return buf
 
 

@@ -17,6 +17,7 @@ Types and constants follow cuda.h (CUDA >= 11.0 for the VMM calls).
 from __future__ import annotations
 
 import ctypes
+import time
 from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "CudaDriverError",
     "check",
     "current_device",
+    "device_uuids",
     "granularity",
     "ipc_close",
     "ipc_open",
@@ -82,11 +84,19 @@ class CUipcMemHandle(Structure):
     _fields_ = [("reserved", c_char * 64)]
 
 
+class CUuuid(Structure):
+    _fields_ = [("bytes", c_char * 16)]
+
+
 #: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins.
 SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[Any, ...]]] = {
     "cuGetErrorName": (("cuGetErrorName",), (CUresult, POINTER(c_char_p))),
     "cuGetErrorString": (("cuGetErrorString",), (CUresult, POINTER(c_char_p))),
     "cuCtxGetDevice": (("cuCtxGetDevice",), (POINTER(c_int),)),
+    "cuDeviceGetCount": (("cuDeviceGetCount",), (POINTER(c_int),)),
+    "cuDeviceGet": (("cuDeviceGet",), (POINTER(c_int), c_int)),
+    # MIG instances have their own UUID through _v2 (CUDA >= 11.4), as the runtime reports them
+    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (POINTER(CUuuid), c_int)),
     "cuMemGetAllocationGranularity": (
         ("cuMemGetAllocationGranularity",),
         (POINTER(c_size_t), POINTER(CUmemAllocationProp), c_int),
@@ -122,29 +132,40 @@ class CudaDriverError(RuntimeError):
 
 
 class _Driver:
-    """The resolved entry points (attributes named as in ``SIGNATURES``)."""
+    """The entry points (attributes named as in ``SIGNATURES``), each looked up in the library on its first use:
+    a restart's first fetch resolves the half dozen it calls, not the whole table (``resolve_all`` checks every
+    one, for tests and diagnostics)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        for name, (symbols, argtypes) in SIGNATURES.items():
-            fn = None
-            for symbol in symbols:
-                try:
-                    fn = getattr(lib, symbol)
-                    break
-                except AttributeError:
-                    continue
-            if fn is None:
-                raise UnsupportedPlatformError(
-                    f"the CUDA driver ({LIBRARY}) has no {symbols[0]}; update the NVIDIA driver "
-                    "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
-                    details={"missing": symbols[0]},
-                )
-            fn.argtypes = list(argtypes)
-            fn.restype = CUresult
-            setattr(self, name, fn)
+        self._lib = lib
 
-    def __getattr__(self, name: str) -> Any:  # for mypy: entry points are set in __init__
-        raise AttributeError(name)
+    def __getattr__(self, name: str) -> Any:
+        entry = SIGNATURES.get(name)
+        if entry is None:
+            raise AttributeError(name)
+        symbols, argtypes = entry
+        fn = None
+        for symbol in symbols:
+            try:
+                fn = getattr(self._lib, symbol)
+                break
+            except AttributeError:
+                continue
+        if fn is None:
+            raise UnsupportedPlatformError(
+                f"the CUDA driver ({LIBRARY}) has no {symbols[0]}; update the NVIDIA driver "
+                "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
+                details={"missing": symbols[0]},
+            )
+        fn.argtypes = list(argtypes)
+        fn.restype = CUresult
+        setattr(self, name, fn)  # later look-ups find the attribute: no __getattr__
+        return fn
+
+    def resolve_all(self) -> None:
+        """Look every entry point up now (UnsupportedPlatformError naming the first one missing)."""
+        for name in SIGNATURES:
+            getattr(self, name)
 
 
 _DRIVER: _Driver | None = None
@@ -187,6 +208,25 @@ def current_device() -> int | None:
     return int(dev.value) if driver().cuCtxGetDevice(byref(dev)) == CUDA_SUCCESS else None
 
 
+def device_uuids() -> list[str] | None:
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` of every visible device, by ordinal (the ordinals torch uses:
+    both follow CUDA_VISIBLE_DEVICES), formatted as torch formats them; None when the driver is not initialised
+    in this process (no CUDA context yet: ask torch). Microseconds, where torch's ``get_device_properties``
+    first queries every property of the device."""
+    d = driver()
+    n = c_int()
+    if d.cuDeviceGetCount(byref(n)) != CUDA_SUCCESS:
+        return None
+    out = []
+    for i in range(n.value):
+        dev, uuid = c_int(), CUuuid()
+        if d.cuDeviceGet(byref(dev), i) != CUDA_SUCCESS or d.cuDeviceGetUuid(byref(uuid), dev) != CUDA_SUCCESS:
+            return None
+        h = bytes(uuid).hex()
+        out.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}")
+    return out
+
+
 def _device_prop(index: int) -> CUmemAllocationProp:
     prop = CUmemAllocationProp()
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
@@ -214,17 +254,22 @@ def granularity(index: int) -> int:
     return gran
 
 
-def vmm_import_map(fd: int, size: int, index: int, *, read_only: bool) -> tuple[int, bool]:
+def vmm_import_map(
+    fd: int, size: int, index: int, *, read_only: bool, timings: dict[str, float] | None = None
+) -> tuple[int, bool]:
     """Import a POSIX-fd VMM handle (the caller keeps and closes ``fd``), reserve ``size`` bytes,
     map and set access on device ``index`` — read-only where the driver allows. Returns
     (address, mapped read-only). The allocation handle is released at once: the mapping keeps the
-    memory alive until :func:`vmm_unmap`."""
+    memory alive until :func:`vmm_unmap`. ``timings`` (ms, added to): ``import_handle``
+    (cuMemImportFromShareableHandle), ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess)."""
     d = driver()
+    t0 = time.perf_counter()
     handle = CUmemGenericAllocationHandle()
     check(
         d.cuMemImportFromShareableHandle(byref(handle), c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
         "cuMemImportFromShareableHandle",
     )
+    t1 = time.perf_counter()
     try:
         ptr = CUdeviceptr()
         check(d.cuMemAddressReserve(byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
@@ -234,13 +279,18 @@ def vmm_import_map(fd: int, size: int, index: int, *, read_only: bool) -> tuple[
             acc = CUmemAccessDesc()
             acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
             acc.location.id = index
+            ro = False
             if read_only:
                 acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ
-                if d.cuMemSetAccess(addr, size, byref(acc), 1) == CUDA_SUCCESS:
-                    return addr, True
-            acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            check(d.cuMemSetAccess(addr, size, byref(acc), 1), "cuMemSetAccess")
-            return addr, False
+                ro = d.cuMemSetAccess(addr, size, byref(acc), 1) == CUDA_SUCCESS
+            if not ro:
+                acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                check(d.cuMemSetAccess(addr, size, byref(acc), 1), "cuMemSetAccess")
+            if timings is not None:
+                t2 = time.perf_counter()
+                timings["import_handle"] = timings.get("import_handle", 0.0) + (t1 - t0) * 1e3
+                timings["reserve_map_access"] = timings.get("reserve_map_access", 0.0) + (t2 - t1) * 1e3
+            return addr, ro
         except BaseException:
             d.cuMemUnmap(addr, size)  # fails harmlessly when nothing was mapped
             d.cuMemAddressFree(addr, size)

@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import warnings
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from wcache.channel import close_fds
 from wcache.client import cuda
 from wcache.errors import ProtocolError
-from wcache.proto import DTYPE_SIZES, DepositSlab, SlabDescriptor, State, TensorTable
 from wcache.proto.codec import gc_paused
+from wcache.proto.daemon_frames import SlabDescriptor, State
+from wcache.proto.table import DTYPE_SIZES, TensorTable
+
+if TYPE_CHECKING:  # write-back's frame: not imported on the fetch path
+    from wcache.proto.deposit_frames import DepositSlab
 
 __all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs", "write_deposit"]
 
@@ -64,8 +69,11 @@ def _map_memfd(desc: SlabDescriptor, fd: int) -> MappedSlab:
     return MappedSlab(base, mm)
 
 
-def map_slabs(state: State, fds: list[int], device: torch.device | None = None) -> list[MappedSlab]:
-    """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive)."""
+def map_slabs(
+    state: State, fds: list[int], device: torch.device | None = None, timings: dict[str, float] | None = None
+) -> list[MappedSlab]:
+    """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive). ``timings`` (ms, added to):
+    the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor)."""
     slabs: list[MappedSlab] = []
     try:
         for desc in state.slabs:
@@ -75,8 +83,11 @@ def map_slabs(state: State, fds: list[int], device: torch.device | None = None) 
                     raise ProtocolError("memfd slab without a file descriptor")
                 slabs.append(_map_memfd(desc, fd))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
-                buf = cuda.map_slab(desc, fd, device)
+                buf = cuda.map_slab(desc, fd, device, timings)
+                t0 = time.perf_counter()
                 slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
+                if timings is not None:
+                    timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
             else:  # pragma: no cover - the decoder admits only known kinds
                 raise ProtocolError(f"unknown slab kind {desc.kind!r}")
     except BaseException:

@@ -2,86 +2,26 @@
 
 Layers, each importing only those above it (docs/architecture.md): ``codec`` (length prefix +
 msgpack), ``fields`` (field kinds and the one generic encoder/decoder), ``table`` (the columnar
-tensor table), ``daemon_frames``, ``peer_frames`` and ``fleet_frames`` (the frames by service), ``frames`` (the
-registry and ``decode_frame``), ``connection`` (the per-connection state machine: which service,
-which phase, which descriptors). Bytes in, typed frames out.
+tensor table), ``daemon_frames`` (an engine's frames), ``admin_frames``, ``deposit_frames``,
+``peer_frames`` and ``fleet_frames`` (the others, by use), ``frames`` (the registry and
+``decode_frame``), ``connection`` (the per-connection state machine: which service, which phase,
+which descriptors). Bytes in, typed frames out.
+
+Every name here is imported on first access (PEP 562), from the module that defines it: ``import
+wcache.proto`` loads nothing, and an engine's restart loads only the modules its frames need.
 """
+
+# ruff: noqa: F405  (``__all__`` names what the star imports below give the type checker)
+from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, FrameBuffer, decode_body, pack_frame
-from wcache.proto.connection import (
-    PROTOCOL_VERSION,
-    SUPPORTED_VERSIONS,
-    Connection,
-    DaemonRequest,
-    Event,
-    KeeperRequest,
-    Misdirected,
-    Phase,
-    Role,
-    Service,
-)
-from wcache.proto.frames import (
-    BACKENDS,
-    DTYPE_SIZES,
-    Commit,
-    Deposit,
-    Deposited,
-    DepositSlab,
-    DepositTensor,
-    DeviceInfo,
-    ErrorFrame,
-    Evict,
-    Evicted,
-    Frame,
-    GetState,
-    HandedModel,
-    Hello,
-    HelloOk,
-    Keep,
-    Kept,
-    LeaseInfo,
-    ModelInfo,
-    Preload,
-    Preloaded,
-    Reclaim,
-    Reclaimed,
-    Release,
-    Released,
-    SlabDescriptor,
-    State,
-    Status,
-    StatusReply,
-    Takeover,
-    TakeoverAdopted,
-    TakeoverDone,
-    TakeoverState,
-    TensorEntry,
-    TensorGroup,
-    TensorTable,
-    Unkeep,
-    as_received,
-    decode_frame,
-    tensor_extent,
-)
+from wcache.proto._lazy import export
 
-if TYPE_CHECKING:  # imported on first use (``__getattr__``): an engine's restart never needs them
-    from wcache.proto.fleet_frames import (
-        PeerAuth,
-        PeerAuthOk,
-        PeerBlock,
-        PeerChallenge,
-        PeerFile,
-        PeerFiles,
-        PeerFilesReply,
-        PeerModel,
-        PeerOffer,
-        PeerProof,
-        PeerQuery,
-        PeerRead,
-        PeerReadOk,
-    )
+if TYPE_CHECKING:  # the names of __all__, for the type checker; at run time each is imported when first read
+    from wcache.proto.codec import *  # noqa: F403
+    from wcache.proto.connection import *  # noqa: F403
+    from wcache.proto.frames import *  # noqa: F403
 
 __all__ = [
     "BACKENDS",
@@ -97,6 +37,7 @@ __all__ = [
     "Service",
     "DeviceInfo",
     "ErrorFrame",
+    "CheckpointProof",
     "Commit",
     "Deposit",
     "DepositSlab",
@@ -104,6 +45,7 @@ __all__ = [
     "Deposited",
     "Evict",
     "Evicted",
+    "FileStat",
     "Frame",
     "FrameBuffer",
     "GetState",
@@ -154,11 +96,15 @@ __all__ = [
     "tensor_extent",
 ]
 
+#: where the names of ``__all__`` are defined (or re-exported), searched in this order
+_MODULES = ("wcache.proto.codec", "wcache.proto.connection", "wcache.proto.frames")
+
 
 def __getattr__(name: str) -> Any:
-    """The peer channel's frames (wcache/proto/fleet_frames.py), imported on first use (PEP 562)."""
-    from wcache.proto import frames
+    if name not in __all__:
+        raise AttributeError(f"module 'wcache.proto' has no attribute {name!r}")
+    return export(globals(), name, _MODULES)
 
-    if name in frames.FLEET_NAMES:
-        return getattr(frames, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

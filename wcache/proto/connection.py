@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator
+from functools import reduce
+from operator import or_
 from typing import TYPE_CHECKING, Any, cast
 
 from wcache.errors import (
@@ -44,27 +46,27 @@ from wcache.proto.codec import (
     gc_paused,
     pack_frame,
 )
-from wcache.proto.frames import (
-    Commit,
-    Deposit,
-    ErrorFrame,
-    Evict,
-    Frame,
-    GetState,
-    Hello,
-    HelloOk,
-    Keep,
-    Preload,
-    Reclaim,
-    Release,
-    Released,
-    State,
-    Status,
-    Takeover,
-    TakeoverAdopted,
-    Unkeep,
-    decode_frame,
-)
+from wcache.proto.frames import ErrorFrame, Hello, HelloOk, Release, Released, State, decode_frame
+
+if TYPE_CHECKING:  # the request unions name every service's requests: built when first read (``__getattr__``)
+    from wcache.proto.fleet_frames import PeerOffer  # the peer channel's: never on an engine's path
+    from wcache.proto.frames import (
+        Commit,
+        Deposit,
+        Evict,
+        Frame,
+        GetState,
+        Keep,
+        Preload,
+        Reclaim,
+        Status,
+        Takeover,
+        TakeoverAdopted,
+        Unkeep,
+    )
+
+    DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
+    KeeperRequest = Keep | Unkeep | Reclaim | Status
 
 __all__ = [
     "CARRIES_FDS",
@@ -226,10 +228,21 @@ SERVES: dict[Service, frozenset[str]] = {
 }
 #: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
 CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
-DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
-KeeperRequest = Keep | Unkeep | Reclaim | Status
-if TYPE_CHECKING:  # the peer channel's frames: imported where a peer channel is used (not on an engine's path)
-    from wcache.proto.fleet_frames import PeerOffer
+#: The requests of each service, by frame type (the unions above, for runtime use: ``__getattr__``)
+_UNIONS = {
+    "DaemonRequest": (
+        "GET_STATE",
+        "RELEASE",
+        "STATUS",
+        "PRELOAD",
+        "EVICT",
+        "TAKEOVER",
+        "TAKEOVER_ADOPTED",
+        "DEPOSIT",
+        "COMMIT",
+    ),
+    "KeeperRequest": ("KEEP", "UNKEEP", "RECLAIM", "STATUS"),
+}
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
 
@@ -264,8 +277,22 @@ class Misdirected:
         return f"Misdirected({self.request!r})"
 
 
-#: What a connection yields: a frame, or a request the server does not serve.
-Event = Frame | Misdirected
+if TYPE_CHECKING:
+    #: What a connection yields: a frame, or a request the server does not serve.
+    Event = Frame | Misdirected
+
+
+def __getattr__(name: str) -> Any:
+    """``DaemonRequest``, ``KeeperRequest`` and ``Event`` at run time (they import every frame module)."""
+    from wcache.proto import frames
+
+    if name == "Event":
+        return frames.Frame | Misdirected
+    types = _UNIONS.get(name)
+    if types is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    registry = frames.load_frames()
+    return reduce(or_, (registry[t] for t in types))
 
 
 class Connection:

@@ -1,5 +1,8 @@
-"""Frames of the daemon service (docs/protocol.md §4.1-4.9), and the handshake, STATUS and ERROR
-frames every wcache service speaks.
+"""The frames a restarting engine speaks (docs/protocol.md §4.1-4.7, §4.12): the handshake, GET_STATE and
+STATE with their parts, RELEASE and ERROR — every service's handshake and errors too. The daemon's other
+requests are in ``admin_frames`` (STATUS, PRELOAD, EVICT) and ``deposit_frames`` (write-back), the frames
+between wcache processes in ``peer_frames``: an engine's restart imports this module only (``frames`` loads the
+others when a frame of theirs is first decoded or named).
 
 Each class declares its fields once (``fields.py``): the declaration order is the wire order, the
 kind holds type and limits, ``missing=`` is the decode default where it differs from the
@@ -12,12 +15,10 @@ from typing import Any
 
 from wcache.errors import ErrorCode, WCacheError
 from wcache.proto.fields import (
-    MAX_PATH,
     Array,
     Bin,
     Bool,
     Choice,
-    Float,
     Int,
     Key,
     KeyMap,
@@ -25,45 +26,31 @@ from wcache.proto.fields import (
     Nested,
     Plain,
     Str,
-    StrMap,
     fail,
     message,
     wire,
 )
-from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, Aliases, Table, TensorTable
+from wcache.proto.table import Aliases, Table, TensorTable
 
 __all__ = [
     "BACKENDS",
-    "MAX_DEPOSIT_BYTES",
     "MAX_DEPOSIT_TENSORS",
+    "MAX_PROOF_FILES",
     "MAX_STATE_SLABS",
     "MAX_VERSIONS",
     "MODES",
-    "RECIPE_FIELDS",
     "SLAB_KINDS",
-    "TENSOR_KINDS",
-    "Commit",
-    "Deposit",
-    "DepositSlab",
-    "DepositTensor",
-    "Deposited",
+    "CheckpointProof",
     "DeviceInfo",
     "ErrorFrame",
-    "Evict",
-    "Evicted",
+    "FileStat",
     "GetState",
     "Hello",
     "HelloOk",
-    "LeaseInfo",
-    "ModelInfo",
-    "Preload",
-    "Preloaded",
     "Release",
     "Released",
     "SlabDescriptor",
     "State",
-    "Status",
-    "StatusReply",
     "fd_positions",
 ]
 
@@ -74,21 +61,15 @@ MODES = ("zero_copy", "copy")
 SLAB_KINDS = ("memfd", "cuda_ipc", "cuda_vmm")
 MAX_VERSIONS = 16
 MAX_STATE_SLABS = 1024
-#: What a deposited tensor is to the module that holds it (docs/protocol.md §4.13).
-TENSOR_KINDS = ("parameter", "buffer")
-#: Tensors in one DEPOSIT (its frame is also capped at the 1 MiB request size, docs/protocol.md §7).
+#: Files one GET_STATE proof may list (docs/protocol.md §4.3.1), and the length of one file name (a directory
+#: entry: 255 bytes on Linux filesystems, so 255 characters at most).
+MAX_PROOF_FILES = 1024
+MAX_FILE_NAME = 255
+UINT64_MAX = 2**64 - 1
+INT64_MIN = -(2**63)
+#: Tensors in one DEPOSIT (its frame is also capped at the 1 MiB request size, docs/protocol.md §7); STATE's
+#: ``buffers`` name deposited tensors.
 MAX_DEPOSIT_TENSORS = 1 << 16
-#: Bytes one deposit may lay out (a sanity bound; the daemon's budget and memory are the real ones).
-MAX_DEPOSIT_BYTES = 1 << 48
-#: Key fields a DEPOSIT must name (a recipe key: the checkpoint's rank plus the engine's recipe), with types.
-RECIPE_FIELDS: dict[str, type] = {
-    "fingerprint": str,
-    "architecture": str,
-    "tp_size": int,
-    "tp_rank": int,
-    "dtype": str,
-    "engine": str,
-}
 _ID = Int(lo=1)  # a request id
 
 
@@ -128,35 +109,6 @@ class SlabDescriptor(Message):
     device_uuid: str = wire(Str(), default="")
 
 
-@message()
-class ModelInfo(Message):
-    """One served model in a STATUS_REPLY."""
-
-    key: KeyMap = wire(Key())
-    backend: str = wire(Choice(BACKENDS))
-    bytes: int = wire(Int())
-    tensors: int = wire(Int())
-    leases: int = wire(Int())
-    load_seconds: float = wire(Float(), default=0.0)
-    last_use: float = wire(Float(), default=0.0)  # unix time of the last GET_STATE, 0 if never
-    #: where the bytes came from: "disk", "tier", "deposit" ... ("" unknown, left off the wire)
-    origin: str = wire(Str(max_len=64), default="", omit_default=True)
-    #: the checkpoint directory it was loaded from ("" unknown or a deposit without one; left off the wire)
-    source: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
-    #: a keeper's entries only: the socket of the daemon it holds the model for ("" from a daemon)
-    owner: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
-
-
-@message()
-class LeaseInfo(Message):
-    """One live lease in a STATUS_REPLY."""
-
-    lease: int = wire(Int())
-    mode: str = wire(Choice(MODES))
-    pid: int = wire(Int(), missing=0)
-    age_seconds: float = wire(Float(), missing=0.0)
-
-
 # --------------------------------------------------------------------------- handshake, STATUS, ERROR
 
 
@@ -179,32 +131,6 @@ class HelloOk(Message):
     device: DeviceInfo = wire(Nested(DeviceInfo))
     max_frame_size: int = wire(Int(lo=1, hi=2**32 - 1))
     server_pid: int = wire(Int(), default=0)
-
-
-@message("STATUS")
-class Status(Message):
-    """Client -> daemon (or keeper): report what is served (operators)."""
-
-    id: int = wire(_ID)
-
-
-@message("STATUS_REPLY")
-class StatusReply(Message):
-    """Daemon -> client: models, leases, connections, uptime."""
-
-    id: int = wire(_ID)
-    software: str = wire(Str(), missing="")
-    backend: str = wire(Choice(BACKENDS))
-    device: DeviceInfo = wire(Nested(DeviceInfo))
-    uptime_seconds: float = wire(Float())
-    connections: int = wire(Int())
-    models: tuple[ModelInfo, ...] = wire(Array(Nested(ModelInfo)), default=())
-    leases: tuple[LeaseInfo, ...] = wire(Array(Nested(LeaseInfo)), default=())
-    device_free_bytes: int = wire(Int(), default=0)  # free memory of the daemon's GPU (0 for the host backend)
-    device_total_bytes: int = wire(Int(), default=0)
-    tier_bytes: int = wire(Int(), default=0)  # bytes in the host-memory tier (--host-tier), 0 when off
-    tier_budget: int = wire(Int(), default=0)
-    tier_entries: int = wire(Int(), default=0)
 
 
 @message("ERROR")
@@ -235,14 +161,43 @@ class ErrorFrame(Message):
 # --------------------------------------------------------------------------- leases
 
 
+@message()
+class FileStat(Message):
+    """One checkpoint file as ``stat`` (symlinks followed) saw it: the proof's unit (docs/protocol.md §4.3.1)."""
+
+    name: str = wire(Str(max_len=MAX_FILE_NAME))
+    dev: int = wire(Int(hi=UINT64_MAX))
+    ino: int = wire(Int(hi=UINT64_MAX))
+    size: int = wire(Int())
+    mtime_ns: int = wire(Int(lo=INT64_MIN))
+    ctime_ns: int = wire(Int(lo=INT64_MIN))
+
+
+@message()
+class CheckpointProof(Message):
+    """Instead of the file-derived key fields: the identity of the checkpoint's files, and the dtype asked for
+    (``"auto"`` or a dtype name, as PRELOAD's). The daemon completes the key from what it recorded when it
+    read those very files (docs/protocol.md §4.3.1)."""
+
+    files: tuple[FileStat, ...] = wire(Array(Nested(FileStat), min_items=1, max_items=MAX_PROOF_FILES))
+    dtype: str = wire(Str(), default="auto")
+
+    def _validate(self) -> None:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names) or "" in names:
+            raise fail("CheckpointProof", "files", "file names must be non-empty and unique")
+
+
 @message("GET_STATE")
 class GetState(Message):
-    """Client -> daemon: lease the weights served under ``key``."""
+    """Client -> daemon: lease the weights served under ``key``; with ``proof``, ``key`` holds only the fields
+    the checkpoint's files do not determine, and the daemon completes it (docs/protocol.md §4.3.1)."""
 
     id: int = wire(_ID)
     key: KeyMap = wire(Key())
     mode: str = wire(Choice(MODES), default="zero_copy")
     device_uuid: str = wire(Str(), default="")  # the client's GPU; "" = no check (host backend)
+    proof: CheckpointProof | None = wire(Nested(CheckpointProof), default=None, omit_default=True)
 
 
 @message("STATE")
@@ -283,141 +238,3 @@ class Released(Message):
     id: int = wire(_ID)
     lease: int = wire(Int(lo=1))
     leases_left: int = wire(Int(), default=0)
-
-
-# --------------------------------------------------------------------------- models
-
-
-@message("PRELOAD")
-class Preload(Message):
-    """Client -> daemon: load a checkpoint directory (on the daemon's machine) for one rank and keep it."""
-
-    id: int = wire(_ID)
-    model: str = wire(Str(max_len=MAX_PATH))
-    tp_rank: int = wire(Int(hi=(1 << 16) - 1), default=0)
-    tp_size: int = wire(Int(lo=1, hi=1 << 16), default=1)
-    dtype: str = wire(Str(), default="auto")
-    plan_file: str = wire(Str(max_len=MAX_PATH), default="")
-    transform: str = wire(Str(), default="")
-
-    def _validate(self) -> None:
-        if self.tp_rank >= self.tp_size:
-            raise fail("PRELOAD", "tp_rank", f"expected an integer in [0, {self.tp_size - 1}]")
-
-
-@message("PRELOADED")
-class Preloaded(Message):
-    """Daemon -> client: the model is resident (``load_seconds`` 0 if it already was)."""
-
-    id: int = wire(_ID)
-    key: KeyMap = wire(Key())
-    bytes: int = wire(Int())
-    tensors: int = wire(Int())
-    load_seconds: float = wire(Float(), default=0.0)
-    evicted: tuple[KeyMap, ...] = wire(Array(Key()), default=())
-
-
-@message("EVICT")
-class Evict(Message):
-    """Client -> daemon: drop the model served under ``key`` (refused while leases hold it)."""
-
-    id: int = wire(_ID)
-    key: KeyMap = wire(Key())
-
-
-@message("EVICTED")
-class Evicted(Message):
-    """Daemon -> client: the model is gone; ``bytes`` were freed."""
-
-    id: int = wire(_ID)
-    key: KeyMap = wire(Key())
-    bytes: int = wire(Int())
-
-
-# --------------------------------------------------------------------------- write-back (§4.13)
-
-
-@message()
-class DepositTensor(Message):
-    """One tensor an engine will write into a deposit slab: the daemon lays it out contiguously."""
-
-    name: str = wire(Str())
-    dtype: str = wire(Choice(tuple(DTYPE_SIZES)))
-    shape: tuple[int, ...] = wire(Array(Int(hi=(1 << 48) - 1), max_items=MAX_DIMS))
-    kind: str = wire(Choice(TENSOR_KINDS), default="parameter")
-
-    @property
-    def nbytes(self) -> int:
-        n = DTYPE_SIZES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@message("DEPOSIT")
-class Deposit(Message):
-    """Engine -> daemon: "I will write these tensors; publish them under the recipe ``key``"."""
-
-    id: int = wire(_ID)
-    key: KeyMap = wire(Key())
-    tensors: tuple[DepositTensor, ...] = wire(Array(Nested(DepositTensor), min_items=1, max_items=MAX_DEPOSIT_TENSORS))
-    aliases: dict[str, str] = wire(StrMap(), default_factory=dict)
-
-    def _validate(self) -> None:
-        for name, want in RECIPE_FIELDS.items():
-            v = self.key.get(name)
-            if type(v) is not want or v == "":
-                raise fail("DEPOSIT", "key", f"a recipe key needs {name!r} ({want.__name__}, not empty)")
-        # every check here is linear in the tensors: a DEPOSIT is decoded on the daemon's event loop (§7)
-        known: set[str] = set()
-        for tensor in self.tensors:
-            if tensor.name in known:
-                raise fail("DEPOSIT", "tensors", f"tensor {tensor.name[:64]!r} is listed twice")
-            known.add(tensor.name)
-        if "" in known:
-            raise fail("DEPOSIT", "tensors", "a tensor name is empty")
-        for a, t in self.aliases.items():
-            if a in known or t not in known:
-                raise fail("DEPOSIT", "aliases", f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
-        total = sum(t.nbytes for t in self.tensors)
-        if total > MAX_DEPOSIT_BYTES:
-            raise fail("DEPOSIT", "tensors", f"{total} bytes: a deposit lays out at most {MAX_DEPOSIT_BYTES}")
-
-
-@message("DEPOSIT_SLAB")
-class DepositSlab(Message):
-    """Daemon -> engine: the deposit's writable slab (one descriptor) and where each tensor goes in it."""
-
-    id: int = wire(_ID)
-    deposit: int = wire(Int(lo=1))
-    slabs: tuple[SlabDescriptor, ...] = wire(Array(Nested(SlabDescriptor), min_items=1, max_items=1))
-    tensors: TensorTable = wire(Table("slabs"))
-    aliases: dict[str, str] = wire(Aliases("tensors"), default_factory=dict)
-
-    def _validate(self) -> None:
-        fd_positions("DEPOSIT_SLAB", "slabs", [s.fd for s in self.slabs if s.fd >= 0], 1)
-
-    @property
-    def fd_count(self) -> int:
-        return sum(1 for s in self.slabs if s.fd >= 0)
-
-
-@message("COMMIT")
-class Commit(Message):
-    """Engine -> daemon: every tensor of ``deposit`` is written and the engine's mappings are gone."""
-
-    id: int = wire(_ID)
-    deposit: int = wire(Int(lo=1))
-
-
-@message("DEPOSITED")
-class Deposited(Message):
-    """Daemon -> engine: the slab is sealed and served under ``key`` (``replaced``: an unleased model was)."""
-
-    id: int = wire(_ID)
-    deposit: int = wire(Int(lo=1))
-    key: KeyMap = wire(Key())
-    bytes: int = wire(Int())
-    tensors: int = wire(Int())
-    replaced: bool = wire(Bool(), default=False)
-    evicted: tuple[KeyMap, ...] = wire(Array(Key()), default=())

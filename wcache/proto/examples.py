@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from wcache.proto.codec import pack_frame
 from wcache.proto.frames import (
+    CheckpointProof,
     Commit,
     Deposit,
     Deposited,
@@ -14,6 +15,7 @@ from wcache.proto.frames import (
     ErrorFrame,
     Evict,
     Evicted,
+    FileStat,
     Frame,
     GetState,
     HandedModel,
@@ -55,7 +57,7 @@ from wcache.proto.frames import (
     Unkeep,
 )
 
-__all__ = ["EXAMPLES", "hexdump"]
+__all__ = ["EXAMPLES", "VARIANTS", "hexdump"]
 
 _KEY: dict[str, str | int] = {
     "fingerprint": "8f3a9c1d2b4e6f708192a3b4c5d6e7f8",
@@ -237,6 +239,25 @@ EXAMPLES: dict[str, Frame] = {
 }
 
 
+#: More examples of frames whose optional fields change their shape, pinned the same way (docs/protocol.md §8).
+VARIANTS: dict[str, Frame] = {
+    # §4.3.1: the key without its file-derived fields, and the identity of the checkpoint's files
+    "GET_STATE with a proof": GetState(
+        id=1,
+        key={"tp_size": 2, "tp_rank": 0, "layout": 2, "fingerprint_kind": "sampled", "transform": ""},
+        mode="zero_copy",
+        device_uuid="",
+        proof=CheckpointProof(
+            files=(
+                FileStat("config.json", 2049, 1311001, 702, 1764600000123456789, 1764600000123456789),
+                FileStat("model.safetensors", 2049, 1311002, 10486184, 1764600001987654321, 1764600001987654321),
+            ),
+            dtype="auto",
+        ),
+    ),
+}
+
+
 def hexdump(data: bytes, width: int = 16) -> str:
     """``xxd``-style lines: offset, hex bytes, printable ASCII."""
     lines = []
@@ -249,6 +270,6 @@ def hexdump(data: bytes, width: int = 16) -> str:
 
 
 if __name__ == "__main__":
-    for name, frame in EXAMPLES.items():
+    for name, frame in {**EXAMPLES, **VARIANTS}.items():
         data = pack_frame(frame.to_wire())
         print(f"### {name} ({len(data)} bytes)\n```\n{hexdump(data)}\n```\n")

@@ -1,64 +1,139 @@
 """Typed frames of protocol version 2 (docs/protocol.md §4) and their one decoder.
 
-The frames live by service: ``daemon_frames`` (the daemon's, plus the handshake, STATUS and ERROR
-every service speaks), ``peer_frames`` (takeover and keeper) and ``fleet_frames`` (the peer channel
-between daemons of a fleet, docs/protocol.md §10); their fields are declared once
-(``fields.py``) and one generic codec encodes and decodes them all; the tensor table is in
-``table``. This module is the registry: :data:`Frame`, :data:`FRAME_TYPES` and
+The frames live by use: ``daemon_frames`` (what a restarting engine speaks: the handshake, GET_STATE, STATE,
+RELEASE, ERROR), ``admin_frames`` (STATUS, PRELOAD, EVICT), ``deposit_frames`` (write-back), ``peer_frames``
+(takeover and keeper) and ``fleet_frames`` (the peer channel between daemons of a fleet, docs/protocol.md §10);
+their fields are declared once (``fields.py``) and one generic codec encodes and decodes
+them all; the tensor table is in ``table``. This module is the registry: :data:`Frame`, :data:`FRAME_TYPES` and
 :func:`decode_frame`, tagged by the ``type`` field, and it re-exports every frame.
+
+Only ``daemon_frames`` is imported with this module (an engine's restart needs nothing else: building the
+other ~20 classes was a quarter of its ``import wcache``); the other modules (FRAME_MODULES) are all imported
+the first time a frame of theirs arrives (:func:`decode_frame`), or one of their names, ``Frame`` or
+``FRAME_TYPES`` is read here (PEP 562). A daemon, which decodes every request, has them all after its first
+few frames or its imports.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
+from functools import reduce
+from operator import or_
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import ProtocolError
+from wcache.proto._lazy import export
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, decode_body, pack_frame
 from wcache.proto.daemon_frames import (
     BACKENDS,
     MODES,
     SLAB_KINDS,
-    TENSOR_KINDS,
-    Commit,
-    Deposit,
-    Deposited,
-    DepositSlab,
-    DepositTensor,
+    CheckpointProof,
     DeviceInfo,
     ErrorFrame,
-    Evict,
-    Evicted,
+    FileStat,
     GetState,
     Hello,
     HelloOk,
-    LeaseInfo,
-    ModelInfo,
-    Preload,
-    Preloaded,
     Release,
     Released,
     SlabDescriptor,
     State,
-    Status,
-    StatusReply,
 )
 from wcache.proto.fields import MAX_NAME, MAX_PATH, REGISTRY, KeyMap, Message
-from wcache.proto.peer_frames import (
-    MAX_HANDOFF_FDS,
-    MAX_KEPT_FDS,
-    HandedModel,
-    Keep,
-    Kept,
-    Reclaim,
-    Reclaimed,
-    Takeover,
-    TakeoverAdopted,
-    TakeoverDone,
-    TakeoverState,
-    Unkeep,
-)
 from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, TensorEntry, TensorGroup, TensorTable, tensor_extent
+
+if TYPE_CHECKING:
+    from wcache.proto.admin_frames import (
+        Evict,
+        Evicted,
+        LeaseInfo,
+        ModelInfo,
+        Preload,
+        Preloaded,
+        Status,
+        StatusReply,
+    )
+    from wcache.proto.deposit_frames import (
+        TENSOR_KINDS,
+        Commit,
+        Deposit,
+        Deposited,
+        DepositSlab,
+        DepositTensor,
+    )
+    from wcache.proto.fleet_frames import (
+        MEMORY_KINDS,
+        PeerAuth,
+        PeerAuthOk,
+        PeerBlock,
+        PeerChallenge,
+        PeerFile,
+        PeerFiles,
+        PeerFilesReply,
+        PeerModel,
+        PeerOffer,
+        PeerProof,
+        PeerQuery,
+        PeerRead,
+        PeerReadOk,
+    )
+    from wcache.proto.peer_frames import (
+        MAX_HANDOFF_FDS,
+        MAX_KEPT_FDS,
+        HandedModel,
+        Keep,
+        Kept,
+        Reclaim,
+        Reclaimed,
+        Takeover,
+        TakeoverAdopted,
+        TakeoverDone,
+        TakeoverState,
+        Unkeep,
+    )
+
+    Frame = (
+        Hello
+        | HelloOk
+        | GetState
+        | State
+        | Release
+        | Released
+        | Status
+        | StatusReply
+        | ErrorFrame
+        | Preload
+        | Preloaded
+        | Evict
+        | Evicted
+        | Takeover
+        | TakeoverState
+        | TakeoverAdopted
+        | TakeoverDone
+        | Keep
+        | Unkeep
+        | Kept
+        | Reclaim
+        | Reclaimed
+        | Deposit
+        | DepositSlab
+        | Commit
+        | Deposited
+        | PeerAuth
+        | PeerChallenge
+        | PeerProof
+        | PeerAuthOk
+        | PeerQuery
+        | PeerOffer
+        | PeerRead
+        | PeerReadOk
+        | PeerFiles
+        | PeerFilesReply
+    )
+    #: frame type -> class: every ``@message`` declared with a type (a test checks it equals ``Frame``'s members)
+    FRAME_TYPES: dict[str, type[Message]]
 
 __all__ = [
     "BACKENDS",
@@ -73,6 +148,7 @@ __all__ = [
     "MODES",
     "SLAB_KINDS",
     "TENSOR_KINDS",
+    "CheckpointProof",
     "Commit",
     "Deposit",
     "DepositSlab",
@@ -82,6 +158,7 @@ __all__ = [
     "ErrorFrame",
     "Evict",
     "Evicted",
+    "FileStat",
     "Frame",
     "GetState",
     "HandedModel",
@@ -125,92 +202,29 @@ __all__ = [
     "Unkeep",
     "as_received",
     "decode_frame",
+    "load_frames",
     "tensor_extent",
 ]
 
-#: the frames of the daemon's and the keeper's services (an engine's restart imports only these)
-LocalFrame = (
-    Hello
-    | HelloOk
-    | GetState
-    | State
-    | Release
-    | Released
-    | Status
-    | StatusReply
-    | ErrorFrame
-    | Preload
-    | Preloaded
-    | Evict
-    | Evicted
-    | Takeover
-    | TakeoverState
-    | TakeoverAdopted
-    | TakeoverDone
-    | Keep
-    | Unkeep
-    | Kept
-    | Reclaim
-    | Reclaimed
-    | Deposit
-    | DepositSlab
-    | Commit
-    | Deposited
+#: The modules that declare frames, in the order they are loaded; a new frame module is added here.
+FRAME_MODULES = (
+    "wcache.proto.daemon_frames",
+    "wcache.proto.admin_frames",
+    "wcache.proto.deposit_frames",
+    "wcache.proto.peer_frames",
+    "wcache.proto.fleet_frames",
 )
-if TYPE_CHECKING:  # the peer channel's frames are imported where a peer channel is used (not on an engine's path)
-    from wcache.proto.fleet_frames import (
-        MEMORY_KINDS,
-        PeerAuth,
-        PeerAuthOk,
-        PeerBlock,
-        PeerChallenge,
-        PeerFile,
-        PeerFiles,
-        PeerFilesReply,
-        PeerModel,
-        PeerOffer,
-        PeerProof,
-        PeerQuery,
-        PeerRead,
-        PeerReadOk,
-    )
+_loaded = False
 
-    Frame = (
-        LocalFrame
-        | PeerAuth
-        | PeerChallenge
-        | PeerProof
-        | PeerAuthOk
-        | PeerQuery
-        | PeerOffer
-        | PeerRead
-        | PeerReadOk
-        | PeerFiles
-        | PeerFilesReply
-    )
-else:
-    Frame = LocalFrame
 
-#: the frame types of the peer channel (docs/protocol.md §10): wcache.proto.fleet_frames registers them when it
-#: is imported — by a daemon's peer channel, or by ``decode_frame`` meeting one — so an engine's restart, which
-#: never speaks them, does not pay for their classes (~2.4 ms of imports)
-FLEET_FRAME_TYPES = frozenset(
-    {
-        "PEER_AUTH",
-        "PEER_CHALLENGE",
-        "PEER_PROOF",
-        "PEER_AUTH_OK",
-        "PEER_QUERY",
-        "PEER_OFFER",
-        "PEER_READ",
-        "PEER_READ_OK",
-        "PEER_FILES",
-        "PEER_FILES_REPLY",
-    }
-)
-#: frame type -> class: every ``@message`` declared with a type (a test checks it equals ``Frame``'s members, with
-#: the peer channel's once imported)
-FRAME_TYPES: dict[str, type[Message]] = REGISTRY
+def load_frames() -> dict[str, type[Message]]:
+    """Import every frame module (FRAME_MODULES); returns the registry, frame type -> class."""
+    global _loaded
+    if not _loaded:
+        for module in FRAME_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+    return REGISTRY
 
 
 def decode_frame(m: Mapping[str, Any]) -> Frame:
@@ -218,11 +232,7 @@ def decode_frame(m: Mapping[str, Any]) -> Frame:
     t = m.get("type")
     if type(t) is not str:
         raise ProtocolError("frame has no string 'type' field")
-    cls = FRAME_TYPES.get(t)
-    if cls is None and t in FLEET_FRAME_TYPES:
-        import wcache.proto.fleet_frames  # registers them  # noqa: F401
-
-        cls = FRAME_TYPES.get(t)
+    cls = REGISTRY.get(t) or load_frames().get(t)
     if cls is None:
         raise ProtocolError(f"unknown frame type {t[:64]!r}", details={"type": t[:64]})
     frame: Frame = cls.from_wire(m)  # type: ignore[assignment]  # REGISTRY holds exactly Frame's members
@@ -245,31 +255,16 @@ def as_received(frame: Frame, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> F
     return decode_frame(decode_body(data[4:]))
 
 
-#: names this module (and the package) re-export from fleet_frames on first use
-FLEET_NAMES = frozenset(
-    {
-        "MEMORY_KINDS",
-        "PeerAuth",
-        "PeerAuthOk",
-        "PeerBlock",
-        "PeerChallenge",
-        "PeerFile",
-        "PeerFiles",
-        "PeerFilesReply",
-        "PeerModel",
-        "PeerOffer",
-        "PeerProof",
-        "PeerQuery",
-        "PeerRead",
-        "PeerReadOk",
-    }
-)
-
-
 def __getattr__(name: str) -> Any:
-    """The peer channel's frames, imported on first use (PEP 562)."""
-    if name in FLEET_NAMES:
-        from wcache.proto import fleet_frames
+    if name == "FRAME_TYPES":
+        return load_frames()
+    if name == "Frame":  # the union of every frame class, as the annotation above spells it
+        return reduce(or_, load_frames().values())
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    load_frames()  # a frame module's name: re-exported once every frame module is loaded
+    return export(globals(), name, FRAME_MODULES[1:])
 
-        return getattr(fleet_frames, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

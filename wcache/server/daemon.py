@@ -313,6 +313,7 @@ class Daemon:
     async def _get_state(self, frame: GetState, conn_id: int, pid: int) -> Reply:
         """GET_STATE: a lease and the slabs' descriptors; the lease is revoked if the kernel refuses them."""
         t0 = time.perf_counter()
+        frame = self.store.completed(frame)  # a proof's key, whole (docs/protocol.md §4.3.1)
         try:
             state, fds, model = self.store.acquire(conn_id, pid, frame)
         except (KeyMismatchError, NotFoundError):
@@ -612,7 +613,7 @@ class Daemon:
                 key = rp.key
                 held = self.store.models.get(key)
                 if held is not None:
-                    self.store.remember_source(held, spec.checkpoint)
+                    self.store.remember_source(held, spec.checkpoint, rp.facts)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
                 evicted = self.store.make_room(rp.layout.total_bytes)
                 await self._evicted(evicted, "preload")

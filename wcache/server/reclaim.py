@@ -153,6 +153,7 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
     with rp:
         if rp.key != key:
             return _changed(model, key, key.diff_wire(rp.key.to_wire()), rp.key, "its key differs")
+        model.facts = rp.facts  # these files give its key: engines may prove them (docs/protocol.md §4.3.1)
         if key.transform:  # layout and bytes are the transform's: the key is what can be checked (module doc)
             return Check(None, "", 0, 0, time.perf_counter() - t0)
         layout = rp.layout

@@ -25,6 +25,7 @@ from wcache.errors import (
     DeviceMismatchError,
     InternalError,
     InUseError,
+    KeyUnprovenError,
     LimitExceededError,
     OutOfMemoryError,
     ProtocolError,
@@ -32,8 +33,9 @@ from wcache.errors import (
     TransformError,
     UnknownLeaseError,
     UnsupportedPlatformError,
+    WCacheError,
 )
-from wcache.key import WeightCacheKey, key_mismatch, not_served
+from wcache.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.peer_files import refuse_stubs
 from wcache.proto import (
@@ -42,6 +44,7 @@ from wcache.proto import (
     Deposit,
     Deposited,
     DepositSlab,
+    FileStat,
     GetState,
     HandedModel,
     LeaseInfo,
@@ -80,6 +83,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("wcache.server")
+#: checkpoints whose files' facts a daemon keeps for GET_STATE proofs (a few hundred bytes each, plus config.json)
+MAX_FACTS = 256
 
 
 @dataclass
@@ -95,6 +100,8 @@ class ServedModel:
     source: Path | None = None  # the checkpoint directory it was loaded from
     origin: str = ""  # how this daemon got it (STATUS): "disk", "tier", "keeper", "takeover", "deposit"
     buffers: tuple[str, ...] = ()  # tensors deposited as module buffers (STATE's ``buffers``)
+    #: what the key took from its checkpoint's files, read by this daemon (a GET_STATE proof's match, §4.3.1)
+    facts: KeyFacts | None = None
     #: a deposit's generation (random, given at COMMIT; a tier restore keeps the entry's): "" for a checkpoint
     generation: str = ""
 
@@ -209,6 +216,7 @@ def _load_planned(
         if entry is not None:
             served = load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
             if served is not None:
+                served.facts = rp.facts
                 return served
     fn = None
     if transform:
@@ -231,7 +239,9 @@ def _load_planned(
         slab.close()
         raise
     table.encoded()  # encode the tensor table once; every STATE reuses it
-    model = ServedModel(key, table, aliases, [slab], backend, payload, stats, source=source, origin="disk")
+    model = ServedModel(
+        key, table, aliases, [slab], backend, payload, stats, source=source, origin="disk", facts=rp.facts
+    )
     if tier is not None:
         try:
             tier.save(key, slab, table, aliases, payload)
@@ -523,6 +533,10 @@ class Store:
         self.sources: dict[tuple[str, str], Path] = {}
         #: called with every model that becomes resident through ``add`` (after the ones given here)
         self.on_add: list[Callable[[ServedModel], None]] = []
+        #: the identity of a checkpoint's files, as read for a model -> what its key took from them: completes
+        #: the key of a GET_STATE that proves those files (docs/protocol.md §4.3.1); least recently used first
+        self.facts: OrderedDict[tuple[FileStat, ...], KeyFacts] = OrderedDict()
+
         for m in models or []:
             self._remember(m)
         self._next_lease = secrets.randbits(31) + 1  # not reused across daemon restarts
@@ -667,16 +681,53 @@ class Store:
         self.add(model)
         return True
 
-    def remember_source(self, model: ServedModel, source: Path) -> None:
-        """``model`` (adopted from a keeper or a previous daemon) was loaded from ``source``: load-on-demand
-        may load other variants of that checkpoint."""
+    def remember_source(self, model: ServedModel, source: Path, facts: KeyFacts | None = None) -> None:
+        """``model`` (adopted from a keeper or a previous daemon, or planned again) was loaded from ``source``:
+        load-on-demand may load other variants of that checkpoint; ``facts``: what a planning of ``source`` just
+        recorded of its files (engines that prove them get ``model``'s key, docs/protocol.md §4.3.1)."""
         if model.source is None:
             model.source = source
             self._remember(model)
+        if facts is not None:
+            self.remember_facts(facts)
 
     def _remember(self, model: ServedModel) -> None:
         if model.source is not None:
             self.sources[(model.key.fingerprint, model.key.fingerprint_kind)] = model.source
+        if model.facts is not None:
+            self.remember_facts(model.facts)
+
+    def remember_facts(self, facts: KeyFacts) -> None:
+        """Keep what a planning read of a checkpoint's files (the newest ``MAX_FACTS``)."""
+        self.facts[facts.files] = facts
+        self.facts.move_to_end(facts.files)
+        while len(self.facts) > MAX_FACTS:
+            self.facts.popitem(last=False)
+
+    def completed(self, req: GetState) -> GetState:
+        """``req`` with its key whole: a GET_STATE with a ``proof`` gets the file-derived fields from the recorded
+        facts of exactly those files (docs/protocol.md §4.3.1; the proof stays, marking the key as completed).
+        KeyUnprovenError with ``details.proof`` (why) when no model of this daemon was read from exactly those
+        files, or the facts cannot complete the request. Idempotent."""
+        if req.proof is None:
+            return req
+        files = tuple(sorted(req.proof.files, key=lambda f: f.name))
+        facts = self.facts.get(files)
+        try:
+            if facts is None:
+                raise ValueError(
+                    "this daemon read no checkpoint whose files have exactly this identity (a file changed, was "
+                    f"replaced, added or removed, or was modified less than {RACY_NS // 10**9} s before the "
+                    "daemon read it)"
+                )
+            key = facts.complete(req.key, req.proof.dtype)
+        except (ValueError, WCacheError) as exc:
+            raise KeyUnprovenError(
+                f"the checkpoint's files do not prove the key: {exc}; send the full key",
+                details={"proof": str(exc)},
+            ) from None
+        self.facts.move_to_end(files)
+        return dataclasses.replace(req, key=key)
 
     def source_for(self, requested: dict[str, str | int]) -> Path | None:
         """The directory of a checkpoint loaded before with this fingerprint, if the requested key's plan is
@@ -701,18 +752,27 @@ class Store:
         return m
 
     def acquire(self, conn_id: int, pid: int, req: GetState) -> tuple[State, list[int], ServedModel]:
-        """Grant a lease for ``req``; raises KeyMismatchError / NotFoundError / DeviceMismatchError /
-        LimitExceededError."""
-        m = self.find(req.key)
-        dev = self.backend.device
-        if req.device_uuid and dev.uuid and req.device_uuid != dev.uuid:
-            raise DeviceMismatchError(
-                f"engine is on GPU {req.device_uuid}, the daemon serves GPU {dev.uuid}",
-                details={"client": req.device_uuid, "daemon": dev.uuid},
-            )
-        held = self.held_by(conn_id)
-        if held >= self.max_leases_per_connection:
-            raise LimitExceededError(f"connection already holds {held} leases (limit {self.max_leases_per_connection})")
+        """Grant a lease for ``req`` (a proof's key completed first: ``completed``); raises KeyMismatchError /
+        NotFoundError / DeviceMismatchError / LimitExceededError — for a completed proof with ``details.key``, the
+        completed key, so that the engine need not scan its checkpoint to learn it (docs/protocol.md §4.3.1)."""
+        req = self.completed(req)
+        try:
+            m = self.find(req.key)
+            dev = self.backend.device
+            if req.device_uuid and dev.uuid and req.device_uuid != dev.uuid:
+                raise DeviceMismatchError(
+                    f"engine is on GPU {req.device_uuid}, the daemon serves GPU {dev.uuid}",
+                    details={"client": req.device_uuid, "daemon": dev.uuid},
+                )
+            held = self.held_by(conn_id)
+            if held >= self.max_leases_per_connection:
+                raise LimitExceededError(
+                    f"connection already holds {held} leases (limit {self.max_leases_per_connection})"
+                )
+        except WCacheError as exc:
+            if req.proof is not None:
+                exc.details["key"] = req.key
+            raise
         lease = Lease(self._next_lease, conn_id, pid, req.mode, m.key)
         self._next_lease += 1
         self._grant(lease)
