@@ -164,14 +164,16 @@ def test_an_engine_proves_the_files_of_a_filled_rank(
 def test_a_source_sigkilled_mid_fill_leaves_the_target_on_the_disk_path(
     ckpt: Path, daemons: Callable[..., DaemonProcess]
 ) -> None:
-    sport = _free_port()
-    rate = 2_000_000  # bytes/s: the 10 MB fill takes ~5 s, the kill lands in it
-    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate), "--metrics-port", str(sport))
+    # bytes/s: the source answers the fill's first PEER_READ (all 10 MB: one batch) only after ~5 s, and the
+    # READ itself then takes milliseconds on loopback, so the kill lands in those 5 s: once the target has
+    # allocated the slab it fills (after the offer, before its first READ is granted)
+    rate = 2_000_000
+    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
     target = daemons(ckpt, "--fill-from", peer, "--fill-timeout", "60", wait=False)
     deadline = time.monotonic() + 60
-    while _metric(_metrics(sport), "wcache_peer_served_bytes_total") == 0:  # the fill is under way
+    while _slabs_of(target.pid) == 0:  # the fill is under way
         assert time.monotonic() < deadline, target.log_text()[-2000:]
-        time.sleep(0.05)
+        time.sleep(0.02)
     os.kill(src.pid, signal.SIGKILL)
     src.proc.wait(30)
     target.wait_ready(120)
