@@ -181,6 +181,7 @@ class Keeper:
 
     service = Service.KEEPER
     holding = "lock"
+    auth = False  # same-uid peers of a Unix socket: SO_PEERCRED is the proof
 
     def __init__(
         self,

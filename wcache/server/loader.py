@@ -51,7 +51,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +77,7 @@ __all__ = [
     "LoadStats",
     "load_file_into",
     "load_into",
+    "map_readonly",
     "parse_io",
     "placement_extents",
     "populate",
@@ -269,6 +270,35 @@ def _pieces(job: _Job, block: int) -> list[tuple[int, int]]:
 _RESIDENT = bytes(i & 1 for i in range(256))
 
 
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    """libc with mmap, munmap, mincore and madvise typed (addresses as integers), loaded once."""
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC = libc
+    return _LIBC
+
+
+def map_readonly(fd: int, size: int) -> tuple[int, Callable[[], None]]:
+    """Map ``size`` bytes of ``fd`` read-only and shared (sealed memfds allow nothing else): the address and
+    the call that unmaps it. OSError when the kernel refuses. An address, not a Python buffer: a read-only
+    ``mmap`` object exports no writable buffer, and ctypes cannot take the address of any other."""
+    libc = _libc()
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes: {os.strerror(err)}")
+    return int(addr), lambda: libc.munmap(addr, size)
+
+
 def page_cache_fraction(path: Path | int) -> float:
     """Fraction of a file's pages resident in the page cache (mmap + mincore), 0..1; 1.0 if unknown.
     ``path``: a path, or an open descriptor (mapped as is, not closed)."""
@@ -279,33 +309,19 @@ def page_cache_fraction(path: Path | int) -> float:
             size = os.fstat(src).st_size
             if size == 0:
                 return 1.0
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_long,
-            ]
-            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             page = os.sysconf("SC_PAGE_SIZE")
-            addr = libc.mmap(None, size, 1, 1, src, 0)  # PROT_READ, MAP_SHARED
+            addr, unmap = map_readonly(src, size)
         finally:
             if own:
                 os.close(src)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return 1.0
         try:
             pages = (size + page - 1) // page
             vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(addr, size, vec) != 0:
+            if _libc().mincore(addr, size, vec) != 0:
                 return 1.0
             return bytes(vec).translate(_RESIDENT).count(1) / pages  # bit 0: resident (C speed: 4M pages per 16 GB)
         finally:
-            libc.munmap(addr, size)
+            unmap()
     except (OSError, AttributeError, ValueError):
         return 1.0
 
@@ -721,21 +737,16 @@ class _Block:
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: allocate the pages of a range now, failing with an errno
-_libc: Any = None
 
 
 def _populate(base: int, off: int, n: int, where: str) -> None:
     """Allocate the shared-memory pages of slab bytes [off, off+n) before writing them through the
     mapping: a page that cannot be allocated is then a clear error here, not a SIGBUS in a write.
     Costs what the write's page faults would have (the pages are zeroed either way)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
     start = (base + off) // page * page
     end = -(-(base + off + n) // page) * page
-    if _libc.madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+    if _libc().madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
         err = ctypes.get_errno()
         if err in (errno.ENOMEM, errno.ENOSPC, errno.EFAULT):
             raise CheckpointError(f"shared memory is full while loading {where} ({os.strerror(err)})")

@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -36,6 +37,7 @@ from wcache.errors import (
 )
 from wcache.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
 from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
+from wcache.peer_files import refuse_stubs
 from wcache.proto import (
     DTYPE_SIZES,
     Commit,
@@ -109,6 +111,8 @@ class ServedModel:
         self._hold_lock = threading.Lock()
         self._readers = 0
         self._closing = False
+        #: called once, just before the slabs are freed (a NIXL registration of them is dropped first)
+        self.finalizers: list[Callable[[], None]] = []
 
     def hold(self) -> bool:
         """Keep the slabs open while another thread reads them (``release_hold`` after); False once closed."""
@@ -165,6 +169,12 @@ class ServedModel:
         self._close_slabs()
 
     def _close_slabs(self) -> None:
+        fins, self.finalizers = self.finalizers, []
+        for fin in fins:
+            try:
+                fin()
+            except Exception as exc:  # freeing the memory must not depend on it
+                log.warning("slab finalizer failed key=%s: %s: %s", self.key.short(), type(exc).__name__, exc)
         for s in self.slabs:
             s.close()
         self.slabs.clear()
@@ -200,6 +210,7 @@ def _load_planned(
     ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
     transform = rp.spec.transform
     source = rp.spec.checkpoint
+    refuse_stubs(source, ckpt.files)  # a node filled from a peer has headers only: never serve its holes
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:
@@ -520,6 +531,8 @@ class Store:
         self.max_deposits_per_connection = max_deposits_per_connection
         #: (fingerprint, fingerprint_kind) -> checkpoint directory, for every model ever loaded (load-on-demand)
         self.sources: dict[tuple[str, str], Path] = {}
+        #: called with every model that becomes resident through ``add`` (after the ones given here)
+        self.on_add: list[Callable[[ServedModel], None]] = []
         #: the identity of a checkpoint's files, as read for a model -> what its key took from them: completes
         #: the key of a GET_STATE that proves those files (docs/protocol.md §4.3.1); least recently used first
         self.facts: OrderedDict[tuple[FileStat, ...], KeyFacts] = OrderedDict()
@@ -652,6 +665,11 @@ class Store:
     def add(self, model: ServedModel) -> None:
         self.models[model.key] = model
         self._remember(model)
+        for hook in self.on_add:  # e.g. the peer channel registers the slab with NIXL (docs/fleet.md)
+            try:
+                hook(model)
+            except Exception as exc:  # serving the model must not depend on it
+                log.warning("model hook failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)
 
     def add_restored(self, model: ServedModel, since: str | None) -> bool:
         """Serve a deposit restored from the host tier, unless a deposit was committed under its key since the

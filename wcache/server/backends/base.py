@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from wcache.proto import DeviceInfo, SlabDescriptor
 
@@ -24,7 +24,18 @@ if TYPE_CHECKING:
 
     from wcache.server.loader import Files, Job
 
-__all__ = ["Backend", "LoadAborted", "PinnedFile", "Slab", "StagedWriter", "Writer"]
+__all__ = ["Backend", "LoadAborted", "MemoryRegion", "PinnedFile", "Slab", "StagedWriter", "Writer"]
+
+
+class MemoryRegion(NamedTuple):
+    """A slab's bytes as this process maps them, for a transport that registers memory (NIXL, docs/fleet.md):
+    ``address`` .. ``address + length`` in this process, ``kind`` "host" (DRAM) or "cuda" (GPU memory),
+    ``device`` the CUDA ordinal (0 for host memory)."""
+
+    address: int
+    length: int
+    kind: str
+    device: int
 
 
 class Writer(Protocol):
@@ -114,6 +125,13 @@ class Slab(Protocol):
 
     def save_to(self, fd: int) -> None:
         """Write the slab's ``size`` bytes to the file ``fd`` from offset 0 (the host tier)."""
+        ...
+
+    def region(self) -> MemoryRegion:
+        """Where this process maps the slab, for registering it with NIXL (docs/fleet.md): writable until
+        ``seal()`` (a fill writes into it), read-only afterwards on the host backend (a source serves it).
+        Valid until ``seal()`` for a writable region, until ``close()`` for a sealed one: a caller
+        deregisters before either."""
         ...
 
     def export(self) -> tuple[SlabDescriptor, list[int]]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from wcache import _cuda
 from wcache.errors import DeviceMismatchError, OutOfMemoryError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
-from wcache.server.backends.base import LoadAborted, PinnedFile
+from wcache.server.backends.base import LoadAborted, MemoryRegion, PinnedFile
 from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
 
 if TYPE_CHECKING:
@@ -327,6 +327,11 @@ class _CudaSlab:
 
     def _ptr(self) -> int:
         return int(self.tensor().data_ptr())
+
+    def region(self) -> MemoryRegion:
+        """The daemon's own device mapping of the slab (read-write: CUDA has no read-only registration to
+        offer; a source only ever exposes it for remote READs, docs/fleet.md)."""
+        return MemoryRegion(self._ptr(), self.size, "cuda", self.index)
 
     def seal(self) -> None:
         import torch

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
-from wcache.server.backends.base import PinnedFile
-from wcache.server.loader import Files, Job, populate, read_job, send_job
+from wcache.server.backends.base import MemoryRegion, PinnedFile
+from wcache.server.loader import Files, Job, map_readonly, populate, read_job, send_job
 
 if TYPE_CHECKING:
     import torch
@@ -206,6 +206,7 @@ class HostSlab:
             self.fd = adopt_fd
             self._mm: mmap.mmap | None = None
             self._tensor: torch.Tensor | None = None
+            self._ro: tuple[int, Callable[[], None]] | None = None
             self.sealed = True
             return
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -219,6 +220,8 @@ class HostSlab:
             raise
         self._mm = None
         self._tensor = None
+        #: the read-only mapping a sealed slab is registered for transfers through (address, unmap), until close
+        self._ro = None
         self.sealed = False
 
     def _mapping(self) -> mmap.mmap:
@@ -281,6 +284,18 @@ class HostSlab:
     def export(self) -> tuple[SlabDescriptor, list[int]]:
         return SlabDescriptor(size=self.size, kind="memfd", fd=0), [self.fd]
 
+    def region(self) -> MemoryRegion:
+        """Unsealed: the daemon's writable mapping (a fill writes into it; gone at seal()). Sealed: a read-only
+        shared mapping made on first use and kept until close() (a source's registration lives that long)."""
+        if self.size == 0:
+            raise ValueError("an empty slab has no memory to register")
+        if not self.sealed:
+            mm = self._mapping()
+            return MemoryRegion(ctypes.addressof(ctypes.c_char.from_buffer(mm)), self.size, "host", 0)
+        if self._ro is None:
+            self._ro = map_readonly(self.fd, self.size)
+        return MemoryRegion(self._ro[0], self.size, "host", 0)
+
     def save_to(self, fd: int) -> None:
         done = 0
         while done < self.size:  # in-kernel copy, memfd -> file
@@ -291,6 +306,9 @@ class HostSlab:
 
     def close(self) -> None:
         self._tensor = None
+        if self._ro is not None:
+            self._ro[1]()
+            self._ro = None
         if self._mm is not None:
             try:
                 self._mm.close()
