@@ -35,6 +35,12 @@ from wcache.server.nixl import Agent, nixl_module
 from wcache.server.startup import make_backend
 
 ROW = 4096 * 2  # bytes of one bf16 row of a 4096-wide matrix (o_proj)
+_T0 = time.monotonic()
+
+
+def _say(what: str) -> None:
+    """One progress line on stderr (the JSON goes to stdout at the end): where a slow or stuck run is."""
+    print(f"[fleet_fill_bench +{time.monotonic() - _T0:.1f}s] {what}", file=sys.stderr, flush=True)
 
 
 def _fill_pattern(slab: Slab, backend: Backend) -> None:
@@ -64,6 +70,7 @@ def serve(device: str, size: int) -> None:
     slab = backend.allocate(size)
     _fill_pattern(slab, backend)
     slab.seal()
+    _say(f"source: {size} bytes written and sealed on {device}")
     agent = Agent(f"bench-src-{os.getpid()}")
     reg = agent.register(slab.region())
     md = agent.metadata([reg])
@@ -110,6 +117,7 @@ def contiguous(t: Target, size: int, chunk: int, reps: int, prefault: bool) -> d
                 populate(local.address, 0, size, "bench")
             blocks = [Copy(0, o, o, min(chunk, size - o)) for o in range(0, size, chunk)]
             secs = t.read(blocks, local)
+            _say(f"contiguous READ chunk={chunk} prefault={prefault}: {size / secs / 1e9:.2f} GB/s")
             t.agent.deregister(reg)
             total = time.perf_counter() - t0
             ok = all(slab.read(o, 4096) == _expected(o, 4096) for o in (0, size // 2, size - 4096))
@@ -156,6 +164,7 @@ def strided(t: Target, rows: int, reps: int) -> dict[str, Any]:
         med = statistics.median(times[how])
         out[how] = {"median_s": med, "useful_gb_s": rows * half / med / 1e9, "runs": times[how]}
     out["pick"] = min(ways, key=lambda k: out[k]["median_s"])
+    _say(f"strided: {out['pick']} fastest")
     return out
 
 
@@ -193,6 +202,7 @@ def _fill_part(device: str, model: Path, work: Path, reps: int, targets: list[in
     sdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     source = spawn_daemon(model, sdir, "--device", device, "--peer-listen", "127.0.0.1:0", timeout=600)
     peer = str(json.loads(source.ready_file.read_text())["peer"])
+    _say(f"fill: source daemon ready on {peer}")
     host, port = peer.rsplit(":", 1)
     backend = make_backend(device)
     backend.check_platform()
@@ -238,7 +248,9 @@ def _fill_part(device: str, model: Path, work: Path, reps: int, targets: list[in
             raws, fills = [], []
             for _ in range(reps):  # alternating: a shared machine's load drifts
                 raws.append(asyncio.run(raw()))
+                _say(f"fill: raw READ of the offered slab {raws[-1]:.2f} s")
                 fills.append(asyncio.run(one_fill()))
+                _say(f"fill: fill of the same bytes {fills[-1]:.2f} s")
         out.update(
             bytes=size,
             raw_s=raws,
@@ -282,6 +294,7 @@ def _targets(model: Path, work: Path, device: str, peer: str, n: int) -> dict[st
         for d in ds:
             d.wait_ready(600)
         wall = time.perf_counter() - t0
+        _say(f"fill: {n} target daemon(s) ready in {wall:.1f} s")
         infos = [asyncio.run(WCacheClient(d.socket).status()).models[0] for d in ds]
     finally:
         for d in ds:
@@ -337,6 +350,7 @@ def main() -> None:
     try:
         assert src.stdout is not None
         peer = json.loads(src.stdout.readline())
+        _say("raw: source ready")
         t = Target(args.device, peer)
         from wcache.units import size_arg
 
