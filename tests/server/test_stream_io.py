@@ -26,7 +26,8 @@ from wcache.layout import Layout, plan_layout
 from wcache.server import loader
 from wcache.server.backends.base import LoadAborted
 from wcache.server.backends.host import HostBackend
-from wcache.server.loader import ALIGN_IO, Files, Job, load_into, parse_io, read_job
+from wcache.server.loader import load_into, parse_io
+from wcache.server.reads import ALIGN_IO, Files, Job, read_job
 from wcache.sharding import resolve_plan
 from wcache.synthetic import TINY, make_llama_checkpoint
 

@@ -238,7 +238,8 @@ def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads:
     block included, fails the refill; an unaltered file is copied whole."""
     from wcache.errors import TierEntryError
     from wcache.server.backends.host import HostBackend
-    from wcache.server.loader import Files, Job, load_file_into, read_job
+    from wcache.server.loader import load_file_into
+    from wcache.server.reads import Files, Job, read_job
     from wcache.server.tier import CHECK_BLOCK, BlockCrcs, _block_crcs
 
     size = 8 * CHECK_BLOCK + 4096

@@ -2,7 +2,8 @@
 
 The loader (wcache/server/loader.py) plans jobs and runs reader threads; *how* bytes reach a slab is
 the slab's ``writer`` (host: ``sendfile`` and ``preadv`` into the memfd's mapping; CUDA: pinned
-staging buffers and streams). Page-locking host-tier files, synchronising with the device, memory
+staging buffers and streams). Writers read with the read primitives (wcache/server/reads.py: jobs,
+files, direct reads), which the loader uses too: a backend never imports the loader. Page-locking host-tier files, synchronising with the device, memory
 figures for STATUS, export and adoption are the backend's too. Loader, store, tier, daemon and the
 reclaim check import no device API (tests/server/test_boundary.py enforces it); the client maps
 slabs in wcache/client/mapping.py.
@@ -22,7 +23,7 @@ from wcache.proto import DeviceInfo, SlabDescriptor
 if TYPE_CHECKING:
     import torch
 
-    from wcache.server.loader import Files, Job
+    from wcache.server.reads import Files, Job
 
 __all__ = ["Backend", "LoadAborted", "MemoryRegion", "PinnedFile", "Slab", "StagedWriter", "Writer"]
 

@@ -26,7 +26,7 @@ from wcache import _cuda
 from wcache.errors import DeviceMismatchError, OutOfMemoryError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 from wcache.server.backends.base import LoadAborted, MemoryRegion, PinnedFile
-from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
+from wcache.server.reads import ALIGN_IO, Files, Job, read_direct, read_job
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 from wcache.server.backends.base import MemoryRegion, PinnedFile
-from wcache.server.loader import Files, Job, map_readonly, populate, read_job, send_job
+from wcache.server.reads import Files, Job, map_readonly, populate, read_job, send_job
 
 if TYPE_CHECKING:
     import torch
