@@ -22,7 +22,9 @@ from wcache.key import WeightCacheKey
 from wcache.server.process import DaemonProcess
 
 SERVER = Path(__file__).resolve().parents[2] / "wcache" / "server"
-SHARED = [SERVER / f"{m}.py" for m in ("loader", "store", "tier", "daemon", "service", "listen", "reclaim")]
+SHARED = [
+    SERVER / f"{m}.py" for m in ("reads", "loader", "load", "store", "tier", "daemon", "service", "listen", "reclaim")
+]
 #: dotted names and identifiers only a backend may use
 DEVICE_NAMES = ("torch.cuda", "cudaHost", "is_cuda", "cuda.bindings", "cuda.cuda", "mem_get_info")
 #: modules a daemon imports to start: none may import torch when imported
@@ -32,7 +34,9 @@ START_MODULES = [
     "wcache.server.daemon",
     "wcache.server.service",
     "wcache.server.store",
+    "wcache.server.load",
     "wcache.server.loader",
+    "wcache.server.reads",
     "wcache.server.tier",
     "wcache.server.reclaim",
     "wcache.server.keeper",

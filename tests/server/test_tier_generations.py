@@ -22,7 +22,8 @@ from wcache.client import CachedWeights
 from wcache.errors import KeyMismatchError, NotFoundError
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
-from wcache.server.store import ServedModel, Store, load_from_tier
+from wcache.server.load import load_from_tier
+from wcache.server.store import ServedModel, Store
 from wcache.server.tier import HostTier, TierEntry
 
 

@@ -302,8 +302,8 @@ def restorer(
     """How the daemon fills a slab from a host-tier entry (a deposit asked for again): the loader's threads
     and staging; the checkpoint directory is the one the store knows for the key's fingerprint."""
 
+    from wcache.server.load import load_from_tier
     from wcache.server.loader import DEFAULT_STAGING
-    from wcache.server.store import load_from_tier
 
     def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
         return load_from_tier(
@@ -472,9 +472,10 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 def run(args: argparse.Namespace) -> int:
     from wcache.rank import plan_rank
     from wcache.server.daemon import Daemon
+    from wcache.server.load import load_model
     from wcache.server.loader import DEFAULT_STAGING
     from wcache.server.service import ConnectionLimits
-    from wcache.server.store import Store, load_model
+    from wcache.server.store import Store
 
     if args.takeover is not None:
         sock_path = Path(os.path.abspath(args.takeover))
