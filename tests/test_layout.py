@@ -138,9 +138,9 @@ def test_tp2_rank_reads_about_half(tmp_path: Path, ckpt: Path) -> None:
         ref.update(load_file(f))
     for rank in (0, 1):
         lay = plan_layout(c, tp_rank=rank, tp_size=2, dtype="bfloat16", plan=resolve_plan(c.architecture, 2))
-        slab = HostBackend().allocate(lay.total_bytes)
+        slab = HostBackend(staging_bytes=1 << 20).allocate(lay.total_bytes)
         try:
-            stats = load_into(lay, slab, threads=3, staging_bytes=1 << 20, progress=False)
+            stats = load_into(lay, slab, threads=3, progress=False)
             assert stats.read_fraction <= 0.55
             assert stats.bytes_read == lay.payload_bytes
             base = slab.tensor()

@@ -23,9 +23,9 @@ def _layout(ckpt: Path, rank: int, tp: int) -> Layout:
 
 
 def _load(lay: Layout, io: str) -> torch.Tensor:
-    slab = CudaBackend(0).allocate(lay.total_bytes)
+    slab = CudaBackend(0, staging_bytes=16 << 20).allocate(lay.total_bytes)
     try:
-        loader.load_into(lay, slab, threads=8, staging_bytes=16 << 20, progress=False, io=io)
+        loader.load_into(lay, slab, threads=8, progress=False, io=io)
         slab.synchronize()
         return slab.tensor()[: lay.total_bytes].cpu()
     finally:

@@ -78,6 +78,27 @@ def test_shared_server_modules_name_no_device_api() -> None:
     assert bad == [], "device-specific code belongs in wcache/server/backends/: " + "; ".join(bad)
 
 
+def _staging_passed(path: Path) -> list[str]:
+    """Where ``path`` takes or passes a staging budget: a parameter or a keyword argument named ``staging_bytes``
+    (reading a slab's own, ``slab.staging_bytes``, is neither)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            found += [f"{path.name}:{node.lineno}: parameter {x.arg}" for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+        elif isinstance(node, ast.Call):
+            found += [f"{path.name}:{node.lineno}: keyword {k.arg}" for k in node.keywords if k.arg]
+    return [f for f in found if f.endswith(" staging_bytes")]
+
+
+def test_the_staging_budget_is_the_backends() -> None:
+    """A backend gets its staging budget when it is built (``make_backend``, ``--staging-bytes``) and its slabs carry
+    it: no device-blind module takes it or passes it on (it once went store -> loader -> writer through 18 calls)."""
+    bad = [u for p in SHARED for u in _staging_passed(p)]
+    assert bad == [], "the staging budget is the backend's (Slab.staging_bytes): " + "; ".join(bad)
+    assert _staging_passed(SERVER / "startup.py")  # the check sees it where the backend is built
+
+
 def test_the_check_sees_device_code() -> None:
     """The check above would catch what these modules held before (the CUDA backend still does)."""
     assert any("torch.cuda" in u for u in _device_uses(SERVER / "backends" / "cuda.py"))

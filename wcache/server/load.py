@@ -23,7 +23,7 @@ from wcache.peer_files import refuse_stubs
 from wcache.proto import DTYPE_SIZES, TensorEntry, TensorTable
 from wcache.rank import RankPlan, RankSpec, plan_rank
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
+from wcache.server.loader import LoadStats, load_file_into, load_into, torch_dtype
 from wcache.server.store import ServedModel
 from wcache.server.tier import HostTier, TierEntry
 
@@ -49,7 +49,6 @@ def load_model(
     *,
     backend: Backend,
     threads: int = 8,
-    staging_bytes: int = DEFAULT_STAGING,
     io: str = "buffered",
     tier: HostTier | None = None,
     **fields: Any,
@@ -63,14 +62,12 @@ def load_model(
     if isinstance(spec, RankPlan):
         if fields:
             raise TypeError(f"load_model(plan, ...) takes no rank fields ({', '.join(fields)}): the plan has them")
-        return _load_planned(spec, backend, threads, staging_bytes, io, tier)
+        return _load_planned(spec, backend, threads, io, tier)
     with plan_rank(spec, **fields) as rp:
-        return _load_planned(rp, backend, threads, staging_bytes, io, tier)
+        return _load_planned(rp, backend, threads, io, tier)
 
 
-def _load_planned(
-    rp: RankPlan, backend: Backend, threads: int, staging_bytes: int, io: str, tier: HostTier | None
-) -> ServedModel:
+def _load_planned(rp: RankPlan, backend: Backend, threads: int, io: str, tier: HostTier | None) -> ServedModel:
     ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
     transform = rp.spec.transform
     source = rp.spec.checkpoint
@@ -78,7 +75,7 @@ def _load_planned(
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:
-            served = load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
+            served = load_from_tier(tier, entry, key, backend, threads, source)
             if served is not None:
                 served.facts = rp.facts
                 return served
@@ -90,7 +87,7 @@ def _load_planned(
     started = time.perf_counter()
     slab = backend.allocate(layout.total_bytes)
     try:
-        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io, started=started)
+        stats = load_into(layout, slab, threads=threads, io=io, started=started)
         if fn is not None:
             loaded = slab
             config = rank_config(ckpt.config, key.tp_rank, key.tp_size)
@@ -120,7 +117,6 @@ def load_from_tier(
     key: WeightCacheKey,
     backend: Backend,
     threads: int,
-    staging_bytes: int,
     source: Path | None,
 ) -> ServedModel | None:
     """Fill a new slab from a host-tier entry: one DMA copy where it is page-locked here, else staged through
@@ -141,7 +137,6 @@ def load_from_tier(
                     entry.slab_path,
                     slab,
                     threads=threads,
-                    staging_bytes=staging_bytes,
                     started=started,
                     fd=fd,
                     check=entry.check,

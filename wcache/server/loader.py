@@ -17,7 +17,9 @@ Reader threads (``os.preadv`` releases the GIL) run the jobs; each job goes to t
   the slab's shared mapping, whose page faults run in parallel;
 - device slab (backends/cuda.py): each thread owns two pinned staging buffers and a CUDA stream; it
   reads into one buffer while the previous one is copied to the slab (double buffering), so
-  reads and host-to-device copies overlap and pinned memory stays bounded by ``staging_bytes``.
+  reads and host-to-device copies overlap and pinned memory stays bounded by the slab's
+  ``staging_bytes`` (its backend's budget, set when the backend was built: ``--staging-bytes``).
+  Jobs are cut to fit that budget on every slab (two per reader thread), host slabs included.
 
 ``io="stream"`` (``--io stream[:BLOCK]``) reads the way fastsafetensors 0.5.0's nogds reader does
 (docs/performance.md): files less than half in the page cache are read with O_DIRECT in one sequential
@@ -76,7 +78,6 @@ if TYPE_CHECKING:
     from wcache.checkpoint import Checkpoint
 
 __all__ = [
-    "DEFAULT_STAGING",
     "IO_MODES",
     "STREAM_BLOCK",
     "LoadStats",
@@ -88,11 +89,6 @@ __all__ = [
 
 log = logging.getLogger("wcache.loader")
 
-# Bytes of pinned host memory for device loads, split into two buffers per reader thread (16 threads:
-# 16 MiB reads). A fresh daemon page-locks it before its first copies: H200, 16 GB from the page cache
-# (benchmarks/results/cold_load-cuda0-2026-11-29-run6-staging.json, run7): 0.59-0.79 s with 512 MiB,
-# 0.70-0.76 s with 1 GiB, 0.87-0.92 s with 2 GiB; cold (disk-bound) 7.8-8.7 s with 512 MiB, 8.4 with 2 GiB.
-DEFAULT_STAGING = 512 << 20
 MAX_CHUNK = 64 << 20
 # Host-tier copies (memory to device, no disk): 16 MiB jobs. H200, 16 GB, fresh process, 16 threads
 # (benchmarks/results/tier_reload-*.json): 0.61 s with 16 MiB jobs, 0.71-0.78 s with 32 MiB, ~1.0 s with 64 MiB.
@@ -255,7 +251,6 @@ def load_into(
     slab: Slab,
     *,
     threads: int = 8,
-    staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
     io: str = "buffered",
     started: float | None = None,
@@ -270,7 +265,7 @@ def load_into(
     mode, block = parse_io(io)
     t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
-    chunk = _chunk(threads, staging_bytes)
+    chunk = _chunk(threads, slab.staging_bytes)
     jobs = _jobs(layout, chunk)
     ckpt = layout.checkpoint
     cold: set[Path] = set()  # files to read from the disk: all with direct, the mostly uncached ones otherwise
@@ -305,7 +300,6 @@ def load_file_into(
     slab: Slab,
     *,
     threads: int = 8,
-    staging_bytes: int = DEFAULT_STAGING,
     progress: TextIO | bool | None = None,
     started: float | None = None,
     fd: int | None = None,
@@ -318,7 +312,7 @@ def load_file_into(
     ``check``: verifies every byte copied (jobs are then whole multiples of its ``block``)."""
     t0 = time.perf_counter() if started is None else started
     threads = max(1, threads)
-    chunk = min(FLAT_CHUNK, _chunk(threads, staging_bytes))
+    chunk = min(FLAT_CHUNK, _chunk(threads, slab.staging_bytes))
     if check is not None:
         chunk = max(check.block, chunk - chunk % check.block)
     jobs = [Job(None, off, [(path, off, min(chunk, slab.size - off))]) for off in range(0, slab.size, chunk)]
@@ -327,8 +321,9 @@ def load_file_into(
     return LoadStats(total, total, time.perf_counter() - t0, total)
 
 
-def _chunk(threads: int, staging_bytes: int) -> int:
-    return max(1 << 20, min(MAX_CHUNK, staging_bytes // (2 * threads)))
+def _chunk(threads: int, staging: int) -> int:
+    """The job size of a load by ``threads`` readers into a slab whose budget is ``staging``: two jobs per thread."""
+    return max(1 << 20, min(MAX_CHUNK, staging // (2 * threads)))
 
 
 def _execute(
