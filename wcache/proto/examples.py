@@ -255,6 +255,34 @@ VARIANTS: dict[str, Frame] = {
             dtype="auto",
         ),
     ),
+    # §4.8: a model filled from the host tier (how it was copied) and the tier's page-locked entries
+    "STATUS_REPLY after a host-tier refill": StatusReply(
+        id=3,
+        software="wcache/0.1.0",
+        backend="cuda",
+        device=DeviceInfo(kind="cuda", index=0, uuid="GPU-8f3a9c1d", name="NVIDIA H200"),
+        uptime_seconds=12.5,
+        connections=0,
+        models=(
+            ModelInfo(
+                key=_KEY,
+                backend="cuda",
+                bytes=768,
+                tensors=2,
+                leases=0,
+                load_seconds=0.25,
+                origin="tier",
+                source="/models/llama3-8b",
+                tier_copy="pinned",
+            ),
+        ),
+        device_free_bytes=142270300160,
+        device_total_bytes=150754820096,
+        tier_bytes=768,
+        tier_budget=1073741824,
+        tier_entries=1,
+        tier_pinned=1,
+    ),
 }
 
 

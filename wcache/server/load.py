@@ -10,6 +10,7 @@ and does no I/O; the daemon calls this off its event loop (``startup`` builds th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -125,11 +126,9 @@ def load_from_tier(
     the one checked, and the caller loads from the checkpoint, or the deposit is absent)."""
     started = time.perf_counter()
     slab = backend.allocate(entry.size)
-    how = "staged"
     try:
         if entry.pinned is not None and slab.copy_pinned(entry.pinned):  # page-locked here: one DMA copy
-            stats = LoadStats(entry.size, entry.size, time.perf_counter() - started, entry.size)
-            how = "pinned"
+            stats = LoadStats(entry.size, entry.size, time.perf_counter() - started, entry.size, tier_copy="pinned")
         else:
             fd = tier.open_slab(entry)
             try:
@@ -143,6 +142,7 @@ def load_from_tier(
                 )
             finally:
                 os.close(fd)
+            stats = dataclasses.replace(stats, tier_copy="staged")
         slab.seal()
     except TierEntryError as exc:  # replaced since lookup, or a block differs from its checksum
         slab.close()
@@ -162,7 +162,7 @@ def load_from_tier(
         stats.gb_per_s,
         key.short(),
         entry.meta_path.stem,
-        how,
+        stats.tier_copy,
     )
     tier.pin_later(entry)
     entry.table.encoded()

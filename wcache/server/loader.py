@@ -118,6 +118,8 @@ class LoadStats:
     bytes_stored: int
     seconds: float
     checkpoint_bytes: int = 0
+    #: a host-tier refill's copy path (STATUS ``tier_copy``): "pinned" (one DMA copy), "staged" (reader threads)
+    tier_copy: str = ""
 
     @property
     def gb_per_s(self) -> float:

@@ -760,6 +760,7 @@ class Store:
                 last_use=m.last_use,
                 origin=m.origin,
                 source=str(m.source or ""),
+                tier_copy=m.stats.tier_copy,
             )
             for m in self.models.values()
         )
