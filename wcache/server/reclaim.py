@@ -56,7 +56,8 @@ from wcache.rank import RankPlan, plan_rank
 from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper_link import KeeperLink
-from wcache.server.loader import placement_extents, torch_dtype
+from wcache.server.loader import torch_dtype
+from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
 __all__ = ["SAMPLES", "SAMPLE_BYTES", "Check", "admit", "check_model", "compare_samples", "expected_bytes"]
