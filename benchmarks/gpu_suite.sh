@@ -10,7 +10,10 @@
 #   more     bench kills handoff fp8_writeback         ~8    the all-in-one bench, kills, takeover, FP8 write-back
 # so the whole suite is three calls: PARTS=restart, PARTS=loads, PARTS=more. Default: all three sets (more than
 # one call's time: what does not fit SUITE_SECONDS is skipped and says so). Extra steps, in no set: disk
-# (the disk's read patterns, ~3 min), driver_order (start-up order vs copy speed, ~1 min).
+# (the disk's read patterns, ~3 min), driver_order (start-up order vs copy speed, ~1 min), and fleet (the
+# fleet fill over NIXL, docs/fleet.md "What is measured": ~7 min with the checkpoint's generation, so a call
+# of its own; needs NIXL for CUDA 13, its wheel carried in .whl/):
+#   PARTS=fleet bash benchmarks/gpu_suite.sh              # one device call, ~7 min (untimed on the H200 so far)
 #
 # Every step runs under its own limit (NAME_TIMEOUT, defaults below: each fits its default work with margin)
 # and under the suite's deadline, SUITE_SECONDS (default 570) from the start: a step gets at most what is left,
@@ -191,6 +194,31 @@ fi
 if want driver_order; then
   # start-up order (cuda-bindings / ctypes driver calls before torch) against host-to-device copy speed
   step driver_order "${DRIVER_ORDER_TIMEOUT:-120}" python3 benchmarks/driver_order_probe.py --out "$RAW/driver_order.json"
+fi
+if want fleet; then
+  # fleet fill over NIXL (docs/fleet.md, "What is measured"), GPU first: raw NIXL READ between two processes of
+  # 4 GiB VMM slabs and the dim-1 shard comparison, then the fill itself — a source daemon (--peer-listen) with
+  # the 16 GB Llama, a raw READ of its slab and a fill of the same bytes (fill_over_nixl_raw), then one target
+  # daemon; the same on host slabs with 1 and 2 targets; with UCX's own transport choice (one host: shared memory
+  # / CUDA IPC). FLEET_TCP=1 adds the raw READ with TCP only (UCX_TLS=tcp,cuda_copy: UCX refuses tcp alone on a
+  # machine with GPUs), as between hosts without RDMA. ~4 min in all, ~5 with FLEET_TCP=1. Each benchmark prints
+  # one progress line per phase to stderr (the step's log shows where time went).
+  if timeout 60 python3 -c 'import nixl_cu13' >/dev/null 2>&1; then
+    checkpoint
+    step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 4 --chunk 64M \
+      --reps 1 --fill $W/llama3-8b --targets 1 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-cuda.json"
+    step fleet_host "${FLEET_HOST_TIMEOUT:-180}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 4 --chunk 64M \
+      --reps 1 --fill $W/llama3-8b --targets 1,2 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-host.json"
+    if [ "${FLEET_TCP:-0}" = 1 ]; then
+      step fleet_gpu_tcp "${FLEET_TCP_TIMEOUT:-60}" env UCX_TLS=tcp,cuda_copy python3 benchmarks/fleet_fill_bench.py \
+        --device cuda:0 --gib 2 --chunk 64M --reps 1 --out "$RAW/fleet_fill-cuda-tcp.json"
+      step fleet_host_tcp "${FLEET_TCP_TIMEOUT:-60}" env UCX_TLS=tcp,cuda_copy python3 benchmarks/fleet_fill_bench.py \
+        --device cpu --gib 2 --chunk 64M --reps 1 --out "$RAW/fleet_fill-host-tcp.json"
+    fi
+  else
+    echo "== fleet SKIPPED: nixl_cu13 is not installed (carry its wheel in .whl/)" | tee "$RAW/fleet.log"
+    echo "fleet skipped 0 0" >> "$SUMMARY"; status=1; pack
+  fi
 fi
 python3 benchmarks/suite_summary.py "$RAW" >> "$SUMMARY" 2>&1 || true
 echo "total $((SECONDS - START)) s" >> "$SUMMARY"

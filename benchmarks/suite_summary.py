@@ -68,6 +68,17 @@ def lines(raw: Path) -> list[str]:
     d = _load(raw / "keeper_restart.json")
     if d is not None:
         out.append(f"keeper_restart: spawn_to_ready_s {d.get('keeper_restart_spawn_to_ready_s')}")
+    for name in ("fleet_fill-host", "fleet_fill-host-tcp", "fleet_fill-cuda", "fleet_fill-cuda-tcp"):
+        d = _load(raw / f"{name}.json")
+        if d is None:
+            continue
+        out.append(_fmt(f"{name}: raw_gb_s", d.get("raw_gb_s")))
+        fill = d.get("fill")
+        if isinstance(fill, dict):
+            out.append(_fmt(f"{name}: fill_over_nixl_raw", fill.get("fill_over_nixl_raw"), "", 3))
+            scaling = fill.get("scaling") or []
+            agg = {t.get("targets"): _median(t, "aggregate_gb_s") for t in scaling if isinstance(t, dict)}
+            out.append(f"{name}: targets -> aggregate_gb_s { ({n: round(g, 2) for n, g in agg.items() if g}) }")
     return [line for line in out if line]
 
 

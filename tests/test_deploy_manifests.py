@@ -84,7 +84,9 @@ def test_engine_requests_its_gpu_and_shares_socket_dir_and_uid_with_the_daemons(
     for spec_of in (ds, engine):
         spec = spec_of["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsUser"] == 1000
-        assert {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}["sockets"] == "/run/wcache"
+        assert {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}[
+            "sockets"
+        ] == "/run/wcache"
     script = container["args"][0]
     assert "--query-gpu=uuid" in script and "/run/wcache/${uuid}.sock" in script
 
@@ -116,7 +118,7 @@ def test_probes_ask_one_socket_each_and_their_flags_exist(tmp_path: Path) -> Non
     assert out.returncode == 1, out.stderr
 
 
-def test_daemon_and_keeper_command_lines_parse_with_the_real_cli() -> None:
+def test_daemon_and_keeper_command_lines_parse_with_the_real_cli(tmp_path: Path) -> None:
     from wcache.server.cli import parse_args
 
     ds, config = _one("DaemonSet", name="wcache"), _one("ConfigMap", name="wcache")["data"]
@@ -132,9 +134,26 @@ def test_daemon_and_keeper_command_lines_parse_with_the_real_cli() -> None:
     line = line.replace("\\\n", " ")
     line = line.replace('"$WCACHE_MODEL"', config["WCACHE_MODEL"]).replace("$WCACHE_ARGS", config["WCACHE_ARGS"])
     line = line.replace("$uuid", "GPU-0").replace('"$port"', "19100").replace(" &", "")
-    args = parse_args(shlex.split(line))
+    line = line.replace("$WCACHE_PEERS", config["WCACHE_PEERS"]).replace("$peer", "7070")
+    tls = config["WCACHE_PEER_TLS"]
+    for path in re.findall(r"/etc/wcache-peer/\S+", tls):  # the Secret's files, here for the CLI's checks
+        (tmp_path / Path(path).name).write_text("x")
+        tls = tls.replace(path, str(tmp_path / Path(path).name))
+    args = parse_args(shlex.split(line.replace("$WCACHE_PEER_TLS", tls)))
     assert args.device == "cuda:0" and args.socket_path == Path("/run/wcache/GPU-0.sock") and args.keeper == ""
     assert args.model == Path(config["WCACHE_MODEL"])
+    # fleet fill: rail to rail through the headless Service, over mutual TLS
+    assert args.peer_listen == ("0.0.0.0", 7070) and args.fill_from == "dns:wcache-peers:7070"
+    assert args.peer_security.mode == "mtls"
+
+
+def test_peers_are_found_through_a_headless_service_of_ready_pods() -> None:
+    svc, ds = _one("Service", name="wcache-peers"), _one("DaemonSet", name="wcache")
+    spec = svc["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is False
+    assert spec["selector"] == ds["spec"]["template"]["metadata"]["labels"]
+    (daemons,) = [c for c in _containers(ds) if c["name"] == "daemons"]
+    assert {p["port"] for p in spec["ports"]} == {p["containerPort"] for p in daemons["ports"]}
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

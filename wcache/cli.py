@@ -77,11 +77,19 @@ HEADER = [
     "SIZE",
     "TIER",
     "DEVICE",
+    "LOADED",
     "LEASES",
     "LAST USE",
     "CONNS",
     "UPTIME",
 ]
+
+
+def _loaded(nbytes: int, seconds: float) -> str:
+    """How long the bytes took to arrive (a load, a tier refill, a fill from peers) and at what rate."""
+    if seconds <= 0:
+        return "-"
+    return f"{seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
 
 
 def _size(n: int) -> str:
@@ -129,6 +137,7 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
                 _size(m.bytes if m else 0),
                 tier if m else "-",
                 device,
+                _loaded(m.bytes, m.load_seconds) if m else "-",
                 str(m.leases if m else 0),
                 f"{now - m.last_use:.0f}s ago" if m and m.last_use else "never",
                 str(r.connections),

@@ -33,6 +33,7 @@ class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same 
     ├── IncompatibleModelError            -                 cached tensors that do not fit the engine's module
     ├── TierEntryError                    -                 a host tier entry that no longer matches (dropped)
     ├── InsecurePathError                 -                 socket directory/file fails the ownership check
+    ├── FillError                         -                 a fill from peers failed (reason); the daemon loads from disk
     └── DaemonRunningError                -                 another daemon holds this socket's one-daemon lock
 
 Classes marked ``-`` are raised locally and never sent. **Whose fault** (h11's model): a
@@ -67,6 +68,7 @@ __all__ = [
     "DaemonRunningError",
     "DeviceMismatchError",
     "ErrorCode",
+    "FillError",
     "FrameTooLargeError",
     "InsecurePathError",
     "InUseError",
@@ -337,6 +339,12 @@ class TierEntryError(WCacheError):
 
 class InsecurePathError(WCacheError):
     """A socket directory or file that another user could tamper with."""
+
+
+class FillError(WCacheError):
+    """A fill from peer daemons could not finish (docs/fleet.md): no peer, a refusal, a transfer error or
+    deadline, bytes that fail verification, or NIXL missing (``details["reason"]`` names which). The target
+    frees the half-filled slab and loads from disk; never sent."""
 
 
 class DaemonRunningError(WCacheError):

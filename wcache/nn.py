@@ -302,9 +302,12 @@ def load_from_disk(
     ``tp_size``, ``dtype``, ``plan_file``, ``transform``)."""
     from safetensors import safe_open
 
+    from wcache.peer_files import refuse_stubs
+
     spec = RankSpec.of(model_dir, **fields)
     with plan_rank(spec) as rp:
         ckpt, layout = rp.checkpoint, rp.layout
+        refuse_stubs(ckpt.path, ckpt.files)  # a directory filled from a peer holds headers, not weights
         out: dict[str, torch.Tensor] = {}
         by_file: dict[Path, list[Any]] = {}
         for p in layout.placements:

@@ -28,6 +28,19 @@ from wcache.proto import (
     Kept,
     LeaseInfo,
     ModelInfo,
+    PeerAuth,
+    PeerAuthOk,
+    PeerBlock,
+    PeerChallenge,
+    PeerFile,
+    PeerFiles,
+    PeerFilesReply,
+    PeerModel,
+    PeerOffer,
+    PeerProof,
+    PeerQuery,
+    PeerRead,
+    PeerReadOk,
     Preload,
     Preloaded,
     Reclaim,
@@ -242,7 +255,78 @@ def reclaimeds(draw: st.DrawFn) -> Reclaimed:
     return Reclaimed(id=draw(ids), models=models, dropped=draw(uints))
 
 
+@st.composite
+def peer_offers(draw: st.DrawFn) -> PeerOffer:
+    """1..3 offered slabs with distinct leases, each a table inside its size."""
+    leases = draw(st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=3, unique=True))
+    models = []
+    for lease in leases:
+        size = draw(st.integers(64, 4096))
+        table = draw(tables([size]))
+        aliases = {}
+        if len(table):
+            for a in draw(st.lists(st.text(min_size=1, max_size=10), max_size=2, unique=True)):
+                if a not in table.names:
+                    aliases[a] = draw(st.sampled_from(table.names))
+        models.append(
+            PeerModel(
+                lease=lease,
+                key=draw(keys),
+                size=size,
+                memory=draw(st.sampled_from(["host", "cuda"])),
+                address=draw(st.integers(0, 2**64 - 1 - size)),
+                tensors=table,
+                aliases=aliases,
+                buffers=tuple(draw(st.lists(text, max_size=2))),
+                payload=draw(uints),
+                device=draw(st.integers(0, 16)),
+                register_seconds=draw(floats),
+            )
+        )
+    return PeerOffer(id=draw(ids), agent=draw(st.binary(max_size=64)), models=tuple(models), max_rate=draw(uints))
+
+
+@st.composite
+def peer_files(draw: st.DrawFn) -> PeerFilesReply:
+    names = draw(
+        st.lists(
+            st.text(min_size=1, max_size=20).filter(lambda n: "/" not in n and "\0" not in n and n[0] != "."),
+            max_size=3,
+            unique=True,
+        )
+    )
+    files = []
+    for n in names:
+        data = draw(st.binary(max_size=64))
+        size = len(data) + draw(st.integers(0, 1 << 20))
+        blocks, at = [], len(data)
+        for _ in range(draw(st.integers(0, 3))):
+            off = at + draw(st.integers(0, 64))
+            b = draw(st.binary(max_size=16))
+            if off + len(b) > size:
+                break
+            blocks.append(PeerBlock(offset=off, data=b))
+            at = off + len(b)
+        files.append(PeerFile(name=n, size=size, data=data, blocks=tuple(blocks)))
+    return PeerFilesReply(id=draw(ids), files=tuple(files))
+
+
+nonce = st.binary(min_size=32, max_size=32)
+peer_frames = st.one_of(
+    st.builds(PeerAuth, id=ids, nonce=nonce),
+    st.builds(PeerChallenge, id=ids, nonce=nonce, proof=nonce),
+    st.builds(PeerProof, id=ids, proof=nonce),
+    st.builds(PeerAuthOk, id=ids),
+    st.builds(PeerQuery, id=ids, key=keys),
+    peer_offers(),
+    st.builds(PeerRead, id=ids, lease=ids, bytes=ids),
+    st.builds(PeerReadOk, id=ids, lease=ids, bytes=ids),
+    st.builds(PeerFiles, id=ids, key=keys),
+    peer_files(),
+)
+
 frames = st.one_of(
+    peer_frames,
     st.builds(
         Hello,
         versions=st.lists(st.integers(1, 2**31 - 1), min_size=1, max_size=16).map(tuple),

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from wcache.errors import ErrorCode, LocalProtocolError, ProtocolError, UnexpectedFrameError, UnsupportedVersionError
+from wcache.errors import (
+    ErrorCode,
+    LocalProtocolError,
+    PermissionDeniedError,
+    ProtocolError,
+    UnexpectedFrameError,
+    UnsupportedVersionError,
+)
 from wcache.proto import (
     PROTOCOL_VERSION,
     Connection,
@@ -332,3 +339,82 @@ def test_a_refused_hello_drops_the_pipelined_request() -> None:
     c.receive_data(s.fatal_error(err.value))
     (reply,) = list(c.events())
     assert isinstance(reply, ErrorFrame) and reply.fatal and c.phase is s.phase is Phase.CLOSED
+
+
+# --------------------------------------------------------------------------- the peer channel (docs/protocol.md §10)
+
+
+def _peer_pair(*, auth: bool) -> tuple[Connection, Connection]:
+    c = Connection(Role.CLIENT, service=Service.PEER, auth=auth)
+    s = Connection(Role.SERVER, service=Service.PEER, auth=auth)
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+    assert [f.TYPE for f in c.events()] == ["HELLO_OK"]
+    return c, s
+
+
+def _exchange(c: Connection, s: Connection, request: str, reply: str) -> None:
+    s.receive_data(c.send(EXAMPLES[request]))
+    assert [f.TYPE for f in s.events()] == [request]
+    c.receive_data(s.send(EXAMPLES[reply]))
+    assert [f.TYPE for f in c.events()] == [reply]
+
+
+def test_a_shared_secret_peer_channel_authenticates_before_any_request() -> None:
+    c, s = _peer_pair(auth=True)
+    assert c.phase is s.phase is Phase.AUTH
+    assert c.frame_limit == s.frame_limit == 64 * 1024  # an unproven peer sends small frames only
+    with pytest.raises(LocalProtocolError):
+        c.send(EXAMPLES["PEER_QUERY"])
+    early = Connection(Role.SERVER, service=Service.PEER, auth=True)
+    early.receive_data(Connection(Role.CLIENT).send(Hello(versions=(PROTOCOL_VERSION,))))
+    list(early.events())
+    early.send(_ok())
+    early.receive_data(pack_frame(EXAMPLES["PEER_QUERY"].to_wire()))
+    with pytest.raises(UnexpectedFrameError) as err:
+        list(early.events())  # a query before the proofs: no offer, no NIXL metadata
+    assert err.value.details["phase"] == "auth"
+    _exchange(c, s, "PEER_AUTH", "PEER_CHALLENGE")
+    assert c.phase is s.phase is Phase.AUTH
+    _exchange(c, s, "PEER_PROOF", "PEER_AUTH_OK")
+    assert [c.phase, s.phase] == [Phase.OPEN, Phase.OPEN]
+
+
+def test_a_failed_proof_closes_the_peer_channel() -> None:
+    c, s = _peer_pair(auth=True)
+    _exchange(c, s, "PEER_AUTH", "PEER_CHALLENGE")
+    s.receive_data(c.send(EXAMPLES["PEER_PROOF"]))
+    list(s.events())
+    c.receive_data(s.fatal_error(PermissionDeniedError("not this fleet's secret"), id=2))
+    (err,) = c.events()
+    assert isinstance(err, ErrorFrame) and err.fatal and err.code == ErrorCode.PERMISSION_DENIED
+    assert c.phase is s.phase is Phase.CLOSED
+
+
+def test_peer_offers_hold_leases_until_release() -> None:
+    c, s = _peer_pair(auth=False)
+    assert c.phase is s.phase is Phase.OPEN  # mutual TLS authenticated the connection already
+    _exchange(c, s, "PEER_QUERY", "PEER_OFFER")
+    assert c.leases == {77} and not s.leases  # the source's ledger is its handler's, not the connection's
+    _exchange(c, s, "PEER_READ", "PEER_READ_OK")
+    _exchange(c, s, "PEER_FILES", "PEER_FILES_REPLY")
+    s.receive_data(c.send(Release(id=9, lease=77)))
+    (rel,) = s.events()
+    assert isinstance(rel, Release)
+    c.receive_data(s.send(Released(id=9, lease=77)))
+    list(c.events())
+    assert not c.leases and not s.leases and not c.pending and not s.pending
+    with pytest.raises(LocalProtocolError):
+        c.send(Release(id=10, lease=77))
+
+
+def test_the_peer_channel_misdirects_daemon_requests_and_only_it_authenticates() -> None:
+    c, s = _peer_pair(auth=False)
+    s.receive_data(pack_frame(GetState(id=1, key={}).to_wire()))
+    (ev,) = s.events()
+    assert isinstance(ev, Misdirected) and ev.error.code == ErrorCode.NOT_FOUND
+    assert "peer" in ev.error.message
+    with pytest.raises(ValueError, match="peer channel"):
+        Connection(Role.SERVER, service=Service.DAEMON, auth=True)

@@ -45,6 +45,41 @@ def test_registry_is_the_frame_union() -> None:
     assert all(t == cls.TYPE for t, cls in REGISTRY.items())
 
 
+def test_the_frame_annotation_names_every_registered_frame() -> None:
+    """``Frame`` as the type checker reads it (frames.py's annotation) and as the registry builds it at run time
+    (every module of FRAME_MODULES) are the same classes: a frame module missing from either shows here."""
+    import ast
+    import inspect
+
+    from wcache.proto import frames
+
+    tree = ast.parse(inspect.getsource(frames))
+    (union,) = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["Frame"]
+    ]
+    annotated = {n.id for n in ast.walk(union) if isinstance(n, ast.Name)}
+    assert annotated == {cls.__name__ for cls in frames.load_frames().values()}
+    assert {cls.__module__ for cls in REGISTRY.values()} == set(frames.FRAME_MODULES)
+
+
+def test_peer_frames_decode_in_a_process_that_never_imported_them() -> None:
+    """An engine's restart does not import the peer channel's frames; a decoder meeting one imports them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from wcache.proto import decode_body, decode_frame, pack_frame\n"
+        "assert 'wcache.proto.fleet_frames' not in sys.modules\n"
+        "f = decode_frame(decode_body(pack_frame({'type': 'PEER_QUERY', 'id': 3, 'key': {}})[4:]))\n"
+        "print(type(f).__name__, f.id)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["PeerQuery", "3"]
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_frame_round_trips_through_the_generic_codec(name: str) -> None:
     frame = EXAMPLES[name]

@@ -55,6 +55,7 @@ class FakeService:
     "holder" holds something (``holds``) from its handshake on."""
 
     holding = "thing"
+    auth = False
 
     def __init__(self, service: Service = Service.KEEPER) -> None:
         self.service = service

@@ -129,6 +129,9 @@ async def from_pretrained(
         log.warning(
             "wcache: %s loaded with from_pretrained instead of the cache (%s: %s)", model_dir, type(exc).__name__, exc
         )
+        from wcache.peer_files import refuse_stub_dir
+
+        refuse_stub_dir(model_dir)  # a directory filled from a peer holds headers, not weights
         kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
         return auto_cls.from_pretrained(model_dir, **kwargs), None
     return model, weights

@@ -2,10 +2,10 @@
 
 Layers, each importing only those above it (docs/architecture.md): ``codec`` (length prefix +
 msgpack), ``fields`` (field kinds and the one generic encoder/decoder), ``table`` (the columnar
-tensor table), ``daemon_frames`` (an engine's frames), ``admin_frames``, ``deposit_frames`` and
-``peer_frames`` (the others, by use), ``frames`` (the registry and ``decode_frame``), ``connection``
-(the per-connection state machine: which service, which phase, which descriptors). Bytes in, typed
-frames out.
+tensor table), ``daemon_frames`` (an engine's frames), ``admin_frames``, ``deposit_frames``,
+``peer_frames`` and ``fleet_frames`` (the others, by use), ``frames`` (the registry and
+``decode_frame``), ``connection`` (the per-connection state machine: which service, which phase,
+which descriptors). Bytes in, typed frames out.
 
 Every name here is imported on first access (PEP 562), from the module that defines it: ``import
 wcache.proto`` loads nothing, and an engine's restart loads only the modules its frames need.
@@ -54,6 +54,19 @@ __all__ = [
     "Kept",
     "LeaseInfo",
     "ModelInfo",
+    "PeerAuth",
+    "PeerAuthOk",
+    "PeerBlock",
+    "PeerChallenge",
+    "PeerFile",
+    "PeerFiles",
+    "PeerFilesReply",
+    "PeerModel",
+    "PeerOffer",
+    "PeerProof",
+    "PeerQuery",
+    "PeerRead",
+    "PeerReadOk",
     "Phase",
     "Preload",
     "Preloaded",

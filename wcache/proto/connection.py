@@ -7,9 +7,13 @@ the outstanding request ids, and (on a client) the leases the peer granted it. T
 and client only move bytes and descriptors between a socket and a :class:`Connection`. A server's leases
 live in one ledger, its store's (wcache/server/store.py): its connections do not keep a second copy.
 
-A server connection knows the service it speaks for (:class:`Service`): a request for the
-other service (a RECLAIM to a daemon, a GET_STATE to a keeper) comes out as
+A server connection knows the service it speaks for (:class:`Service`): a request for another
+service (a RECLAIM to a daemon, a GET_STATE to a keeper or a peer channel) comes out as
 :class:`Misdirected`, carrying the non-fatal ``NOT_FOUND`` error to answer it with.
+
+A peer channel in the shared-secret mode (``auth=True``, docs/protocol.md §10.2) passes through
+``AUTH`` after the handshake: only the authentication frames may travel until PEER_AUTH_OK, and
+frames stay as small as before the handshake.
 
 Errors: a frame the *peer* may not send now raises :class:`UnexpectedFrameError`
 (a :class:`ProtocolError`); a frame *we* may not send raises
@@ -23,7 +27,7 @@ import enum
 from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from operator import or_
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from wcache.errors import (
     LocalProtocolError,
@@ -45,6 +49,7 @@ from wcache.proto.codec import (
 from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk, Release, Released, State
 
 if TYPE_CHECKING:  # the request unions name every service's requests: built when first read (``__getattr__``)
+    from wcache.proto.fleet_frames import PeerOffer  # the peer channel's: never on an engine's path
     from wcache.proto.frames import (
         Commit,
         Deposit,
@@ -90,16 +95,19 @@ class Role(enum.Enum):
 
 
 class Service(enum.Enum):
-    """What a server speaks for: a daemon serves weights, a keeper holds slabs for daemons (§4.11)."""
+    """What a server speaks for: a daemon serves weights, a keeper holds slabs for daemons (§4.11), a peer
+    channel offers a daemon's slabs to other daemons of a fleet over TCP (§10)."""
 
     DAEMON = "daemon"
     KEEPER = "keeper"
+    PEER = "peer"
 
 
 class Phase(enum.Enum):
     START = "start"  # nothing exchanged yet
     HELLO_SENT = "hello_sent"  # client: HELLO out, awaiting HELLO_OK
     HELLO_RECEIVED = "hello_received"  # server: HELLO in, must answer HELLO_OK or fatal ERROR
+    AUTH = "auth"  # peer channel, shared-secret mode: HELLO_OK sent, proofs not yet exchanged (§10.2)
     OPEN = "open"  # requests and replies flow
     CLOSED = "closed"  # a fatal ERROR went either way, or the stream ended
 
@@ -164,7 +172,32 @@ TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
     (Role.SERVER, Phase.OPEN, RECV, "COMMIT"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "DEPOSITED"): Phase.OPEN,
     (Role.SERVER, Phase.OPEN, SEND, "RECLAIMED"): Phase.OPEN,
+    # the peer channel (§10): authentication in the shared-secret mode, then fills
+    (Role.CLIENT, Phase.AUTH, SEND, "PEER_AUTH"): Phase.AUTH,
+    (Role.CLIENT, Phase.AUTH, RECV, "PEER_CHALLENGE"): Phase.AUTH,
+    (Role.CLIENT, Phase.AUTH, SEND, "PEER_PROOF"): Phase.AUTH,
+    (Role.CLIENT, Phase.AUTH, RECV, "PEER_AUTH_OK"): Phase.OPEN,
+    (Role.SERVER, Phase.AUTH, RECV, "PEER_AUTH"): Phase.AUTH,
+    (Role.SERVER, Phase.AUTH, SEND, "PEER_CHALLENGE"): Phase.AUTH,
+    (Role.SERVER, Phase.AUTH, RECV, "PEER_PROOF"): Phase.AUTH,
+    (Role.SERVER, Phase.AUTH, SEND, "PEER_AUTH_OK"): Phase.OPEN,
+    # a refused proof (PERMISSION_DENIED): the connection stays unproven, admitting nothing but proofs
+    (Role.CLIENT, Phase.AUTH, RECV, "ERROR"): Phase.AUTH,
+    (Role.SERVER, Phase.AUTH, SEND, "ERROR"): Phase.AUTH,
+    (Role.CLIENT, Phase.OPEN, SEND, "PEER_QUERY"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "PEER_OFFER"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "PEER_READ"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "PEER_READ_OK"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, SEND, "PEER_FILES"): Phase.OPEN,
+    (Role.CLIENT, Phase.OPEN, RECV, "PEER_FILES_REPLY"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "PEER_QUERY"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "PEER_OFFER"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "PEER_READ"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "PEER_READ_OK"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, RECV, "PEER_FILES"): Phase.OPEN,
+    (Role.SERVER, Phase.OPEN, SEND, "PEER_FILES_REPLY"): Phase.OPEN,
 }
+
 #: Request type -> the reply type that answers it (ERROR answers any request).
 REPLY_TO: dict[str, str] = {
     "GET_STATE": "STATE",
@@ -179,6 +212,11 @@ REPLY_TO: dict[str, str] = {
     "RECLAIM": "RECLAIMED",
     "DEPOSIT": "DEPOSIT_SLAB",
     "COMMIT": "DEPOSITED",
+    "PEER_AUTH": "PEER_CHALLENGE",
+    "PEER_PROOF": "PEER_AUTH_OK",
+    "PEER_QUERY": "PEER_OFFER",
+    "PEER_READ": "PEER_READ_OK",
+    "PEER_FILES": "PEER_FILES_REPLY",
 }
 #: The requests each service answers; a server with a service answers the others' with NOT_FOUND.
 SERVES: dict[Service, frozenset[str]] = {
@@ -186,6 +224,7 @@ SERVES: dict[Service, frozenset[str]] = {
         {"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER", "TAKEOVER_ADOPTED", "DEPOSIT", "COMMIT"}
     ),
     Service.KEEPER: frozenset({"KEEP", "UNKEEP", "RECLAIM", "STATUS"}),
+    Service.PEER: frozenset({"PEER_AUTH", "PEER_PROOF", "PEER_QUERY", "PEER_READ", "PEER_FILES", "RELEASE"}),
 }
 #: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
 CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
@@ -216,10 +255,13 @@ class Misdirected:
 
     def __init__(self, request: Frame, service: Service) -> None:
         self.request = request
-        other = "wcache-keeper" if service is Service.DAEMON else "wcache-server"
+        where = {
+            Service.DAEMON: "a wcache-keeper socket",
+            Service.KEEPER: "a wcache-server socket (a keeper holds slabs for daemons and serves no models)",
+            Service.PEER: "a daemon's Unix socket (the peer channel only offers slabs to other daemons)",
+        }[service]
         self.error = NotFoundError(
-            f"this socket is a wcache {service.value}: {request.TYPE} goes to a {other} socket"
-            + (" (a keeper holds slabs for daemons and serves no models)" if service is Service.KEEPER else ""),
+            f"this socket is a wcache {service.value}: {request.TYPE} goes to {where}",
             details={"type": request.TYPE, "service": service.value},
         )
 
@@ -283,12 +325,17 @@ class Connection:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_handshake_frame: int = MAX_HANDSHAKE_FRAME,
         supported_versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+        auth: bool = False,
     ) -> None:
         """``max_frame_size``: the largest frame body accepted once the handshake is done;
         ``max_handshake_frame``: before it (HELLO / HELLO_OK), so that a peer that has not even said HELLO
-        cannot make this side buffer a big body (docs/protocol.md §7)."""
+        cannot make this side buffer a big body (docs/protocol.md §7). ``auth``: a peer channel in the
+        shared-secret mode: AUTH follows the handshake (§10.2)."""
+        if auth and service not in (None, Service.PEER):
+            raise ValueError("only the peer channel authenticates in the protocol")
         self.role = role
         self.service = service
+        self.auth = auth
         self.phase = Phase.START
         self.version: int | None = None
         self.supported_versions = supported_versions
@@ -460,6 +507,8 @@ class Connection:
             self.phase = Phase.CLOSED
             return
         nxt = TRANSITIONS.get((self.role, self.phase, direction, t))
+        if nxt is Phase.OPEN and self.auth and t == "HELLO_OK":
+            nxt = Phase.AUTH  # the shared-secret proofs come first (§10.2)
         if nxt is None:
             msg = f"{t} frame not allowed in phase {self.phase.value} ({self.role.value} {direction})"
             if direction == SEND:
@@ -503,5 +552,11 @@ class Connection:
             if frame.lease in self.leases:
                 raise err(f"lease {frame.lease} granted twice on one connection")
             self.leases.add(frame.lease)
+        elif frame.TYPE == "PEER_OFFER":  # every offered slab is held for this connection (§10.3)
+            offer = cast("PeerOffer", frame)
+            offered = {m.lease for m in offer.models}
+            if offered & self.leases:
+                raise err(f"lease(s) {sorted(offered & self.leases)} granted twice on one connection")
+            self.leases |= offered
         elif isinstance(frame, Released):
             self.leases.discard(frame.lease)

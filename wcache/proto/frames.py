@@ -1,8 +1,9 @@
 """Typed frames of protocol version 2 (docs/protocol.md §4) and their one decoder.
 
 The frames live by use: ``daemon_frames`` (what a restarting engine speaks: the handshake, GET_STATE, STATE,
-RELEASE, ERROR), ``admin_frames`` (STATUS, PRELOAD, EVICT), ``deposit_frames`` (write-back) and ``peer_frames``
-(takeover and keeper); their fields are declared once (``fields.py``) and one generic codec encodes and decodes
+RELEASE, ERROR), ``admin_frames`` (STATUS, PRELOAD, EVICT), ``deposit_frames`` (write-back), ``peer_frames``
+(takeover and keeper) and ``fleet_frames`` (the peer channel between daemons of a fleet, docs/protocol.md §10);
+their fields are declared once (``fields.py``) and one generic codec encodes and decodes
 them all; the tensor table is in ``table``. This module is the registry: :data:`Frame`, :data:`FRAME_TYPES` and
 :func:`decode_frame`, tagged by the ``type`` field, and it re-exports every frame.
 
@@ -61,6 +62,22 @@ if TYPE_CHECKING:
         DepositSlab,
         DepositTensor,
     )
+    from wcache.proto.fleet_frames import (
+        MEMORY_KINDS,
+        PeerAuth,
+        PeerAuthOk,
+        PeerBlock,
+        PeerChallenge,
+        PeerFile,
+        PeerFiles,
+        PeerFilesReply,
+        PeerModel,
+        PeerOffer,
+        PeerProof,
+        PeerQuery,
+        PeerRead,
+        PeerReadOk,
+    )
     from wcache.proto.peer_frames import (
         MAX_HANDOFF_FDS,
         MAX_KEPT_FDS,
@@ -103,6 +120,16 @@ if TYPE_CHECKING:
         | DepositSlab
         | Commit
         | Deposited
+        | PeerAuth
+        | PeerChallenge
+        | PeerProof
+        | PeerAuthOk
+        | PeerQuery
+        | PeerOffer
+        | PeerRead
+        | PeerReadOk
+        | PeerFiles
+        | PeerFilesReply
     )
     #: frame type -> class: every ``@message`` declared with a type (a test checks it equals ``Frame``'s members)
     FRAME_TYPES: dict[str, type[Message]]
@@ -116,6 +143,7 @@ __all__ = [
     "MAX_KEPT_FDS",
     "MAX_NAME",
     "MAX_PATH",
+    "MEMORY_KINDS",
     "MODES",
     "SLAB_KINDS",
     "TENSOR_KINDS",
@@ -140,6 +168,19 @@ __all__ = [
     "Kept",
     "LeaseInfo",
     "ModelInfo",
+    "PeerAuth",
+    "PeerAuthOk",
+    "PeerBlock",
+    "PeerChallenge",
+    "PeerFile",
+    "PeerFiles",
+    "PeerFilesReply",
+    "PeerModel",
+    "PeerOffer",
+    "PeerProof",
+    "PeerQuery",
+    "PeerRead",
+    "PeerReadOk",
     "Preload",
     "Preloaded",
     "Reclaim",
@@ -170,6 +211,7 @@ FRAME_MODULES = (
     "wcache.proto.admin_frames",
     "wcache.proto.deposit_frames",
     "wcache.proto.peer_frames",
+    "wcache.proto.fleet_frames",
 )
 _loaded = False
 

@@ -41,7 +41,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problem = tp_problem(args.tp_rank, args.tp_size, flags=True)
     if problem is not None:
         p.error(problem)
+    _check_fleet(p, args)
     return args
+
+
+def _check_fleet(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The fleet options (docs/fleet.md): a fill needs a model to fill; the peer channel's security must be one
+    complete mode (``args.peer_security``, None without --fill-from)."""
+    args.peer_security = None
+    if args.fill_from is None and args.peer_listen is None:
+        for opt in ("fill_fingerprint", "peer_cert", "peer_key", "peer_ca", "peer_secret_file"):
+            if getattr(args, opt) is not None:
+                p.error(f"--{opt.replace('_', '-')} belongs to --fill-from or --peer-listen (docs/fleet.md)")
+        return
+    if args.fill_from is not None and args.model is None:
+        p.error("--fill-from fills the rank of --model: name the checkpoint directory (it may hold no weights)")
+    if not args.fill_timeout > 0:
+        p.error(f"--fill-timeout {args.fill_timeout} must be a positive number of seconds")
+    if args.peer_max_fills < 1:
+        p.error(f"--peer-max-fills {args.peer_max_fills} must be at least 1")
+    from wcache.server.fill import resolve_peers
+    from wcache.server.peer_auth import PeerSecurity
+    from wcache.server.peer_channel import parse_address
+
+    try:
+        if args.fill_from is not None and not args.fill_from.startswith("dns:"):
+            resolve_peers(args.fill_from)
+        args.peer_security = PeerSecurity.configure(
+            cert=args.peer_cert, key=args.peer_key, ca=args.peer_ca, secret_file=args.peer_secret_file
+        )
+        if args.peer_listen is not None:
+            args.peer_listen = parse_address(args.peer_listen, listen=True)
+            args.peer_security.check_listen(args.peer_listen[0])
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +198,52 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="MODULE:FUNCTION",
         help="rewrite the rank's tensors once at load (e.g. wcache.transforms:fuse_llama_qkv_gate_up); part of the key",
+    )
+    fleet = p.add_argument_group(
+        "fleet fill", "fill the slab from peer daemons over NIXL before reading the checkpoint (docs/fleet.md)"
+    )
+    fleet.add_argument(
+        "--fill-from",
+        metavar="HOST:PORT[,...]|dns:NAME:PORT",
+        help="peers to fill this rank from (every address NAME resolves to, with dns:); any failure loads from "
+        "disk, with one log line naming the reason. A --model directory without weights gets the checkpoint's "
+        "small files and safetensors headers from a peer first",
+    )
+    fleet.add_argument(
+        "--fill-fingerprint",
+        metavar="HEX",
+        help="the key fingerprint a directory without weights must have (else the first peer's checkpoint is taken)",
+    )
+    fleet.add_argument(
+        "--fill-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a fill must be done within this plus its bytes at 50 MB/s (default 30)",
+    )
+    fleet.add_argument(
+        "--peer-listen",
+        metavar="HOST:PORT",
+        help="serve this daemon's resident slabs to peer daemons' fills on a TCP port (authenticated unless "
+        "HOST is loopback); each slab is registered with NIXL once",
+    )
+    fleet.add_argument(
+        "--peer-max-rate",
+        type=size_arg,
+        default=0,
+        metavar="RATE",
+        help="bytes per second served to peers in all, e.g. 2G (0: no cap), so this node's engines are not starved",
+    )
+    fleet.add_argument(
+        "--peer-max-fills", type=int, default=4, metavar="N", help="fills served at once; more get LIMIT_EXCEEDED"
+    )
+    fleet.add_argument("--peer-cert", type=Path, help="this daemon's TLS certificate for the peer channel (mutual TLS)")
+    fleet.add_argument("--peer-key", type=Path, help="its private key")
+    fleet.add_argument("--peer-ca", type=Path, help="the fleet's CA: peers must present a certificate it signed")
+    fleet.add_argument(
+        "--peer-secret-file",
+        type=Path,
+        help="a lab's shared secret (mode 0600, >= 16 bytes) instead of certificates: TLS with proofs of the secret",
     )
     p.add_argument("--ready-file", type=Path, help="write a JSON line here once serving")
     p.add_argument("--verify-content", action="store_true", help="fingerprint the data too, not only headers")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import assert_never, cast
+from typing import TYPE_CHECKING, assert_never, cast
 
 from wcache.channel import DEFAULT_READ_BUDGET, ReadBudget
 from wcache.errors import (
@@ -69,6 +69,9 @@ from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, She
 from wcache.server.store import ServedModel, Store, split_descriptors
 from wcache.server.tier import HostTier, TierEntry
 
+if TYPE_CHECKING:
+    from wcache.server.peer import PeerListener
+
 __all__ = ["Daemon"]
 
 log = logging.getLogger("wcache.server")
@@ -93,6 +96,7 @@ class Daemon:
 
     service = Service.DAEMON
     holding = "lease"
+    auth = False  # same-uid peers of a Unix socket: SO_PEERCRED is the proof
 
     def __init__(
         self,
@@ -114,8 +118,11 @@ class Daemon:
         keeper_check: float = 5.0,
         tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
         handoff_timeout: float = 10.0,
+        peers: PeerListener | None = None,
     ) -> None:
         self.store = store
+        #: --peer-listen: the peer channel (docs/fleet.md), served by a shell of its own beside this one
+        self.peers = peers
         self.socket_path = Path(socket_path)
         self.software = software
         limits = limits or ConnectionLimits()
@@ -173,6 +180,8 @@ class Daemon:
             self._listener = listener
             http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
             self.shell.start(listener)
+            if self.peers is not None:
+                self.peers.start()
             if callable(on_ready):
                 on_ready()
             watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
@@ -185,6 +194,8 @@ class Daemon:
                     watch.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await watch
+                if self.peers is not None:
+                    await self.peers.stop()
                 await self.shell.close()
                 if not self._handed_over:  # after a hand-off the socket file is the new daemon's
                     with contextlib.suppress(FileNotFoundError):
@@ -661,4 +672,5 @@ class Daemon:
             tier_bytes=sum(n for _, _, n in entries),
             tier_budget=self.tier.budget if self.tier is not None else 0,
             tier_entries=len(entries),
+            tier_pinned=self.tier.pinned() if self.tier is not None else 0,
         )

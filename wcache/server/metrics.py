@@ -40,6 +40,18 @@ class Metrics:
         self.bucket_counts = [0] * len(BUCKETS)
         self.fetch_count = 0
         self.fetch_sum = 0.0
+        #: fills from peers (docs/fleet.md): by outcome ("filled" / "failed") and reason, bytes and seconds filled
+        self.fills: Counter[tuple[str, str]] = Counter()
+        self.fill_bytes = 0
+        self.fill_seconds = 0.0
+        #: bytes granted to peer daemons' fills from this daemon's slabs (--peer-listen)
+        self.peer_served_bytes = 0
+
+    def observe_fill(self, reason: str, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """One fill: ``reason`` "" when it filled (``nbytes`` in ``seconds``), else the FillError's reason."""
+        self.fills[("failed", reason) if reason else ("filled", "")] += 1
+        self.fill_bytes += nbytes
+        self.fill_seconds += seconds
 
     def observe_fetch(self, mode: str, seconds: float) -> None:
         self.fetches[mode] += 1
@@ -102,6 +114,25 @@ class Metrics:
         out.extend(f"wcache_fetch_seconds_bucket{labels} {_value(value)}" for labels, value in cum)
         out.append(f"wcache_fetch_seconds_sum {_value(self.fetch_sum)}")
         out.append(f"wcache_fetch_seconds_count {self.fetch_count}")
+        metric(
+            "wcache_fills_total",
+            "counter",
+            "Fills from peer daemons (--fill-from), by outcome and the failure's reason (then loaded from disk).",
+            [(f'{{outcome="{o}",reason="{_label(r)}"}}', float(n)) for (o, r), n in sorted(self.fills.items())],
+        )
+        metric("wcache_fill_bytes_total", "counter", "Bytes filled from peer daemons.", [("", float(self.fill_bytes))])
+        metric(
+            "wcache_fill_seconds_total",
+            "counter",
+            "Seconds spent filling from peer daemons.",
+            [("", self.fill_seconds)],
+        )
+        metric(
+            "wcache_peer_served_bytes_total",
+            "counter",
+            "Bytes this daemon's slabs served to peer daemons' fills (--peer-listen).",
+            [("", float(self.peer_served_bytes))],
+        )
         metric("wcache_uptime_seconds", "gauge", "Seconds since the daemon started serving.", [("", uptime)])
         metric("wcache_load_seconds", "gauge", "Seconds the weights took to load.", [("", load_seconds)])
         return "\n".join(out) + "\n"

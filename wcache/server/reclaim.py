@@ -56,10 +56,11 @@ from wcache.rank import RankPlan, plan_rank
 from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper_link import KeeperLink
-from wcache.server.loader import placement_extents, torch_dtype
+from wcache.server.loader import torch_dtype
+from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
-__all__ = ["SAMPLES", "SAMPLE_BYTES", "Check", "admit", "check_model"]
+__all__ = ["SAMPLES", "SAMPLE_BYTES", "Check", "admit", "check_model", "compare_samples", "expected_bytes"]
 
 log = logging.getLogger("wcache.server")
 
@@ -161,7 +162,7 @@ def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None 
         if problem is not None:
             return Check(problem, "mismatch")
         try:
-            samples, compared, bad = _compare_samples(model.slabs[0], layout, SAMPLES, SAMPLE_BYTES)
+            samples, compared, bad = compare_samples(model.slabs[0], layout, SAMPLES, SAMPLE_BYTES)
         except (OSError, WCacheError, RuntimeError) as exc:
             return Check(f"its bytes could not be compared with {model.source} ({exc})", "unverifiable")
     if bad is not None:
@@ -230,7 +231,7 @@ def _layout_problem(model: ServedModel, layout: Layout) -> str | None:
     return None
 
 
-def _compare_samples(slab: Slab, layout: Layout, n: int, size: int) -> tuple[int, int, str | None]:
+def compare_samples(slab: Slab, layout: Layout, n: int, size: int) -> tuple[int, int, str | None]:
     """Compare ``n`` random ranges of up to ``size`` bytes of the slab with the checkpoint; (samples, bytes
     compared, the first difference or None)."""
     placements = [p for p in layout.placements if p.nbytes > 0]
@@ -260,6 +261,12 @@ def _compare_samples(slab: Slab, layout: Layout, n: int, size: int) -> tuple[int
         for fd in files.values():
             os.close(fd)
     return n, compared, None
+
+
+def expected_bytes(files: dict[Path, int], p: Placement, first: int, m: int) -> bytes:
+    """Elements ``first .. first+m-1`` of ``p`` as a load stores them (``files``: descriptors opened so far, the
+    caller closes them): what a fill's ``--verify-content`` compares every byte with."""
+    return _expected(files, p, first, m, DTYPE_SIZES[p.source.dtype])
 
 
 def _expected(files: dict[Path, int], p: Placement, first: int, m: int, src_item: int) -> bytes:

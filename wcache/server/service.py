@@ -201,6 +201,9 @@ class Handler(Protocol):
     service: Service
     #: what a connection of this service can hold, for log lines and the give-way message ("lease")
     holding: str
+    #: whether its connections pass through the AUTH phase after HELLO_OK (the peer channel's shared-secret
+    #: proofs, docs/protocol.md §10.2): only proofs travel until the handler answers one with PEER_AUTH_OK
+    auth: bool
 
     def hello(self, conn: Connection, hello: Hello, ctx: Context) -> HelloOk:
         """The HELLO_OK for ``hello`` (``conn.hello_reply`` with this service's fields)."""
@@ -412,7 +415,9 @@ class Shell:
     # ------------------------------------------------------------------ one connection
     async def _serve(self, sock: socket.socket, slot: Peer, ctx: Context, *, refuse: bool) -> None:
         lim, log, tag = self.limits, self.log, self.tag
-        conn = Connection(Role.SERVER, service=self.handler.service, max_frame_size=lim.max_frame_size)
+        conn = Connection(
+            Role.SERVER, service=self.handler.service, max_frame_size=lim.max_frame_size, auth=self.handler.auth
+        )
         ch = self.channel(
             sock, conn, budget=self.budget, send_timeout=lim.send_timeout, max_unread_fds=self.max_unread_fds
         )

@@ -22,7 +22,7 @@ from wcache import __version__
 from wcache.errors import CheckpointError, WCacheError
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
-from wcache.server.backends.base import Backend
+from wcache.server.backends.base import DEFAULT_STAGING, Backend
 from wcache.server.security import (
     DaemonLock,
     check_private_dir,
@@ -34,9 +34,12 @@ from wcache.server.security import (
 if TYPE_CHECKING:
     from wcache.key import WeightCacheKey
     from wcache.proto import HandedModel
-    from wcache.rank import RankSpec
+    from wcache.rank import RankPlan, RankSpec
     from wcache.server.backends.base import Slab
+    from wcache.server.fill import FillConfig
     from wcache.server.keeper_link import KeeperLink
+    from wcache.server.metrics import Metrics
+    from wcache.server.peer import PeerListener
     from wcache.server.store import ServedModel, Store
     from wcache.server.tier import HostTier, TierEntry
 
@@ -44,6 +47,8 @@ __all__ = [
     "adopt",
     "checkpoint_errors",
     "device_index",
+    "fetch_checkpoint_files",
+    "fill_from_peers",
     "make_backend",
     "pytorch_bin_hint",
     "rank_spec",
@@ -76,15 +81,17 @@ def device_index(device: str) -> int | None:
     )
 
 
-def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
+def make_backend(device: str, cuda_export: str = "vmm", staging_bytes: int = DEFAULT_STAGING) -> Backend:
+    """The backend ``--device`` names, with its staging budget (``--staging-bytes``): every load into its
+    slabs stages through that much pinned memory at most (``Slab.staging_bytes``)."""
     index = device_index(device)
     if index is None:
         from wcache.server.backends.host import HostBackend
 
-        return HostBackend()
+        return HostBackend(staging_bytes=staging_bytes)
     from wcache.server.backends.cuda import CudaBackend
 
-    return CudaBackend(index, cuda_export)
+    return CudaBackend(index, cuda_export, staging_bytes=staging_bytes)
 
 
 def resolve_socket(args: argparse.Namespace) -> Path:
@@ -295,21 +302,13 @@ def restorer(
     tier: HostTier, store: Store, backend: Backend, args: argparse.Namespace
 ) -> Callable[[TierEntry, WeightCacheKey], ServedModel | None]:
     """How the daemon fills a slab from a host-tier entry (a deposit asked for again): the loader's threads
-    and staging; the checkpoint directory is the one the store knows for the key's fingerprint."""
+    (the staging is the backend's); the checkpoint directory is the one the store knows for the key's
+    fingerprint."""
 
-    from wcache.server.loader import DEFAULT_STAGING
-    from wcache.server.store import load_from_tier
+    from wcache.server.load import load_from_tier
 
     def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
-        return load_from_tier(
-            tier,
-            entry,
-            key,
-            backend,
-            args.threads,
-            args.staging_bytes or DEFAULT_STAGING,
-            store.source_for(key.to_wire()),
-        )
+        return load_from_tier(tier, entry, key, backend, args.threads, store.source_for(key.to_wire()))
 
     return restore
 
@@ -369,6 +368,95 @@ def rank_spec(args: argparse.Namespace) -> RankSpec:
     )
 
 
+def _fill_config(args: argparse.Namespace) -> FillConfig:
+    from wcache.server.fill import FillConfig, resolve_peers
+
+    return FillConfig(
+        tuple(resolve_peers(args.fill_from)),
+        args.peer_security,
+        f"wcache/{__version__}",
+        timeout=args.fill_timeout,
+        verify_content=args.verify_content,
+    )
+
+
+def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
+    """--fill-from with a --model directory holding no weights: the checkpoint's small files and safetensors
+    stubs from a peer (docs/fleet.md, "A node without the checkpoint"); a directory with weights is left alone.
+    Without them there is nothing to load from disk either: the CheckpointError says why."""
+    import asyncio
+
+    from wcache.checkpoint import INDEX_NAME
+    from wcache.errors import FillError
+    from wcache.server.fill import fetch_files
+
+    if any(root.glob("*.safetensors")) or (root / INDEX_NAME).exists():
+        return
+    key: dict[str, str | int] = {"fingerprint": args.fill_fingerprint} if args.fill_fingerprint else {}
+    try:
+        asyncio.run(fetch_files(root, _fill_config(args), key))
+    except FillError as exc:
+        raise CheckpointError(
+            f"{root} holds no weights and no peer sent the checkpoint's files ({exc.details.get('reason')}: {exc.message})"
+        ) from exc
+
+
+def fill_from_peers(
+    args: argparse.Namespace, rp: RankPlan, backend: Backend, outcomes: list[tuple[str, int, float]]
+) -> ServedModel | None:
+    """--fill-from: the rank's slab from the peers (wcache/server/fill.py), or None — after one log line naming
+    the reason — for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
+    import asyncio
+
+    from wcache.errors import FillError
+    from wcache.server.fill import fill
+    from wcache.server.nixl import Agent
+
+    if args.fill_fingerprint and rp.key.fingerprint != args.fill_fingerprint:
+        raise CheckpointError(
+            f"{rp.spec.checkpoint}: its key's fingerprint is {rp.key.fingerprint}, not --fill-fingerprint "
+            f"{args.fill_fingerprint}: refusing to serve another checkpoint"
+        )
+    cfg = _fill_config(args)
+    agent: Agent | None = None
+    try:
+        agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
+        plan_id = rp.plan.id if rp.plan is not None else "none"
+        model = asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
+        model.facts = rp.facts  # its local files give its key, as for a disk load: engines may prove them (§4.3.1)
+        outcomes.append(("", model.stats.bytes_read, model.stats.seconds))
+        return model
+    except FillError as exc:
+        outcomes.append((str(exc.details.get("reason", "fill")), 0, 0.0))
+        log.warning(
+            "fill failed key=%s peers=%s reason=%s: %s; loading from disk",
+            rp.key.short(),
+            ",".join(f"{h}:{p}" for h, p in cfg.peers) or args.fill_from,
+            exc.details.get("reason", "fill"),
+            exc.message,
+        )
+        return None
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> PeerListener:
+    """--peer-listen: the peer channel's handler and listener (started by the daemon once it serves)."""
+    from wcache.server.peer import PeerListener, PeerService
+
+    service = PeerService(
+        store,
+        args.peer_security,
+        software=f"wcache/{__version__}",
+        max_fills=args.peer_max_fills,
+        max_rate=args.peer_max_rate,
+        metrics=metrics,
+    )
+    host, port = args.peer_listen
+    return PeerListener(service, host, port, metrics=metrics)
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -376,11 +464,11 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wcache.rank import RankPlan, plan_rank
+    from wcache.rank import plan_rank
     from wcache.server.daemon import Daemon
-    from wcache.server.loader import DEFAULT_STAGING
+    from wcache.server.load import load_model
     from wcache.server.service import ConnectionLimits
-    from wcache.server.store import Store, load_model
+    from wcache.server.store import Store
 
     if args.takeover is not None:
         sock_path = Path(os.path.abspath(args.takeover))
@@ -390,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     hold = hold_socket_dir(sock_path.parent)
     lock = DaemonLock(sock_path)
     try:
-        backend = make_backend(args.device, args.cuda_export)
+        backend = make_backend(args.device, args.cuda_export, args.staging_bytes or DEFAULT_STAGING)
         loads = args.takeover is None and not _keeper_holds_some(args, sock_path)
         backend.check_device(loads)  # an unusable device: one line, before the lock is taken or a file read
         if args.takeover is None:
@@ -424,7 +512,6 @@ def run(args: argparse.Namespace) -> int:
                     rp,
                     backend=backend,
                     threads=args.threads,
-                    staging_bytes=args.staging_bytes or DEFAULT_STAGING,
                     io=args.io,
                     tier=tier,
                 )
@@ -442,11 +529,14 @@ def run(args: argparse.Namespace) -> int:
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
                 reclaimed = handed = reclaim(link, backend, args.shard_plan)
         store = Store(backend, handed, budget=args.memory_budget or None)
+        fill_outcomes: list[tuple[str, int, float]] = []  # (reason or "", bytes, seconds) of each fill: metrics
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
                 drop(store.make_room(0, models=0), link, "budget")
             if args.model is not None:
                 spec = rank_spec(args)
+                if args.fill_from is not None:
+                    fetch_checkpoint_files(args, spec.checkpoint)
                 with planner(spec) as rp:
                     held = store.models.get(rp.key)
                     if held is not None:
@@ -456,7 +546,10 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        store.add(loader(rp))
+                        filled = (
+                            fill_from_peers(args, rp, backend, fill_outcomes) if args.fill_from is not None else None
+                        )
+                        store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
 
@@ -485,6 +578,10 @@ def run(args: argparse.Namespace) -> int:
                 keeper_check=args.keeper_check,
                 tier_restore=restorer(tier, store, backend, args) if tier is not None else None,
             )
+            for reason, nbytes, seconds in fill_outcomes:
+                daemon.metrics.observe_fill(reason, nbytes, seconds)
+            if args.peer_listen is not None:
+                daemon.peers = peer_listener(args, store, daemon.metrics)
 
             def ready() -> None:
                 models = list(store.models.values())
@@ -504,10 +601,14 @@ def run(args: argparse.Namespace) -> int:
                     store.budget if store.budget is not None else "none",
                 )
                 if args.ready_file is not None:
-                    write_ready(
-                        args.ready_file,
-                        {"socket": str(sock_path), "pid": os.getpid(), "key": m.key.to_wire() if m else None},
-                    )
+                    payload: dict[str, object] = {
+                        "socket": str(sock_path),
+                        "pid": os.getpid(),
+                        "key": m.key.to_wire() if m else None,
+                    }
+                    if daemon.peers is not None:  # the peer channel's address (a port 0 is chosen at bind)
+                        payload["peer"] = f"{daemon.peers.host}:{daemon.peers.port}"
+                    write_ready(args.ready_file, payload)
 
             import uvloop
 

@@ -167,7 +167,11 @@ class WCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             return None, wanted
 
     def _load_from_disk(self, vllm_config: Any, model_config: Any, prefix: str, exc: WCacheError) -> nn.Module:
-        """vLLM's default loader after ``exc`` (one WARNING naming it), its post-processing observed."""
+        """vLLM's default loader after ``exc`` (one WARNING naming it), its post-processing observed. A directory
+        filled from a peer holds headers, not weights: that is a CheckpointError here, never zeros loaded."""
+        from wcache.peer_files import refuse_stub_dir
+
+        refuse_stub_dir(model_config.model)
         reason = f"{type(exc).__name__}: {exc}"
         log.warning(
             "wcache: %s loaded with vLLM's default loader instead of the cache (%s)", model_config.model, reason

@@ -2,7 +2,8 @@
 
 The loader (wcache/server/loader.py) plans jobs and runs reader threads; *how* bytes reach a slab is
 the slab's ``writer`` (host: ``sendfile`` and ``preadv`` into the memfd's mapping; CUDA: pinned
-staging buffers and streams). Page-locking host-tier files, synchronising with the device, memory
+staging buffers and streams). Writers read with the read primitives (wcache/server/reads.py: jobs,
+files, direct reads), which the loader uses too: a backend never imports the loader. Page-locking host-tier files, synchronising with the device, memory
 figures for STATUS, export and adoption are the backend's too. Loader, store, tier, daemon and the
 reclaim check import no device API (tests/server/test_boundary.py enforces it); the client maps
 slabs in wcache/client/mapping.py.
@@ -15,16 +16,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from wcache.proto import DeviceInfo, SlabDescriptor
 
 if TYPE_CHECKING:
     import torch
 
-    from wcache.server.loader import Files, Job
+    from wcache.server.reads import Files, Job
 
-__all__ = ["Backend", "LoadAborted", "PinnedFile", "Slab", "StagedWriter", "Writer"]
+__all__ = [
+    "DEFAULT_STAGING",
+    "Backend",
+    "LoadAborted",
+    "MemoryRegion",
+    "PinnedFile",
+    "Slab",
+    "StagedWriter",
+    "Writer",
+]
+
+# A backend's staging budget unless it is built with another (--staging-bytes): bytes of pinned host memory
+# for device loads, split into two buffers per reader thread (16 threads: 16 MiB reads). A fresh daemon
+# page-locks it before its first copies: H200, 16 GB from the page cache
+# (benchmarks/results/cold_load-cuda0-2026-11-29-run6-staging.json, run7): 0.59-0.79 s with 512 MiB,
+# 0.70-0.76 s with 1 GiB, 0.87-0.92 s with 2 GiB; cold (disk-bound) 7.8-8.7 s with 512 MiB, 8.4 with 2 GiB.
+DEFAULT_STAGING = 512 << 20
+
+
+class MemoryRegion(NamedTuple):
+    """A slab's bytes as this process maps them, for a transport that registers memory (NIXL, docs/fleet.md):
+    ``address`` .. ``address + length`` in this process, ``kind`` "host" (DRAM) or "cuda" (GPU memory),
+    ``device`` the CUDA ordinal (0 for host memory)."""
+
+    address: int
+    length: int
+    kind: str
+    device: int
 
 
 class Writer(Protocol):
@@ -84,6 +112,10 @@ class Slab(Protocol):
     size: int
     #: whether O_DIRECT reads make sense for loads into it (device slabs: reads land in staging buffers)
     direct_io: bool
+    #: host memory a load's writer may stage through, two buffers per reader thread: the loader cuts its
+    #: jobs to fit (host slabs stage nothing, their jobs are cut the same way). Its backend's budget, given
+    #: when the backend was built (``make_backend``, ``--staging-bytes``): no caller passes it to a load
+    staging_bytes: int
 
     def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()) -> Writer:
         """A writer for ``jobs`` run by up to ``threads`` readers; files in ``direct`` may be read with
@@ -116,6 +148,13 @@ class Slab(Protocol):
         """Write the slab's ``size`` bytes to the file ``fd`` from offset 0 (the host tier)."""
         ...
 
+    def region(self) -> MemoryRegion:
+        """Where this process maps the slab, for registering it with NIXL (docs/fleet.md): writable until
+        ``seal()`` (a fill writes into it), read-only afterwards on the host backend (a source serves it).
+        Valid until ``seal()`` for a writable region, until ``close()`` for a sealed one: a caller
+        deregisters before either."""
+        ...
+
     def export(self) -> tuple[SlabDescriptor, list[int]]:
         """The descriptor for STATE (its ``fd`` is 0 when a descriptor travels) and the fds to
         send. The daemon keeps owning those fds; the kernel duplicates them into the peer."""
@@ -127,6 +166,8 @@ class Slab(Protocol):
 class Backend(Protocol):
     name: str  # "host" | "cuda"
     device: DeviceInfo
+    #: the ``staging_bytes`` of every slab it allocates (see ``Slab``), fixed when it is built
+    staging_bytes: int
 
     def check_device(self, loads: bool) -> None:
         """Before the daemon takes its lock or touches a checkpoint: raise UnsupportedPlatformError, with a

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
-from wcache.server.backends.base import PinnedFile
-from wcache.server.loader import Files, Job, populate, read_job, send_job
+from wcache.server.backends.base import DEFAULT_STAGING, MemoryRegion, PinnedFile
+from wcache.server.reads import Files, Job, map_readonly, populate, read_job, send_job
 
 if TYPE_CHECKING:
     import torch
@@ -200,12 +200,16 @@ class _HostWriter:
 class HostSlab:
     direct_io = False  # reads land in shared memory through the page cache or sendfile
 
-    def __init__(self, nbytes: int, name: str = "wcache-slab", adopt_fd: int = -1) -> None:
+    def __init__(
+        self, nbytes: int, name: str = "wcache-slab", adopt_fd: int = -1, *, staging_bytes: int = DEFAULT_STAGING
+    ) -> None:
         self.size = nbytes
+        self.staging_bytes = staging_bytes  # no staging here: the loader cuts its jobs to it (base.Slab)
         if adopt_fd >= 0:  # handed over by another daemon: already loaded and sealed
             self.fd = adopt_fd
             self._mm: mmap.mmap | None = None
             self._tensor: torch.Tensor | None = None
+            self._ro: tuple[int, Callable[[], None]] | None = None
             self.sealed = True
             return
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -219,6 +223,8 @@ class HostSlab:
             raise
         self._mm = None
         self._tensor = None
+        #: the read-only mapping a sealed slab is registered for transfers through (address, unmap), until close
+        self._ro = None
         self.sealed = False
 
     def _mapping(self) -> mmap.mmap:
@@ -281,6 +287,18 @@ class HostSlab:
     def export(self) -> tuple[SlabDescriptor, list[int]]:
         return SlabDescriptor(size=self.size, kind="memfd", fd=0), [self.fd]
 
+    def region(self) -> MemoryRegion:
+        """Unsealed: the daemon's writable mapping (a fill writes into it; gone at seal()). Sealed: a read-only
+        shared mapping made on first use and kept until close() (a source's registration lives that long)."""
+        if self.size == 0:
+            raise ValueError("an empty slab has no memory to register")
+        if not self.sealed:
+            mm = self._mapping()
+            return MemoryRegion(ctypes.addressof(ctypes.c_char.from_buffer(mm)), self.size, "host", 0)
+        if self._ro is None:
+            self._ro = map_readonly(self.fd, self.size)
+        return MemoryRegion(self._ro[0], self.size, "host", 0)
+
     def save_to(self, fd: int) -> None:
         done = 0
         while done < self.size:  # in-kernel copy, memfd -> file
@@ -291,6 +309,9 @@ class HostSlab:
 
     def close(self) -> None:
         self._tensor = None
+        if self._ro is not None:
+            self._ro[1]()
+            self._ro = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -305,8 +326,10 @@ class HostSlab:
 class HostBackend:
     name = "host"
 
-    def __init__(self) -> None:
+    def __init__(self, *, staging_bytes: int = DEFAULT_STAGING) -> None:
         self.device = DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory")
+        #: each slab's ``staging_bytes``: host loads stage nothing, but their jobs are cut to it (base.Slab)
+        self.staging_bytes = staging_bytes
         #: slabs allocated here and not sealed yet (loads filling, deposits engines write): the memory they have
         #: not been written with yet is promised, and every room check deducts it (the kernel counts a shared-
         #: memory page only once written, so three concurrent deposits once each saw all the free memory)
@@ -348,7 +371,7 @@ class HostBackend:
     def allocate(self, nbytes: int) -> HostSlab:
         """A slab of ``nbytes``; raises OutOfMemoryError first if the memory cgroup (or the host) cannot hold it."""
         self.check_room(nbytes)
-        return self._filled(HostSlab(nbytes))
+        return self._filled(HostSlab(nbytes, staging_bytes=self.staging_bytes))
 
     def check_deposits(self) -> None:
         """Every host daemon takes deposits (memfd sealing was checked by ``check_platform``)."""

@@ -1,0 +1,299 @@
+"""A fleet fill end to end in one process (docs/fleet.md): the source's peer handler (wcache/server/peer.py) behind
+a stand-in for the server shell, the target's fill (wcache/server/fill.py) over loopback TCP and NIXL, host
+backend. Bytes are compared with what a disk load of the same key gives; every failure is a FillError with
+its reason and leaves nothing allocated or held on either side."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from wcache.errors import CheckpointError, FillError
+from wcache.peer_files import MARKER, refuse_stubs, write_files
+from wcache.rank import RankPlan, RankSpec, plan_rank
+from wcache.recipe import RecipeKey
+from wcache.server.backends.host import HostBackend
+from wcache.server.fill import FillConfig, fill, resolve_peers
+from wcache.server.load import load_model
+from wcache.server.nixl import Agent
+from wcache.server.peer import PeerListener, PeerService, RateCap
+from wcache.server.peer_auth import PeerSecurity
+from wcache.server.store import ServedModel, Store
+from wcache.synthetic import TINY, make_llama_checkpoint
+
+pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
+pytest.importorskip("cryptography", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
+
+NONE = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
+
+
+def _load(ckpt: Path, tp_rank: int = 0, tp_size: int = 1) -> ServedModel:
+    return load_model(RankSpec(ckpt, tp_rank=tp_rank, tp_size=tp_size), backend=HostBackend(), threads=2)
+
+
+def _bytes(m: ServedModel) -> bytes:
+    return m.slabs[0].read(0, m.slabs[0].size)
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent(f"t-fill-{os.getpid()}-{time.monotonic_ns()}")
+    yield a
+    a.close()
+
+
+@asynccontextmanager
+async def sources(
+    *models: ServedModel, security: PeerSecurity = NONE, max_fills: int = 4, max_rate: int = 0
+) -> AsyncIterator[list[int]]:
+    """One PeerService (own store) per model, each on a peer listener (the server shell) on loopback: ports."""
+    async with AsyncExitStack() as stack:
+        ports = []
+        services = []
+        for m in models:
+            svc = PeerService(
+                Store(HostBackend(), [m]), security, software="wcache/test", max_fills=max_fills, max_rate=max_rate
+            )
+            services.append(svc)
+            stack.callback(svc.store.close)
+            stack.callback(svc.close)
+            ports.append(await stack.enter_async_context(_listening(svc)))
+        yield ports
+        deadline = time.monotonic() + 10  # a connection the test closed ends at the source a moment later
+        while any(svc.fills for svc in services) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for svc in services:
+            assert not svc.fills  # every fill released its leases (or its connection ended)
+
+
+@asynccontextmanager
+async def _listening(svc: PeerService) -> AsyncIterator[int]:
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    _, port = listener.start()
+    try:
+        yield port
+    finally:
+        await listener.stop()
+
+
+def _cfg(ports: list[int], security: PeerSecurity = NONE, **kw: object) -> FillConfig:
+    return FillConfig(tuple(("127.0.0.1", p) for p in ports), security, "wcache/test", **kw)  # type: ignore[arg-type]
+
+
+async def _fill(rp: RankPlan, agent: Agent, cfg: FillConfig) -> ServedModel:
+    return await fill(rp.key, rp.layout, rp.checkpoint, HostBackend(), agent, cfg, plan_id=rp.key.plan)
+
+
+async def test_tp1_fills_tp1_and_both_tp2_ranks_bit_identical(ckpt: Path, agent: Agent) -> None:
+    whole = _load(ckpt)
+    want = {(r, n): _bytes(m) for r, n in ((0, 2), (1, 2)) for m in [_load(ckpt, r, n)]}
+    want[(0, 1)] = _bytes(whole)
+    async with sources(whole) as ports:
+        for (r, n), expect in want.items():
+            with plan_rank(RankSpec(ckpt, tp_rank=r, tp_size=n)) as rp:
+                got = await _fill(rp, agent, _cfg(ports))
+            try:
+                assert _bytes(got) == expect
+                assert got.origin == f"peer 127.0.0.1:{ports[0]}"
+                assert list(got.table) == list(rp.layout.table()) and got.key == rp.key
+            finally:
+                got.close()
+
+
+async def test_two_tp2_peers_fill_a_tp1_daemon_and_three_peers_are_striped(ckpt: Path, agent: Agent) -> None:
+    ranks = [_load(ckpt, r, 2) for r in range(2)]
+    want = _bytes(_load(ckpt))
+    async with sources(*ranks) as ports:
+        with plan_rank(RankSpec(ckpt)) as rp:
+            got = await _fill(rp, agent, _cfg(ports))
+        assert _bytes(got) == want
+        assert got.origin == f"peer 127.0.0.1:{min(ports)} +1"  # both peers served: each holds half
+        got.close()
+    async with sources(_load(ckpt), _load(ckpt), _load(ckpt)) as ports:
+        with plan_rank(RankSpec(ckpt)) as rp:
+            got = await _fill(rp, agent, _cfg(ports, chunk=1 << 20))
+        assert _bytes(got) == want
+        assert got.origin.endswith(" +2")  # every peer served a share
+        got.close()
+
+
+async def test_a_deposit_fills_by_its_recipe_key_byte_for_byte(ckpt: Path, agent: Agent) -> None:
+    m = _load(ckpt)
+    recipe = RecipeKey.of(m.key, engine="vllm", postprocess=1)
+    deposit = dataclasses.replace(m, key=recipe, origin="deposit", buffers=("model.norm.weight",))
+    async with sources(deposit) as ports:
+        got = await fill(recipe, None, None, HostBackend(), agent, _cfg(ports))
+        assert _bytes(got) == _bytes(deposit) and got.key == recipe
+        assert got.buffers == ("model.norm.weight",) and list(got.table) == list(deposit.table)
+        got.close()
+        with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:  # a plain key: not from a deposit
+            await _fill(rp, agent, _cfg(ports))
+        assert err.value.details["reason"] == "not-found"
+
+
+async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
+    """The peer serves another checkpoint's bytes (same shapes and names, other values) under the real key."""
+    other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
+    real = _load(ckpt)
+    liar = dataclasses.replace(_load(other), key=real.key)
+    before = _memfds()
+    async with sources(liar) as ports:
+        with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
+            await _fill(rp, agent, _cfg(ports))
+    assert err.value.details["reason"] == "verify"
+    assert _memfds() <= before  # the half-filled slab was freed
+
+
+def _memfds() -> int:
+    return sum(1 for fd in os.listdir("/proc/self/fd") if "memfd:wcache-slab" in _link(fd))
+
+
+def _link(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path, agent: Agent) -> None:
+    """The source's handler fails on the second grant (the shell answers INTERNAL): the target gives up,
+    releases its lease and frees its slab. (A source SIGKILLed mid-fill: tests/server/test_fill_daemon.py.)"""
+    m = _load(ckpt)
+    before = _memfds()
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
+    original = svc.handle
+    reads = 0
+
+    async def failing(request, fds, ctx):
+        nonlocal reads
+        if type(request).__name__ == "PeerRead":
+            reads += 1
+            if reads == 2:
+                raise RuntimeError("the source broke")
+        return await original(request, fds, ctx)
+
+    svc.handle = failing  # type: ignore[method-assign]
+    async with _listening(svc) as port:
+        with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
+            await _fill(rp, agent, _cfg([port], chunk=1 << 20))
+    assert err.value.details["reason"] in ("transfer", "deadline")
+    assert not svc.fills and _memfds() <= before
+    svc.store.close()
+
+
+async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
+    with plan_rank(RankSpec(ckpt)) as rp:
+        with pytest.raises(FillError) as err:
+            await _fill(rp, agent, _cfg([1]))  # nothing listens on port 1
+        assert err.value.details["reason"] == "no-peer"
+        good, bad = (tmp_path / "a"), (tmp_path / "b")
+        good.write_bytes(b"the fleet's secret, 32 bytes ok!")
+        bad.write_bytes(b"a stranger's secret, also long..")
+        for p in (good, bad):
+            p.chmod(0o600)
+        sec = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=good)
+        other = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=bad)
+        async with sources(_load(ckpt), security=sec) as ports:
+            with pytest.raises(FillError) as err:
+                await _fill(rp, agent, _cfg(ports, other))
+            assert err.value.details["reason"] == "auth"
+            got = await _fill(rp, agent, _cfg(ports, sec))  # the right secret fills
+            got.close()
+
+
+async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    rate = size * 4  # bytes/s: a quarter of a second for the whole slab
+    async with sources(m, max_rate=rate) as ports:
+        with plan_rank(RankSpec(ckpt)) as rp:
+            t0 = time.monotonic()
+            got = await _fill(rp, agent, _cfg(ports, chunk=1 << 20))
+            took = time.monotonic() - t0
+    got.close()
+    assert took >= size / rate
+
+
+def test_rate_cap_books_grants_on_a_virtual_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("wcache.server.peer.time.monotonic", lambda: now[0])
+    cap = RateCap(1000)
+    assert cap.delay(500) == pytest.approx(0.5)  # even the first grant waits for its bytes
+    assert cap.delay(500) == pytest.approx(1.0)  # behind the first
+    now[0] += 5.0  # idle: no debt carried, no credit saved up
+    assert cap.delay(1000) == pytest.approx(1.0)
+    assert RateCap(0).delay(1 << 40) == 0.0
+
+
+async def test_the_concurrent_fill_cap_refuses_a_second_target(ckpt: Path, agent: Agent) -> None:
+    from wcache.proto.fleet_frames import PeerQuery
+    from wcache.server.peer_channel import connect_peer
+
+    async with sources(_load(ckpt), max_fills=1) as ports:
+        ch, _ = await connect_peer("127.0.0.1", ports[0], NONE, timeout=5, software="t")
+        try:
+            from wcache.channel import expect
+
+            with plan_rank(RankSpec(ckpt)) as rp:
+                await ch.send(PeerQuery(id=1, key=rp.key.to_wire()))
+                await expect(ch)  # an offer: this connection holds the one fill
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg(ports))
+            assert err.value.details["reason"] == "refused"
+        finally:
+            ch.close()
+
+
+async def test_a_node_without_the_checkpoint_gets_files_keys_and_weights(
+    ckpt: Path, tmp_path: Path, agent: Agent
+) -> None:
+    from wcache.channel import expect
+    from wcache.key import WeightCacheKey
+    from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
+    from wcache.server.peer_channel import connect_peer
+
+    m = _load(ckpt)
+    empty = tmp_path / "model"
+    async with sources(m) as ports:
+        ch, _ = await connect_peer("127.0.0.1", ports[0], NONE, timeout=5, software="t")
+        try:
+            await ch.send(PeerFiles(id=1, key=m.key.to_wire()))
+            reply, _ = await expect(ch)
+        finally:
+            ch.close()
+        assert isinstance(reply, PeerFilesReply)
+        written = write_files(empty, reply.files)
+        assert "config.json" in written and (empty / MARKER).exists()
+        # what the directory then holds: small files, sparse stubs of the real size, the marker
+        for f in ckpt.glob("*.safetensors"):
+            stub = empty / f.name
+            assert stub.stat().st_size == f.stat().st_size
+            assert stub.stat().st_blocks * 512 < f.stat().st_size // 4
+        assert WeightCacheKey.from_checkpoint(empty) == m.key  # an engine computes the same key there
+        with plan_rank(RankSpec(empty)) as rp:
+            got = await _fill(rp, agent, _cfg(ports))
+            assert _bytes(got) == _bytes(m)
+            got.close()
+            with pytest.raises(CheckpointError, match="hold no weights"):
+                refuse_stubs(empty, rp.checkpoint.files)
+        with pytest.raises(CheckpointError, match="hold no weights"):
+            _load(empty)  # a daemon restarted there without peers never serves the holes
+        from wcache.nn import load_from_disk
+
+        with pytest.raises(CheckpointError, match="hold no weights"):
+            load_from_disk(empty)  # nor does an engine's own disk fallback
+
+
+def test_fill_from_specs() -> None:
+    assert resolve_peers("10.0.0.1:7070, 10.0.0.2:7071") == [("10.0.0.1", 7070), ("10.0.0.2", 7071)]
+    assert resolve_peers("dns:localhost:7070")[0] in (("127.0.0.1", 7070), ("::1", 7070))
+    assert resolve_peers("dns:no-such-name.invalid:7070") == []
+    with pytest.raises(ValueError):
+        resolve_peers("nohost")

@@ -1,0 +1,231 @@
+"""Fleet fill between daemons on loopback, host backend (docs/fleet.md): ``wcache-server --peer-listen`` serves its
+slabs, ``wcache-server --fill-from`` fills its rank from them before reading the checkpoint and serves it as if
+loaded — the tensors an engine fetches are the safetensors slices. TP=1 -> TP=2, two TP=2 daemons -> TP=1, a
+node without the checkpoint serving an engine; a source SIGKILLed mid-fill, a wrong secret and no peer are the
+disk path with nothing half-filled left; the rate cap is observed; STATUS, `wcache status` and the metrics
+show where the bytes came from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli
+from wcache import WCacheClient, WeightCacheKey
+from wcache.key import RACY_NS
+from wcache.rank import RankSpec, plan_rank
+from wcache.server.process import DaemonProcess, spawn_daemon
+
+pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
+pytest.importorskip("cryptography", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in metrics")
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start daemons, each in a socket directory of its own; all stopped at the end."""
+    started: list[DaemonProcess] = []
+
+    def start(model: Path, *args: str, wait: bool = True) -> DaemonProcess:
+        d = tmp_path / f"sock{len(started)}"
+        d.mkdir(mode=0o700)
+        p = spawn_daemon(model, d, *args, timeout=120 if wait else None)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def _source(daemons: Callable[..., DaemonProcess], ckpt: Path, *args: str) -> tuple[DaemonProcess, str]:
+    d = daemons(ckpt, "--peer-listen", "127.0.0.1:0", *args)
+    return d, str(json.loads(d.ready_file.read_text())["peer"])
+
+
+def _full(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_slices(d: DaemonProcess, key_dir: Path, ckpt: Path, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """What an engine fetches (its key computed from ``key_dir``) is the safetensors slices of ``ckpt``."""
+    key = WeightCacheKey.from_checkpoint(key_dir, tp_rank=tp_rank, tp_size=tp_size)
+    full = _full(ckpt)
+
+    async def check() -> None:
+        async with await WCacheClient(d.socket).fetch(key) as w:
+            with plan_rank(RankSpec(ckpt, tp_rank=tp_rank, tp_size=tp_size)) as rp:
+                for p in rp.layout.placements:
+                    t = full[p.source.name]
+                    if p.shard is not None:
+                        t = t.narrow(p.shard.dim, p.shard.start, p.shard.length)
+                    assert torch.equal(w[p.source.name], t), p.source.name
+
+    asyncio.run(check())
+
+
+def _origin(d: DaemonProcess) -> str:
+    (m,) = asyncio.run(WCacheClient(d.socket).status()).models
+    return m.origin
+
+
+def _slabs_of(pid: int) -> int:
+    """Shared-memory slabs the process holds (memfds of slabs)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += "memfd:wcache-slab" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def test_tp1_daemon_fills_a_tp2_rank_and_operators_see_it(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
+    sport, tport = _free_port(), _free_port()
+    src, peer = _source(daemons, ckpt, "--metrics-port", str(sport))
+    target = daemons(ckpt, "--tp-rank", "1", "--tp-size", "2", "--fill-from", peer, "--metrics-port", str(tport))
+    assert _origin(target) == f"peer {peer}"
+    _assert_slices(target, ckpt, ckpt, 1, 2)
+    assert 'wcache_fills_total{outcome="filled",reason=""} 1' in _metrics(tport)
+    assert _metric(_metrics(sport), "wcache_peer_served_bytes_total") > 0
+    table = run_cli("status", "--socket-dir", str(target.socket.parent))
+    head, row = table.stdout.splitlines()[:2]
+    assert "ORIGIN" in head and f"peer {peer}" in row and "GB/s" in row
+    assert _slabs_of(target.pid) == 1 and _slabs_of(src.pid) == 1
+
+
+def test_two_tp2_daemons_fill_a_tp1_daemon(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
+    peers = [_source(daemons, ckpt, "--tp-rank", str(r), "--tp-size", "2")[1] for r in range(2)]
+    target = daemons(ckpt, "--fill-from", ",".join(peers))
+    assert _origin(target) == f"peer {min(peers)} +1"  # each source served its own half
+    _assert_slices(target, ckpt, ckpt)
+
+
+def test_a_node_without_the_checkpoint_serves_an_engine(
+    ckpt: Path, daemons: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    _, peer = _source(daemons, ckpt)
+    empty = tmp_path / "model"
+    target = daemons(empty, "--fill-from", peer)
+    assert WeightCacheKey.from_checkpoint(empty) == WeightCacheKey.from_checkpoint(ckpt)
+    _assert_slices(target, empty, ckpt)  # the engine computed its key on the directory without weights
+
+
+def test_an_engine_proves_the_files_of_a_filled_rank(
+    ckpt: Path, daemons: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """A rank filled from a peer records the facts of its local files as a disk load does (docs/protocol.md
+    §4.3.1): an engine whose files are unchanged gets the key from their identity, reading no header."""
+    settled = shutil.copytree(ckpt, tmp_path / "settled")
+    time.sleep(RACY_NS / 1e9 + 0.1)  # no file changed within RACY_NS of the target's read
+    _, peer = _source(daemons, ckpt)
+    target = daemons(settled, "--fill-from", peer)
+    assert _origin(target) == f"peer {peer}"
+    key = WeightCacheKey.from_checkpoint(settled)
+    w = WCacheClient(target.socket).fetch_sync(key)
+    try:
+        assert w.key_proven and not key.scanned
+    finally:
+        w.release_sync()
+
+
+def test_a_source_sigkilled_mid_fill_leaves_the_target_on_the_disk_path(
+    ckpt: Path, daemons: Callable[..., DaemonProcess]
+) -> None:
+    # bytes/s: the source answers the fill's first PEER_READ (all 10 MB: one batch) only after ~5 s, and the
+    # READ itself then takes milliseconds on loopback, so the kill lands in those 5 s: once the target has
+    # allocated the slab it fills (after the offer, before its first READ is granted)
+    rate = 2_000_000
+    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    target = daemons(ckpt, "--fill-from", peer, "--fill-timeout", "60", wait=False)
+    deadline = time.monotonic() + 60
+    while _slabs_of(target.pid) == 0:  # the fill is under way
+        assert time.monotonic() < deadline, target.log_text()[-2000:]
+        time.sleep(0.02)
+    os.kill(src.pid, signal.SIGKILL)
+    src.proc.wait(30)
+    target.wait_ready(120)
+    assert _origin(target) == "disk"
+    _assert_slices(target, ckpt, ckpt)
+    assert _slabs_of(target.pid) == 1  # the half-filled slab was freed, only the loaded one remains
+
+
+def test_a_wrong_secret_is_refused_and_the_target_loads_from_disk(
+    ckpt: Path, daemons: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    secrets = []
+    for name, value in (("fleet", b"the fleet's secret, 32 bytes ok!"), ("other", b"a stranger's secret, also long..")):
+        p = tmp_path / name
+        p.write_bytes(value)
+        p.chmod(0o600)
+        secrets.append(str(p))
+    _, peer = _source(daemons, ckpt, "--peer-secret-file", secrets[0])
+    tport = _free_port()
+    target = daemons(ckpt, "--fill-from", peer, "--peer-secret-file", secrets[1], "--metrics-port", str(tport))
+    assert _origin(target) == "disk"
+    assert 'wcache_fills_total{outcome="failed",reason="auth"} 1' in _metrics(tport)
+    good = daemons(ckpt, "--fill-from", peer, "--peer-secret-file", secrets[0])
+    assert _origin(good) == f"peer {peer}"
+
+
+def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
+    rate = 4_000_000
+    _, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    target = daemons(ckpt, "--fill-from", peer)
+    (m,) = asyncio.run(WCacheClient(target.socket).status()).models
+    assert m.origin == f"peer {peer}"
+    assert m.load_seconds >= m.bytes / rate  # every grant waited for its bytes at the cap
+
+
+def test_without_a_peer_the_daemon_loads_from_disk(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
+    tport = _free_port()
+    target = daemons(ckpt, "--fill-from", "127.0.0.1:1", "--fill-timeout", "5", "--metrics-port", str(tport))
+    assert _origin(target) == "disk"
+    assert 'wcache_fills_total{outcome="failed",reason="no-peer"} 1' in _metrics(tport)
+
+
+def test_fleet_options_are_checked(ckpt: Path) -> None:
+    from wcache.server.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--fill-fingerprint", "ab"])  # belongs to --fill-from
+    with pytest.raises(SystemExit):
+        parse_args(["--fill-from", "127.0.0.1:7070"])  # no --model to fill
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(ckpt), "--fill-from", "127.0.0.1:7070", "--peer-cert", "x"])  # half of mTLS
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(ckpt), "--peer-listen", "0.0.0.0:7070"])  # unauthenticated off loopback
+    args = parse_args(["--model", str(ckpt), "--fill-from", "dns:wcache-peers:7070", "--peer-listen", "127.0.0.1:0"])
+    assert args.peer_security.mode == "none" and args.peer_listen == ("127.0.0.1", 0)

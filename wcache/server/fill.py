@@ -1,0 +1,482 @@
+"""The target side of a fleet fill (docs/fleet.md, "A fill, step by step"): ask the peers for the key, plan which
+bytes to READ from which (wcache/reshard.py), READ them with NIXL straight into a new slab, verify, seal — or
+raise FillError, having freed the half-filled slab and released everything it held.
+
+Nothing here serves: ``fill`` returns a ``ServedModel`` the daemon adds to its store like a loaded one (origin
+``peer ADDR[,ADDR]``), or the FillError whose reason the daemon logs before it loads from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wcache.checkpoint import SAMPLE_BLOCK, Checkpoint, _sample_offsets
+from wcache.errors import (
+    CacheUnavailableError,
+    FillError,
+    LimitExceededError,
+    NotFoundError,
+    PermissionDeniedError,
+    ProtocolError,
+    WCacheError,
+)
+from wcache.key import WeightCacheKey
+from wcache.layout import Layout, plan_layout
+from wcache.proto import DTYPE_SIZES, Frame, Release
+from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
+from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
+from wcache.server.backends.base import Backend, MemoryRegion, Slab
+from wcache.server.loader import LoadStats
+from wcache.server.nixl import Agent, Transfer
+from wcache.server.peer_auth import PeerSecurity
+from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
+from wcache.server.reads import placement_extents
+from wcache.server.store import ServedModel
+
+__all__ = ["FillConfig", "check_sampled_blocks", "fetch_files", "fill", "resolve_peers"]
+
+log = logging.getLogger("wcache.fleet")
+
+#: dim-1 shards go as NIXL's strided lists (benchmarks/fleet_fill_bench.py, "strided"; docs/fleet.md)
+STRIDED = True
+
+
+def resolve_peers(spec: str) -> list[tuple[str, int]]:
+    """``HOST:PORT[,HOST:PORT...]``, or ``dns:NAME:PORT``: every address NAME resolves to (a headless Service's
+    pods), in the resolver's order, each once. ValueError for a malformed spec; an unresolvable name gives []."""
+    if spec.startswith("dns:"):
+        host, port = parse_address(spec[4:])
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            return []
+        out: list[tuple[str, int]] = []
+        for info in infos:
+            addr = (str(info[4][0]), port)
+            if addr not in out:
+                out.append(addr)
+        return out
+    return [parse_address(p.strip()) for p in spec.split(",") if p.strip()]
+
+
+@dataclass(frozen=True)
+class FillConfig:
+    peers: tuple[tuple[str, int], ...]
+    security: PeerSecurity
+    software: str
+    #: connecting, TLS and the proofs, per peer
+    connect_timeout: float = 5.0
+    #: the whole fill must be done by this many seconds plus its bytes at ``min_rate`` (else reason ``deadline``)
+    timeout: float = 30.0
+    min_rate: float = 50e6
+    chunk: int = DEFAULT_CHUNK
+    #: compare every byte with the local checkpoint (``--verify-content``)
+    verify_content: bool = False
+    #: 64 random ranges compared with the local checkpoint files (when the target has real ones)
+    samples: int = 64
+
+
+@dataclass
+class _Source:
+    addr: str
+    ch: StreamChannel
+    offer: PeerOffer | None = None
+    agent_name: str | None = None
+    leases: set[int] = field(default_factory=set)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, FillError):
+        return str(exc.details.get("reason", "fill"))
+    if isinstance(exc, CacheUnavailableError):
+        return "no-peer"
+    if isinstance(exc, ssl.SSLError | PermissionDeniedError):
+        return "auth"
+    if isinstance(exc, NotFoundError):
+        return "not-found"
+    if isinstance(exc, LimitExceededError | ProtocolError):
+        return "refused"
+    if isinstance(exc, TimeoutError):
+        return "deadline"
+    return "transfer"
+
+
+async def _connect(addr: tuple[str, int], cfg: FillConfig) -> _Source:
+    ch, _ = await connect_peer(*addr, cfg.security, timeout=cfg.connect_timeout, software=cfg.software, name="fill")
+    return _Source(f"{addr[0]}:{addr[1]}", ch)
+
+
+async def _request(src: _Source, frame: Frame, timeout: float) -> object:
+    from wcache.channel import expect
+
+    await src.ch.send(frame)
+    reply, _ = await asyncio.wait_for(expect(src.ch), timeout)
+    return reply
+
+
+def _source_layout(
+    model: PeerModel, key: WeightCacheKey, layout: Layout, ckpt: Checkpoint, plan_id: str
+) -> Layout | None:
+    """The layout of an offered slab, as the target computes it from the headers (None: not one it can plan,
+    or the offered table is not that layout's)."""
+    from wcache.sharding import resolve_plan
+
+    mk = model.key
+    if not key.diff_wire(dict(mk)):
+        src = layout
+    else:
+        tp_rank, tp_size, plan = mk.get("tp_rank"), mk.get("tp_size"), mk.get("plan", "none")
+        if not isinstance(tp_rank, int) or not isinstance(tp_size, int) or not isinstance(plan, str):
+            return None
+        try:
+            sp = resolve_plan(ckpt.architecture, tp_size) if plan.startswith("builtin:") or plan == "none" else None
+        except WCacheError:
+            return None
+        if plan not in (sp.id if sp is not None else "none", plan_id):
+            return None  # a plan file the target does not have
+        src = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=layout.dtype, plan=sp)
+    if model.size != src.total_bytes or list(model.tensors) != list(src.table()):
+        return None
+    return src
+
+
+async def fill(
+    key: WeightCacheKey,
+    layout: Layout | None,
+    ckpt: Checkpoint | None,
+    backend: Backend,
+    agent: Agent,
+    cfg: FillConfig,
+    *,
+    plan_id: str = "none",
+) -> ServedModel:
+    """Fill a slab for ``key`` from the peers in ``cfg``. ``layout``/``ckpt``: the key's layout and open checkpoint
+    (from local files or peer stubs), or None for a same-layout fill (a deposit's recipe key, a transformed
+    layout): the offered slab is then copied byte for byte with its table. FillError on any failure, with
+    nothing left allocated or held."""
+    t0 = time.perf_counter()
+    if not cfg.peers:
+        raise FillError("no peer to fill from", details={"reason": "no-peer"})
+    results = await asyncio.gather(*(_connect(a, cfg) for a in cfg.peers), return_exceptions=True)
+    sources = [r for r in results if isinstance(r, _Source)]
+    failures = [r for r in results if isinstance(r, BaseException)]
+    slab: Slab | None = None
+    reg = None
+    try:
+        if not sources:
+            why = _reason(failures[0]) if failures else "no-peer"
+            raise FillError(f"no peer answered: {failures[0] if failures else 'none'}", details={"reason": why})
+        want = key.to_wire()
+        offers = await asyncio.gather(
+            *(_request(s, PeerQuery(id=s.ch.conn.next_request_id(), key=want), cfg.connect_timeout) for s in sources),
+            return_exceptions=True,
+        )
+        usable: list[tuple[_Source, PeerModel, Layout | None]] = []
+        refusals: list[BaseException] = []
+        for s, o in zip(sources, offers):
+            if isinstance(o, BaseException):
+                refusals.append(o)
+                continue
+            assert isinstance(o, PeerOffer)
+            s.offer = o
+            s.leases = {m.lease for m in o.models}
+            for m in o.models:
+                if layout is None or ckpt is None:
+                    if not key.diff_wire(dict(m.key)):
+                        usable.append((s, m, None))
+                    continue
+                src = _source_layout(m, key, layout, ckpt, plan_id)
+                if src is not None:
+                    usable.append((s, m, src))
+        if not usable:
+            why = _reason(refusals[0]) if refusals and len(refusals) == len(sources) else "not-found"
+            raise FillError(
+                f"no peer holds a slab that fills {key.short()}" + (f" ({refusals[0]})" if refusals else ""),
+                details={"reason": why},
+            )
+        if layout is None:
+            total = usable[0][1].size
+            usable = [u for u in usable if u[1].size == total]
+            plan = plan_same(total, len(usable), chunk=cfg.chunk)
+        else:
+            total = layout.total_bytes
+            plan = plan_fill(layout, [u[2] for u in usable if u[2] is not None], chunk=cfg.chunk)
+        slab = backend.allocate(total)
+        region = slab.region()
+        reg = agent.register(region)
+        deadline = time.monotonic() + cfg.timeout + plan.nbytes / cfg.min_rate
+        jobs: list[Callable[[], Coroutine[Any, Any, int]]] = []
+        for k, (s, m, _) in enumerate(usable):
+            copies = plan.for_source(k)
+            if not copies:
+                continue
+            if s.agent_name is None:
+                assert s.offer is not None
+                s.agent_name = agent.add_peer(s.offer.agent)
+            remote = MemoryRegion(m.address, m.size, m.memory, m.device)
+            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, cfg.chunk, deadline))
+        done = await _all_or_none(jobs)
+        agent.deregister(reg)
+        reg = None
+        first = usable[0][1]
+        if layout is not None and ckpt is not None:
+            _verify(slab, layout, ckpt, cfg)
+        slab.seal()
+        seconds = time.perf_counter() - t0
+        used = sorted({u[0].addr for k, u in enumerate(usable) if plan.per_source[k]})
+        buffers: tuple[str, ...] = ()
+        if layout is not None:
+            table, aliases, payload = layout.table(), dict(layout.aliases), layout.payload_bytes
+        else:
+            table, aliases, payload, buffers = first.tensors, dict(first.aliases), first.payload, first.buffers
+        table.encoded()
+        model = ServedModel(
+            key,
+            table,
+            aliases,
+            [slab],
+            backend,
+            payload,
+            LoadStats(done, total, seconds, done),
+            source=ckpt.path if ckpt is not None else None,
+            origin=_origin(used),
+            buffers=buffers,
+        )
+        log.info(
+            "filled from peers key=%s peers=%s bytes=%d seconds=%.3f gb_s=%.2f register_s=%.4f resharded=%s",
+            key.short(),
+            ",".join(used),
+            done,
+            seconds,
+            done / seconds / 1e9 if seconds else 0.0,
+            agent_register_seconds(usable),
+            any(u[2] is not layout for u in usable) if layout is not None else False,
+        )
+        slab = None  # the model owns it now
+        return model
+    except FillError:
+        raise
+    except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+            raise
+        raise FillError(f"{type(exc).__name__}: {exc}", details={"reason": _reason(exc)}) from exc
+    finally:
+        if reg is not None:
+            agent.deregister(reg)
+        if slab is not None:
+            slab.close()  # never a half-filled slab served
+        await _release(sources)
+
+
+async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) -> list[str]:
+    """A node without the checkpoint: the small files and safetensors stubs of the checkpoint ``key`` names (a
+    subset: ``{}`` for whatever the peers serve) from the first peer that has them, written into ``root``
+    (wcache/peer_files.py). FillError when no peer does."""
+    from wcache.peer_files import write_files
+    from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
+
+    last: BaseException | None = None
+    for addr in cfg.peers:
+        try:
+            src = await _connect(addr, cfg)
+        except (WCacheError, OSError, TimeoutError, ssl.SSLError) as exc:
+            last = exc
+            continue
+        try:
+            reply = await _request(src, PeerFiles(id=src.ch.conn.next_request_id(), key=key), cfg.connect_timeout)
+            assert isinstance(reply, PeerFilesReply)
+        except (WCacheError, OSError, TimeoutError, EOFError) as exc:
+            last = exc
+            continue
+        finally:
+            src.ch.close()
+        if not any(f.name.endswith(".safetensors") for f in reply.files):
+            last = FillError(f"peer {src.addr} sent no safetensors headers", details={"reason": "not-found"})
+            continue
+        written = await asyncio.to_thread(write_files, root, reply.files)
+        log.info("checkpoint files from peer=%s dir=%s files=%d", src.addr, root, len(written))
+        return written
+    raise FillError(
+        f"no peer sent the checkpoint's files: {last}", details={"reason": _reason(last) if last else "no-peer"}
+    )
+
+
+def _origin(used: Sequence[str]) -> str:
+    """STATUS's origin of a filled model: ``peer ADDR``, or ``peer ADDR +N`` for N more peers (the field holds
+    64 characters; the log line names them all)."""
+    return "peer " + used[0] + (f" +{len(used) - 1}" if len(used) > 1 else "")
+
+
+def agent_register_seconds(usable: Sequence[tuple[_Source, PeerModel, Layout | None]]) -> float:
+    """What registering the offered slabs cost their sources (the most of them)."""
+    return max((m.register_seconds for _, m, _ in usable), default=0.0)
+
+
+async def _all_or_none(jobs: list[Callable[[], Coroutine[Any, Any, int]]]) -> int:
+    """Run the per-source pulls together; the first failure cancels the others (bytes READ in all)."""
+    tasks = [asyncio.ensure_future(j()) for j in jobs]
+    try:
+        return sum(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _pull(
+    agent: Agent,
+    src: _Source,
+    lease: int,
+    copies: list[Copy],
+    local: MemoryRegion,
+    remote: MemoryRegion,
+    chunk: int,
+    deadline: float,
+) -> int:
+    """READ ``copies`` from one source in batches of about ``chunk`` bytes, each granted first (PEER_READ). The
+    next batch is granted and posted while the one before is in flight (two at a time), so neither the grant's
+    round trip nor the posting leaves the link idle."""
+    done = 0
+    inflight: list[Transfer] = []
+    try:
+        for batch in _batches(copies, chunk):
+            n = sum(c.nbytes for c in batch)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
+            ok = await _request(src, PeerRead(id=src.ch.conn.next_request_id(), lease=lease, bytes=n), left)
+            assert isinstance(ok, PeerReadOk)
+            assert src.agent_name is not None
+            for part, strided in (
+                ([c for c in batch if c.count == 1], False),
+                ([c for c in batch if c.count > 1], STRIDED),
+            ):
+                if part:
+                    inflight.append(
+                        agent.start_read(src.agent_name, part, local, remote, deadline=deadline, strided=strided)
+                    )
+            while len(inflight) > 2:
+                await _landed(inflight.pop(0))
+            done += n
+        while inflight:
+            await _landed(inflight.pop(0))
+    finally:
+        for t in inflight:
+            t.release()
+    return done
+
+
+async def _landed(t: Transfer) -> None:
+    """Wait for one posted READ (polling, sleeping between polls), then release it."""
+    try:
+        pause = 1e-4
+        while not t.done():
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+    finally:
+        t.release()
+
+
+def _batches(copies: list[Copy], chunk: int) -> list[list[Copy]]:
+    out: list[list[Copy]] = [[]]
+    n = 0
+    for c in copies:
+        if out[-1] and n + c.nbytes > chunk:
+            out.append([])
+            n = 0
+        out[-1].append(c)
+        n += c.nbytes
+    return [b for b in out if b]
+
+
+async def _release(sources: list[_Source]) -> None:
+    """RELEASE every lease still held (best effort: a dead peer's end with its connection), then close."""
+    for s in sources:
+        try:
+            for lease in sorted(s.leases):
+                if lease in s.ch.conn.leases:
+                    await _request(s, Release(id=s.ch.conn.next_request_id(), lease=lease), 2.0)
+        except (WCacheError, OSError, EOFError, TimeoutError):
+            pass
+        finally:
+            s.ch.close()
+
+
+# --------------------------------------------------------------------------- verification (docs/fleet.md)
+
+
+def _verify(slab: Slab, layout: Layout, ckpt: Checkpoint, cfg: FillConfig) -> None:
+    from wcache.server.reclaim import compare_samples
+
+    bad = check_sampled_blocks(slab, layout, ckpt)
+    if bad is None and cfg.samples and not _is_stub(ckpt):
+        _, _, bad = compare_samples(slab, layout, cfg.samples, 4096)
+    if bad is None and cfg.verify_content:
+        bad = _compare_all(slab, layout)
+    if bad is not None:
+        raise FillError(f"the peers' bytes differ from the checkpoint's: {bad}", details={"reason": "verify"})
+
+
+def _is_stub(ckpt: Checkpoint) -> bool:
+    from wcache.peer_files import stub_names
+
+    names = stub_names(ckpt.path)
+    return any(f.name in names for f in ckpt.files)
+
+
+def check_sampled_blocks(slab: Slab, layout: Layout, ckpt: Checkpoint) -> str | None:
+    """Compare the key's sampled fingerprint blocks (16 x 4 KiB per safetensors file, docs/protocol.md §4.3) with
+    the slab wherever they hold bytes of tensors this rank stores uncast; the first difference, or None."""
+    by_file: dict[Path, list[tuple[int, int, int]]] = {}  # file -> (file offset, length, slab offset)
+    for p in layout.placements:
+        if p.dtype != p.source.dtype:
+            continue
+        pos = p.offset
+        for f, off, n in placement_extents(p):
+            by_file.setdefault(f, []).append((off, n, pos))
+            pos += n
+    for f in ckpt.files:
+        fd = ckpt.fd(f)
+        start = 8 + len(ckpt.headers[f.name])
+        size = os.fstat(fd).st_size - start
+        for rel in _sample_offsets(size):
+            b0 = start + rel
+            block = os.pread(fd, SAMPLE_BLOCK, b0)
+            b1 = b0 + len(block)
+            for off, n, pos in by_file.get(f, ()):
+                lo, hi = max(off, b0), min(off + n, b1)
+                if lo < hi and slab.read(pos + lo - off, hi - lo) != block[lo - b0 : hi - b0]:
+                    return f"{f.name}: a sampled block at byte {b0} differs in the slab at {pos + lo - off}"
+    return None
+
+
+def _compare_all(slab: Slab, layout: Layout) -> str | None:
+    """Every byte of every tensor against the local files (``--verify-content``)."""
+    from wcache.server.reclaim import expected_bytes
+
+    piece = 16 << 20
+    files: dict[Path, int] = {}
+    try:
+        for p in layout.placements:
+            item = DTYPE_SIZES[p.dtype]
+            count = p.nbytes // item
+            step = max(1, piece // item)
+            for first in range(0, count, step):
+                m = min(step, count - first)
+                if slab.read(p.offset + first * item, m * item) != expected_bytes(files, p, first, m):
+                    return f"tensor {p.source.name!r} elements {first}..{first + m - 1}"
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return None

@@ -1,0 +1,184 @@
+"""The peer channel's byte mover: a TCP socket, TLS optional, and a sans-I/O Connection (docs/protocol.md §10.1).
+
+:class:`StreamChannel` is a :class:`~wcache.channel.Channel` (the same ``receive`` loop, frame deadline and read
+budget) whose bytes go through TLS done sans-I/O — an ``ssl.SSLObject`` over two memory BIOs, driven by the
+non-blocking socket — so that the server shell serves it exactly like a Unix socket's channel, and no
+descriptor ever travels (a peer channel carries none: a frame announcing one is a protocol error). Plain TCP
+(loopback only, docs/security.md) skips the TLS layer.
+
+:func:`connect_peer` is the target's side: TCP connect, TLS handshake, HELLO, and in the shared-secret mode the
+proofs of §10.2, each within the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+
+from wcache.channel import Channel, ReadBudget, expect
+from wcache.errors import CacheUnavailableError
+from wcache.proto import PROTOCOL_VERSION, Connection, Hello, HelloOk, Role, Service
+from wcache.proto.fleet_frames import PeerAuthOk, PeerChallenge
+from wcache.server.peer_auth import PeerSecurity, SecretClient
+
+__all__ = ["StreamChannel", "connect_peer", "parse_address"]
+
+RECV_SIZE = 1 << 18
+
+
+class StreamChannel(Channel):
+    """A Channel over a TCP socket, through TLS when ``context`` is given (``handshake()`` first)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        conn: Connection,
+        *,
+        context: ssl.SSLContext | None = None,
+        server_side: bool = False,
+        budget: ReadBudget | None = None,
+        send_timeout: float | None = None,
+        max_unread_fds: int | None = None,
+    ) -> None:
+        super().__init__(sock, conn, budget=budget, send_timeout=send_timeout, max_unread_fds=None)
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self._in, self._out, server_side=server_side) if context is not None else None
+        self._eof = False
+
+    # ---------------------------------------------------------------- TLS
+    async def handshake(self) -> None:
+        """Run the TLS handshake (ssl.SSLError when the peer's certificate or ours is refused)."""
+        if self.tls is None:
+            return
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._fill()
+        await self._flush()
+
+    def peer_certificate(self) -> bytes:
+        """The DER bytes of the certificate the other end presented (b"" without TLS or certificate)."""
+        if self.tls is None:
+            return b""
+        return self.tls.getpeercert(binary_form=True) or b""
+
+    async def _fill(self) -> None:
+        """Read what the socket has into the TLS input (waiting until it has something); EOF is an error here."""
+        while True:
+            try:
+                data = self.sock.recv(RECV_SIZE)
+                break
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=False)
+        if not data:
+            raise ConnectionError("the peer closed the connection during the TLS handshake")
+        self._in.write(data)
+
+    async def _flush(self) -> None:
+        """Send everything TLS has queued."""
+        while self._out.pending:
+            await self._send_all(self._out.read())
+
+    async def _send_all(self, data: bytes) -> None:
+        """Write ``data`` to the socket, waiting whenever it is full."""
+        view = memoryview(data)
+        while view:
+            try:
+                n = self.sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                await self._wait(writable=True)
+                continue
+            view = view[n:]
+
+    # ---------------------------------------------------------------- Channel's two byte movers
+    def _recv_once(self) -> None:
+        """One read into the connection (b'' marks EOF); BlockingIOError when there is nothing yet."""
+        limit = min(RECV_SIZE, self.conn.frame_limit + 4)
+        if self.tls is None:
+            self.conn.receive_data(self.sock.recv(limit))
+            return
+        while True:
+            try:
+                data = self.tls.read(limit)
+            except ssl.SSLWantReadError:
+                if self._eof:
+                    raise ConnectionError("the peer closed the connection inside a TLS record") from None
+                raw = self.sock.recv(RECV_SIZE)  # BlockingIOError: wait, as Channel does
+                if not raw:
+                    self._eof = True
+                    self._in.write_eof()
+                else:
+                    self._in.write(raw)
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                data = b""
+            self.conn.receive_data(data)
+            return
+
+    async def _send_bytes(self, data: bytes, fds: list[int] | tuple[int, ...]) -> None:
+        if fds:
+            raise ValueError("a peer channel carries no file descriptors")
+        if self.tls is None:
+            await self._send_all(data)
+        else:
+            self.tls.write(data)
+            await self._flush()
+        self._sent += len(data)
+
+
+def parse_address(text: str, *, listen: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` (ValueError otherwise); port 0 (any free one) only to ``listen``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 if listen else 1) <= int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+async def connect_peer(
+    host: str, port: int, security: PeerSecurity, *, timeout: float, software: str, name: str = ""
+) -> tuple[StreamChannel, HelloOk]:
+    """The target's connection to a source: TCP, TLS, HELLO, and the shared-secret proofs (§10.2), all within
+    ``timeout``. CacheUnavailableError when nothing answers; ssl.SSLError (TLS refused either way) or
+    PermissionDeniedError (a proof failed: the source's, checked here, or ours, refused there) when the
+    authentication fails."""
+    security.check_peer(host)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise CacheUnavailableError(f"peer {host}:{port}: {exc}") from exc
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except OSError as exc:
+            sock.close()
+            raise CacheUnavailableError(f"no wcache peer at {host}:{port}: {exc.strerror or exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        auth = security.mode == "secret"
+        conn = Connection(Role.CLIENT, service=Service.PEER, auth=auth)
+        ch = StreamChannel(sock, conn, context=security.client_context(), server_side=False)
+        try:
+            await ch.handshake()
+            await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
+            hello, _ = await expect(ch)
+            assert isinstance(hello, HelloOk)
+            if auth:
+                client = SecretClient(security.secret, ch.peer_certificate())
+                await ch.send(client.start(conn.next_request_id()))
+                ch_frame, _ = await expect(ch)
+                assert isinstance(ch_frame, PeerChallenge)
+                await ch.send(client.challenged(ch_frame, conn.next_request_id()))
+                ok, _ = await expect(ch)
+                assert isinstance(ok, PeerAuthOk)
+        except BaseException:
+            ch.close()
+            raise
+    return ch, hello
