@@ -20,7 +20,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import (
     CheckpointError,
@@ -48,7 +48,9 @@ LAYOUT_VERSION = 2  # 2: quantized checkpoints keep their stored dtypes (docs/pr
 
 __all__ = ["KeyFacts", "WeightCacheKey", "checkpoint_files", "closest", "key_mismatch", "not_served"]
 
-KeyValue = Union[str, int]
+#: a key field's value (``str | int``: a types.UnionType, ~1 µs, where typing.Union's first subscription in an engine
+#: costs ~65 µs of its import)
+KeyValue = str | int
 
 
 class _Unset:
