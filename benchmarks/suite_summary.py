@@ -54,6 +54,11 @@ def lines(raw: Path) -> list[str]:
         for probe in ("touch_probe", "map_probe"):  # where the first touch and the first mapping go (CUDA, dense)
             if isinstance(d.get(probe), dict):
                 out.append(f"{name}: {probe} {d[probe]}")
+    d = _load(raw / "importtime.json")
+    if d is not None:  # least of the runs, per module: the engine's import, then what its fetch adds
+        out.append(
+            f"importtime: import_us {d.get('import_us')} fetch_adds_us {d.get('fetch_adds_us')} (least self times)"
+        )
     d = _load(raw / "cold_load.json")
     if d is not None:
         runs = d.get("runs", {})
