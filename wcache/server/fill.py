@@ -15,7 +15,7 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,16 +39,37 @@ from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats
 from wcache.server.nixl import Agent, Transfer
 from wcache.server.peer_auth import PeerSecurity
-from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
+from wcache.server.peer_channel import GRANT_SECONDS, StreamChannel, connect_peer, parse_address
 from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
-__all__ = ["FillConfig", "check_sampled_blocks", "fetch_files", "fill", "resolve_peers"]
+__all__ = [
+    "MIN_GRANT",
+    "FillConfig",
+    "batches",
+    "check_sampled_blocks",
+    "fetch_files",
+    "fill",
+    "grant_bytes",
+    "resolve_peers",
+]
 
 log = logging.getLogger("wcache.fleet")
 
 #: dim-1 shards go as NIXL's strided lists (benchmarks/fleet_fill_bench.py, "strided"; docs/fleet.md)
 STRIDED = True
+
+#: a capped source (PEER_OFFER's ``max_rate``) is asked for GRANT_SECONDS of its rate per PEER_READ, never less
+#: than this many bytes: what the target READs then follows the cap at that grain, not in bursts of a whole
+#: batch (docs/fleet.md, "Bandwidth policy")
+MIN_GRANT = 64 << 10
+
+
+def grant_bytes(max_rate: int, chunk: int) -> int:
+    """Bytes per PEER_READ from a source whose cap is ``max_rate`` bytes/s (0: none, ``chunk``, a batch)."""
+    if max_rate <= 0:
+        return chunk
+    return max(1, min(chunk, max(MIN_GRANT, int(max_rate * GRANT_SECONDS))))
 
 
 def resolve_peers(spec: str) -> list[tuple[str, int]]:
@@ -224,7 +245,9 @@ async def fill(
                 assert s.offer is not None
                 s.agent_name = agent.add_peer(s.offer.agent)
             remote = MemoryRegion(m.address, m.size, m.memory, m.device)
-            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, cfg.chunk, deadline))
+            assert s.offer is not None
+            grant = grant_bytes(s.offer.max_rate, cfg.chunk)
+            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, grant, deadline))
         done = await _all_or_none(jobs)
         agent.deregister(reg)
         reg = None
@@ -341,16 +364,17 @@ async def _pull(
     copies: list[Copy],
     local: MemoryRegion,
     remote: MemoryRegion,
-    chunk: int,
+    grant: int,
     deadline: float,
 ) -> int:
-    """READ ``copies`` from one source in batches of about ``chunk`` bytes, each granted first (PEER_READ). The
-    next batch is granted and posted while the one before is in flight (two at a time), so neither the grant's
-    round trip nor the posting leaves the link idle."""
+    """READ ``copies`` from one source in batches of at most ``grant`` bytes (``grant_bytes``: a 64 MiB batch
+    from an uncapped source, a hundredth of a second of its rate from a capped one), each granted first
+    (PEER_READ). The next batch is granted and posted while the one before is in flight (two at a time), so
+    neither the grant's round trip nor the posting leaves the link idle."""
     done = 0
     inflight: list[Transfer] = []
     try:
-        for batch in _batches(copies, chunk):
+        for batch in batches(copies, grant):
             n = sum(c.nbytes for c in batch)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -388,16 +412,47 @@ async def _landed(t: Transfer) -> None:
         t.release()
 
 
-def _batches(copies: list[Copy], chunk: int) -> list[list[Copy]]:
+def batches(copies: Sequence[Copy], limit: int) -> list[list[Copy]]:
+    """``copies`` in order, in batches of at most ``limit`` bytes; a copy larger than ``limit`` is split: a range
+    into ranges, a strided copy into whole rows (a row larger than ``limit`` into ranges). The batches cover
+    exactly the bytes of ``copies``."""
+    if limit < 1:
+        raise ValueError(f"a batch holds at least one byte, not {limit}")
     out: list[list[Copy]] = [[]]
     n = 0
     for c in copies:
-        if out[-1] and n + c.nbytes > chunk:
-            out.append([])
-            n = 0
-        out[-1].append(c)
-        n += c.nbytes
+        for piece in _split(c, limit):
+            if out[-1] and n + piece.nbytes > limit:
+                out.append([])
+                n = 0
+            out[-1].append(piece)
+            n += piece.nbytes
     return [b for b in out if b]
+
+
+def _split(c: Copy, limit: int) -> Iterator[Copy]:
+    if c.nbytes <= limit:
+        yield c
+        return
+    if c.count > 1 and c.length <= limit:
+        step = limit // c.length
+        for i in range(0, c.count, step):
+            k = min(step, c.count - i)
+            strided = k > 1
+            yield Copy(
+                c.source,
+                c.src + i * c.src_stride,
+                c.dst + i * c.dst_stride,
+                c.length,
+                k,
+                c.src_stride if strided else 0,
+                c.dst_stride if strided else 0,
+            )
+        return
+    for i in range(c.count):
+        src, dst = c.src + i * c.src_stride, c.dst + i * c.dst_stride
+        for off in range(0, c.length, limit):
+            yield Copy(c.source, src + off, dst + off, min(limit, c.length - off))
 
 
 async def _release(sources: list[_Source]) -> None:
