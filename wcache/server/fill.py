@@ -3,7 +3,9 @@ bytes to READ from which (wcache/reshard.py), READ them with NIXL straight into 
 raise FillError, having freed the half-filled slab and released everything it held.
 
 Nothing here serves: ``fill`` returns a ``ServedModel`` the daemon adds to its store like a loaded one (origin
-``peer ADDR[,ADDR]``), or the FillError whose reason the daemon logs before it loads from disk.
+``peer ADDR[ +N]``), or the FillError whose reason the daemon logs before it loads from disk. ``PeerFill`` is
+what a daemon started with ``--fill-from`` calls, at start and on demand (PRELOAD, a load on demand, a GET_STATE
+of a recipe key it does not hold): one blocking fill per call, on an event loop and a NIXL agent of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from wcache.errors import (
     FillError,
     LimitExceededError,
     NotFoundError,
+    OutOfMemoryError,
     PermissionDeniedError,
     ProtocolError,
     WCacheError,
@@ -34,6 +37,7 @@ from wcache.key import WeightCacheKey
 from wcache.layout import Layout, plan_layout
 from wcache.proto import DTYPE_SIZES, Frame, Release
 from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
+from wcache.rank import RankPlan
 from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats
@@ -46,6 +50,8 @@ from wcache.server.store import ServedModel
 __all__ = [
     "MIN_GRANT",
     "FillConfig",
+    "Filled",
+    "PeerFill",
     "batches",
     "check_sampled_blocks",
     "fetch_files",
@@ -125,6 +131,8 @@ def _reason(exc: BaseException) -> str:
         return "auth"
     if isinstance(exc, NotFoundError):
         return "not-found"
+    if isinstance(exc, OutOfMemoryError):
+        return "room"
     if isinstance(exc, LimitExceededError | ProtocolError):
         return "refused"
     if isinstance(exc, TimeoutError):
@@ -180,11 +188,13 @@ async def fill(
     cfg: FillConfig,
     *,
     plan_id: str = "none",
+    room: Callable[[int], None] | None = None,
 ) -> ServedModel:
     """Fill a slab for ``key`` from the peers in ``cfg``. ``layout``/``ckpt``: the key's layout and open checkpoint
     (from local files or peer stubs), or None for a same-layout fill (a deposit's recipe key, a transformed
-    layout): the offered slab is then copied byte for byte with its table. FillError on any failure, with
-    nothing left allocated or held."""
+    layout): the offered slab is then copied byte for byte with its table. ``room``: called with the slab's
+    size before it is allocated (a same-layout fill learns it from the offer), to make room or raise. FillError
+    on any failure, with nothing left allocated or held."""
     t0 = time.perf_counter()
     if not cfg.peers:
         raise FillError("no peer to fill from", details={"reason": "no-peer"})
@@ -232,6 +242,11 @@ async def fill(
         else:
             total = layout.total_bytes
             plan = plan_fill(layout, [u[2] for u in usable if u[2] is not None], chunk=cfg.chunk)
+        if room is not None:
+            try:
+                room(total)
+            except WCacheError as exc:
+                raise FillError(f"no room for {total} bytes: {exc.message}", details={"reason": "room"}) from exc
         slab = backend.allocate(total)
         region = slab.region()
         reg = agent.register(region)
@@ -299,6 +314,89 @@ async def fill(
         if slab is not None:
             slab.close()  # never a half-filled slab served
         await _release(sources)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What one ``PeerFill`` call gave: the model, or None and the FillError's reason (already logged)."""
+
+    model: ServedModel | None
+    reason: str = ""
+
+    @property
+    def outcome(self) -> tuple[str, int, float]:
+        """(reason, bytes, seconds): ``Metrics.observe_fill``'s arguments."""
+        if self.model is None:
+            return self.reason, 0, 0.0
+        return "", self.model.stats.bytes_read, self.model.stats.seconds
+
+
+def _agent_name() -> str:
+    return f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+class PeerFill:
+    """``--fill-from``: a daemon's fills from its peers, at start and on demand (docs/fleet.md, "When a daemon
+    fills"). Each call is one blocking fill — its own event loop and NIXL agent, in the calling thread (the
+    daemon calls it in a worker thread, so its own loop serves on) — and never raises for a fill that failed:
+    it logs one line naming the key, the peers and the reason, followed by ``then`` (what the caller does
+    next), and returns the reason."""
+
+    def __init__(self, cfg: FillConfig, backend: Backend, *, agent_name: Callable[[], str] = _agent_name) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self._agent_name = agent_name
+
+    @property
+    def peers(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.cfg.peers)
+
+    def rank(self, rp: RankPlan, then: str = "loading from disk") -> Filled:
+        """The rank ``rp`` plans: resharded from any layout the peers hold (an untransformed key, planned and
+        verified from ``rp``'s headers), or byte for byte from a slab under exactly its key (a load-time
+        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make."""
+        same = bool(rp.spec.transform)
+        layout, ckpt = (None, None) if same else (rp.layout, rp.checkpoint)
+        plan_id = rp.plan.id if rp.plan is not None else "none"
+        filled = self._run(rp.key, layout, ckpt, plan_id, None, then)
+        if filled.model is not None:
+            filled.model.source = rp.spec.checkpoint
+            filled.model.facts = rp.facts  # its local files give its key, as for a disk load (§4.3.1)
+        return filled
+
+    def key(self, key: WeightCacheKey, room: Callable[[int], None], then: str) -> Filled:
+        """A slab served under exactly ``key`` (a deposit's recipe key), copied byte for byte with its table;
+        ``room(size)`` once the offer says how large it is, before it is allocated."""
+        return self._run(key, None, None, "none", room, then)
+
+    def _run(
+        self,
+        key: WeightCacheKey,
+        layout: Layout | None,
+        ckpt: Checkpoint | None,
+        plan_id: str,
+        room: Callable[[int], None] | None,
+        then: str,
+    ) -> Filled:
+        agent: Agent | None = None
+        try:
+            agent = Agent(self._agent_name())
+            coro = fill(key, layout, ckpt, self.backend, agent, self.cfg, plan_id=plan_id, room=room)
+            return Filled(asyncio.run(coro))
+        except FillError as exc:
+            reason = str(exc.details.get("reason", "fill"))
+            log.warning(
+                "fill failed key=%s peers=%s reason=%s: %s; %s",
+                key.short(),
+                self.peers or "-",
+                reason,
+                exc.message,
+                then,
+            )
+            return Filled(None, reason)
+        finally:
+            if agent is not None:
+                agent.close()
 
 
 async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) -> list[str]:
