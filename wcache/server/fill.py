@@ -69,6 +69,8 @@ STRIDED = True
 #: than this many bytes: what the target READs then follows the cap at that grain, not in bursts of a whole
 #: batch (docs/fleet.md, "Bandwidth policy")
 MIN_GRANT = 64 << 10
+#: grants a target has asked for and not yet used, per source (``_pull``)
+AHEAD = 2
 
 
 def grant_bytes(max_rate: int, chunk: int) -> int:
@@ -467,17 +469,28 @@ async def _pull(
 ) -> int:
     """READ ``copies`` from one source in batches of at most ``grant`` bytes (``grant_bytes``: a 64 MiB batch
     from an uncapped source, a hundredth of a second of its rate from a capped one), each granted first
-    (PEER_READ). The next batch is granted and posted while the one before is in flight (two at a time), so
-    neither the grant's round trip nor the posting leaves the link idle."""
+    (PEER_READ). Grants are asked for AHEAD batches ahead, each once the batch AHEAD before it is posted, so the
+    source has the next request in hand when it answers one (a capped source's grants follow one another at
+    its rate, whatever this side's round trip); and a batch's READ is in flight while the next is posted (two
+    at a time), so neither the grants' round trips nor the posting leaves the link idle."""
+    from wcache.channel import expect
+
+    todo = batches(copies, grant)
     done = 0
     inflight: list[Transfer] = []
+
+    async def ask(k: int) -> None:
+        rid = src.ch.conn.next_request_id()
+        await src.ch.send(PeerRead(id=rid, lease=lease, bytes=sum(c.nbytes for c in todo[k])))
+
     try:
-        for batch in batches(copies, grant):
-            n = sum(c.nbytes for c in batch)
+        for k in range(min(AHEAD, len(todo))):
+            await ask(k)
+        for k, batch in enumerate(todo):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
-            ok = await _request(src, PeerRead(id=src.ch.conn.next_request_id(), lease=lease, bytes=n), left)
+            ok, _ = await asyncio.wait_for(expect(src.ch), left)  # the grant of batch k (answered in order)
             assert isinstance(ok, PeerReadOk)
             assert src.agent_name is not None
             for part, strided in (
@@ -488,9 +501,11 @@ async def _pull(
                     inflight.append(
                         agent.start_read(src.agent_name, part, local, remote, deadline=deadline, strided=strided)
                     )
+            if k + AHEAD < len(todo):  # after the post: what is READ never runs ahead of the grants (above)
+                await ask(k + AHEAD)
             while len(inflight) > 2:
                 await _landed(inflight.pop(0))
-            done += n
+            done += ok.bytes
         while inflight:
             await _landed(inflight.pop(0))
     finally:

@@ -87,9 +87,10 @@ def fills_key(served: _Key, wanted: dict[str, str | int]) -> bool:
 class RateCap:
     """``rate`` bytes per second over every grant (0: none). A virtual clock: a grant of ``n`` bytes is answered
     once the bytes granted before it and these ``n`` are paid for at ``rate``, so what the targets READ after
-    their grants never runs ahead of the cap. An idle cap lends at most ``burst`` seconds of its rate (a
-    target's turnaround between two grants, so that a target asking one grant at a time still reaches the
-    cap): over any window, what is granted is at most the rate times (the window + ``burst``) plus one grant."""
+    their grants never runs ahead of the cap. An idle cap lends at most ``burst`` seconds of its rate (a late
+    wake-up, or a target's turnaround between two grants, is made up rather than lost): over any window, what
+    is answered is at most the rate times (the window + ``burst``) plus one grant (docs/fleet.md, "Bandwidth
+    policy", for what the targets then READ)."""
 
     def __init__(self, rate: int, burst: float = GRANT_SECONDS) -> None:
         self.rate = rate

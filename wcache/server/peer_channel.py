@@ -28,8 +28,7 @@ RECV_SIZE = 1 << 18
 
 #: the grain of a source's rate cap (docs/fleet.md, "Bandwidth policy"): a target asks a capped source for at
 #: most this many seconds of its ``max_rate`` per PEER_READ, and the source's cap lends at most as much to a
-#: grant asked for late (the target's turnaround between grants), so the cap is reached and never exceeded
-#: by more than that over any window
+#: grant answered or asked for late, so the cap is reached and never exceeded by more than that over any window
 GRANT_SECONDS = 0.01
 
 
