@@ -8,7 +8,7 @@ asked for two ahead now).
 
 One process, host backend: a source ``PeerService`` on the peer shell holding one slab (a deposit's recipe key:
 a same-layout fill, no checkpoint), the target's ``fill`` over loopback with an agent that notes when each READ
-is posted.
+is posted (``Agent.on_post``).
 
     python benchmarks/fleet_rate_bench.py --mib 128 --rate 40M --out benchmarks/results/fleet_rate-cpu-2026-12-02.json
 """
@@ -22,37 +22,23 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from wcache.key import WeightCacheKey
 from wcache.proto import TensorEntry, TensorTable
 from wcache.recipe import RecipeKey
-from wcache.reshard import Copy
 from wcache.server import fill as fill_module
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import FillConfig, fill, grant_bytes
 from wcache.server.loader import LoadStats
-from wcache.server.nixl import Agent, Transfer
+from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.store import ServedModel, Store
 from wcache.units import parse_size
 
 WINDOWS = (0.01, 0.05, 0.1)
-
-
-class Posting(Agent):
-    """The fill's agent, noting (time, bytes) of every READ just before it is posted."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.posts: list[tuple[float, int]] = []
-
-    def start_read(self, peer: str, copies: Sequence[Copy], *args: Any, **kw: Any) -> Transfer:
-        self.posts.append((time.monotonic(), sum(c.nbytes for c in copies)))
-        return super().start_read(peer, copies, *args, **kw)
 
 
 def worst(posts: list[tuple[float, int]], window: float) -> int:
@@ -75,7 +61,9 @@ async def _one(svc: PeerService, port: int, model: ServedModel, rate: int, polic
     if policy == "before":  # one grant per 64 MiB batch, each asked for once the one before was used
         fill_module.grant_bytes = lambda max_rate, chunk: chunk
         fill_module.AHEAD = 1
-    agent = Posting(f"bench-rate-{os.getpid()}-{time.monotonic_ns()}")
+    agent = Agent(f"bench-rate-{os.getpid()}-{time.monotonic_ns()}")
+    posts: list[tuple[float, int]] = []
+    agent.on_post = lambda n: posts.append((time.monotonic(), n))
     sec = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
     try:
         t0 = time.perf_counter()
@@ -85,11 +73,11 @@ async def _one(svc: PeerService, port: int, model: ServedModel, rate: int, polic
     finally:
         fill_module.grant_bytes, fill_module.AHEAD = before
         agent.close()
-    out: dict[str, Any] = {"seconds": seconds, "gb_s": model.slab_bytes / seconds / 1e9, "posts": len(agent.posts)}
+    out: dict[str, Any] = {"seconds": seconds, "gb_s": model.slab_bytes / seconds / 1e9, "posts": len(posts)}
     if rate:
         out["beyond_cap_s"] = seconds - model.slab_bytes / rate  # what the fill took beyond the cap's own time
         for w in WINDOWS:
-            out[f"worst_{int(w * 1000)}ms_over_cap"] = worst(agent.posts, w) / (rate * w)
+            out[f"worst_{int(w * 1000)}ms_over_cap"] = worst(posts, w) / (rate * w)
     return out
 
 

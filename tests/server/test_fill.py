@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,7 +25,7 @@ from wcache.reshard import DEFAULT_CHUNK, Copy
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import MIN_GRANT, FillConfig, batches, fill, grant_bytes, resolve_peers
 from wcache.server.load import load_model
-from wcache.server.nixl import Agent, Transfer
+from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.peer_channel import GRANT_SECONDS
@@ -226,18 +225,6 @@ async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
     assert took >= size / rate - GRANT_SECONDS  # what an idle cap lends
 
 
-class _Posts(Agent):
-    """An agent that notes when each READ is posted (just before it goes to NIXL) and how many bytes it moves."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.posts: list[tuple[float, int]] = []
-
-    def start_read(self, peer: str, copies: Sequence[Copy], *args: Any, **kw: Any) -> Transfer:
-        self.posts.append((time.monotonic(), sum(c.nbytes for c in copies)))
-        return super().start_read(peer, copies, *args, **kw)
-
-
 async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) -> None:
     """What a target READs from a capped source follows the cap over any window of a tenth of a second, though
     the whole slab is one 64 MiB batch: the grants are a hundredth of a second of the rate each, asked for two
@@ -250,7 +237,9 @@ async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) 
     window = 0.1
     grant = grant_bytes(rate, DEFAULT_CHUNK)
     assert grant < size * window  # many grants per window
-    agent = _Posts(f"t-posts-{os.getpid()}-{time.monotonic_ns()}")
+    agent = Agent(f"t-posts-{os.getpid()}-{time.monotonic_ns()}")
+    posts: list[tuple[float, int]] = []
+    agent.on_post = lambda n: posts.append((time.monotonic(), n))
     try:
         async with sources(m, max_rate=rate) as ports:
             with plan_rank(RankSpec(ckpt)) as rp:
@@ -259,8 +248,8 @@ async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) 
         got.close()
     finally:
         agent.close()
-    assert sum(n for _, n in agent.posts) == size
-    worst = max(sum(n for t, n in agent.posts if t0 <= t < t0 + window) for t0, _ in agent.posts)
+    assert sum(n for _, n in posts) == size
+    worst = max(sum(n for t, n in posts if t0 <= t < t0 + window) for t0, _ in posts)
     assert worst <= rate * (window + GRANT_SECONDS) + 2 * grant, (worst, rate * window)
 
 

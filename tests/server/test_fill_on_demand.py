@@ -10,8 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from tests.conftest import serving_here
 from tests.server.deposit_engine import recipe_key
 from tests.server.test_fill import NONE, _bytes, _cfg, _listening, _load, _memfds, sources
+from tests.server.test_tier_generations import _until
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import KeyMismatchError
 from wcache.proto.fleet_frames import PeerRead
@@ -80,14 +80,6 @@ def _rank_bytes(ckpt: Path, tp_rank: int = 0, tp_size: int = 1, **kw: Any) -> by
         return _bytes(m)
     finally:
         m.close()
-
-
-async def _until(what: Callable[[], object], why: str, deadline_s: float = 30.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not what():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {deadline_s} s: {why}")
-        await asyncio.sleep(0.01)
 
 
 async def test_a_preload_and_a_load_on_demand_fill_from_a_peer(ckpt: Path, socket_dir: Path) -> None:
