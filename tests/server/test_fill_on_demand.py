@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
 from wcache.server.fill import FillConfig, PeerFill
 from wcache.server.load import load_from_tier, load_model
-from wcache.server.peer import PeerService
+from wcache.server.peer import PeerListener, PeerService
 from wcache.server.store import ServedModel, Store
 from wcache.server.tier import HostTier, TierEntry
 
@@ -40,7 +41,7 @@ FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
 @contextlib.asynccontextmanager
 async def target(
-    socket_dir: Path, cfg: FillConfig, *, tier: HostTier | None = None, **kw: Any
+    socket_dir: Path, cfg: FillConfig, *, tier: HostTier | None = None, spec: str = "", **kw: Any
 ) -> AsyncIterator[Daemon]:
     """A daemon holding nothing, filling from ``cfg``'s peers (its PeerFill) and loading from disk after."""
     backend = HostBackend()
@@ -60,7 +61,7 @@ async def target(
         loader=loader,
         tier=tier,
         tier_restore=restore if tier is not None else None,
-        peer_fill=PeerFill(cfg, backend),
+        peer_fill=PeerFill(cfg, backend, spec=spec),
         **kw,
     )
     try:
@@ -102,6 +103,30 @@ async def test_a_preload_and_a_load_on_demand_fill_from_a_peer(ckpt: Path, socke
         assert d.metrics.fills[("filled", "")] == 2 and d.metrics.fill_bytes > 0
 
 
+async def test_a_dns_spec_is_resolved_again_for_every_fill(ckpt: Path, socket_dir: Path) -> None:
+    """--fill-from dns:NAME:PORT: the first PRELOAD finds no peer there (disk); a peer that joined the fleet
+    since is asked by the next one (on main's code the peers were those NAME resolved to at start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    spec = f"dns:localhost:{port}"
+    cfg = _cfg([], connect_timeout=2.0)
+    async with target(socket_dir, cfg, spec=spec) as d:
+        client = WCacheClient(d.socket_path)
+        await client.preload(ckpt, tp_rank=0, tp_size=2, timeout=60)
+        assert d.metrics.fills[("failed", "no-peer")] == 1
+        svc = PeerService(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
+        listener = PeerListener(svc, "127.0.0.1", port)
+        listener.start()
+        try:
+            await client.preload(ckpt, tp_rank=1, tp_size=2, timeout=60)
+            await _until(lambda: not svc.fills, "the target released its leases")
+        finally:
+            await listener.stop()
+            svc.store.close()
+        assert sorted(_origins(d).values()) == ["disk", f"peer 127.0.0.1:{port}"]
+
+
 async def test_a_transformed_key_is_filled_byte_for_byte(ckpt: Path, socket_dir: Path) -> None:
     """A load-time transform's layout only its source knows: the key is filled from a slab under exactly it,
     byte for byte (on main's code the offer's table was checked against the untransformed layout: refused, and
@@ -122,7 +147,7 @@ async def test_a_recipe_key_asked_for_at_once_is_filled_once(ckpt: Path, socket_
     m = _load(ckpt)
     recipe = recipe_key(m.key)
     deposit = dataclasses.replace(m, key=recipe, origin="deposit", buffers=("model.norm.weight",))
-    rate = m.slab_bytes  # a second for the fill: the second request lands in it
+    rate = m.slab_bytes // 2  # two seconds for the fill: the second request lands in it
     async with peer(deposit, max_rate=rate) as (svc, port), target(socket_dir, _cfg([port])) as d:
         client = WCacheClient(d.socket_path)
         first = asyncio.ensure_future(client.fetch(recipe, timeout=60))

@@ -18,7 +18,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -342,16 +342,27 @@ class PeerFill:
     fills"). Each call is one blocking fill — its own event loop and NIXL agent, in the calling thread (the
     daemon calls it in a worker thread, so its own loop serves on) — and never raises for a fill that failed:
     it logs one line naming the key, the peers and the reason, followed by ``then`` (what the caller does
-    next), and returns the reason."""
+    next), and returns the reason. ``spec``: the ``--fill-from`` text; a ``dns:NAME:PORT`` one is resolved
+    again for every fill, so a daemon asks the peers a headless Service lists now, not those it listed when
+    the daemon started (a fleet grows)."""
 
-    def __init__(self, cfg: FillConfig, backend: Backend, *, agent_name: Callable[[], str] = _agent_name) -> None:
+    def __init__(
+        self, cfg: FillConfig, backend: Backend, *, spec: str = "", agent_name: Callable[[], str] = _agent_name
+    ) -> None:
         self.cfg = cfg
         self.backend = backend
+        self.spec = spec
         self._agent_name = agent_name
 
     @property
     def peers(self) -> str:
+        """The peers the last fill asked (or will ask, before the first)."""
         return ",".join(f"{h}:{p}" for h, p in self.cfg.peers)
+
+    def _config(self) -> FillConfig:
+        if self.spec.startswith("dns:"):
+            self.cfg = replace(self.cfg, peers=tuple(resolve_peers(self.spec)))
+        return self.cfg
 
     def rank(self, rp: RankPlan, then: str = "loading from disk") -> Filled:
         """The rank ``rp`` plans: resharded from any layout the peers hold (an untransformed key, planned and
@@ -381,9 +392,10 @@ class PeerFill:
         then: str,
     ) -> Filled:
         agent: Agent | None = None
+        cfg = self._config()
         try:
             agent = Agent(self._agent_name())
-            coro = fill(key, layout, ckpt, self.backend, agent, self.cfg, plan_id=plan_id, room=room)
+            coro = fill(key, layout, ckpt, self.backend, agent, cfg, plan_id=plan_id, room=room)
             return Filled(asyncio.run(coro))
         except FillError as exc:
             reason = str(exc.details.get("reason", "fill"))

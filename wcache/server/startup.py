@@ -406,7 +406,7 @@ def peer_fill(args: argparse.Namespace, backend: Backend) -> PeerFill:
     """--fill-from: what fills this daemon's slabs from its peers, at start and on demand (wcache/server/fill.py)."""
     from wcache.server.fill import PeerFill
 
-    return PeerFill(_fill_config(args), backend)
+    return PeerFill(_fill_config(args), backend, spec=args.fill_from)
 
 
 def fill_from_peers(
