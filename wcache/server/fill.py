@@ -517,7 +517,7 @@ async def _pull(
                 await ask(k + AHEAD)
             while len(inflight) > 2:
                 await _landed(inflight.pop(0))
-            done += ok.bytes
+            done += sum(c.nbytes for c in batch)
         while inflight:
             await _landed(inflight.pop(0))
     finally:
