@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import DaemonProc
 from wcache import CacheUnavailableError, DeviceMismatchError, UnsupportedPlatformError, WCacheClient, WeightCacheKey
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.key import RankSpec
+from wcache.plan.sharding import LLAMA_PLAN
 
 EXPORTS = ["vmm", "ipc"]
 
@@ -293,7 +294,7 @@ async def _tier_refills(
         await asyncio.sleep(0.05)
     assert "host tier pinned" in second.log_text(), second.log_text()[-4000:]
     await client.evict(key)
-    await client.preload(ckpt)  # refilled from the page-locked tier entry: one DMA copy
+    await client.preload(RankSpec(ckpt))  # refilled from the page-locked tier entry: one DMA copy
     assert [m.origin for m in (await client.status()).models] == ["tier"]
     assert "copy=pinned" in second.log_text(), second.log_text()[-4000:]  # no state says which copy path ran
     async with await client.fetch(key) as w:

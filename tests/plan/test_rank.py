@@ -1,25 +1,37 @@
-"""RankSpec: one description of a rank, taken by the key, the plan and the loader (wcache/rank.py)."""
+"""RankSpec (wcache/plan/key.py): one description of a rank, taken by the key, the planner (wcache/plan/rank.py) and
+the loader; the engines' keyword APIs build it from every one of its fields."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from wcache.checkpoint import Checkpoint
-from wcache.key import WeightCacheKey
+from wcache import nn
+from wcache.errors import CacheUnavailableError
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.rank import plan_rank
 from wcache.proto import Preload
-from wcache.rank import RankSpec, plan_rank
+
+FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
 
 def test_spec_normalises_what_the_apis_spell_differently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    a = RankSpec.of("m", dtype="auto", plan_file="")  # the PRELOAD frame's spellings of "as stored", "none"
+    a = RankSpec.from_preload(Preload(1, "m", 0, 1, "auto", "", ""))  # the frame's "as stored", "no plan file"
     assert a == RankSpec(tmp_path / "m") and a.checkpoint.is_absolute() and a.dtype is None and a.plan_file is None
-    b = RankSpec.of("m", tp_rank=1, tp_size=2, plan_file="p.json")
-    assert b.plan_file == tmp_path / "p.json" and hash(b) == hash(RankSpec.of(b))
-    assert RankSpec.of(b, transform="x:y") == dataclasses.replace(b, transform="x:y")
+    assert RankSpec(Path("m"), dtype="auto") == a
+    b = RankSpec(Path("m"), tp_rank=1, tp_size=2, plan_file=Path("p.json"))
+    assert b.plan_file == tmp_path / "p.json" and hash(b) == hash(dataclasses.replace(b))
+    assert dataclasses.replace(b, transform="x:y").transform == "x:y"
 
 
 def test_preload_frame_round_trip_keeps_every_field_but_the_daemons_policy(tmp_path: Path) -> None:
@@ -35,7 +47,6 @@ def test_the_key_counts_every_field_of_the_spec(ckpt: Path) -> None:
     spec = RankSpec(ckpt, transform="pkg.mod:fn", verify_content=True)
     key = WeightCacheKey.from_spec(spec)
     assert key.transform == "pkg.mod:fn" and key.fingerprint_kind == "content"
-    assert WeightCacheKey.from_checkpoint(spec) == key  # the keyword API and the spec one meet
     assert WeightCacheKey.from_checkpoint(ckpt, transform="pkg.mod:fn", verify_content=True) == key
     with plan_rank(spec) as rp:
         assert rp.key == key and rp.spec == spec
@@ -61,5 +72,58 @@ def test_a_load_plans_the_rank_once(ckpt: Path, monkeypatch: pytest.MonkeyPatch)
         assert opened == [ckpt] and model.key == rp.key and model.source == ckpt
     finally:
         model.close()
-    with pytest.raises(TypeError, match="takes no rank fields"):
-        load_model(rp, backend=HostBackend(), tp_size=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tp_size'"):  # the plan has the rank's fields
+        load_model(rp, backend=HostBackend(), tp_size=2)  # type: ignore[call-arg]
+
+
+#: the engines' keyword APIs: each takes a directory and RankSpec's fields (but those listed) as keywords
+KEYWORD_APIS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    "WeightCacheKey.from_checkpoint": (WeightCacheKey.from_checkpoint, ()),
+    "wcache.nn.load_weights": (nn.load_weights, ()),
+    "wcache.nn.load_from_disk": (nn.load_from_disk, ("verify_content",)),  # the disk has one fingerprint policy
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEYWORD_APIS))
+def test_every_keyword_api_takes_the_specs_fields(name: str) -> None:
+    """A field added to RankSpec without its keyword (or with another default) fails here: the keyword APIs
+    spell RankSpec's fields out, typed, instead of taking ``**fields``."""
+    fn, left_out = KEYWORD_APIS[name]
+    params = inspect.signature(fn).parameters
+    first = next(iter(params.values()))
+    assert first.name == "model_dir" and first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert not [p for p in params.values() if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    for f in dataclasses.fields(RankSpec):
+        if f.name == "checkpoint" or f.name in left_out:
+            continue
+        assert f.name in params, f"{name} lacks RankSpec's {f.name}"
+        assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY and params[f.name].default == f.default, f.name
+
+
+def test_the_keyword_apis_forward_every_field(ckpt: Path, tmp_path: Path) -> None:
+    """Each keyword API builds the very RankSpec its keywords name: the key, a fetch's key and a disk load."""
+    plan = tmp_path / "plan.json"
+    rules = [{"pattern": r".*(q|k|v|gate|up)_proj\.weight", "dim": 0}, {"pattern": r".*", "dim": None}]
+    plan.write_text(json.dumps({"name": "mine", "rules": rules}))
+    fields: dict[str, Any] = {"tp_rank": 1, "tp_size": 2, "dtype": "float32", "plan_file": plan, "transform": FUSE}
+    spec = RankSpec(ckpt, **fields, verify_content=True)
+    key = WeightCacheKey.from_spec(spec)
+    assert key.tp_rank == 1 and key.dtype == "float32" and key.plan.startswith("file:") and key.transform == FUSE
+    assert WeightCacheKey.from_checkpoint(ckpt, **fields, verify_content=True) == key
+
+    class Recording:
+        def __init__(self) -> None:
+            self.keys: list[WeightCacheKey] = []
+
+        async def fetch(self, key: WeightCacheKey, *, mode: str) -> None:
+            self.keys.append(key)
+            raise CacheUnavailableError("no daemon in this test")
+
+    rec = Recording()
+    with pytest.raises(CacheUnavailableError):
+        asyncio.run(nn.load_weights(ckpt, **fields, verify_content=True, client=rec, fallback=False))
+    assert rec.keys == [key] and rec.keys[0].fingerprint_kind == "content"
+    disk = nn.load_from_disk(ckpt, **fields)
+    want = nn._from_disk(dataclasses.replace(spec, verify_content=False), "cpu")
+    assert disk.keys() == want.keys() and any(n.endswith("qkv_proj.weight") for n in disk)
+    assert all(torch.equal(disk[n], want[n]) and disk[n].dtype is torch.float32 for n in want)

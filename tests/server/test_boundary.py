@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import DaemonProc
 from wcache import WCacheClient
-from wcache.key import WeightCacheKey
+from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.server.process import DaemonProcess
 
 SERVER = Path(__file__).resolve().parents[2] / "wcache" / "server"
@@ -40,7 +40,7 @@ START_MODULES = [
     "wcache.server.backends.host",
     "wcache.server.backends.cuda",
     "wcache._cuda",
-    "wcache.rank",
+    "wcache.plan.rank",
 ]
 
 
@@ -119,6 +119,6 @@ async def test_a_daemon_restarted_on_its_keeper_serves_without_torch_and_imports
     assert not _maps_torch(second.pid)
 
     # a load that needs torch (a dtype cast) imports it then, and is served
-    r = await WCacheClient(second.socket).preload(ckpt, dtype="float32")
+    r = await WCacheClient(second.socket).preload(RankSpec(ckpt, dtype="float32"))
     assert r.bytes > served.bytes
     assert _maps_torch(second.pid)

@@ -17,8 +17,9 @@ import pytest
 
 from wcache.errors import CheckpointError, FillError
 from wcache.peer_files import MARKER, refuse_stubs, write_files
-from wcache.rank import RankPlan, RankSpec, plan_rank
-from wcache.recipe import RecipeKey
+from wcache.plan.key import RankSpec
+from wcache.plan.rank import RankPlan, plan_rank
+from wcache.plan.recipe import RecipeKey
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import FillConfig, fill, resolve_peers
 from wcache.server.nixl import Agent
@@ -254,7 +255,7 @@ async def test_a_node_without_the_checkpoint_gets_files_keys_and_weights(
     ckpt: Path, tmp_path: Path, agent: Agent
 ) -> None:
     from wcache.channel import expect
-    from wcache.key import WeightCacheKey
+    from wcache.plan.key import WeightCacheKey
     from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
     from wcache.server.peer_channel import connect_peer
 

@@ -60,9 +60,9 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 }
 #: Dtypes a checkpoint's tensors can be cast between (the key's ``dtype`` when not "auto").
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
-#: FP8 dtypes (served as stored, never cast: wcache.quant)
+#: FP8 dtypes (served as stored, never cast: wcache.plan.quant)
 FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
-#: a weight's FP8 block-scale tensor ends so (wcache.quant.SCALE_SUFFIX)
+#: a weight's FP8 block-scale tensor ends so (wcache.plan.quant.SCALE_SUFFIX)
 _SCALE_END = ".weight_scale_inv"
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself applies
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,7 +85,7 @@ class TensorInfo:
 @record
 class DtypeBytes:
     """Bytes per dtype over a checkpoint's tensors, in file then header order: all the key's ``dtype`` is
-    resolved from (``wcache.key.resolve_dtype``). Each dict lists dtypes in first-seen order (ties go to the
+    resolved from (``wcache.plan.key.resolve_dtype``). Each dict lists dtypes in first-seen order (ties go to the
     first, as ``Counter.most_common``)."""
 
     #: floating dtype -> bytes of every floating tensor

@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from dataclasses import field
 from pathlib import Path
 
-from wcache.checkpoint import TensorInfo
 from wcache.errors import ShardingError
+from wcache.plan.checkpoint import TensorInfo
+from wcache.plan.quant import weight_name
 from wcache.proto._record import record
-from wcache.quant import weight_name
 
 __all__ = ["BUILTIN_PLANS", "Shard", "ShardPlan", "load_plan_file", "resolve_plan", "shard_tensors"]
 

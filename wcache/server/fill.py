@@ -1,5 +1,5 @@
 """The target side of a fleet fill (docs/fleet.md, "A fill, step by step"): ask the peers for the key, plan which
-bytes to READ from which (wcache/reshard.py), READ them with NIXL straight into a new slab, verify, seal — or
+bytes to READ from which (wcache/plan/reshard.py), READ them with NIXL straight into a new slab, verify, seal — or
 raise FillError, having freed the half-filled slab and released everything it held.
 
 Nothing here serves: ``fill`` returns a ``ServedModel`` the daemon adds to its store like a loaded one (origin
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wcache.checkpoint import SAMPLE_BLOCK, Checkpoint, _sample_offsets
 from wcache.errors import (
     CacheUnavailableError,
     FillError,
@@ -30,11 +29,12 @@ from wcache.errors import (
     ProtocolError,
     WCacheError,
 )
-from wcache.key import WeightCacheKey
-from wcache.layout import Layout, plan_layout
+from wcache.plan.checkpoint import SAMPLE_BLOCK, Checkpoint, _sample_offsets
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.layout import Layout, plan_layout
+from wcache.plan.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.proto import DTYPE_SIZES, Frame, Release
 from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
-from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats, placement_extents
 from wcache.server.nixl import Agent, Transfer
@@ -128,7 +128,7 @@ def _source_layout(
 ) -> Layout | None:
     """The layout of an offered slab, as the target computes it from the headers (None: not one it can plan,
     or the offered table is not that layout's)."""
-    from wcache.sharding import resolve_plan
+    from wcache.plan.sharding import resolve_plan
 
     mk = model.key
     if not key.diff_wire(dict(mk)):

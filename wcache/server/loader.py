@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
-from wcache.layout import Layout, Placement
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import Layout, Placement
 from wcache.server.backends.base import LoadAborted, Slab, StagedWriter
 
 if TYPE_CHECKING:
