@@ -105,7 +105,7 @@ def contiguous(t: Target, size: int, chunk: int, reps: int, prefault: bool) -> d
     """The whole slab in ``chunk``-byte descriptors, into a fresh slab each time (allocation and first touch
     included, as in a fill). ``prefault``: allocate the host slab's pages first (MADV_POPULATE_WRITE), so
     the READ does not take a page fault per 4 KiB in the middle of the transport's copy."""
-    from wcache.server.loader import populate
+    from wcache.server.reads import populate
 
     runs = []
     for _ in range(reps):

@@ -92,9 +92,9 @@ def main() -> None:
 
     def timed_load(threads: int, staging: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        slab = backend.allocate(layout.total_bytes)
+        slab = CudaBackend(index, export="vmm", staging_bytes=staging).allocate(layout.total_bytes)
         try:
-            st = load_into(layout, slab, threads=threads, staging_bytes=staging, progress=False, started=t0)
+            st = load_into(layout, slab, threads=threads, progress=False, started=t0)
         finally:
             slab.close()
         return {"seconds": st.seconds, "gb_s": st.bytes_read / st.seconds / 1e9}

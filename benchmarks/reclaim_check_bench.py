@@ -20,8 +20,8 @@ from pathlib import Path
 
 from wcache.plan.key import RankSpec
 from wcache.server.backends.host import HostBackend
+from wcache.server.load import load_model
 from wcache.server.reclaim import SAMPLE_BYTES, SAMPLES, check_model
-from wcache.server.store import load_model
 from wcache.synthetic import TINY, LlamaShape, make_llama_checkpoint
 
 

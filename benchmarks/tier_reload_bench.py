@@ -48,7 +48,7 @@ def timed_init(self, *a, **k):
 def timed_take(self, *a, **k):
     t = time.perf_counter(); r = take(self, *a, **k); took.append(time.perf_counter() - t); return r
 cuda_backend._Staging.__init__, cuda_backend._Staging.take = timed_init, timed_take
-backend = CudaBackend(torch.device(dev).index or 0)
+backend = CudaBackend(torch.device(dev).index or 0, staging_bytes=staging)
 size = path.stat().st_size
 fd = os.open(path, os.O_RDONLY)
 check = None
@@ -57,7 +57,7 @@ if checked:  # the checksums a save writes into the meta (not timed: the refill'
     check = BlockCrcs(_block_crcs(fd, size), size)
 t0 = time.perf_counter()
 slab = backend.allocate(size)
-stats = loader.load_file_into(path, slab, threads=threads, staging_bytes=staging, started=t0, fd=fd, check=check)
+stats = loader.load_file_into(path, slab, threads=threads, started=t0, fd=fd, check=check)
 seconds = time.perf_counter() - t0
 with open(path, "rb") as fh:
     fh.seek(size - 4096)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import mmap
 import os
@@ -24,8 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from wcache import __version__
+from wcache import WCacheClient, __version__
 from wcache.errors import WCacheError
+from wcache.proto import ModelInfo
 from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
 from wcache.server.startup import make_backend
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
@@ -88,6 +90,11 @@ def engine_restart(label: str, model: Path, sock: str, device: str) -> dict[str,
         f"{r['tensors']:>7}  {r['identical']}"
     )
     return r if r["identical"] else None
+
+
+def _served(sock: str) -> tuple[ModelInfo, ...]:
+    """The models a daemon serves (STATUS): where each came from, and how long its load took."""
+    return asyncio.run(WCacheClient(sock).status()).models
 
 
 def why_copy_costs(r: dict[str, float], device: str) -> str:
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             if engine_restart(str(i), model, sock, args.device) is None:
                 return 1
         # a daemon crash: the keeper held the slab, so the new daemon loads nothing
-        loaded = re.search(r"loaded bytes_read=\d+ bytes_stored=\d+ seconds=([\d.]+)", daemon.log_text())
+        loaded = _served(sock)
         daemon.stop(signal.SIGKILL)
         t0 = time.perf_counter()
         try:
@@ -182,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wcache-demo: the daemon did not restart: {exc}", file=sys.stderr)
             return 1
         ready = time.perf_counter() - t0
+        # the reclaim's duration is the figure the daemon's reclaim line reports to operators
         m = re.search(r"reclaimed from keeper=.*? seconds=([\d.]+)", daemon.log_text())
-        if m is None or "nothing loaded" not in daemon.log_text():
+        if [x.origin for x in _served(str(daemon.socket))] != ["keeper"] or m is None:
             print(f"wcache-demo: the restarted daemon did not reclaim its slab:\n{daemon.log_text()[-2000:]}")
             return 1
-        first = f" (the first start loaded it in {float(loaded.group(1)) * 1e3:.0f} ms)" if loaded else ""
+        disk = [x.load_seconds for x in loaded if x.origin == "disk"]
+        first = f" (the first start loaded it in {disk[0] * 1e3:.0f} ms)" if disk else ""
         print()
         print(
             f"daemon killed (SIGKILL) and restarted: its slab came back from wcache-keeper in "

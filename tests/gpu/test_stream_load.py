@@ -13,6 +13,7 @@ from wcache.plan.layout import Layout, plan_layout
 from wcache.plan.sharding import resolve_plan
 from wcache.server import loader
 from wcache.server.backends.cuda import CudaBackend
+from wcache.server.reads import Job
 
 
 def _layout(ckpt: Path, rank: int, tp: int) -> Layout:
@@ -22,9 +23,9 @@ def _layout(ckpt: Path, rank: int, tp: int) -> Layout:
 
 
 def _load(lay: Layout, io: str) -> torch.Tensor:
-    slab = CudaBackend(0).allocate(lay.total_bytes)
+    slab = CudaBackend(0, staging_bytes=16 << 20).allocate(lay.total_bytes)
     try:
-        loader.load_into(lay, slab, threads=8, staging_bytes=16 << 20, progress=False, io=io)
+        loader.load_into(lay, slab, threads=8, progress=False, io=io)
         slab.synchronize()
         return slab.tensor()[: lay.total_bytes].cpu()
     finally:
@@ -41,7 +42,7 @@ def test_stream_load_on_gpu_is_bit_identical(
     staged: list[int] = []
     real = loader._streamed
 
-    def spy(jobs: list[loader.Job], files: set[Path]) -> list[loader.Job]:
+    def spy(jobs: list[Job], files: set[Path]) -> list[Job]:
         out = real(jobs, files)
         staged.append(len(out))
         return out

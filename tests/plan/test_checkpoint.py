@@ -283,7 +283,7 @@ def test_direct_reads_reopen_the_validated_inode_not_the_path(tmp_path: Path) ->
     """The O_DIRECT descriptor of a device load is reopened from the validated one (/proc/self/fd/N)."""
     import mmap
 
-    from wcache.server.loader import ALIGN_IO, _Files, _read_direct
+    from wcache.server.reads import ALIGN_IO, Files, read_direct
 
     a = make_llama_checkpoint(tmp_path / "a", SMALL, seed=1)
     b = make_llama_checkpoint(tmp_path / "b", SMALL, seed=2)
@@ -291,7 +291,7 @@ def test_direct_reads_reopen_the_validated_inode_not_the_path(tmp_path: Path) ->
     original = shard.read_bytes()
     with Checkpoint.open(a) as c:
         _swap(shard, b / "model.safetensors", "rename")
-        files = _Files(c)
+        files = Files(c)
         try:
             fd = files.direct_fd(shard)
             if fd < 0:
@@ -300,7 +300,7 @@ def test_direct_reads_reopen_the_validated_inode_not_the_path(tmp_path: Path) ->
             buf = mmap.mmap(-1, len(original) + 2 * ALIGN_IO)
             view = memoryview(buf)
             try:
-                start = _read_direct(fd, view, 100, len(original) - 100, str(shard))
+                start = read_direct(fd, view, 100, len(original) - 100, str(shard))
                 assert view[start : start + len(original) - 100] == original[100:]
             finally:
                 view.release()
@@ -308,4 +308,4 @@ def test_direct_reads_reopen_the_validated_inode_not_the_path(tmp_path: Path) ->
         finally:
             files.close()
         with pytest.raises(CheckpointError, match="not a file of checkpoint"):
-            _Files(c).fd(tmp_path / "elsewhere.safetensors")  # never opened by path
+            Files(c).fd(tmp_path / "elsewhere.safetensors")  # never opened by path

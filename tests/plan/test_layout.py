@@ -138,9 +138,9 @@ def test_tp2_rank_reads_about_half(tmp_path: Path, ckpt: Path) -> None:
         ref.update(load_file(f))
     for rank in (0, 1):
         lay = plan_layout(c, tp_rank=rank, tp_size=2, dtype="bfloat16", plan=resolve_plan(c.architecture, 2))
-        slab = HostBackend().allocate(lay.total_bytes)
+        slab = HostBackend(staging_bytes=1 << 20).allocate(lay.total_bytes)
         try:
-            stats = load_into(lay, slab, threads=3, staging_bytes=1 << 20, progress=False)
+            stats = load_into(lay, slab, threads=3, progress=False)
             assert stats.read_fraction <= 0.55
             assert stats.bytes_read == lay.payload_bytes
             base = slab.tensor()
@@ -178,7 +178,7 @@ def test_direct_read_of_unaligned_ranges(ckpt: Path) -> None:
     import os
     import random
 
-    from wcache.server.loader import ALIGN_IO, _read_direct, page_cache_fraction
+    from wcache.server.reads import ALIGN_IO, page_cache_fraction, read_direct
 
     f = sorted(ckpt.glob("*.safetensors"))[0]
     data = f.read_bytes()
@@ -194,12 +194,12 @@ def test_direct_read_of_unaligned_ranges(ckpt: Path) -> None:
         for _ in range(50):
             n = rnd.randint(1, 1 << 20)
             off = rnd.randint(0, len(data) - n)
-            start = _read_direct(fd, view, off, n, str(f))
+            start = read_direct(fd, view, off, n, str(f))
             assert view[start : start + n] == data[off : off + n]
-        start = _read_direct(fd, view, len(data) - 10, 10, str(f))  # the file's last bytes
+        start = read_direct(fd, view, len(data) - 10, 10, str(f))  # the file's last bytes
         assert view[start : start + 10] == data[-10:]
         with pytest.raises(CheckpointError, match="ended early"):
-            _read_direct(fd, view, len(data) - 10, 20, str(f))
+            read_direct(fd, view, len(data) - 10, 20, str(f))
     finally:
         view.release()
         buf.close()
@@ -268,7 +268,8 @@ def test_jobs_merge_neighbouring_tensors_and_place_every_byte(tmp_path: Path, ck
     import torch
     from safetensors.torch import save_file
 
-    from wcache.server.loader import _jobs, placement_extents
+    from wcache.server.loader import _jobs
+    from wcache.server.reads import placement_extents
 
     moe = tmp_path / "moe"
     moe.mkdir()
@@ -313,7 +314,7 @@ def test_populate_reports_pages_it_cannot_allocate() -> None:
     import ctypes
     import mmap
 
-    from wcache.server.loader import MADV_POPULATE_WRITE, _populate
+    from wcache.server.reads import MADV_POPULATE_WRITE, populate
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -322,12 +323,12 @@ def test_populate_reports_pages_it_cannot_allocate() -> None:
     try:
         if libc.madvise(base, 1 << 20, MADV_POPULATE_WRITE) != 0:
             pytest.skip("this kernel has no MADV_POPULATE_WRITE")
-        _populate(base, 100, 300_000, "ok")  # a mapped range: allocated, no error
+        populate(base, 100, 300_000, "ok")  # a mapped range: allocated, no error
     finally:
         del base
         buf.close()
     with pytest.raises(CheckpointError, match="shared memory is full"):
-        _populate(0, 0, 1 << 20, "x.safetensors: tensor 'w'")  # page 0 is never mapped: ENOMEM
+        populate(0, 0, 1 << 20, "x.safetensors: tensor 'w'")  # page 0 is never mapped: ENOMEM
 
 
 def test_one_layout_version() -> None:

@@ -56,7 +56,7 @@ def test_a_load_plans_the_rank_once(ckpt: Path, monkeypatch: pytest.MonkeyPatch)
     """The daemon plans a PRELOAD once and loads that plan: the checkpoint is opened (headers parsed and
     fingerprint read) once, not once for the budget check and again for the load."""
     from wcache.server.backends.host import HostBackend
-    from wcache.server.store import load_model
+    from wcache.server.load import load_model
 
     opened: list[Path] = []
     real = Checkpoint.open.__func__  # type: ignore[attr-defined]

@@ -136,7 +136,7 @@ def _loaded(ckpt: Path, tp_rank: int, tp_size: int) -> tuple[Layout, bytes]:
     from wcache.plan.key import RankSpec
     from wcache.plan.rank import plan_rank
     from wcache.server.backends.host import HostBackend
-    from wcache.server.store import load_model
+    from wcache.server.load import load_model
 
     with plan_rank(RankSpec(ckpt, tp_rank=tp_rank, tp_size=tp_size)) as rp:
         model = load_model(rp, backend=HostBackend(), threads=2)

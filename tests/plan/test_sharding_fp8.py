@@ -47,9 +47,9 @@ def expected_slice(ref: dict[str, torch.Tensor], name: str, rank: int, tp: int) 
 def load_rank(model: Path, rank: int, tp: int) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The rank's tensors as the daemon's loader writes them into a host slab (copied out)."""
     rp = plan_rank(RankSpec(model, tp_rank=rank, tp_size=tp))
-    slab = HostBackend().allocate(rp.layout.total_bytes)
+    slab = HostBackend(staging_bytes=1 << 16).allocate(rp.layout.total_bytes)
     try:
-        load_into(rp.layout, slab, threads=2, staging_bytes=1 << 16, progress=False)
+        load_into(rp.layout, slab, threads=2, progress=False)
         base = slab.tensor()
         out = {
             p.source.name: base[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape).clone()

@@ -55,6 +55,8 @@ GOLDEN_SHA256 = {
     "PEER_FILES_REPLY": "4eb707ff3eab9aa05390d268f35bc9ed579895c76d133e4f6652e03230f1da3b",
     # variants: optional fields that change a frame's shape (§4.3.1's proof)
     "GET_STATE with a proof": "c03abb1dcc02f3833af92abe96c5b3c462851652951b7a8b26e8bed726e3af7d",
+    # §4.8: a model filled from the host tier, the tier's page-locked entries
+    "STATUS_REPLY after a host-tier refill": "c4903bf4edd5a6ac43779bd4e9628f62f213e5642a0700bfa3b75a5dcd03fc62",
 }
 ALL = {**EXAMPLES, **VARIANTS}
 

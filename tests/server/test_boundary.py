@@ -1,8 +1,11 @@
-"""The backend boundary (issue 19 step 1) and the torch-free daemon start (issue 20, daemon restart).
+"""The layering (docs/architecture.md): the backend boundary, the torch-free daemon start, who imports whom.
 
-Everything device-specific lives in wcache/server/backends/ (and wcache/_cuda.py): the loader, the store,
-the tier, the daemon and the reclaim check name no device API. No daemon start-up module imports torch at
-import time; a daemon serving only what its keeper handed back never imports it.
+Everything device-specific lives in wcache/server/backends/ (and wcache/_cuda.py): the read primitives, the
+loader, the load pipeline, the store, the tier, the daemon and the reclaim check name no device API, and the
+staging budget is the backend's. The read primitives (server/reads.py) sit below both the loader and the
+backends, and the backends never import upwards. No wcache module's top-level imports form a circle. No
+daemon start-up module imports torch at import time; a daemon serving only what its keeper handed back never
+imports it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from wcache import WCacheClient
 from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.server.process import DaemonProcess
 
-SERVER = Path(__file__).resolve().parents[2] / "wcache" / "server"
-SHARED = [SERVER / f"{m}.py" for m in ("loader", "store", "tier", "daemon", "service", "listen", "reclaim")]
+PACKAGE = Path(__file__).resolve().parents[2] / "wcache"
+SERVER = PACKAGE / "server"
+SHARED = [
+    SERVER / f"{m}.py" for m in ("reads", "loader", "load", "store", "tier", "daemon", "service", "listen", "reclaim")
+]
 #: dotted names and identifiers only a backend may use
 DEVICE_NAMES = ("torch.cuda", "cudaHost", "is_cuda", "cuda.bindings", "cuda.cuda", "mem_get_info")
 #: modules a daemon imports to start: none may import torch when imported
@@ -32,7 +38,9 @@ START_MODULES = [
     "wcache.server.daemon",
     "wcache.server.service",
     "wcache.server.store",
+    "wcache.server.load",
     "wcache.server.loader",
+    "wcache.server.reads",
     "wcache.server.tier",
     "wcache.server.reclaim",
     "wcache.server.keeper",
@@ -72,6 +80,27 @@ def test_shared_server_modules_name_no_device_api() -> None:
     assert all(p.exists() for p in SHARED)
     bad = [u for p in SHARED for u in _device_uses(p)]
     assert bad == [], "device-specific code belongs in wcache/server/backends/: " + "; ".join(bad)
+
+
+def _staging_passed(path: Path) -> list[str]:
+    """Where ``path`` takes or passes a staging budget: a parameter or a keyword argument named ``staging_bytes``
+    (reading a slab's own, ``slab.staging_bytes``, is neither)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            found += [f"{path.name}:{node.lineno}: parameter {x.arg}" for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+        elif isinstance(node, ast.Call):
+            found += [f"{path.name}:{node.lineno}: keyword {k.arg}" for k in node.keywords if k.arg]
+    return [f for f in found if f.endswith(" staging_bytes")]
+
+
+def test_the_staging_budget_is_the_backends() -> None:
+    """A backend gets its staging budget when it is built (``make_backend``, ``--staging-bytes``) and its slabs carry
+    it: no device-blind module takes it or passes it on (it once went store -> loader -> writer through 18 calls)."""
+    bad = [u for p in SHARED for u in _staging_passed(p)]
+    assert bad == [], "the staging budget is the backend's (Slab.staging_bytes): " + "; ".join(bad)
+    assert _staging_passed(SERVER / "startup.py")  # the check sees it where the backend is built
 
 
 def test_the_check_sees_device_code() -> None:
@@ -122,3 +151,135 @@ async def test_a_daemon_restarted_on_its_keeper_serves_without_torch_and_imports
     r = await WCacheClient(second.socket).preload(RankSpec(ckpt, dtype="float32"))
     assert r.bytes > served.bytes
     assert _maps_torch(second.pid)
+
+
+# ------------------------------------------------------------------ who imports whom
+#: circles another change is removing (the domain package orders checkpoint -> quant -> sharding -> layout -> key
+#: -> rank): the test fails once one is gone, so that its entry goes too and no circle comes back under it
+BEING_REMOVED: set[frozenset[str]] = {frozenset({"wcache.key", "wcache.layout", "wcache.rank"})}
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Every module of the package at ``root``, by dotted name (a package by its own name)."""
+    out: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _top_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements a module runs or declares at its top level: in ``if TYPE_CHECKING:`` blocks too (a
+    type's module is a dependency all the same), in other ``if`` and ``try`` blocks, but not inside functions or
+    classes (an import a function makes when it is called, for start-up time, is deliberate)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If):
+            found += _top_level_imports(node.body) + _top_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            found += _top_level_imports(node.body + node.orelse + node.finalbody)
+            for handler in node.handlers:
+                found += _top_level_imports(handler.body)
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package its top-level imports name. ``from a.b import c`` names ``a.b.c``
+    where that is a module, else ``a.b``; relative imports are resolved. A package's own ``__init__`` re-exporting
+    names of modules inside it is not counted: that is how a package shows its API, not a dependency of layers."""
+    mods = _modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in _top_level_imports(ast.parse(path.read_text()).body):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for named in targets:
+                target = named
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]  # a name defined in a module: that module
+                if target and target != name and not (path.name == "__init__.py" and target.startswith(name + ".")):
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: set[frozenset[str]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.add(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_in_wcache() -> None:
+    """Nothing imports upwards: no circle among every wcache module's top-level imports (TYPE_CHECKING ones too)."""
+    found = circles(import_graph(PACKAGE))
+    new = [sorted(c) for c in found - BEING_REMOVED]
+    assert new == [], f"import circles (docs/architecture.md says who may import whom): {new}"
+    gone = [sorted(c) for c in BEING_REMOVED - found]
+    assert gone == [], f"these circles are gone: delete them from BEING_REMOVED {gone}"
+
+
+def test_the_circle_check_sees_circles(tmp_path: Path) -> None:
+    """A circle through a TYPE_CHECKING import and a relative one, as backends/base <-> loader once was, is found;
+    a package re-exporting its modules, and an import inside a function, are not circles."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.sub.base import Slab\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.loader import Job\n"
+    )
+    (pkg / "loader.py").write_text("import pkg\nfrom .sub.base import Slab\ndef f():\n    from pkg import late\n")
+    (pkg / "late.py").write_text("from pkg.loader import f\n")
+    assert circles(import_graph(pkg)) == {frozenset({"pkg.sub.base", "pkg.loader"})}
+
+
+def test_reads_are_below_the_loader_and_the_backends() -> None:
+    """The read primitives import no server module (the loader and the backends sit above them); a backend imports
+    only other backend modules and the read primitives from the server: never the loader, the store or the daemon."""
+    graph = import_graph(PACKAGE)
+    assert not {m for m in graph["wcache.server.reads"] if m.startswith("wcache.server")}
+    for name in [m for m in graph if m.startswith("wcache.server.backends.")]:
+        above = {
+            m for m in graph[name] if m.startswith("wcache.server.") and not m.startswith("wcache.server.backends")
+        }
+        assert above <= {"wcache.server.reads"}, f"{name} imports {sorted(above)}"
+    assert "wcache.server.reads" in graph["wcache.server.loader"]
+    assert "wcache.server.reads" in graph["wcache.server.backends.host"]

@@ -102,9 +102,9 @@ async def test_preload_of_a_bad_checkpoint_is_refused_and_the_daemon_keeps_servi
 def test_the_loaded_slab_holds_the_validated_files_bytes_when_a_shard_is_swapped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The daemon's own load path (store.load_model): the shard is replaced between planning (key,
+    """The daemon's own load path (load.load_model): the shard is replaced between planning (key,
     headers) and the data reads. The slab is the validated file's bytes, served under its key."""
-    from wcache.server import store
+    from wcache.server import load
     from wcache.server.backends.host import HostBackend
     from wcache.server.loader import load_into
 
@@ -120,8 +120,8 @@ def test_the_loaded_slab_holds_the_validated_files_bytes_when_a_shard_is_swapped
         os.replace(tmp, shard)
         return load_into(*args, **kwargs)
 
-    monkeypatch.setattr(store, "load_into", swap_then_load)
-    model = store.load_model(RankSpec(a), backend=HostBackend(), threads=2)
+    monkeypatch.setattr(load, "load_into", swap_then_load)
+    model = load.load_model(RankSpec(a), backend=HostBackend(), threads=2)
     try:
         assert shard.read_bytes() != original
         assert model.key == key_a

@@ -70,7 +70,7 @@ def test_subcommands_have_help() -> None:
         server_cmd("--version"),
         [sys.executable, "-m", "wcache", "--version"],
         [sys.executable, "-m", "wcache.cli", "--version"],
-        [sys.executable, "-m", "wcache.server.keeper", "--version"],
+        [sys.executable, "-m", "wcache.server.keeper_cli", "--version"],
         [sys.executable, "-m", "wcache.demo", "--version"],
     ],
 )

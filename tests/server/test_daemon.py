@@ -50,8 +50,9 @@ from wcache.proto import (
 )
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
+from wcache.server.load import load_model
 from wcache.server.service import ConnectionLimits
-from wcache.server.store import Store, load_model
+from wcache.server.store import Store
 
 
 @pytest.fixture

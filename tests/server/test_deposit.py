@@ -254,7 +254,7 @@ async def _ckpt_bytes(daemon: DaemonProc) -> int:
 def _budget_for_one(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> tuple[DaemonProc, int]:
     """A daemon serving ``ckpt`` with a budget 1 MiB over its slab, and the slab's bytes: a deposit of that
     size fits only once the checkpoint is evicted."""
-    from wcache.server.store import planned_bytes
+    from wcache.server.load import planned_bytes
 
     size = planned_bytes(RankSpec(ckpt))[1]
     return daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20))), size

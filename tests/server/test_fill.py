@@ -22,10 +22,11 @@ from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import FillConfig, fill, resolve_peers
+from wcache.server.load import load_model
 from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
 from wcache.server.peer_auth import PeerSecurity
-from wcache.server.store import ServedModel, Store, load_model
+from wcache.server.store import ServedModel, Store
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")

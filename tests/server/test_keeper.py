@@ -718,9 +718,9 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
     only; the other is checked and served."""
     from wcache.proto import Reclaimed
     from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
     from wcache.server.reclaim import admit
     from wcache.server.startup import adopt
-    from wcache.server.store import load_model
 
     backend = HostBackend()
     good = load_model(RankSpec(model), backend=backend)

@@ -27,8 +27,9 @@ from wcache.plan.key import RankSpec
 from wcache.proto import PROTOCOL_VERSION, Connection, GetState, Hello, Role, pack_frame
 from wcache.proto.codec import MAX_HANDSHAKE_FRAME
 from wcache.server.backends.host import HostBackend
+from wcache.server.load import load_model
 from wcache.server.process import DaemonProcess
-from wcache.server.store import Store, load_model, split_descriptors
+from wcache.server.store import Store, split_descriptors
 
 HELLO = pack_frame(Hello(versions=(PROTOCOL_VERSION,)).to_wire())
 

@@ -29,7 +29,7 @@ def small_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def _slab(model: Path) -> int:
-    from wcache.server.store import planned_bytes
+    from wcache.server.load import planned_bytes
 
     return planned_bytes(RankSpec(model))[1]
 

@@ -27,7 +27,8 @@ from wcache.plan.sharding import resolve_plan
 from wcache.server import loader
 from wcache.server.backends.base import LoadAborted
 from wcache.server.backends.host import HostBackend
-from wcache.server.loader import ALIGN_IO, Files, Job, load_into, parse_io, read_job
+from wcache.server.loader import load_into, parse_io
+from wcache.server.reads import ALIGN_IO, Files, Job, read_job
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 
@@ -43,9 +44,9 @@ def _layout(ckpt: Path, rank: int = 0, tp: int = 1) -> Layout:
 
 
 def _host_load(lay: Layout, io: str) -> bytes:
-    slab = HostBackend().allocate(lay.total_bytes)
+    slab = HostBackend(staging_bytes=8 << 20).allocate(lay.total_bytes)
     try:
-        load_into(lay, slab, threads=4, staging_bytes=8 << 20, progress=False, io=io)
+        load_into(lay, slab, threads=4, progress=False, io=io)
         return slab.read(0, lay.total_bytes)
     finally:
         slab.close()
@@ -74,6 +75,7 @@ class _StagedSlab:
     per-call buffers, staged jobs through a pool of ``pool`` job-sized page-aligned buffers."""
 
     direct_io = True
+    staging_bytes = 8 << 20  # the loader cuts its jobs to it, as to a backend's budget
 
     def __init__(self, size: int, pool: int = 2) -> None:
         self.size = size
@@ -150,7 +152,7 @@ def test_stream_load_is_bit_identical(shards4: Path, monkeypatch: pytest.MonkeyP
     _o_direct_or_skip(shards4)
     _uncached(monkeypatch)
     slab = _StagedSlab(lay.total_bytes)
-    load_into(lay, slab, threads=4, staging_bytes=8 << 20, progress=False, io="stream:64KiB")  # type: ignore[arg-type]
+    load_into(lay, slab, threads=4, progress=False, io="stream:64KiB")  # type: ignore[arg-type]
     got = bytes(slab.buf)
     assert got == want
     assert slab.direct == {p.source.file for p in lay.placements}
@@ -210,7 +212,7 @@ def test_failed_block_ends_the_load(shards4: Path, tmp_path: Path, monkeypatch: 
 
     def load() -> None:
         try:
-            load_into(lay, slab, threads=4, staging_bytes=8 << 20, progress=False, io="stream:64KiB")  # type: ignore[arg-type]
+            load_into(lay, slab, threads=4, progress=False, io="stream:64KiB")  # type: ignore[arg-type]
         except BaseException as exc:
             errors.append(exc)
 
@@ -289,7 +291,7 @@ def test_a_failed_job_wakes_earlier_jobs_waiting_for_its_buffer(
 
     def load() -> None:
         try:  # one block per job (64 MiB blocks) and a thread for every job: all jobs start at once
-            load_into(lay, slab, threads=len(jobs) + 1, staging_bytes=8 << 20, progress=False, io="stream:64MiB")  # type: ignore[arg-type]
+            load_into(lay, slab, threads=len(jobs) + 1, progress=False, io="stream:64MiB")  # type: ignore[arg-type]
         except BaseException as exc:
             errors.append(exc)
 

@@ -146,6 +146,7 @@ async def test_a_hand_off_too_large_for_the_new_daemon_is_refused_and_changes_no
         assert new.proc.wait(60) == 1
     finally:
         new.stop()
+    # the new daemon's last line is the feature here: the operator who started it reads why it exited
     assert "over the 65536 the new daemon accepts" in new.log_text() and "serves on" in new.log_text()
     await _serves_and_holds_its_lock(old, ckpt, socket_dir)
     assert set(await _models(old)) == {"ckpt", recipe_key(base).short()}

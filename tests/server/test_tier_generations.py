@@ -22,7 +22,8 @@ from wcache.client import CachedWeights
 from wcache.errors import KeyMismatchError, NotFoundError
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
-from wcache.server.store import ServedModel, Store, load_from_tier
+from wcache.server.load import load_from_tier
+from wcache.server.store import ServedModel, Store
 from wcache.server.tier import HostTier, TierEntry
 
 
@@ -39,12 +40,12 @@ class InProcess:
 
 @pytest.fixture
 async def served(socket_dir: Path, tmp_path: Path) -> AsyncIterator[InProcess]:
-    backend = HostBackend()
+    backend = HostBackend(staging_bytes=16 << 20)
     store = Store(backend)
     tier = HostTier(tmp_path / "tier", 1 << 30)
 
     def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
-        return load_from_tier(tier, entry, key, backend, 2, 16 << 20, None)
+        return load_from_tier(tier, entry, key, backend, 2, None)
 
     daemon = Daemon(store, socket_dir / "d.sock", software="test", tier=tier, tier_restore=restore)
     ready = asyncio.Event()

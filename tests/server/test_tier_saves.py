@@ -238,7 +238,8 @@ def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads:
     block included, fails the refill; an unaltered file is copied whole."""
     from wcache.errors import TierEntryError
     from wcache.server.backends.host import HostBackend
-    from wcache.server.loader import Files, Job, load_file_into, read_job
+    from wcache.server.loader import load_file_into
+    from wcache.server.reads import Files, Job, read_job
     from wcache.server.tier import CHECK_BLOCK, BlockCrcs, _block_crcs
 
     size = 8 * CHECK_BLOCK + 4096
@@ -254,7 +255,7 @@ def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads:
     if flip is not None:
         data[flip] ^= 0x80
         f.write_bytes(bytes(data))
-    slab = HostBackend().allocate(size)
+    slab = HostBackend(staging_bytes=4 * threads << 20).allocate(size)
     fd = os.open(f, os.O_RDONLY)
     try:
         if flip is not None:  # the read path on its own (mapping and staging writers): the flipped block alone
@@ -264,11 +265,11 @@ def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads:
             with pytest.raises(TierEntryError, match="differs from its checksum"):
                 read_job(Files(opened={f: fd}, check=check), job, memoryview(bytearray(n)))
         if flip is None:
-            load_file_into(f, slab, threads=threads, staging_bytes=4 * threads << 20, fd=fd, check=check)
+            load_file_into(f, slab, threads=threads, fd=fd, check=check)
             assert slab.read(0, size) == bytes(data)
         else:
             with pytest.raises(TierEntryError, match="differs from its checksum"):
-                load_file_into(f, slab, threads=threads, staging_bytes=4 * threads << 20, fd=fd, check=check)
+                load_file_into(f, slab, threads=threads, fd=fd, check=check)
     finally:
         os.close(fd)
         slab.close()

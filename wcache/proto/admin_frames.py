@@ -42,6 +42,9 @@ class ModelInfo(Message):
     source: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
     #: a keeper's entries only: the socket of the daemon it holds the model for ("" from a daemon)
     owner: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
+    #: a model this daemon filled from its host tier (origin "tier"): "pinned" (one DMA copy from the page-locked
+    #: entry) or "staged" (the loader's reader threads, every block checked); "" otherwise, left off the wire
+    tier_copy: str = wire(Str(max_len=64), default="", omit_default=True)
 
 
 @message()
@@ -78,6 +81,8 @@ class StatusReply(Message):
     tier_bytes: int = wire(Int(), default=0)  # bytes in the host-memory tier (--host-tier), 0 when off
     tier_budget: int = wire(Int(), default=0)
     tier_entries: int = wire(Int(), default=0)
+    #: host-tier entries page-locked in this daemon, which a refill copies in one DMA copy (left off while 0)
+    tier_pinned: int = wire(Int(), default=0, omit_default=True)
 
 
 @message("PRELOAD")

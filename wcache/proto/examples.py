@@ -3,6 +3,8 @@ tests. ``python -m wcache.proto.examples`` prints their hex dumps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from wcache.proto.codec import pack_frame
 from wcache.proto.frames import (
     CheckpointProof,
@@ -97,6 +99,32 @@ _RECIPE: dict[str, str | int] = {
     "device_capability": "",
 }
 
+_STATUS = StatusReply(
+    id=3,
+    software="wcache/0.1.0",
+    backend="host",
+    device=DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory"),
+    uptime_seconds=12.5,
+    connections=1,
+    models=(
+        ModelInfo(
+            key=_KEY,
+            backend="host",
+            bytes=768,
+            tensors=2,
+            leases=1,
+            load_seconds=0.25,
+            last_use=1700000000.0,
+            origin="disk",
+            source="/models/llama3-8b",
+        ),
+    ),
+    leases=(LeaseInfo(lease=1001, mode="zero_copy", pid=777, age_seconds=3.0),),
+    tier_bytes=768,
+    tier_budget=1073741824,
+    tier_entries=1,
+)
+
 EXAMPLES: dict[str, Frame] = {
     "HELLO": Hello(versions=(2,), software="wcache/0.1.0", name="engine-0"),
     "HELLO_OK": HelloOk(
@@ -127,31 +155,7 @@ EXAMPLES: dict[str, Frame] = {
     "RELEASE": Release(id=2, lease=1001),
     "RELEASED": Released(id=2, lease=1001, leases_left=0),
     "STATUS": Status(id=3),
-    "STATUS_REPLY": StatusReply(
-        id=3,
-        software="wcache/0.1.0",
-        backend="host",
-        device=DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory"),
-        uptime_seconds=12.5,
-        connections=1,
-        models=(
-            ModelInfo(
-                key=_KEY,
-                backend="host",
-                bytes=768,
-                tensors=2,
-                leases=1,
-                load_seconds=0.25,
-                last_use=1700000000.0,
-                origin="disk",
-                source="/models/llama3-8b",
-            ),
-        ),
-        leases=(LeaseInfo(lease=1001, mode="zero_copy", pid=777, age_seconds=3.0),),
-        tier_bytes=768,
-        tier_budget=1073741824,
-        tier_entries=1,
-    ),
+    "STATUS_REPLY": _STATUS,
     "PRELOAD": Preload(id=4, model="/models/llama3-8b", tp_rank=0, tp_size=2, dtype="auto", plan_file="", transform=""),
     "PRELOADED": Preloaded(id=4, key=_KEY, bytes=8032837632, tensors=291, load_seconds=4.5, evicted=()),
     "EVICT": Evict(id=5, key=_KEY),
@@ -254,6 +258,18 @@ VARIANTS: dict[str, Frame] = {
             ),
             dtype="auto",
         ),
+    ),
+    # §4.8: a model filled from the host tier (how it was copied) and the tier's page-locked entries
+    "STATUS_REPLY after a host-tier refill": replace(
+        _STATUS,
+        backend="cuda",
+        device=DeviceInfo(kind="cuda", index=0, uuid="GPU-8f3a9c1d", name="NVIDIA H200"),
+        connections=0,
+        models=(replace(_STATUS.models[0], backend="cuda", leases=0, last_use=0.0, origin="tier", tier_copy="pinned"),),
+        leases=(),
+        device_free_bytes=142270300160,
+        device_total_bytes=150754820096,
+        tier_pinned=1,
     ),
 }
 

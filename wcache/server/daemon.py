@@ -672,4 +672,5 @@ class Daemon:
             tier_bytes=sum(n for _, _, n in entries),
             tier_budget=self.tier.budget if self.tier is not None else 0,
             tier_entries=len(entries),
+            tier_pinned=self.tier.pinned() if self.tier is not None else 0,
         )

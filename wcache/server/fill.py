@@ -36,10 +36,11 @@ from wcache.plan.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.proto import DTYPE_SIZES, Frame, Release
 from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
-from wcache.server.loader import LoadStats, placement_extents
+from wcache.server.loader import LoadStats
 from wcache.server.nixl import Agent, Transfer
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
+from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
 __all__ = ["FillConfig", "check_sampled_blocks", "fetch_files", "fill", "resolve_peers"]

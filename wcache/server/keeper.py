@@ -48,7 +48,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -465,9 +464,3 @@ class Keeper:
                 for e in self.entries.values()
             ),
         )
-
-
-if __name__ == "__main__":  # python -m wcache.server.keeper: the wcache-keeper command
-    from wcache.server.keeper_cli import main
-
-    sys.exit(main())

@@ -102,7 +102,7 @@ def spawn_keeper(
     ready = sdir.parent / f".wcache-keeper-ready-{tag}.json"
     log_path = Path(log) if log is not None else sdir.parent / f"wcache-keeper-{tag}.log"
     return _spawn(
-        "wcache.server.keeper", ["--socket-dir", str(sdir), *extra], ready, log_path, env, timeout, "wcache-keeper"
+        "wcache.server.keeper_cli", ["--socket-dir", str(sdir), *extra], ready, log_path, env, timeout, "wcache-keeper"
     )
 
 

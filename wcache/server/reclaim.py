@@ -56,7 +56,8 @@ from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.proto.table import tensor_extent
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper_link import KeeperLink
-from wcache.server.loader import placement_extents, torch_dtype
+from wcache.server.loader import torch_dtype
+from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
 __all__ = ["SAMPLES", "SAMPLE_BYTES", "Check", "admit", "check_model", "compare_samples", "expected_bytes"]

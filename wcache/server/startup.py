@@ -22,7 +22,7 @@ from wcache import __version__
 from wcache.errors import CheckpointError, WCacheError
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
-from wcache.server.backends.base import Backend
+from wcache.server.backends.base import DEFAULT_STAGING, Backend
 from wcache.server.security import (
     DaemonLock,
     check_private_dir,
@@ -81,15 +81,17 @@ def device_index(device: str) -> int | None:
     )
 
 
-def make_backend(device: str, cuda_export: str = "vmm") -> Backend:
+def make_backend(device: str, cuda_export: str = "vmm", staging_bytes: int = DEFAULT_STAGING) -> Backend:
+    """The backend ``--device`` names, with its staging budget (``--staging-bytes``): every load into its
+    slabs stages through that much pinned memory at most (``Slab.staging_bytes``)."""
     index = device_index(device)
     if index is None:
         from wcache.server.backends.host import HostBackend
 
-        return HostBackend()
+        return HostBackend(staging_bytes=staging_bytes)
     from wcache.server.backends.cuda import CudaBackend
 
-    return CudaBackend(index, cuda_export)
+    return CudaBackend(index, cuda_export, staging_bytes=staging_bytes)
 
 
 def resolve_socket(args: argparse.Namespace) -> Path:
@@ -300,21 +302,13 @@ def restorer(
     tier: HostTier, store: Store, backend: Backend, args: argparse.Namespace
 ) -> Callable[[TierEntry, WeightCacheKey], ServedModel | None]:
     """How the daemon fills a slab from a host-tier entry (a deposit asked for again): the loader's threads
-    and staging; the checkpoint directory is the one the store knows for the key's fingerprint."""
+    (the staging is the backend's); the checkpoint directory is the one the store knows for the key's
+    fingerprint."""
 
-    from wcache.server.loader import DEFAULT_STAGING
-    from wcache.server.store import load_from_tier
+    from wcache.server.load import load_from_tier
 
     def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
-        return load_from_tier(
-            tier,
-            entry,
-            key,
-            backend,
-            args.threads,
-            args.staging_bytes or DEFAULT_STAGING,
-            store.source_for(key.to_wire()),
-        )
+        return load_from_tier(tier, entry, key, backend, args.threads, store.source_for(key.to_wire()))
 
     return restore
 
@@ -472,9 +466,9 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 def run(args: argparse.Namespace) -> int:
     from wcache.plan.rank import plan_rank
     from wcache.server.daemon import Daemon
-    from wcache.server.loader import DEFAULT_STAGING
+    from wcache.server.load import load_model
     from wcache.server.service import ConnectionLimits
-    from wcache.server.store import Store, load_model
+    from wcache.server.store import Store
 
     if args.takeover is not None:
         sock_path = Path(os.path.abspath(args.takeover))
@@ -484,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
     hold = hold_socket_dir(sock_path.parent)
     lock = DaemonLock(sock_path)
     try:
-        backend = make_backend(args.device, args.cuda_export)
+        backend = make_backend(args.device, args.cuda_export, args.staging_bytes or DEFAULT_STAGING)
         loads = args.takeover is None and not _keeper_holds_some(args, sock_path)
         backend.check_device(loads)  # an unusable device: one line, before the lock is taken or a file read
         if args.takeover is None:
@@ -518,7 +512,6 @@ def run(args: argparse.Namespace) -> int:
                     rp,
                     backend=backend,
                     threads=args.threads,
-                    staging_bytes=args.staging_bytes or DEFAULT_STAGING,
                     io=args.io,
                     tier=tier,
                 )

@@ -3,6 +3,7 @@
 A lease belongs to the connection that asked for it. RELEASE ends only leases of the
 same connection (the seed design's RELEASE freed the cache for every engine); a closed
 connection ends all of its leases. No I/O here: the daemon calls in with decoded frames.
+How a model is loaded into a slab (checkpoint, host tier, transform) is wcache/server/load.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
 import secrets
 import threading
 import time
@@ -18,10 +18,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from wcache.errors import (
-    CheckpointError,
     DeviceMismatchError,
     InternalError,
     InUseError,
@@ -29,19 +28,14 @@ from wcache.errors import (
     LimitExceededError,
     OutOfMemoryError,
     ProtocolError,
-    TierEntryError,
-    TransformError,
     UnknownLeaseError,
     UnsupportedPlatformError,
     WCacheError,
 )
-from wcache.peer_files import refuse_stubs
-from wcache.plan.key import RACY_NS, KeyFacts, RankSpec, WeightCacheKey, key_mismatch, not_served
-from wcache.plan.layout import ALIGN, Layout, align_up, contiguous_strides
-from wcache.plan.rank import RankPlan, plan_rank
+from wcache.plan.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
+from wcache.plan.layout import ALIGN, align_up, contiguous_strides
 from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.proto import (
-    DTYPE_SIZES,
     Commit,
     Deposit,
     Deposited,
@@ -61,13 +55,7 @@ from wcache.proto import (
 )
 from wcache.proto.fields import fail
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.loader import DEFAULT_STAGING, LoadStats, load_file_into, load_into, torch_dtype
-from wcache.server.tier import HostTier, TierEntry
-
-if TYPE_CHECKING:
-    import torch
-
-    from wcache.transforms import Transform
+from wcache.server.loader import LoadStats
 
 __all__ = [
     "MAX_DEPOSITS",
@@ -77,8 +65,6 @@ __all__ = [
     "ServedModel",
     "Store",
     "deposit_layout",
-    "load_from_tier",
-    "load_model",
     "split_descriptors",
 ]
 
@@ -180,198 +166,6 @@ class ServedModel:
         self.slabs.clear()
 
 
-def load_model(
-    spec: RankSpec | RankPlan,
-    *,
-    backend: Backend,
-    threads: int = 8,
-    staging_bytes: int = DEFAULT_STAGING,
-    io: str = "buffered",
-    tier: HostTier | None = None,
-) -> ServedModel:
-    """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read.
-
-    ``spec``: the rank, planned here; or its RankPlan, planned once by the caller (which keeps ownership of it).
-    With a host ``tier``: a valid entry for the key fills the slab instead of the checkpoint, and a
-    model loaded from the checkpoint is copied into the tier."""
-    if isinstance(spec, RankPlan):
-        return _load_planned(spec, backend, threads, staging_bytes, io, tier)
-    with plan_rank(spec) as rp:
-        return _load_planned(rp, backend, threads, staging_bytes, io, tier)
-
-
-def _load_planned(
-    rp: RankPlan, backend: Backend, threads: int, staging_bytes: int, io: str, tier: HostTier | None
-) -> ServedModel:
-    ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
-    transform = rp.spec.transform
-    source = rp.spec.checkpoint
-    refuse_stubs(source, ckpt.files)  # a node filled from a peer has headers only: never serve its holes
-    if tier is not None:
-        entry = tier.lookup(key)
-        if entry is not None:
-            served = load_from_tier(tier, entry, key, backend, threads, staging_bytes, source)
-            if served is not None:
-                served.facts = rp.facts
-                return served
-    fn = None
-    if transform:
-        from wcache.transforms import load_transform, rank_config  # imports torch: only loads with a transform
-
-        fn = load_transform(transform)
-    started = time.perf_counter()
-    slab = backend.allocate(layout.total_bytes)
-    try:
-        stats = load_into(layout, slab, threads=threads, staging_bytes=staging_bytes, io=io, started=started)
-        if fn is not None:
-            loaded = slab
-            config = rank_config(ckpt.config, key.tp_rank, key.tp_size)
-            slab, table, aliases, payload = _transformed(fn, layout, loaded, backend, config, transform)
-            loaded.close()
-        else:
-            table, aliases, payload = layout.table(), layout.aliases, layout.payload_bytes
-        slab.seal()
-    except BaseException:
-        slab.close()
-        raise
-    table.encoded()  # encode the tensor table once; every STATE reuses it
-    model = ServedModel(
-        key, table, aliases, [slab], backend, payload, stats, source=source, origin="disk", facts=rp.facts
-    )
-    if tier is not None:
-        try:
-            tier.save(key, slab, table, aliases, payload)
-        except (OSError, RuntimeError) as exc:  # the tier is an optimisation: serving goes on without it
-            log.warning("host tier save failed key=%s: %s", key.short(), exc)
-    return model
-
-
-def load_from_tier(
-    tier: HostTier,
-    entry: TierEntry,
-    key: WeightCacheKey,
-    backend: Backend,
-    threads: int,
-    staging_bytes: int,
-    source: Path | None,
-) -> ServedModel | None:
-    """Fill a new slab from a host-tier entry: one DMA copy where it is page-locked here, else staged through
-    the file ``lookup`` checked, every block's checksum verified on the bytes copied (tier.py says what each
-    way verifies). None when the entry's file went away or was altered (then it is removed where it is still
-    the one checked, and the caller loads from the checkpoint, or the deposit is absent)."""
-    started = time.perf_counter()
-    slab = backend.allocate(entry.size)
-    how = "staged"
-    try:
-        if entry.pinned is not None and slab.copy_pinned(entry.pinned):  # page-locked here: one DMA copy
-            stats = LoadStats(entry.size, entry.size, time.perf_counter() - started, entry.size)
-            how = "pinned"
-        else:
-            fd = tier.open_slab(entry)
-            try:
-                stats = load_file_into(
-                    entry.slab_path,
-                    slab,
-                    threads=threads,
-                    staging_bytes=staging_bytes,
-                    started=started,
-                    fd=fd,
-                    check=entry.check,
-                )
-            finally:
-                os.close(fd)
-        slab.seal()
-    except TierEntryError as exc:  # replaced since lookup, or a block differs from its checksum
-        slab.close()
-        tier.discard(entry, exc)
-        return None
-    except CheckpointError as exc:  # the entry vanished or shrank under us: load from the checkpoint
-        slab.close()
-        log.warning("host tier read failed key=%s (%s); loading from disk", key.short(), exc)
-        return None
-    except BaseException:
-        slab.close()
-        raise
-    log.info(
-        "loaded from_host_tier bytes_read=%d seconds=%.2f read_gb_s=%.2f key=%s entry=%s copy=%s",
-        stats.bytes_read,
-        stats.seconds,
-        stats.gb_per_s,
-        key.short(),
-        entry.meta_path.stem,
-        how,
-    )
-    tier.pin_later(entry)
-    entry.table.encoded()
-    return ServedModel(
-        key,
-        entry.table,
-        entry.aliases,
-        [slab],
-        backend,
-        entry.payload,
-        stats,
-        source=source,
-        origin="tier",
-        buffers=entry.buffers,
-        generation=entry.generation,
-    )
-
-
-def _transformed(
-    fn: Transform, layout: Layout, slab: Slab, backend: Backend, config: dict[str, Any], spec: str
-) -> tuple[Slab, TensorTable, dict[str, str], int]:
-    """Run a load-time transform over the loaded tensors and pack its result into a new slab."""
-    import torch
-
-    base = slab.tensor()
-    views: dict[str, torch.Tensor] = {
-        p.source.name: base[p.offset : p.offset + p.nbytes].view(torch_dtype(p.dtype)).reshape(p.shape)
-        for p in layout.placements
-    }
-    for alias, target in layout.aliases.items():
-        views[alias] = views[target]
-    with torch.no_grad():
-        result = fn(dict(views), config)
-    if not isinstance(result, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in result.items()
-    ):
-        raise TransformError(f"transform {spec!r} must return a dict of str -> torch.Tensor")
-    names: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    entries: list[TensorEntry] = []
-    offset = 0
-    placed: list[tuple[int, torch.Tensor]] = []
-    for name, t in result.items():
-        if id(t) in names:
-            aliases[name] = names[id(t)]
-            continue
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in DTYPE_SIZES:
-            raise TransformError(
-                f"transform {spec!r} returned {name!r} of unsupported dtype {dtype} "
-                f"(the protocol carries {', '.join(sorted(DTYPE_SIZES))})"
-            )
-        names[id(t)] = name
-        shape = tuple(t.shape)
-        entries.append(TensorEntry(name, dtype, shape, contiguous_strides(shape), 0, offset))
-        placed.append((offset, t))
-        offset = align_up(offset + t.numel() * t.element_size())
-    out = backend.allocate(max(offset, ALIGN))
-    try:
-        dest = out.tensor()
-        for off, t in placed:
-            n = t.numel() * t.element_size()
-            if n:
-                dest[off : off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        out.synchronize()
-    except BaseException:
-        out.close()
-        raise
-    log.info("transform %s: %d tensors in, %d out, %d aliases", spec, len(views), len(entries), len(aliases))
-    return out, TensorTable.from_entries(entries), aliases, sum(t.numel() * t.element_size() for _, t in placed)
-
-
 @runtime_checkable
 class _Depositable(Protocol):
     """A backend that can hand an engine a writable slab and seal it afterwards (docs/protocol.md §4.13)."""
@@ -471,15 +265,6 @@ class Lease:
     mode: str
     key: WeightCacheKey
     created: float = field(default_factory=time.monotonic)
-
-
-def planned_bytes(spec: RankSpec) -> tuple[WeightCacheKey, int]:
-    """The key and slab size a load of ``spec`` would have, from headers alone (for callers that only ask: the
-    daemon plans once with ``plan_rank`` and loads that plan). The whole spec counts, ``verify_content`` and
-    ``transform`` included (a PRELOAD that planned without ``verify_content`` never found a --verify-content
-    daemon's model already held)."""
-    with plan_rank(spec) as rp:
-        return rp.key, rp.layout.total_bytes
 
 
 class Store:
@@ -975,6 +760,7 @@ class Store:
                 last_use=m.last_use,
                 origin=m.origin,
                 source=str(m.source or ""),
+                tier_copy=m.stats.tier_copy,
             )
             for m in self.models.values()
         )

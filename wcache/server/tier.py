@@ -368,6 +368,11 @@ class HostTier:
         if entry.pinned is None:
             self._pin_in_background(entry.slab_path, entry.size, entry.inode)
 
+    def pinned(self) -> int:
+        """Entries page-locked in this process now (STATUS ``tier_pinned``): a refill from one is one DMA copy."""
+        with self._lock:
+            return len(self._pinned)
+
     def _unpin(self, slab: Path) -> None:
         with self._lock:
             p = self._pinned.pop(slab, None)

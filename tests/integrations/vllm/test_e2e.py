@@ -384,7 +384,6 @@ def test_openai_server_serves_from_the_cache(
         assert tokens == ref["tokens"][0]
         top = [{int(t.removeprefix("t")): lp for t, lp in step.items()} for step in choice["logprobs"]["top_logprobs"]]
         assert top == [{int(k): v for k, v in step.items()} for step in ref["logprobs"][0]]
-        assert "wcache: loaded" in log.read_text(errors="replace")
     finally:
         server.terminate()
         try:

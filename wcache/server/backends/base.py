@@ -2,7 +2,8 @@
 
 The loader (wcache/server/loader.py) plans jobs and runs reader threads; *how* bytes reach a slab is
 the slab's ``writer`` (host: ``sendfile`` and ``preadv`` into the memfd's mapping; CUDA: pinned
-staging buffers and streams). Page-locking host-tier files, synchronising with the device, memory
+staging buffers and streams). Writers read with the read primitives (wcache/server/reads.py: jobs,
+files, direct reads), which the loader uses too: a backend never imports the loader. Page-locking host-tier files, synchronising with the device, memory
 figures for STATUS, export and adoption are the backend's too. Loader, store, tier, daemon and the
 reclaim check import no device API (tests/server/test_boundary.py enforces it); the client maps
 slabs in wcache/client/mapping.py.
@@ -22,9 +23,25 @@ from wcache.proto import DeviceInfo, SlabDescriptor
 if TYPE_CHECKING:
     import torch
 
-    from wcache.server.loader import Files, Job
+    from wcache.server.reads import Files, Job
 
-__all__ = ["Backend", "LoadAborted", "MemoryRegion", "PinnedFile", "Slab", "StagedWriter", "Writer"]
+__all__ = [
+    "DEFAULT_STAGING",
+    "Backend",
+    "LoadAborted",
+    "MemoryRegion",
+    "PinnedFile",
+    "Slab",
+    "StagedWriter",
+    "Writer",
+]
+
+# A backend's staging budget unless it is built with another (--staging-bytes): bytes of pinned host memory
+# for device loads, split into two buffers per reader thread (16 threads: 16 MiB reads). A fresh daemon
+# page-locks it before its first copies: H200, 16 GB from the page cache
+# (benchmarks/results/cold_load-cuda0-2026-11-29-run6-staging.json, run7): 0.59-0.79 s with 512 MiB,
+# 0.70-0.76 s with 1 GiB, 0.87-0.92 s with 2 GiB; cold (disk-bound) 7.8-8.7 s with 512 MiB, 8.4 with 2 GiB.
+DEFAULT_STAGING = 512 << 20
 
 
 class MemoryRegion(NamedTuple):
@@ -95,6 +112,10 @@ class Slab(Protocol):
     size: int
     #: whether O_DIRECT reads make sense for loads into it (device slabs: reads land in staging buffers)
     direct_io: bool
+    #: host memory a load's writer may stage through, two buffers per reader thread: the loader cuts its
+    #: jobs to fit (host slabs stage nothing, their jobs are cut the same way). Its backend's budget, given
+    #: when the backend was built (``make_backend``, ``--staging-bytes``): no caller passes it to a load
+    staging_bytes: int
 
     def writer(self, jobs: Sequence[Job], threads: int, direct: set[Path], staged: Sequence[Job] = ()) -> Writer:
         """A writer for ``jobs`` run by up to ``threads`` readers; files in ``direct`` may be read with
@@ -145,6 +166,8 @@ class Slab(Protocol):
 class Backend(Protocol):
     name: str  # "host" | "cuda"
     device: DeviceInfo
+    #: the ``staging_bytes`` of every slab it allocates (see ``Slab``), fixed when it is built
+    staging_bytes: int
 
     def check_device(self, loads: bool) -> None:
         """Before the daemon takes its lock or touches a checkpoint: raise UnsupportedPlatformError, with a

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from wcache import _cuda
 from wcache.errors import DeviceMismatchError, OutOfMemoryError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
-from wcache.server.backends.base import LoadAborted, MemoryRegion, PinnedFile
-from wcache.server.loader import ALIGN_IO, Files, Job, read_direct, read_job
+from wcache.server.backends.base import DEFAULT_STAGING, LoadAborted, MemoryRegion, PinnedFile
+from wcache.server.reads import ALIGN_IO, Files, Job, read_direct, read_job
 
 if TYPE_CHECKING:
     import torch
@@ -292,6 +292,7 @@ class _CudaSlab:
 
     size: int
     index: int
+    staging_bytes: int  # the pinned staging a load's writer takes: its backend's (base.Slab)
     direct_io = True  # reads land in pinned staging buffers: O_DIRECT skips the page-cache copy
     _t: torch.Tensor | None
 
@@ -374,11 +375,12 @@ class _CudaSlab:
 class CudaIpcSlab(_CudaSlab):
     """A cudaMalloc'd slab (through torch) shared as a 64-byte cudaIpcMemHandle."""
 
-    def __init__(self, nbytes: int, index: int) -> None:
+    def __init__(self, nbytes: int, index: int, *, staging_bytes: int = DEFAULT_STAGING) -> None:
         import torch
 
         self.size = nbytes
         self.index = index
+        self.staging_bytes = staging_bytes
         self._t = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
         self.handle, self.offset = _cuda.ipc_handle(self._t.data_ptr())
         self.uuid = _cuda.device_uuid(index)
@@ -399,9 +401,10 @@ class CudaIpcSlab(_CudaSlab):
 class CudaVmmSlab(_CudaSlab):
     """A cuMemCreate'd slab shared as a POSIX fd (SCM_RIGHTS)."""
 
-    def __init__(self, nbytes: int, index: int, adopt_fd: int = -1) -> None:
+    def __init__(self, nbytes: int, index: int, adopt_fd: int = -1, *, staging_bytes: int = DEFAULT_STAGING) -> None:
         self.size = nbytes
         self.index = index
+        self.staging_bytes = staging_bytes
         self.alloc = (
             _cuda.VmmAllocation.adopt(adopt_fd, nbytes, index) if adopt_fd >= 0 else _cuda.vmm_allocate(nbytes, index)
         )
@@ -445,11 +448,13 @@ class CudaDepositSlab(CudaVmmSlab):
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, index: int, export: str = "vmm") -> None:
+    def __init__(self, index: int, export: str = "vmm", *, staging_bytes: int = DEFAULT_STAGING) -> None:
         if export not in EXPORTS:
             raise ValueError(f"export must be one of {EXPORTS}")
         self.index = index
         self.export = export
+        #: pinned host memory each load into one of its slabs stages through (base.Slab.staging_bytes)
+        self.staging_bytes = staging_bytes
         self.device = DeviceInfo(kind="cuda", index=index)
 
     def prepare_loads(self) -> None:
@@ -584,8 +589,8 @@ class CudaBackend:
         import torch  # noqa: F401
 
         if self.export == "ipc":
-            return CudaIpcSlab(nbytes, self.index)
-        return CudaVmmSlab(nbytes, self.index)
+            return CudaIpcSlab(nbytes, self.index, staging_bytes=self.staging_bytes)
+        return CudaVmmSlab(nbytes, self.index, staging_bytes=self.staging_bytes)
 
     def check_deposits(self) -> None:
         """Before anything is laid out or evicted for a DEPOSIT: legacy IPC slabs cannot be handed to an

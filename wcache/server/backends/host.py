@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
-from wcache.server.backends.base import MemoryRegion, PinnedFile
-from wcache.server.loader import Files, Job, map_readonly, populate, read_job, send_job
+from wcache.server.backends.base import DEFAULT_STAGING, MemoryRegion, PinnedFile
+from wcache.server.reads import Files, Job, map_readonly, populate, read_job, send_job
 
 if TYPE_CHECKING:
     import torch
@@ -200,8 +200,11 @@ class _HostWriter:
 class HostSlab:
     direct_io = False  # reads land in shared memory through the page cache or sendfile
 
-    def __init__(self, nbytes: int, name: str = "wcache-slab", adopt_fd: int = -1) -> None:
+    def __init__(
+        self, nbytes: int, name: str = "wcache-slab", adopt_fd: int = -1, *, staging_bytes: int = DEFAULT_STAGING
+    ) -> None:
         self.size = nbytes
+        self.staging_bytes = staging_bytes  # no staging here: the loader cuts its jobs to it (base.Slab)
         if adopt_fd >= 0:  # handed over by another daemon: already loaded and sealed
             self.fd = adopt_fd
             self._mm: mmap.mmap | None = None
@@ -323,8 +326,10 @@ class HostSlab:
 class HostBackend:
     name = "host"
 
-    def __init__(self) -> None:
+    def __init__(self, *, staging_bytes: int = DEFAULT_STAGING) -> None:
         self.device = DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory")
+        #: each slab's ``staging_bytes``: host loads stage nothing, but their jobs are cut to it (base.Slab)
+        self.staging_bytes = staging_bytes
         #: slabs allocated here and not sealed yet (loads filling, deposits engines write): the memory they have
         #: not been written with yet is promised, and every room check deducts it (the kernel counts a shared-
         #: memory page only once written, so three concurrent deposits once each saw all the free memory)
@@ -366,7 +371,7 @@ class HostBackend:
     def allocate(self, nbytes: int) -> HostSlab:
         """A slab of ``nbytes``; raises OutOfMemoryError first if the memory cgroup (or the host) cannot hold it."""
         self.check_room(nbytes)
-        return self._filled(HostSlab(nbytes))
+        return self._filled(HostSlab(nbytes, staging_bytes=self.staging_bytes))
 
     def check_deposits(self) -> None:
         """Every host daemon takes deposits (memfd sealing was checked by ``check_platform``)."""
