@@ -241,7 +241,7 @@ def _fill_part(device: str, model: Path, work: Path, reps: int, targets: list[in
             async def one_fill() -> float:
                 cfg = FillConfig(((host, int(port)),), sec, "bench")
                 t0 = time.perf_counter()
-                model_ = await fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=rp.key.plan)
+                model_ = await fill(rp.key, rp, backend, agent, cfg)
                 secs = time.perf_counter() - t0
                 model_.close()
                 return secs

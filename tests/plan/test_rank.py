@@ -24,6 +24,14 @@ from wcache.proto import Preload
 FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
 
+def plan_file(where: Path) -> Path:
+    """A shard plan file for Llama checkpoints (docs/shard-plans.md): the attention and MLP inputs split by rows."""
+    plan = where / "plan.json"
+    rules = [{"pattern": r".*(q|k|v|gate|up)_proj\.weight", "dim": 0}, {"pattern": r".*", "dim": None}]
+    plan.write_text(json.dumps({"name": "mine", "rules": rules}))
+    return plan
+
+
 def test_spec_normalises_what_the_apis_spell_differently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     a = RankSpec.from_preload(Preload(1, "m", 0, 1, "auto", "", ""))  # the frame's "as stored", "no plan file"
@@ -102,9 +110,7 @@ def test_every_keyword_api_takes_the_specs_fields(name: str) -> None:
 
 def test_the_keyword_apis_forward_every_field(ckpt: Path, tmp_path: Path) -> None:
     """Each keyword API builds the very RankSpec its keywords name: the key, a fetch's key and a disk load."""
-    plan = tmp_path / "plan.json"
-    rules = [{"pattern": r".*(q|k|v|gate|up)_proj\.weight", "dim": 0}, {"pattern": r".*", "dim": None}]
-    plan.write_text(json.dumps({"name": "mine", "rules": rules}))
+    plan = plan_file(tmp_path)
     fields: dict[str, Any] = {"tp_rank": 1, "tp_size": 2, "dtype": "float32", "plan_file": plan, "transform": FUSE}
     spec = RankSpec(ckpt, **fields, verify_content=True)
     key = WeightCacheKey.from_spec(spec)
@@ -127,3 +133,18 @@ def test_the_keyword_apis_forward_every_field(ckpt: Path, tmp_path: Path) -> Non
     want = nn._from_disk(dataclasses.replace(spec, verify_content=False), "cpu")
     assert disk.keys() == want.keys() and any(n.endswith("qkv_proj.weight") for n in disk)
     assert all(torch.equal(disk[n], want[n]) and disk[n].dtype is torch.float32 for n in want)
+
+
+def test_the_planner_lays_out_the_other_ranks_of_its_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+    """``RankPlan.layout_of``: the layout a daemon planning that rank itself would have (a built-in plan at
+    another size, its own plan file at any size), None for a plan it cannot resolve."""
+    plan = plan_file(tmp_path)
+    with plan_rank(RankSpec(ckpt)) as rp:
+        for r in range(2):
+            with plan_rank(RankSpec(ckpt, tp_rank=r, tp_size=2)) as other:
+                assert rp.layout_of(r, 2, other.key.plan) == other.layout and other.key.plan.startswith("builtin:")
+        assert rp.layout_of(0, 1, "none") == rp.layout
+        assert rp.layout_of(0, 2, "file:0123456789abcdef") is None  # a plan file it does not have
+        assert rp.layout_of(0, 2, "builtin:another") is None
+    with plan_rank(RankSpec(ckpt, plan_file=plan)) as rp, plan_rank(RankSpec(ckpt, 1, 2, plan_file=plan)) as other:
+        assert rp.layout_of(1, 2, rp.key.plan) == other.layout != rp.layout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from wcache.errors import ShardingError
 from wcache.plan.checkpoint import Checkpoint
 from wcache.plan.key import KeyFacts, RankSpec, WeightCacheKey, checkpoint_files
 from wcache.plan.layout import Layout, plan_layout
@@ -30,6 +31,24 @@ class RankPlan:
     layout: Layout
     spec: RankSpec
     facts: KeyFacts | None = None
+
+    def layout_of(self, tp_rank: int, tp_size: int, plan_id: str) -> Layout | None:
+        """The layout of this checkpoint's slab for rank ``tp_rank`` of ``tp_size`` under the shard plan ``plan_id``
+        (a key's ``plan``), in this rank's dtype: another daemon's slab that the fleet fill reshards from
+        (docs/fleet.md, "Resharding"). None for a plan this rank cannot resolve: a plan file other than its own,
+        a built-in plan the architecture lacks."""
+        if plan_id == (self.plan.id if self.plan is not None else "none"):
+            plan = self.plan  # a plan's rules do not depend on the size: its own plan file serves any
+        elif plan_id == "none" or plan_id.startswith("builtin:"):
+            try:
+                plan = resolve_plan(self.checkpoint.architecture, tp_size)
+            except ShardingError:
+                return None
+            if plan_id != (plan.id if plan is not None else "none"):
+                return None
+        else:
+            return None
+        return plan_layout(self.checkpoint, tp_rank=tp_rank, tp_size=tp_size, dtype=self.layout.dtype, plan=plan)
 
     def close(self) -> None:
         self.checkpoint.close()

@@ -421,8 +421,7 @@ def fill_from_peers(
     agent: Agent | None = None
     try:
         agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
-        plan_id = rp.plan.id if rp.plan is not None else "none"
-        model = asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
+        model = asyncio.run(fill(rp.key, rp, backend, agent, cfg))
         model.facts = rp.facts  # its local files give its key, as for a disk load: engines may prove them (§4.3.1)
         outcomes.append(("", model.stats.bytes_read, model.stats.seconds))
         return model
