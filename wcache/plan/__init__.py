@@ -11,8 +11,8 @@ order they import each other, each importing only those before it (tests/server/
    source slabs fill a slab of another layout (the fleet fill), from two layouts;
 5. ``key`` — the request (``RankSpec``) and the identity of its bytes (``WeightCacheKey``), and the proof of
    its files; ``recipe`` — the key of deposited (post-processed) weights;
-6. ``rank`` — the planner: ``plan_rank(spec)`` composes them into one ``RankPlan`` (checkpoint, key, plan,
-   layout).
+6. ``rank`` — the planner, the one module that composes the others: ``plan_rank(spec)`` makes one ``RankPlan``
+   (checkpoint, key, plan, layout), which also lays out the checkpoint's other ranks (a fleet fill's sources).
 
 An engine's restart imports ``key`` alone: it names the lower modules only inside the functions that scan a
 checkpoint's headers, which the files' proof spares it (docs/protocol.md §4.3.1). This module imports nothing.
