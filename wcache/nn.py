@@ -304,15 +304,8 @@ def load_from_disk(
 
     ``model_dir``: the checkpoint directory; the other keywords but ``device`` are RankSpec's fields (``plan_file``
     ``None`` or ``""``: no plan file)."""
-    spec = RankSpec(
-        Path(model_dir),
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype,
-        plan_file=Path(plan_file) if plan_file else None,
-        transform=transform,
-    )
-    return _from_disk(spec, device)
+    plan = Path(plan_file) if plan_file else None
+    return _from_disk(RankSpec(Path(model_dir), tp_rank, tp_size, dtype, plan, transform), device)
 
 
 def _from_disk(spec: RankSpec, device: str | torch.device) -> dict[str, torch.Tensor]:
@@ -372,15 +365,8 @@ async def load_weights(
     serving a transform serves an engine asking for it."""
     from wcache.client import WCacheClient
 
-    spec = RankSpec(
-        Path(model_dir),
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        dtype=dtype,
-        plan_file=Path(plan_file) if plan_file else None,
-        transform=transform,
-        verify_content=verify_content,
-    )
+    plan = Path(plan_file) if plan_file else None
+    spec = RankSpec(Path(model_dir), tp_rank, tp_size, dtype, plan, transform, verify_content)
     try:
         key = WeightCacheKey.from_spec(spec)
         c = client if client is not None else WCacheClient()
