@@ -1,8 +1,12 @@
-"""What the daemon opens from a checkpoint directory, and what it agrees to serve (issue 16, classes 2, 3, 5).
+"""What the daemon opens from a checkpoint directory, and what it agrees to serve (the rows of docs/reliability.md's
+table that name this file):
 
-- Class 2: every file is a regular file (symlinks followed), metadata size-capped, opened without blocking.
-- Class 3: fingerprint, headers and data come from the descriptor that was validated, not from the path again.
-- Class 5: tensors the protocol cannot carry (docs/protocol.md §7) are refused at load, naming tensor and limit.
+- file types and sizes: every file is a regular file (symlinks followed), metadata size-capped, opened without
+  blocking;
+- one descriptor per file: fingerprint, headers and data come from the descriptor that was validated, not from
+  the path again;
+- the protocol's limits: tensors the protocol cannot carry (docs/protocol.md §7) are refused at load, naming
+  tensor and limit.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def one_tensor_dir(root: Path, name: str = "w", shape: list[int] | None = None, 
     return root
 
 
-# --------------------------------------------------------------------------- class 2: file types and sizes
+# --------------------------------------------------------------------------- file types and sizes
 
 
 def _refused_in_child(model: Path) -> subprocess.CompletedProcess[str]:
@@ -164,7 +168,7 @@ def test_checkpoint_descriptors_are_released(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-# --------------------------------------------------------------------------- class 3: one descriptor per file
+# --------------------------------------------------------------------------- one descriptor per file
 
 
 def _swap(victim: Path, replacement: Path, how: str) -> None:
@@ -228,7 +232,7 @@ def test_fingerprint_reads_the_validated_descriptor(tmp_path: Path) -> None:
     assert WeightCacheKey.from_checkpoint(a) == key_b  # reopened: now it is the other checkpoint
 
 
-# --------------------------------------------------------------------------- class 5: the protocol's limits
+# --------------------------------------------------------------------------- the protocol's limits
 
 
 @pytest.mark.parametrize(

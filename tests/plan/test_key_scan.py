@@ -1,6 +1,7 @@
-"""The key's header scan (issue 20): ``WeightCacheKey.from_checkpoint`` reads headers the safetensors library
-wrote without building an object per tensor, and gets the key the full parse gets, for every header: those
-the scan reads, and those it hands to the full parse (other writers, escapes, duplicates, bad input)."""
+"""The key's header scan (docs/performance.md, "The restart weight path in a fresh engine"):
+``WeightCacheKey.from_checkpoint`` reads headers the safetensors library wrote without building an object per
+tensor, and gets the key the full parse gets, for every header: those the scan reads, and those it hands to the
+full parse (other writers, escapes, duplicates, bad input)."""
 
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ def test_missing_directory_and_no_files(tmp_path: Path) -> None:
 
 
 def test_tp2_rank_reads_about_half(tmp_path: Path, ckpt: Path) -> None:
-    """Issue 5: with TP=2 each rank reads <= 55% of the checkpoint's bytes, and gets the right slices."""
+    """With TP=2 each rank reads <= 55% of the checkpoint's bytes (a rank reads its shards, not the whole
+    checkpoint), and gets the right slices."""
     import glob
 
     import torch

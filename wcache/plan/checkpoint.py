@@ -17,8 +17,9 @@ unreferenced Checkpoint releases them when collected.
 A key needs only the raw headers and the bytes per dtype (:class:`DtypeBytes`), not a validated
 entry per tensor: ``Checkpoint.open(path, tensors=False)`` reads headers written the way the
 safetensors library writes them with one regular-expression scan (``_scan_header``; 50,000 tensors
-in ~15 ms where parsing and validating them took ~300 ms, issue 20) and parses any other header in
-full, so the key is the same either way. Validating every tensor is the loader's job.
+in ~15 ms where parsing and validating them took ~300 ms: docs/performance.md, "The restart weight
+path in a fresh engine") and parses any other header in full, so the key is the same either way.
+Validating every tensor is the loader's job.
 """
 
 from __future__ import annotations
