@@ -29,11 +29,11 @@ import torch
 from wcache import WCacheClient
 from wcache.channel import Channel, close_fds, connect, expect
 from wcache.errors import ProtocolError
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.recipe import RecipeKey
 from wcache.proto import Deposit, DepositTensor, GetState, Release, State, Status, pack_frame
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.fields import MAX_KEY_FIELDS
-from wcache.recipe import RecipeKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lease_bench import tiny_daemon  # the benchmarks' one tiny-daemon set-up

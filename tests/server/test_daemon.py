@@ -30,6 +30,7 @@ from wcache.errors import (
     UnknownLeaseError,
 )
 from wcache.nn import load_from_disk
+from wcache.plan.key import RankSpec
 from wcache.proto import (
     Commit,
     Deposit,
@@ -61,7 +62,7 @@ def backend() -> HostBackend:
 
 @pytest.fixture
 def store(backend: HostBackend, ckpt: Path) -> Iterator[Store]:
-    s = Store(backend, [load_model(ckpt, backend=backend)])
+    s = Store(backend, [load_model(RankSpec(ckpt), backend=backend)])
     try:
         yield s
     finally:
@@ -118,8 +119,8 @@ async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_d
     try:
         async with serving(empty, socket_dir, loader=lambda rp: load_model(rp, backend=backend)) as d:
             client = WCacheClient(d.socket_path)
-            first = await client.preload(ckpt)
-            again = await client.preload(ckpt)
+            first = await client.preload(RankSpec(ckpt))
+            again = await client.preload(RankSpec(ckpt))
             assert first.key == again.key == key.to_wire() and first.load_seconds > 0
             assert again.load_seconds == 0  # already held: nothing loaded
             async with await client.fetch(key):
@@ -136,7 +137,7 @@ async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_d
 async def test_preload_without_a_loader_is_refused(store: Store, socket_dir: Path, ckpt: Path) -> None:
     async with serving(store, socket_dir) as d:
         with pytest.raises(NotFoundError, match="without a loader"):
-            await WCacheClient(d.socket_path).preload(ckpt)
+            await WCacheClient(d.socket_path).preload(RankSpec(ckpt))
 
 
 async def test_deposit_and_commit_then_fetch(store: Store, socket_dir: Path, ckpt: Path) -> None:

@@ -33,8 +33,9 @@ from wcache.errors import (
     UnsupportedPlatformError,
 )
 from wcache.nn import load_from_disk
+from wcache.plan.key import RankSpec
+from wcache.plan.recipe import RecipeKey
 from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor, DeviceInfo, ErrorFrame, SlabDescriptor
-from wcache.recipe import RecipeKey
 from wcache.server.backends.base import Backend
 from wcache.server.store import Store, deposit_layout
 
@@ -255,7 +256,7 @@ def _budget_for_one(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> tu
     size fits only once the checkpoint is evicted."""
     from wcache.server.load import planned_bytes
 
-    size = planned_bytes(ckpt)[1]
+    size = planned_bytes(RankSpec(ckpt))[1]
     return daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20))), size
 
 
