@@ -27,6 +27,7 @@ from wcache.channel import Channel, connect, expect
 from wcache.errors import (
     InUseError,
     KeyMismatchError,
+    LocalProtocolError,
     OutOfMemoryError,
     ProtocolError,
     UnknownLeaseError,
@@ -427,6 +428,21 @@ async def test_a_key_over_its_bounds_is_refused(daemon: DaemonProc, ckpt: Path) 
     wire = Deposit(id=1, key=key, tensors=(DepositTensor("w", "int8", (1,)),)).to_wire()
     err = _fatal_reply(daemon, wire)
     assert err.code == 1 and err.details == {"frame": "DEPOSIT", "field": "key"} and "at most 64 fields" in err.message
+    assert set(await models(daemon)) == {"ckpt"}
+
+
+async def test_a_deposit_over_the_daemons_request_limit_is_refused_before_it_is_sent(
+    daemon: DaemonProc, ckpt: Path
+) -> None:
+    """30,000 tensors (a large MoE model's count) make a DEPOSIT frame of about 1.8 MB, over the 1 MiB the
+    daemon announces in HELLO_OK: the client refuses it naming both sizes, before anything is sent, with a
+    WCacheError (the engines' fallback), and the daemon serves on. It was sent: the daemon closed the
+    connection on its length prefix and the engine got CacheUnavailableError ('Broken pipe'), as if no daemon
+    ran."""
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    ts = {f"model.layers.{i // 512}.mlp.experts.{i % 512}.w": torch.zeros(1) for i in range(30_000)}
+    with pytest.raises(LocalProtocolError, match=r"DEPOSIT is \d+ bytes, over the 1048576 bytes"):
+        await WCacheClient(daemon.socket).deposit(recipe_key(base), ts)
     assert set(await models(daemon)) == {"ckpt"}
 
 
