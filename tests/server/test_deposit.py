@@ -30,6 +30,7 @@ from wcache.errors import (
     InUseError,
     KeyMismatchError,
     LocalProtocolError,
+    NotFoundError,
     OutOfMemoryError,
     ProtocolError,
     UnknownLeaseError,
@@ -319,6 +320,47 @@ async def test_engine_killed_mid_deposit_leaves_nothing(
     # and the key is free for the next engine: a deposit now succeeds
     await WCacheClient(daemon.socket).deposit(key, tensors())
     assert (await models(daemon))[key.short()] == "deposit"
+
+
+@pytest.mark.parametrize("restart", ["tier", "keeper"])
+async def test_a_daemon_killed_mid_deposit_serves_none_of_it_after_a_restart(
+    daemon_factory: Callable[..., DaemonProc],
+    ckpt: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    restart: str,
+) -> None:
+    """The daemon is SIGKILLed while an engine maps its deposit slab, half written; restarted with its host
+    tier or on its keeper (what outlives a daemon), it serves the checkpoint and nothing under the recipe key:
+    an uncommitted deposit is never saved to the tier nor kept (the engine, still alive, maps the orphaned
+    slab)."""
+    extra = {
+        "tier": ("--host-tier", str(1 << 30), "--host-tier-dir", str(tmp_path / "tier")),
+        "keeper": ("--keeper",),
+    }[restart]
+    if restart == "keeper":
+        request.getfixturevalue("keeper")
+    first = daemon_factory(ckpt, *extra)
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    marker = tmp_path / "at-step"
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tests.server.deposit_engine", str(first.socket), "half_written", str(marker)]
+        + [json.dumps(base.to_wire())],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    try:
+        await wait_for(lambda: marker.exists() or engine.poll() is not None, 60, "engine reached half_written")
+        assert engine.poll() is None, f"the engine exited with {engine.returncode}"
+        first.stop(signal.SIGKILL)
+        second = daemon_factory(ckpt, *extra)
+        assert set(await models(second)) == {"ckpt"}
+        with pytest.raises((KeyMismatchError, NotFoundError)):
+            async with await WCacheClient(second.socket).fetch(recipe_key(base), timeout=15):
+                pass
+    finally:
+        engine.kill()
+        engine.wait(30)
 
 
 async def test_deposit_over_budget_is_refused_before_allocation(
