@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.recipe import RecipeKey
 from wcache.proto import TensorEntry, TensorTable
-from wcache.recipe import RecipeKey
 from wcache.server import fill as fill_module
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import FillConfig, fill, grant_bytes
@@ -67,7 +67,7 @@ async def _one(svc: PeerService, port: int, model: ServedModel, rate: int, polic
     sec = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
     try:
         t0 = time.perf_counter()
-        got = await fill(model.key, None, None, HostBackend(), agent, FillConfig((("127.0.0.1", port),), sec, "b"))
+        got = await fill(model.key, None, HostBackend(), agent, FillConfig((("127.0.0.1", port),), sec, "b"))
         seconds = time.perf_counter() - t0
         got.close()
     finally:

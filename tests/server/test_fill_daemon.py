@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from tests.conftest import run_cli
 from tests.server.deposit_engine import recipe_key, tensors
 from wcache import WCacheClient, WeightCacheKey
-from wcache.key import RACY_NS
-from wcache.rank import RankSpec, plan_rank
-from wcache.recipe import key_from_wire
+from wcache.plan.key import RACY_NS, RankSpec
+from wcache.plan.rank import plan_rank
+from wcache.plan.recipe import key_from_wire
 from wcache.server.peer_channel import GRANT_SECONDS
 from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint
@@ -206,7 +206,7 @@ def test_a_preload_and_a_recipe_key_are_filled_from_a_peer_daemon(
     target = daemons(other, "--fill-from", peer, "--metrics-port", str(tport))
     assert list(_origins(target).values()) == ["disk"]  # the peer holds nothing of `other`
     rank = WeightCacheKey.from_checkpoint(ckpt, tp_rank=1, tp_size=2)
-    done = asyncio.run(WCacheClient(target.socket).preload(ckpt, tp_rank=1, tp_size=2, timeout=60))
+    done = asyncio.run(WCacheClient(target.socket).preload(RankSpec(ckpt, tp_rank=1, tp_size=2), timeout=60))
     assert done.key == rank.to_wire() and done.load_seconds > 0
 
     async def fetch_recipe() -> None:
@@ -243,7 +243,7 @@ def test_a_peer_sigkilled_mid_preload_fill_leaves_the_target_on_the_disk_path(
 
     async def preload_while_the_peer_dies() -> str:
         client = WCacheClient(target.socket)
-        task = asyncio.ensure_future(client.preload(ckpt, timeout=120))
+        task = asyncio.ensure_future(client.preload(RankSpec(ckpt), timeout=120))
         deadline = time.monotonic() + 60
         while _slabs_of(target.pid) < 2:  # the fill's slab is allocated: the READs are under way
             assert time.monotonic() < deadline and not task.done(), target.log_text()[-2000:]

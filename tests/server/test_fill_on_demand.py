@@ -24,8 +24,9 @@ from tests.server.test_fill import NONE, _bytes, _cfg, _listening, _load, _memfd
 from tests.server.test_tier_generations import _until
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import KeyMismatchError
+from wcache.plan.key import RankSpec
+from wcache.plan.rank import RankPlan
 from wcache.proto.fleet_frames import PeerRead
-from wcache.rank import RankPlan, RankSpec
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
 from wcache.server.fill import FillConfig, PeerFill
@@ -90,7 +91,7 @@ async def test_a_preload_and_a_load_on_demand_fill_from_a_peer(ckpt: Path, socke
     async with sources(_load(ckpt)) as ports, target(socket_dir, _cfg(ports), load_on_demand=True) as d:
         peer = f"peer 127.0.0.1:{ports[0]}"
         client = WCacheClient(d.socket_path)
-        done = await client.preload(ckpt, tp_rank=0, tp_size=2, timeout=60)
+        done = await client.preload(RankSpec(ckpt, tp_rank=0, tp_size=2), timeout=60)
         key0 = WeightCacheKey.from_checkpoint(ckpt, tp_rank=0, tp_size=2)
         assert done.key == key0.to_wire()
         key1 = WeightCacheKey.from_checkpoint(ckpt, tp_rank=1, tp_size=2)
@@ -113,13 +114,13 @@ async def test_a_dns_spec_is_resolved_again_for_every_fill(ckpt: Path, socket_di
     cfg = _cfg([], connect_timeout=2.0)
     async with target(socket_dir, cfg, spec=spec) as d:
         client = WCacheClient(d.socket_path)
-        await client.preload(ckpt, tp_rank=0, tp_size=2, timeout=60)
+        await client.preload(RankSpec(ckpt, tp_rank=0, tp_size=2), timeout=60)
         assert d.metrics.fills[("failed", "no-peer")] == 1
         svc = PeerService(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
         listener = PeerListener(svc, "127.0.0.1", port)
         listener.start()
         try:
-            await client.preload(ckpt, tp_rank=1, tp_size=2, timeout=60)
+            await client.preload(RankSpec(ckpt, tp_rank=1, tp_size=2), timeout=60)
             await _until(lambda: not svc.fills, "the target released its leases")
         finally:
             await listener.stop()
@@ -134,7 +135,7 @@ async def test_a_transformed_key_is_filled_byte_for_byte(ckpt: Path, socket_dir:
     fused = load_model(RankSpec(ckpt, transform=FUSE), backend=HostBackend(), threads=2)
     want = _bytes(fused)
     async with sources(fused) as ports, target(socket_dir, _cfg(ports)) as d:
-        done = await WCacheClient(d.socket_path).preload(ckpt, transform=FUSE, timeout=60)
+        done = await WCacheClient(d.socket_path).preload(RankSpec(ckpt, transform=FUSE), timeout=60)
         (m,) = d.store.models.values()
         assert m.key.to_wire() == done.key and m.origin == f"peer 127.0.0.1:{ports[0]}"
         assert _bytes(m) == want and "model.layers.0.self_attn.qkv_proj.weight" in m.table.names
@@ -219,7 +220,7 @@ async def test_a_peer_failing_mid_fill_on_demand_leaves_the_disk_and_the_tier(
             before = _memfds()
             async with target(socket_dir, _cfg([port], chunk=1 << 20), tier=tier) as d:
                 client = WCacheClient(d.socket_path)
-                await client.preload(ckpt, timeout=60)
+                await client.preload(RankSpec(ckpt), timeout=60)
                 assert _origins(d) == {m.key.short(): "disk"}
                 assert _bytes(d.store.models[m.key]) == _bytes(m)
                 assert await _fetched(client, recipe) > 0
