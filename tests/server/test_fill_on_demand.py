@@ -205,8 +205,34 @@ def _break_second_grants(svc: PeerService) -> None:
 async def test_a_peer_failing_mid_fill_on_demand_leaves_the_disk_and_the_tier(
     ckpt: Path, socket_dir: Path, tmp_path: Path
 ) -> None:
-    """The source fails mid-fill: a PRELOAD loads from disk, a recipe key comes from the host tier — each with
-    the fill's reason counted, the half-filled slab freed, nothing half-filled served."""
+    """The source fails mid-fill: a PRELOAD and a GET_STATE of a recipe key load from disk / are refused as
+    not served — each with the fill's reason counted, the half-filled slab freed, nothing half-filled served."""
+    m = _load(ckpt)
+    recipe = recipe_key(m.key)
+    deposit = dataclasses.replace(m, key=recipe, origin="deposit")
+    async with peer(m, deposit) as (svc, port):
+        _break_second_grants(svc)
+        gc.collect()  # what earlier tests left to the collector is not counted
+        before = _memfds()
+        async with target(socket_dir, _cfg([port], chunk=1 << 20)) as d:
+            client = WCacheClient(d.socket_path)
+            await client.preload(RankSpec(ckpt), timeout=60)
+            assert _origins(d) == {m.key.short(): "disk"}
+            assert _bytes(d.store.models[m.key]) == _bytes(m)
+            with pytest.raises(KeyMismatchError):  # not served: what is served under the closest key
+                await client.fetch(recipe, timeout=60)
+            assert recipe not in d.store.models
+            failed = {reason: n for (outcome, reason), n in d.metrics.fills.items() if outcome == "failed"}
+            assert sum(failed.values()) == 2 and set(failed) <= {"transfer", "deadline"}
+            assert d.metrics.fills[("filled", "")] == 0
+            gc.collect()
+            assert _memfds() == before + 1  # the slab served, no half-filled one left
+
+
+async def test_this_nodes_host_tier_comes_before_the_peers(ckpt: Path, socket_dir: Path, tmp_path: Path) -> None:
+    """A key this node's host tier holds is refilled from it, the peers not asked (local memory, every block
+    checked, against a network transfer): a GET_STATE of a recipe key and a PRELOAD of the checkpoint, with a
+    peer serving both."""
     m = _load(ckpt)
     recipe = recipe_key(m.key)
     deposit = dataclasses.replace(m, key=recipe, origin="deposit")
@@ -214,22 +240,13 @@ async def test_a_peer_failing_mid_fill_on_demand_leaves_the_disk_and_the_tier(
     try:
         tier.supersede(recipe, "g1")  # as a COMMIT of the deposit on this node did, then its save
         assert tier.save(recipe, m.slabs[0], m.table, dict(m.aliases), m.payload_bytes, generation="g1")
-        async with peer(m, deposit) as (svc, port):
-            _break_second_grants(svc)
-            gc.collect()  # what earlier tests left to the collector is not counted
-            before = _memfds()
-            async with target(socket_dir, _cfg([port], chunk=1 << 20), tier=tier) as d:
-                client = WCacheClient(d.socket_path)
-                await client.preload(RankSpec(ckpt), timeout=60)
-                assert _origins(d) == {m.key.short(): "disk"}
-                assert _bytes(d.store.models[m.key]) == _bytes(m)
-                assert await _fetched(client, recipe) > 0
-                assert _origins(d)[recipe.short()] == "tier"
-                assert _bytes(d.store.models[recipe]) == _bytes(m)
-                failed = {reason: n for (outcome, reason), n in d.metrics.fills.items() if outcome == "failed"}
-                assert sum(failed.values()) == 2 and set(failed) <= {"transfer", "deadline"}
-                assert d.metrics.fills[("filled", "")] == 0
-                gc.collect()  # the client's mapping of the deposit (its own descriptor) is gone
-                assert _memfds() == before + 2  # the two slabs served, no half-filled one left
+        assert tier.save(m.key, m.slabs[0], m.table, dict(m.aliases), m.payload_bytes)
+        async with peer(m, deposit) as (svc, port), target(socket_dir, _cfg([port]), tier=tier) as d:
+            client = WCacheClient(d.socket_path)
+            assert await _fetched(client, recipe) > 0
+            await client.preload(RankSpec(ckpt), timeout=60)
+            assert _origins(d) == {recipe.short(): "tier", m.key.short(): "tier"}
+            assert _bytes(d.store.models[recipe]) == _bytes(m) == _bytes(d.store.models[m.key])
+            assert svc.fills_done == 0 and svc.bytes_served == 0 and not d.metrics.fills
     finally:
         tier.close()

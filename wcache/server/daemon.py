@@ -68,7 +68,7 @@ from wcache.server.listen import bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, Shell, raise_nofile, stop_on_signals
 from wcache.server.store import ServedModel, Store, split_descriptors
-from wcache.server.tier import HostTier, TierEntry
+from wcache.server.tier import HostTier, TierEntry, tier_holds
 
 if TYPE_CHECKING:
     from wcache.server.fill import Filled, PeerFill
@@ -555,17 +555,15 @@ class Daemon:
                 return True
             since = self.store.generations.get(key)  # a deposit committed here since: only its generation
             model: ServedModel | None = None
-            if filler is not None:
-                then = "trying the host tier" if tier is not None else "not served"
-                model = await self._filled(functools.partial(filler.key, key, self._room_from_thread(), then))
+            if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
+                entry = await asyncio.to_thread(tier.lookup, key, generation=since)
+                if entry is not None:
+                    await self._evicted(self.store.make_room(entry.size), "tier-restore")
+                    model = await asyncio.to_thread(restore, entry, key)
+            if model is None and filler is not None:
+                model = await self._filled(functools.partial(filler.key, key, self._room_from_thread(), "not served"))
                 if model is not None and model.source is None:
                     model.source = self.store.source_for(key.to_wire())
-            if model is None and tier is not None and restore is not None:
-                entry = await asyncio.to_thread(tier.lookup, key, generation=since)
-                if entry is None:
-                    return False
-                await self._evicted(self.store.make_room(entry.size), "tier-restore")
-                model = await asyncio.to_thread(restore, entry, key)
             if model is None:
                 return False
             if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
@@ -653,9 +651,9 @@ class Daemon:
                 evicted = self.store.make_room(rp.layout.total_bytes)
                 await self._evicted(evicted, "preload")
                 model = None
-                if self.peer_fill is not None:  # the peers first, as at start; the tier and the disk after
-                    then = "loading from the host tier or disk" if self.tier is not None else "loading from disk"
-                    model = await self._filled(functools.partial(self.peer_fill.rank, rp, then))
+                # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
+                if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
+                    model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
                 if model is None:
                     model = await asyncio.to_thread(loader, rp)
             self.store.add(model)

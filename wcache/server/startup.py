@@ -530,7 +530,8 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        filled = fill_from_peers(args, rp, filler, fill_outcomes) if filler is not None else None
+                        local = tier is not None and tier.lookup(rp.key) is not None  # the host tier before the peers
+                        filled = None if filler is None or local else fill_from_peers(args, rp, filler, fill_outcomes)
                         store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
