@@ -3,8 +3,8 @@
 
 Each run is a fresh interpreter that imports torch (and starts the CUDA context with ``--device cuda:N``: an engine
 has both before it asks for weights), then what a fetch loads, in its order: ``import wcache``, ``WCacheClient`` and
-``WeightCacheKey`` (the engine's import), then what the key and the fetch add (``wcache.rank``, the frame registry,
-the views' module and, with CUDA, the CUDA mapping's modules: the client loads these while the daemon answers).
+``WeightCacheKey`` (the engine's import; computing the key imports nothing more), then what the fetch adds (the
+frame registry, the views' module and, with CUDA, the CUDA mapping's modules: loaded while the daemon answers).
 For every module imported after torch, the JSON keeps the least self and cumulative microseconds over the runs
 (one run's figure moves with whatever else the machine does); ``import_us`` sums the least self times of the
 engine's import, ``fetch_adds_us`` those of what the fetch adds. Bytecode is compiled first (``compileall``), as an
@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 ENGINE = "from wcache import WCacheClient, WeightCacheKey"
-FETCH = "import wcache.rank, wcache.proto.frames, wcache.client.mapping"
+FETCH = "import wcache.proto.frames, wcache.client.mapping"
 
 
 def code(device: str, *, fetch: bool = True) -> str:
@@ -84,7 +84,7 @@ def main() -> None:
     order: list[str] = []
     engine_modules: set[str] = set()
     for i in range(args.runs):
-        if i == 0:  # which modules the engine's import loads (the rest the key and the fetch add)
+        if i == 0:  # which modules the engine's import loads (the rest the fetch adds)
             engine_modules = {name for name, *_ in one_run(code(args.device, fetch=False), env)}
         for name, self_us, cum_us, depth in one_run(src, env):
             row = least.setdefault(name, {"self_us": self_us, "cumulative_us": cum_us, "depth": depth})
@@ -103,8 +103,8 @@ def main() -> None:
         "code": src,
         "definition": "least self / cumulative microseconds of each module over the runs (python -X importtime), "
         "modules imported after torch; import_us: the least self times summed over the engine's import "
-        "(import wcache; from wcache import WCacheClient, WeightCacheKey), fetch_adds_us: over what the key and "
-        "the fetch import after it",
+        "(import wcache; from wcache import WCacheClient, WeightCacheKey), fetch_adds_us: over what "
+        "the fetch imports after it",
         "import_us": sum(m["self_us"] for m in modules.values() if m["engine_import"]),
         "fetch_adds_us": sum(m["self_us"] for m in modules.values() if not m["engine_import"]),
         "modules": modules,

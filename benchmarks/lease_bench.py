@@ -1,4 +1,4 @@
-"""GET_STATE + RELEASE round trip against a live daemon while N other leases are held (issue 16, class 7).
+"""GET_STATE + RELEASE round trip against a live daemon while N other leases are held (docs/reliability.md, lease bookkeeping).
 
     python benchmarks/lease_bench.py [--leases 0,6400,12800,25600] [--rounds 300]
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from wcache.channel import Channel, close_fds, connect, expect
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import GetState, Release, State
 from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint

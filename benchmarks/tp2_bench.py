@@ -1,4 +1,4 @@
-"""TP=2 across two GPUs (issue 9), on the lent 2-GPU machine.
+"""TP=2 across two GPUs, on the lent 2-GPU machine.
 
 - Two daemons: rank 0 on physical GPU 0 and rank 1 on physical GPU 1, both started with
   CUDA_VISIBLE_DEVICES=1,0 (so rank 0 is ``--device cuda:1``): engines must find the GPU
@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from wcache import WCacheClient, WeightCacheKey
 from wcache import _cuda
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.sharding import LLAMA_PLAN
 sock, model, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 key = WeightCacheKey.from_checkpoint(model, tp_rank=rank, tp_size=2)
 torch.empty(1, device="cuda:0"); torch.cuda.synchronize()

@@ -20,13 +20,13 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from wcache.errors import FillError
-from wcache.reshard import Copy
+from wcache.plan.reshard import Copy
 from wcache.server.backends.base import MemoryRegion
 
 __all__ = ["MODULES", "Agent", "ReadStats", "Registration", "Transfer", "nixl_module"]
@@ -99,6 +99,9 @@ class Agent:
         if "UCX" not in self._agent.backends:
             raise FillError(f"NIXL agent {name}: no UCX backend in this NIXL build", details={"reason": "nixl"})
         self._peers: set[str] = set()
+        #: called with each READ's bytes just before it is prepared and posted (what a test or a benchmark
+        #: observes of the READ timeline: docs/fleet.md, "Bandwidth policy")
+        self.on_post: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ memory
     def register(self, region: MemoryRegion) -> Registration:
@@ -163,7 +166,7 @@ class Agent:
         deadline: float,
         strided: bool = False,
     ) -> Transfer:
-        """Post one READ request of every copy (a resharding plan's, wcache/reshard.py: ``src`` offsets into
+        """Post one READ request of every copy (a resharding plan's, wcache/plan/reshard.py: ``src`` offsets into
         ``peer``'s ``remote`` region, ``dst`` offsets into ``local``) and return at once: poll
         :meth:`Transfer.done` (an event loop polls several, one per source) or block in :meth:`Transfer.wait`.
         ``deadline``: time.monotonic() by which it must be done, else FillError (reason ``deadline``); a
@@ -177,6 +180,8 @@ class Agent:
         blocks = copies
         if time.monotonic() > deadline:
             raise _late(peer, nbytes)
+        if self.on_post is not None:
+            self.on_post(nbytes)
         t0 = time.perf_counter()
         handle, prepped, n = self._request(peer, blocks, local, remote, strided)
         t = Transfer(self, peer, handle, prepped, nbytes, n, deadline, t0)

@@ -32,11 +32,11 @@ from wcache.server.security import (
 )
 
 if TYPE_CHECKING:
-    from wcache.key import WeightCacheKey
+    from wcache.plan.key import RankSpec, WeightCacheKey
+    from wcache.plan.rank import RankPlan
     from wcache.proto import HandedModel
-    from wcache.rank import RankPlan, RankSpec
     from wcache.server.backends.base import Slab
-    from wcache.server.fill import FillConfig
+    from wcache.server.fill import FillConfig, PeerFill
     from wcache.server.keeper_link import KeeperLink
     from wcache.server.metrics import Metrics
     from wcache.server.peer import PeerListener
@@ -50,6 +50,7 @@ __all__ = [
     "fetch_checkpoint_files",
     "fill_from_peers",
     "make_backend",
+    "peer_fill",
     "pytorch_bin_hint",
     "rank_spec",
     "reclaim",
@@ -152,7 +153,7 @@ def checkpoint_errors(model: str) -> Iterator[None]:
 def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> list[ServedModel]:
     """Serve models whose slabs another process handed over (their fd fields index ``fds``). Every fd in
     ``fds`` is consumed: adopted by a slab, or closed (on failure too)."""
-    from wcache.recipe import key_from_wire
+    from wcache.plan.recipe import key_from_wire
     from wcache.server.loader import LoadStats
     from wcache.server.store import ServedModel
 
@@ -353,9 +354,9 @@ def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> No
 
 def rank_spec(args: argparse.Namespace) -> RankSpec:
     """The rank ``--model``, ``--tp-rank``, ``--tp-size``, ``--dtype``, ``--shard-plan``, ``--transform`` and
-    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank); also what
+    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.plan.key); also what
     ``wcache preload`` / ``evict DIR`` name (``model`` their directory)."""
-    from wcache.rank import RankSpec
+    from wcache.plan.key import RankSpec
 
     return RankSpec(
         Path(args.model),
@@ -386,8 +387,8 @@ def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
     Without them there is nothing to load from disk either: the CheckpointError says why."""
     import asyncio
 
-    from wcache.checkpoint import INDEX_NAME
     from wcache.errors import FillError
+    from wcache.plan.checkpoint import INDEX_NAME
     from wcache.server.fill import fetch_files
 
     if any(root.glob("*.safetensors")) or (root / INDEX_NAME).exists():
@@ -401,44 +402,26 @@ def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
         ) from exc
 
 
+def peer_fill(args: argparse.Namespace, backend: Backend) -> PeerFill:
+    """--fill-from: what fills this daemon's slabs from its peers, at start and on demand (wcache/server/fill.py)."""
+    from wcache.server.fill import PeerFill
+
+    return PeerFill(_fill_config(args), backend, spec=args.fill_from)
+
+
 def fill_from_peers(
-    args: argparse.Namespace, rp: RankPlan, backend: Backend, outcomes: list[tuple[str, int, float]]
+    args: argparse.Namespace, rp: RankPlan, filler: PeerFill, outcomes: list[tuple[str, int, float]]
 ) -> ServedModel | None:
-    """--fill-from: the rank's slab from the peers (wcache/server/fill.py), or None — after one log line naming
-    the reason — for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
-    import asyncio
-
-    from wcache.errors import FillError
-    from wcache.server.fill import fill
-    from wcache.server.nixl import Agent
-
+    """--fill-from at start: the rank's slab from the peers, or None — after one log line naming the reason —
+    for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
     if args.fill_fingerprint and rp.key.fingerprint != args.fill_fingerprint:
         raise CheckpointError(
             f"{rp.spec.checkpoint}: its key's fingerprint is {rp.key.fingerprint}, not --fill-fingerprint "
             f"{args.fill_fingerprint}: refusing to serve another checkpoint"
         )
-    cfg = _fill_config(args)
-    agent: Agent | None = None
-    try:
-        agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
-        plan_id = rp.plan.id if rp.plan is not None else "none"
-        model = asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
-        model.facts = rp.facts  # its local files give its key, as for a disk load: engines may prove them (§4.3.1)
-        outcomes.append(("", model.stats.bytes_read, model.stats.seconds))
-        return model
-    except FillError as exc:
-        outcomes.append((str(exc.details.get("reason", "fill")), 0, 0.0))
-        log.warning(
-            "fill failed key=%s peers=%s reason=%s: %s; loading from disk",
-            rp.key.short(),
-            ",".join(f"{h}:{p}" for h, p in cfg.peers) or args.fill_from,
-            exc.details.get("reason", "fill"),
-            exc.message,
-        )
-        return None
-    finally:
-        if agent is not None:
-            agent.close()
+    filled = filler.rank(rp, "loading from disk")
+    outcomes.append(filled.outcome)
+    return filled.model
 
 
 def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> PeerListener:
@@ -464,7 +447,7 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wcache.rank import plan_rank
+    from wcache.plan.rank import plan_rank
     from wcache.server.daemon import Daemon
     from wcache.server.load import load_model
     from wcache.server.service import ConnectionLimits
@@ -529,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
                 reclaimed = handed = reclaim(link, backend, args.shard_plan)
         store = Store(backend, handed, budget=args.memory_budget or None)
+        filler = peer_fill(args, backend) if args.fill_from is not None else None
         fill_outcomes: list[tuple[str, int, float]] = []  # (reason or "", bytes, seconds) of each fill: metrics
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
@@ -546,9 +530,8 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        filled = (
-                            fill_from_peers(args, rp, backend, fill_outcomes) if args.fill_from is not None else None
-                        )
+                        local = tier is not None and tier.lookup(rp.key) is not None  # the host tier before the peers
+                        filled = None if filler is None or local else fill_from_peers(args, rp, filler, fill_outcomes)
                         store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
@@ -577,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
                 keeper=link,
                 keeper_check=args.keeper_check,
                 tier_restore=restorer(tier, store, backend, args) if tier is not None else None,
+                peer_fill=filler,
             )
             for reason, nbytes, seconds in fill_outcomes:
                 daemon.metrics.observe_fill(reason, nbytes, seconds)

@@ -65,10 +65,10 @@ from typing import Any
 
 import msgpack
 
-from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import ProtocolError, TierEntryError, WCacheError
 from wcache.files import file_kind, read_at_most
-from wcache.key import WeightCacheKey
+from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import PinnedFile, Slab
 from wcache.server.security import check_private_dir
@@ -136,6 +136,12 @@ class TierEntry:
     generation: str = ""  # the deposit's generation ("" for a checkpoint's entry)
     check: BlockCrcs | None = None  # every block's checksum, verified as the restore reads it
     inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the slab file verified at lookup: the restore reads that
+
+
+def tier_holds(tier: HostTier | None, key: WeightCacheKey) -> bool:
+    """Whether ``tier`` has a whole entry of ``key``: this node's own, checked copy, refilled from before any peer
+    is asked (docs/fleet.md, "When a daemon fills")."""
+    return tier is not None and tier.lookup(key) is not None
 
 
 def _open_own(path: Path) -> int | None:
