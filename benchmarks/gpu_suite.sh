@@ -124,8 +124,11 @@ if want keeper; then
     --out "$RAW/keeper_restart.json"
 fi
 if want imports; then
-  # what the restart path imports, and what each module costs on this machine (python -X importtime)
-  step importtime 60 python3 -X importtime -c "import torch; import wcache; from wcache import WCacheClient, WeightCacheKey"
+  # what the restart path imports, and what each module costs on this machine: the least of 8 python -X importtime
+  # runs per module (one run moves with the machine), the engine's import, then what a fetch loads while the daemon
+  # answers: the frame registry and the mapping's modules (CUDA ones: CUDA is up here)
+  step importtime "${IMPORTS_TIMEOUT:-90}" python3 benchmarks/import_bench.py --device cuda:0 --runs 8 \
+    --out "$RAW/importtime.json"
 fi
 if want fresh_moe; then  # 50,000 tensors (~1.5 min)
   step fresh_engine_moe "${FRESH_MOE_TIMEOUT:-240}" python3 benchmarks/fresh_engine_bench.py --device cuda:0 --work $W \

@@ -75,3 +75,12 @@ def test_materialize_builds_everything() -> None:
     v = TensorViews(table, {}, [slab])
     v.materialize()
     assert all(x is not None for x in v._views)
+
+
+@pytest.mark.parametrize("length", [1 << 16, (1 << 16) - 3, (1 << 16) - 2])
+def test_a_slab_of_any_length_gives_every_dtype_its_views(length: int) -> None:
+    """A slab's bytes need not be a multiple of an element size (the typed base is cut to one only then)."""
+    table, slab, expected = table_and_base()
+    v = TensorViews(table, {}, [slab[:length]])
+    for name, t in expected.items():
+        assert v[name].dtype == t.dtype and torch.equal(v[name], t), name

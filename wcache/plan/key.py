@@ -31,7 +31,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import (
     CheckpointError,
@@ -69,7 +69,9 @@ __all__ = [
     "tp_problem",
 ]
 
-KeyValue = Union[str, int]
+#: a key field's value (``str | int``: a types.UnionType, ~1 µs, where typing.Union's first subscription in an engine
+#: costs ~65 µs of its import)
+KeyValue = str | int
 
 PathLike = str | os.PathLike[str]
 
