@@ -22,16 +22,24 @@ starts its CUDA context (not timed: an engine has both before it asks for weight
 ``phases_ms`` breaks the median restart sample down and ``phases_ms_median`` gives each phase's median over
 the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the client): ``import``, ``key``
 (the directory listed and its files stated: docs/protocol.md §4.3.1), ``socket`` (connect, peer check),
-``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back), ``prepare`` (CUDA only, while the STATE is
+``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back; ``ahead`` within it: the frame registry and the
+mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, while the STATE is
 in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
 ``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
 (the rest of the wait for STATE, and its decode), ``import_handle`` (cuMemImportFromShareableHandle),
-``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess), ``map`` (every slab, the two
+``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess: ``reserve``, ``map_range``,
+``set_access``, ``set_access_refused`` for a read-only attempt the driver refused), ``map`` (every slab, the two
 above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),
 ``materialize`` (or ``groups``), ``touch`` (two elements read back, synchronised). ``key_proven_samples``:
 how many samples the daemon answered on the files' proof (the engine read no header). Children run from
 compiled bytecode (a warm-up child writes wcache's first), as an installed wcache would; the checkpoint's
 files are left to settle for 2 s first, as the daemon records no file changed just before it reads it.
+
+CUDA, dense (``--probes N``, default 5 fresh engines per variant): ``touch_probe`` times the first touch by
+variant (TOUCH_PROBE: the ENGINE's touch and a second one; the two elements read first through cuMemcpyDtoH; a
+device-to-host read of other memory first) and ``map_probe`` the first mapping's driver calls by reservation
+alignment and access (MAP_PROBE, with the same range mapped again in the process): where the first fetch's
+first-time costs go. Neither changes the measured figures above (other processes).
 
     python benchmarks/fresh_engine_bench.py --device cuda:0 --model /tmp/wcache-bench/llama3-8b --out r.json
     python benchmarks/fresh_engine_bench.py --device cuda:0 --moe --out r.json      # 50,000 tensors
@@ -100,6 +108,138 @@ print(json.dumps({
 w.release_sync()
 """
 
+# Where a fresh engine's touch goes (CUDA only; the ENGINE's touch is not changed: the anchors' is the same). argv:
+# socket model device variant. The fetch and materialize() as the ENGINE's, then by variant:
+#   item         the ENGINE's touch (two float() reads, synchronised), then the same touch again
+#   driver       the same two elements read first with cuMemcpyDtoH on the mapped addresses (libcuda, no torch),
+#                then the ENGINE's touch
+#   other        a device-to-host read of memory that is not wcache's (a fresh one-element torch allocation) first,
+#                then the ENGINE's touch
+# so the JSON shows whether the first touch pays for the mapping (driver and item alike, and other no help) or for
+# the process's first device-to-host copy (other takes it, the touch after is short) or for torch's path (driver
+# short, item long).
+TOUCH_PROBE = r"""
+import ctypes, json, sys, time
+sock, model, device, variant = sys.argv[1:5]
+import torch
+torch.empty(1, device=device); torch.cuda.synchronize()
+from wcache import WCacheClient, WeightCacheKey
+w = WCacheClient(sock, timeout=120).fetch_sync(WeightCacheKey.from_checkpoint(model))
+w.materialize()
+names = list(w)
+first, last = w[names[0]], w[names[-1]]
+def touch():
+    t0 = time.perf_counter()
+    float(first.view(-1)[0]) + float(last.view(-1)[-1])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+out = {"variant": variant}
+if variant == "item":
+    out["touch"] = touch()
+    out["touch_again"] = touch()
+elif variant == "driver":
+    lib = ctypes.CDLL("libcuda.so.1")
+    copy = lib.cuMemcpyDtoH_v2
+    copy.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(2)
+    t0 = time.perf_counter()
+    assert copy(buf, first.data_ptr(), 2) == 0
+    t1 = time.perf_counter()
+    assert copy(buf, last.data_ptr() + (last.numel() - 1) * last.element_size(), 2) == 0
+    t2 = time.perf_counter()
+    out.update(driver_first=(t1 - t0) * 1e3, driver_second=(t2 - t1) * 1e3, touch=touch())
+elif variant == "other":
+    x = torch.empty(1, device=device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    float(x[0])
+    t1 = time.perf_counter()
+    out.update(other_first=(t1 - t0) * 1e3, touch=touch())
+out["timings"] = w.timings
+print(json.dumps(out))
+w.release_sync()
+"""
+
+# The first mapping's driver calls by variant, in a fresh engine (CUDA VMM only). argv: socket model device
+# alignment access. The GET_STATE as a fetch sends it, then the slab's fd imported and mapped by hand:
+# cuMemAddressReserve with ``alignment`` (0: the driver's choice; "gran": the VMM granularity; else bytes), cuMemSetAccess read-only first
+# (``ro``, as the client) or read-write only (``rw``); each call timed, then the first and last byte read back
+# (cuMemcpyDtoH), then the same range unmapped and mapped again in the same process (the warm figures).
+MAP_PROBE = r"""
+import ctypes, json, os, sys, time
+from pathlib import Path
+sock, model, device, alignment, access = sys.argv[1:6]
+import torch
+torch.empty(1, device=device); torch.cuda.synchronize()
+from wcache import WeightCacheKey
+from wcache.channel import connect_blocking, expect_blocking
+from wcache.client import cuda, driver
+from wcache.client.client import _Request
+key = WeightCacheKey.from_checkpoint(model)
+req = _Request(key, "zero_copy")
+ch, hello = connect_blocking(Path(sock), software="map-probe", name="map-probe", timeout=60, pipeline=req.build)
+frame, fds = expect_blocking(ch, 60)
+state = req.state(frame, fds)
+desc = state.slabs[0]
+assert desc.kind == "cuda_vmm", desc.kind
+fd = fds[desc.fd]
+index = cuda.visible_uuids().index(desc.device_uuid)
+cuda._make_current(index)
+gran = driver.granularity(index)
+total = max(gran, -(-(desc.offset + desc.size) // gran) * gran)
+align = gran if alignment == "gran" else int(alignment)
+d = driver.driver()
+lib = ctypes.CDLL("libcuda.so.1")
+copy = lib.cuMemcpyDtoH_v2
+copy.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_size_t]
+ms = lambda a, b: round((b - a) * 1e3, 4)
+def mapped(handle):
+    r = {}
+    ptr = driver.CUdeviceptr()
+    t0 = time.perf_counter()
+    driver.check(d.cuMemAddressReserve(ctypes.byref(ptr), total, align, 0, 0), "cuMemAddressReserve")
+    t1 = time.perf_counter()
+    addr = int(ptr.value)
+    driver.check(d.cuMemMap(addr, total, 0, handle, 0), "cuMemMap")
+    t2 = time.perf_counter()
+    acc = driver.CUmemAccessDesc()
+    acc.location.type = driver.CU_MEM_LOCATION_TYPE_DEVICE
+    acc.location.id = index
+    ro = False
+    if access == "ro":
+        acc.flags = driver.CU_MEM_ACCESS_FLAGS_PROT_READ
+        ro = d.cuMemSetAccess(addr, total, ctypes.byref(acc), 1) == 0
+    t3 = time.perf_counter()
+    if not ro:
+        acc.flags = driver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        driver.check(d.cuMemSetAccess(addr, total, ctypes.byref(acc), 1), "cuMemSetAccess")
+    t4 = time.perf_counter()
+    buf = ctypes.create_string_buffer(2)
+    assert copy(buf, addr + desc.offset, 2) == 0
+    t5 = time.perf_counter()
+    assert copy(buf, addr + desc.offset + desc.size - 2, 2) == 0
+    t6 = time.perf_counter()
+    r.update(reserve=ms(t0, t1), map_range=ms(t1, t2), set_access_ro=ms(t2, t3), set_access_rw=ms(t3, t4),
+             read_only=ro, first_read=ms(t4, t5), second_read=ms(t5, t6), address_aligned_1g=addr % (1 << 30) == 0)
+    t7 = time.perf_counter()
+    d.cuMemUnmap(addr, total); d.cuMemAddressFree(addr, total)
+    r["unmap_free"] = ms(t7, time.perf_counter())
+    return r
+handle = driver.CUmemGenericAllocationHandle()
+t0 = time.perf_counter()
+driver.check(d.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
+             driver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+out = {"alignment": align, "access": access, "granularity": gran, "bytes": total,
+       "import_handle": ms(t0, time.perf_counter())}
+out["first"] = mapped(handle)
+out["again"] = mapped(handle)
+d.cuMemRelease(handle)
+for f in fds:
+    os.close(f)
+ch.close()
+print(json.dumps(out))
+"""
+
 # The anchors' holder: load every tensor to the GPU, share each through reduce_tensor (one legacy
 # CUDA IPC handle per tensor), write the pickle, then hold the tensors until stdin closes.
 IPC_HOLDER = r"""
@@ -164,6 +304,34 @@ def phase_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Each phase's median over the samples that have it (a sample that fell back to the scan has other phases)."""
     keys = list(dict.fromkeys(k for r in runs for k in r["phases_ms"]))
     return {k: round(statistics.median(r["phases_ms"][k] for r in runs if k in r["phases_ms"]), 3) for k in keys}
+
+
+TOUCH_VARIANTS = ("item", "driver", "other")
+#: (cuMemAddressReserve alignment, access): the client's way first (0, read-only tried first)
+MAP_VARIANTS = (("0", "ro"), ("0", "rw"), ("gran", "ro"), (str(1 << 30), "ro"))
+
+
+def probe_medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per variant: the median of every number its children printed (nested maps flattened to a.b), and the
+    children's values of booleans (read_only, aligned) as they came."""
+    out: dict[str, Any] = {}
+    for variant, children in runs.items():
+        flat: list[dict[str, Any]] = []
+        for c in children:
+            row: dict[str, Any] = {}
+            for k, v in c.items():
+                for kk, vv in v.items() if isinstance(v, dict) else [(None, v)]:
+                    row[f"{k}.{kk}" if kk else k] = vv
+            flat.append(row)
+        summary: dict[str, Any] = {"samples": len(flat)}
+        for k in dict.fromkeys(k for r in flat for k in r):
+            vals = [r[k] for r in flat if k in r]
+            if all(isinstance(v, bool) for v in vals):
+                summary[k] = sorted(set(vals))
+            elif all(isinstance(v, int | float) for v in vals):
+                summary[k] = round(statistics.median(vals), 4)
+        out[variant] = summary
+    return out
 
 
 def stats(xs: list[float]) -> dict[str, Any]:
@@ -246,6 +414,12 @@ def main() -> None:
     ap.add_argument("--copy-samples", type=int, help="fresh engines for the copy-mode figure (default: --samples)")
     ap.add_argument("--named-samples", type=int, help="--moe: fresh engines building every name (default: --samples)")
     ap.add_argument("--cuda-export", choices=["vmm", "ipc"], default="vmm")
+    ap.add_argument(
+        "--probes",
+        type=int,
+        default=5,
+        help="CUDA, dense: fresh engines per touch variant and per mapping variant (TOUCH_PROBE, MAP_PROBE; 0: none)",
+    )
     args = ap.parse_args()
     if args.samples < 1:
         ap.error("--samples must be >= 1")
@@ -289,6 +463,17 @@ def main() -> None:
             if args.moe
             else []
         )
+        if cuda and not args.moe and args.probes > 0:
+            results["touch_probe"] = probe_medians(
+                {v: [run_child(TOUCH_PROBE, *engine, v, env=env) for _ in range(args.probes)] for v in TOUCH_VARIANTS}
+            )
+            if args.cuda_export == "vmm":
+                results["map_probe"] = probe_medians(
+                    {
+                        f"align={a},{acc}": [run_child(MAP_PROBE, *engine, a, acc, env=env) for _ in range(args.probes)]
+                        for a, acc in MAP_VARIANTS
+                    }
+                )
     finally:
         d.stop()
     first = stats([r["fetch_ms"] for r in runs])

@@ -51,6 +51,9 @@ def lines(raw: Path) -> list[str]:
         out.append(_fmt(f"{name}: first_fetch_fresh_engine_ms", _median(d, "first_fetch_fresh_engine_ms"), " (median)"))
         out.append(_fmt(f"{name}: first_fetch_over_per_tensor_ipc", d.get("first_fetch_over_per_tensor_ipc"), "", 3))
         out.append(f"{name}: key_proven {d.get('key_proven_samples')} phases_ms_median {d.get('phases_ms_median')}")
+        for probe in ("touch_probe", "map_probe"):  # where the first touch and the first mapping go (CUDA, dense)
+            if isinstance(d.get(probe), dict):
+                out.append(f"{name}: {probe} {d[probe]}")
     d = _load(raw / "cold_load.json")
     if d is not None:
         runs = d.get("runs", {})

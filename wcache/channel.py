@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the unions of every frame: an engine's restart imports only
 
 __all__ = [
     "Channel",
+    "Meanwhile",
     "PeerCredentials",
     "ReadBudget",
     "connect",
@@ -265,11 +266,17 @@ class Channel:
     # ---------------------------------------------------------------- receive
     def _recv_once(self) -> None:
         """One recvmsg into the connection (b'' marks EOF); BlockingIOError when a non-blocking socket has
-        nothing to read."""
+        nothing to read. The rest of a big frame goes straight where the connection assembles it
+        (``Connection.receive_space``: a client's STATE), other reads through a buffer of their own."""
         space = socket.CMSG_SPACE(MAX_FDS_PER_RECV * 4)
-        # never more than the frame limit now allows (small before the handshake): what one read
-        # brings in is held before the length prefix in it can be checked
-        data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
+        target = self.conn.receive_space()
+        if target is not None:
+            with target:
+                n, anc, flags, _ = self.sock.recvmsg_into([target], space)
+        else:
+            # never more than the frame limit now allows (small before the handshake): what one read
+            # brings in is held before the length prefix in it can be checked
+            data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
         fds: list[int] = []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -279,7 +286,12 @@ class Channel:
         if flags & socket.MSG_CTRUNC:
             close_fds(fds)
             raise ProtocolError("file descriptors were truncated in transit")
-        self.conn.receive_data(data, fds)
+        if target is None:
+            self.conn.receive_data(data, fds)
+        elif n:
+            self.conn.received_into(n, fds)
+        else:
+            self.conn.receive_data(b"", fds)  # the stream ended inside the frame
 
     async def _recv_some(self) -> None:
         """One recvmsg into the connection, waiting for the socket to be readable."""
@@ -389,6 +401,9 @@ def _timed(timings: dict[str, float] | None, t0: float, t1: float) -> None:
 
 #: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
 Pipeline = Callable[[Connection], "Frame"]
+#: work that needs no reply, done once the opening is written and before HELLO_OK is read: it overlaps the
+#: daemon's answer instead of adding to it (an engine's fetch loads its mapping's modules there)
+Meanwhile = Callable[[], None]
 
 
 async def connect(
@@ -398,15 +413,17 @@ async def connect(
     name: str,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
-    back (its reply is the next frame after HELLO_OK). ``max_frame_size``: the largest frame body taken
-    from the peer. ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK
-    in), in ms."""
+    back (its reply is the next frame after HELLO_OK); ``meanwhile``: called once that is written, before
+    HELLO_OK is read (``Meanwhile``). ``max_frame_size``: the largest frame body taken from the peer.
+    ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK in, ``meanwhile``
+    included), in ms."""
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     sock = _socket()
@@ -421,6 +438,8 @@ async def connect(
     ch = Channel(sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size))
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
+        if meanwhile is not None:
+            meanwhile()
         frame, _ = await expect(ch)
         assert isinstance(frame, HelloOk)
     except BaseException:
@@ -438,6 +457,7 @@ def connect_blocking(
     timeout: float,
     service: Service | None = None,
     pipeline: Pipeline | None = None,
+    meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
 ) -> tuple[Channel, HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
@@ -458,6 +478,8 @@ def connect_blocking(
     ch = Channel(sock, Connection(Role.CLIENT, service=service))
     try:
         ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
+        if meanwhile is not None:
+            meanwhile()
         frame, _ = expect_blocking(ch, timeout)
         assert isinstance(frame, HelloOk)
     except BaseException:

@@ -55,9 +55,11 @@ engine. ``wcache.nn.load_weights`` and ``wcache.integrations.transformers.from_p
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wcache.error_codes import ErrorCode
 
 __all__ = [
     "ERROR_CLASSES",
@@ -96,29 +98,19 @@ __all__ = [
 ]
 
 
-class ErrorCode(enum.IntEnum):
-    """Codes of ERROR frames (docs/protocol.md §6). Values are part of the wire format."""
+class _Code:
+    """An error class's ``code``: the ErrorCode member named, looked up when first read (``wcache.error_codes``
+    is imported then: an engine's fetch that raises nothing never builds the IntEnum)."""
 
-    PROTOCOL_ERROR = 1
-    FRAME_TOO_LARGE = 2
-    UNSUPPORTED_VERSION = 3
-    UNEXPECTED_FRAME = 4
-    PERMISSION_DENIED = 10
-    NOT_READY = 20
-    KEY_MISMATCH = 21
-    UNKNOWN_LEASE = 22
-    LIMIT_EXCEEDED = 23
-    DEVICE_MISMATCH = 24
-    UNSUPPORTED_PLATFORM = 25
-    OUT_OF_MEMORY = 26
-    IN_USE = 27
-    NOT_FOUND = 28
-    KEY_UNPROVEN = 29
-    UNAVAILABLE = 30
-    INVALID_CHECKPOINT = 40
-    INVALID_PLAN = 41
-    INVALID_TRANSFORM = 42
-    INTERNAL = 99
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, cls: type[Any] | None = None) -> ErrorCode:
+        from wcache.error_codes import ErrorCode
+
+        return ErrorCode[self.name]
 
 
 class WCacheError(Exception):
@@ -128,7 +120,7 @@ class WCacheError(Exception):
     mismatched key fields); it travels in ERROR frames unchanged.
     """
 
-    code: ErrorCode = ErrorCode.INTERNAL
+    code = _Code("INTERNAL")
 
     def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -142,7 +134,7 @@ class ProtocolError(WCacheError):
     knows whose fault it is. A received ERROR frame with code ``PROTOCOL_ERROR`` (the peer's verdict on
     our frames) is raised as this class; engines fall back to disk on it (``except WCacheError``)."""
 
-    code = ErrorCode.PROTOCOL_ERROR
+    code = _Code("PROTOCOL_ERROR")
 
 
 class LocalProtocolError(ProtocolError):
@@ -151,7 +143,7 @@ class LocalProtocolError(ProtocolError):
     Never sent as ``PROTOCOL_ERROR``: the peer did nothing wrong. Its ``code`` is ``INTERNAL``, so even a
     handler that converts it to an ERROR frame tells the peer the truth."""
 
-    code = ErrorCode.INTERNAL
+    code = _Code("INTERNAL")
 
 
 class RemoteProtocolError(ProtocolError):
@@ -162,7 +154,7 @@ class RemoteProtocolError(ProtocolError):
 class FrameTooLargeError(RemoteProtocolError):
     """A length prefix above the configured maximum; raised before the body is buffered."""
 
-    code = ErrorCode.FRAME_TOO_LARGE
+    code = _Code("FRAME_TOO_LARGE")
 
     @classmethod
     def for_size(cls, size: int, max_size: int) -> FrameTooLargeError:
@@ -183,13 +175,13 @@ class FrameTooLargeError(RemoteProtocolError):
 class UnsupportedVersionError(RemoteProtocolError):
     """The peers share no protocol version."""
 
-    code = ErrorCode.UNSUPPORTED_VERSION
+    code = _Code("UNSUPPORTED_VERSION")
 
 
 class UnexpectedFrameError(RemoteProtocolError):
     """A well-formed frame that is not allowed in the connection's current state."""
 
-    code = ErrorCode.UNEXPECTED_FRAME
+    code = _Code("UNEXPECTED_FRAME")
 
 
 class CacheUnavailableError(WCacheError):
@@ -198,7 +190,7 @@ class CacheUnavailableError(WCacheError):
     Engines treat this as "load from disk instead" — as every other WCacheError (module docstring).
     """
 
-    code = ErrorCode.UNAVAILABLE
+    code = _Code("UNAVAILABLE")
 
 
 class ServerError(WCacheError):
@@ -206,11 +198,11 @@ class ServerError(WCacheError):
 
 
 class PermissionDeniedError(ServerError):
-    code = ErrorCode.PERMISSION_DENIED
+    code = _Code("PERMISSION_DENIED")
 
 
 class NotReadyError(ServerError):
-    code = ErrorCode.NOT_READY
+    code = _Code("NOT_READY")
 
 
 def _show(value: Any) -> str:
@@ -257,45 +249,45 @@ class KeyMismatchError(_KeyDiff, ServerError):
     closest served model (``details["closest"]``), as ``[served, requested]`` — ``requested_values`` and
     ``served_values`` give the two sides by name, and the message labels them."""
 
-    code = ErrorCode.KEY_MISMATCH
+    code = _Code("KEY_MISMATCH")
 
 
 class UnknownLeaseError(ServerError):
-    code = ErrorCode.UNKNOWN_LEASE
+    code = _Code("UNKNOWN_LEASE")
 
 
 class LimitExceededError(ServerError):
-    code = ErrorCode.LIMIT_EXCEEDED
+    code = _Code("LIMIT_EXCEEDED")
 
 
 class DeviceMismatchError(ServerError):
-    code = ErrorCode.DEVICE_MISMATCH
+    code = _Code("DEVICE_MISMATCH")
 
 
 class UnsupportedPlatformError(ServerError):
     """This platform cannot share the daemon's memory; use the host backend or load from disk."""
 
-    code = ErrorCode.UNSUPPORTED_PLATFORM
+    code = _Code("UNSUPPORTED_PLATFORM")
 
 
 class OutOfMemoryError(ServerError):
     """A PRELOAD does not fit the memory budget even after evicting every unleased model;
     ``details["pinned"]`` lists the keys held by leases."""
 
-    code = ErrorCode.OUT_OF_MEMORY
+    code = _Code("OUT_OF_MEMORY")
 
 
 class InUseError(ServerError):
     """EVICT of a model that live leases still hold; TAKEOVER of a daemon already handing over."""
 
-    code = ErrorCode.IN_USE
+    code = _Code("IN_USE")
 
 
 class NotFoundError(_KeyDiff, ServerError):
     """The daemon holds no model under that key (EVICT), or none at all (GET_STATE). An EVICT's names the
     fields that differ from the closest served model, as KeyMismatchError does (empty when none is served)."""
 
-    code = ErrorCode.NOT_FOUND
+    code = _Code("NOT_FOUND")
 
 
 class KeyUnprovenError(ServerError):
@@ -303,11 +295,11 @@ class KeyUnprovenError(ServerError):
     complete the key (``details.proof`` says why): not a refusal of the key, which the client then computes from
     the headers and asks for on the same connection (the reference client does it itself)."""
 
-    code = ErrorCode.KEY_UNPROVEN
+    code = _Code("KEY_UNPROVEN")
 
 
 class InternalError(ServerError):
-    code = ErrorCode.INTERNAL
+    code = _Code("INTERNAL")
 
 
 class CheckpointError(WCacheError):
@@ -317,21 +309,21 @@ class CheckpointError(WCacheError):
 
     Sent as ``INVALID_CHECKPOINT`` when a PRELOAD names such a directory."""
 
-    code = ErrorCode.INVALID_CHECKPOINT
+    code = _Code("INVALID_CHECKPOINT")
 
 
 class ShardingError(WCacheError):
     """Tensor parallel sharding is impossible: no plan, a bad plan file, or a dimension not divisible by
     tp_size. Sent as ``INVALID_PLAN``."""
 
-    code = ErrorCode.INVALID_PLAN
+    code = _Code("INVALID_PLAN")
 
 
 class TransformError(WCacheError):
     """A load-time transform (``--transform module:function``) that cannot be imported or called, or
     whose result is not a dict of str -> torch.Tensor of a protocol dtype. Sent as ``INVALID_TRANSFORM``."""
 
-    code = ErrorCode.INVALID_TRANSFORM
+    code = _Code("INVALID_TRANSFORM")
 
 
 class IncompatibleModelError(WCacheError):
@@ -360,35 +352,59 @@ class DaemonRunningError(WCacheError):
     choose another socket path. Not a security failure (that is ``InsecurePathError``)."""
 
 
-#: ERROR frame code -> the exception class a client raises for it (1:1).
-ERROR_CLASSES: dict[ErrorCode, type[WCacheError]] = {
-    ErrorCode.PROTOCOL_ERROR: ProtocolError,
-    ErrorCode.FRAME_TOO_LARGE: FrameTooLargeError,
-    ErrorCode.UNSUPPORTED_VERSION: UnsupportedVersionError,
-    ErrorCode.UNEXPECTED_FRAME: UnexpectedFrameError,
-    ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
-    ErrorCode.NOT_READY: NotReadyError,
-    ErrorCode.KEY_MISMATCH: KeyMismatchError,
-    ErrorCode.UNKNOWN_LEASE: UnknownLeaseError,
-    ErrorCode.LIMIT_EXCEEDED: LimitExceededError,
-    ErrorCode.DEVICE_MISMATCH: DeviceMismatchError,
-    ErrorCode.UNSUPPORTED_PLATFORM: UnsupportedPlatformError,
-    ErrorCode.OUT_OF_MEMORY: OutOfMemoryError,
-    ErrorCode.IN_USE: InUseError,
-    ErrorCode.NOT_FOUND: NotFoundError,
-    ErrorCode.KEY_UNPROVEN: KeyUnprovenError,
-    ErrorCode.UNAVAILABLE: CacheUnavailableError,
-    ErrorCode.INVALID_CHECKPOINT: CheckpointError,
-    ErrorCode.INVALID_PLAN: ShardingError,
-    ErrorCode.INVALID_TRANSFORM: TransformError,
-    ErrorCode.INTERNAL: InternalError,
-}
+#: The classes ERROR frames carry, one per code (``ERROR_CLASSES``: code -> class, built when first read).
+_SENT: tuple[type[WCacheError], ...] = (
+    ProtocolError,
+    FrameTooLargeError,
+    UnsupportedVersionError,
+    UnexpectedFrameError,
+    PermissionDeniedError,
+    NotReadyError,
+    KeyMismatchError,
+    UnknownLeaseError,
+    LimitExceededError,
+    DeviceMismatchError,
+    UnsupportedPlatformError,
+    OutOfMemoryError,
+    InUseError,
+    NotFoundError,
+    KeyUnprovenError,
+    CacheUnavailableError,
+    CheckpointError,
+    ShardingError,
+    TransformError,
+    InternalError,
+)
+_BY_CODE: dict[ErrorCode, type[WCacheError]] = {}
+if TYPE_CHECKING:
+    #: ERROR frame code -> the exception class a client raises for it (1:1; made when first read: ``__getattr__``)
+    ERROR_CLASSES: dict[ErrorCode, type[WCacheError]]
+
+
+def _error_classes() -> dict[ErrorCode, type[WCacheError]]:
+    if not _BY_CODE:
+        _BY_CODE.update((cls.code, cls) for cls in _SENT)
+    return _BY_CODE
+
+
+def __getattr__(name: str) -> Any:
+    """``ErrorCode`` (wcache.error_codes) and ``ERROR_CLASSES`` (ERROR frame code -> the exception class a client
+    raises for it, 1:1), made when first read."""
+    if name == "ErrorCode":
+        from wcache.error_codes import ErrorCode
+
+        return ErrorCode
+    if name == "ERROR_CLASSES":
+        return _error_classes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def error_from_frame(code: int, message: str, details: dict[str, Any]) -> WCacheError:
     """Build the exception for a received ERROR frame; an unknown code becomes ``ServerError``."""
+    from wcache.error_codes import ErrorCode
+
     try:
         ecode = ErrorCode(code)
     except ValueError:
         return ServerError(f"[code {code}] {message}", details=details)
-    return ERROR_CLASSES[ecode](message, details=details)
+    return _error_classes()[ecode](message, details=details)

@@ -33,6 +33,7 @@ from wcache.errors import (
     describe_fields,
 )
 from wcache.proto._record import record
+from wcache.proto.codec import gc_paused
 from wcache.proto.daemon_frames import MAX_PROOF_FILES, CheckpointProof, FileStat
 from wcache.proto.fields import MAX_NAME
 
@@ -105,7 +106,8 @@ class WeightCacheKey:
         """The key a daemon started with the same arguments serves: ``path`` is a RankSpec, or a
         checkpoint directory with RankSpec's fields as keywords (``tp_rank``, ``tp_size``, ``dtype``,
         ``plan_file``, ``transform``, ``verify_content``). See ``from_spec``."""
-        from wcache.rank import RankSpec
+        with gc_paused():  # an engine's first key imports the rank module: no collection over torch's heap meanwhile
+            from wcache.rank import RankSpec
 
         return cls.from_spec(RankSpec.of(path, **fields), checkpoint=checkpoint)
 

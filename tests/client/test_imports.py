@@ -41,29 +41,26 @@ NOT_ON_THE_RESTART_PATH = (
     "wcache.proto.peer_frames",
     "wcache.proto.fleet_frames",  # the peer channel's frames: ~2.4 ms of class building an engine never uses
 )
-#: every wcache module ``from wcache import WCacheClient, WeightCacheKey`` loads: the fetch's, and no other
+#: every wcache module ``from wcache import WCacheClient, WeightCacheKey`` loads: what a fetch needs before its
+#: HELLO and GET_STATE are out, and no other
 RESTART_PATH = {
     "wcache",
-    "wcache._cuda",
     "wcache.channel",
     "wcache.client",
     "wcache.client.client",
-    "wcache.client.cuda",
-    "wcache.client.driver",
-    "wcache.client.mapping",
     "wcache.errors",
     "wcache.key",
-    "wcache.paths",
     "wcache.proto",
-    "wcache.proto._lazy",
     "wcache.proto._record",
     "wcache.proto.codec",
     "wcache.proto.connection",
     "wcache.proto.daemon_frames",
     "wcache.proto.fields",
-    "wcache.proto.frames",
     "wcache.proto.table",
 }
+#: what the key (the rank's spec) and a host fetch add: the frame registry and the mapping's module, loaded while
+#: the daemon answers (the CUDA mapping's modules too where CUDA is up)
+FETCH_ADDS = {"wcache.rank", "wcache.proto.frames", "wcache.client.mapping"}
 
 
 def _loaded(code: str, *args: str) -> list[str]:
@@ -89,7 +86,7 @@ def test_the_client_and_key_import_only_the_restart_path() -> None:
 
 def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
     """``import wcache.proto`` loads nothing; one frame name loads its own module, the union of every frame all."""
-    assert _loaded("import wcache.proto") == ["wcache", "wcache.proto", "wcache.proto._lazy"]
+    assert _loaded("import wcache.proto") == ["wcache", "wcache.proto"]
     one = _loaded("from wcache.proto import State")
     assert "wcache.proto.daemon_frames" in one and not [
         m for m in one if m.endswith(("admin_frames", "peer_frames", "fleet_frames"))
@@ -143,6 +140,7 @@ def test_a_proven_fetch_imports_no_header_scan(
     loaded = _loaded(fetch, str(settled), str(daemon.socket))
     extra = [m for m in loaded if m.startswith(NOT_ON_THE_RESTART_PATH)]
     assert extra == [], f"a proven fetch imports {extra}"
+    assert {m for m in loaded if m.startswith("wcache")} == RESTART_PATH | FETCH_ADDS
     touched = tmp_path / "touched"
     shutil.copytree(settled, touched)  # other inodes: the daemon did not read these files
     scanned = _loaded(fetch, str(touched), str(daemon.socket))

@@ -9,6 +9,7 @@ import pytest
 
 from wcache.errors import FrameTooLargeError, ProtocolError
 from wcache.proto import FrameBuffer, decode_body, pack_frame
+from wcache.proto.codec import DIRECT_BODY
 
 
 def test_length_checked_before_body() -> None:
@@ -71,3 +72,55 @@ def test_buffer_compacts() -> None:
         assert buf.next_body() is not None
     assert buf.buffered == 0
     assert len(buf._buf) < 10 * len(frame)
+
+
+def _big(n: int, tag: int = 0) -> bytes:
+    """One frame whose body is at least ``n`` bytes (a msgpack map with one bin value)."""
+    return pack_frame({"type": "STATUS", "id": tag + 1, "pad": bytes([tag]) * n})
+
+
+@pytest.mark.parametrize("cut", [1, 3, 4, 5, 1000, DIRECT_BODY - 1, DIRECT_BODY + 7])
+def test_direct_body_assembles_in_place_whatever_arrives_how(cut: int) -> None:
+    """A client's big frame is received into one buffer of its announced size (``space``/``filled``) or fed in
+    pieces, and the frames around it come out as from an ordinary buffer, in order."""
+    small, big, after = pack_frame({"type": "STATUS", "id": 9}), _big(3 * DIRECT_BODY, 1), _big(10, 2)
+    stream = small + big + after
+    ref, direct = FrameBuffer(), FrameBuffer(direct=True)
+    ref.feed(stream)
+    want = [ref.next_body(), ref.next_body(), ref.next_body()]
+    got: list[bytes | bytearray] = []
+    pos, turn = 0, 0
+    while pos < len(stream):
+        space = direct.space()
+        if space is not None and turn % 2:  # every other read goes straight into the body
+            n = min(len(space), cut, len(stream) - pos)
+            space[:n] = stream[pos : pos + n]
+            direct.filled(n)
+        else:
+            n = min(cut, len(stream) - pos)
+            direct.feed(stream[pos : pos + n])
+        pos, turn = pos + n, turn + 1
+        assert direct.demand >= direct.buffered
+        while (body := direct.next_body()) is not None:
+            got.append(body)
+    assert [bytes(b) for b in got] == want
+    assert direct.buffered == 0 and direct.space() is None
+    assert type(got[1]) is bytearray  # the big one is the buffer received into, not a copy
+
+
+def test_direct_body_checks_the_limit_before_making_its_buffer() -> None:
+    buf = FrameBuffer(max_frame_size=DIRECT_BODY * 2, direct=True)
+    buf.feed(struct.pack(">I", DIRECT_BODY * 2 + 1))
+    with pytest.raises(FrameTooLargeError):
+        buf.next_body()
+    assert buf.space() is None
+
+
+def test_direct_body_refuses_more_than_its_space() -> None:
+    buf = FrameBuffer(direct=True)
+    buf.feed(_big(DIRECT_BODY)[:10])
+    assert buf.next_body() is None
+    space = buf.space()
+    assert space is not None
+    with pytest.raises(ValueError, match="do not fit"):
+        buf.filled(len(space) + 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 PROTO = Path(__file__).resolve().parents[2] / "wcache" / "proto"
 FORBIDDEN = {"asyncio", "socket", "torch", "selectors", "threading", "uvloop", "pickle", "numpy"}
-ALLOWED_WCACHE = {"wcache.proto", "wcache.errors"}
+ALLOWED_WCACHE = {"wcache.proto", "wcache.errors", "wcache.error_codes"}
 
 
 def test_no_forbidden_imports_in_source() -> None:

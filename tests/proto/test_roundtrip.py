@@ -25,11 +25,11 @@ def test_round_trip(frame: Frame) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(frames, min_size=1, max_size=4), st.data())
-def test_any_chunking(batch: list[Frame], data: st.DataObject) -> None:
+@given(st.lists(frames, min_size=1, max_size=4), st.data(), st.booleans())
+def test_any_chunking(batch: list[Frame], data: st.DataObject, direct: bool) -> None:
     stream = b"".join(pack_frame(f.to_wire()) for f in batch)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
-    buf, out = FrameBuffer(), []
+    buf, out = FrameBuffer(direct=direct), []
     prev = 0
     for cut in [*cuts, len(stream)]:
         buf.feed(stream[prev:cut])

@@ -93,6 +93,19 @@ def test_decoder_rejects(changes: dict[str, Any], match: str) -> None:
         TensorTable.from_wire(_wire(**changes), [4096])
 
 
+@pytest.mark.parametrize("at", [0, 2047, 2048, 4999])
+@pytest.mark.parametrize("bad", [7, b"x", None, ("a",), {"a": 1}])
+def test_a_name_that_is_not_a_string_is_refused_wherever_it_is(at: int, bad: Any) -> None:
+    """The names' type check runs slice by slice (table._JOIN_SLICE): a bad name in any slice, the last included."""
+    entries = _experts(5000)
+    m = TensorTable.from_entries(entries).to_wire()
+    names = list(m["names"])
+    names[at] = bad
+    with pytest.raises(ProtocolError, match="names must be strings"):
+        TensorTable.from_wire({**m, "names": tuple(names)}, [256 * 5000])
+    assert len(TensorTable.from_wire(m, [256 * 5000])) == 5000
+
+
 def test_decoder_accepts_the_exact_fit_and_empty_tensors() -> None:
     assert len(TensorTable.from_wire(_wire(), [3 * 256 + 64])) == 4
     empty = TensorTable.from_entries([TensorEntry("z", "float32", (0, 5), (5, 1), 0, 1 << 30)])

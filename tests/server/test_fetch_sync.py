@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,40 @@ def test_the_engine_checks_the_daemons_gpu_itself(daemon: DaemonProc, monkeypatc
         WCacheClient(daemon.socket)._check_device(hello)
     monkeypatch.setattr(cuda, "local_uuid", lambda device, daemon_uuid: daemon_uuid)
     WCacheClient(daemon.socket)._check_device(hello)
+
+
+def test_a_big_state_is_received_in_place_by_either_fetch(
+    daemon_factory: Callable[..., DaemonProc], tmp_path: Path
+) -> None:
+    """A STATE over codec.DIRECT_BODY (3,000 tensors: ~200 KB) is received straight into the buffer it is decoded
+    from (channel: recvmsg_into the connection's receive_space), its descriptor with it; both fetches map every
+    tensor bit-identical."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from wcache.proto.codec import DIRECT_BODY
+
+    model = tmp_path / "many"
+    model.mkdir()
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        f"model.layers.{i // 100}.mlp.experts.{i % 100}.projection_with_a_long_name.weight": torch.randn(
+            4, 8, generator=g
+        ).to(torch.bfloat16)
+        for i in range(3000)
+    }
+    save_file(tensors, str(model / "model.safetensors"))
+    (model / "config.json").write_text(json.dumps({"architectures": ["MoeLikeForCausalLM"]}))
+    daemon = daemon_factory(model)
+    key = WeightCacheKey.from_checkpoint(model)
+    for w in (WCacheClient(daemon.socket).fetch_sync(key), asyncio.run(_fetched(daemon.socket, key))):
+        assert len(w) == 3000 and w.timings["state"] >= 0
+        for name, t in tensors.items():
+            assert torch.equal(w[name].view(torch.int16), t.view(torch.int16)), name
+        w.release_sync()
+    assert sum(len(n) for n in tensors) > DIRECT_BODY  # the names alone make the STATE a direct one
+
+
+async def _fetched(sock: Path, key: WeightCacheKey) -> Any:
+    return await WCacheClient(sock).fetch(key)

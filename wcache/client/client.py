@@ -27,9 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wcache import __version__
-from wcache.channel import Channel, Pipeline, close_fds, connect, connect_blocking, expect, expect_blocking
-from wcache.client import cuda
-from wcache.client.mapping import GroupView, TensorViews, build_views, map_slabs, write_deposit
+from wcache.channel import Channel, Meanwhile, Pipeline, close_fds, connect, connect_blocking, expect, expect_blocking
 from wcache.errors import (
     CacheUnavailableError,
     DeviceMismatchError,
@@ -40,10 +38,12 @@ from wcache.errors import (
     error_from_frame,
 )
 from wcache.key import WeightCacheKey
-from wcache.paths import default_socket_dir, socket_name
+from wcache.proto.codec import gc_paused
 from wcache.proto.daemon_frames import ErrorFrame, GetState, HelloOk, Release, State
 
-if TYPE_CHECKING:  # the fetch path imports none of them (tests/client/test_imports.py): the methods that do
+if TYPE_CHECKING:  # imported where used (tests/client/test_imports.py): the mapping by a fetch while the daemon
+    # answers (_ahead), the others by the methods that need them
+    from wcache.client.mapping import GroupView, TensorViews
     from wcache.proto import (
         Connection,
         Deposited,
@@ -234,9 +234,15 @@ class WCacheClient:
         self.keeper_socket = Path(keeper_socket) if keeper_socket is not None else None
 
     def socket_for(self, key: WeightCacheKey | None = None) -> Path:
+        return self._socket(key.tp_rank if key else 0)
+
+    def _socket(self, rank: int) -> Path:
+        """``socket_path``, else rank ``rank``'s socket in ``socket_dir`` (default: the private default directory)."""
         if self.socket_path is not None:
             return self.socket_path
-        return (self.socket_dir or default_socket_dir()) / socket_name(key.tp_rank if key else 0)
+        from wcache.paths import default_socket_dir, socket_name
+
+        return (self.socket_dir or default_socket_dir()) / socket_name(rank)
 
     # ------------------------------------------------------------------ connection
     async def _connect(
@@ -249,11 +255,17 @@ class WCacheClient:
     ) -> tuple[Channel, HelloOk]:
         """Connect and shake hands; a socket missing or refused while a daemon is coming back is waited on
         (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any). ``pipeline``:
-        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1); ``timings``: ``channel.connect``'s."""
+        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1), and then the fetch's modules loaded
+        (``_ahead``); ``timings``: ``channel.connect``'s."""
 
         async def attempt() -> tuple[Channel, HelloOk]:
             return await connect(
-                path, software=f"wcache/{__version__}", name=self.name, pipeline=pipeline, timings=timings
+                path,
+                software=f"wcache/{__version__}",
+                name=self.name,
+                pipeline=pipeline,
+                meanwhile=_ahead(timings) if pipeline is not None else None,
+                timings=timings,
             )
 
         try:
@@ -278,6 +290,8 @@ class WCacheClient:
         """The GET_STATE went out behind HELLO, before the daemon's GPU was known, so the engine checks what
         the daemon would have: its chosen device is the daemon's GPU, which this process can see (DEVICE_MISMATCH
         otherwise; the connection then closes, and the lease with it)."""
+        from wcache.client import cuda
+
         mine = cuda.local_uuid(self.device, hello.device.uuid)
         if mine != hello.device.uuid:
             raise DeviceMismatchError(
@@ -292,6 +306,8 @@ class WCacheClient:
         if hello.backend != "cuda":
             return
         t0 = time.perf_counter()
+        from wcache.client import cuda
+
         self._check_device(hello)
         cuda.prepare(hello.device.uuid, timings)
         timings["prepare"] = (time.perf_counter() - t0) * 1e3
@@ -378,37 +394,40 @@ class WCacheClient:
     ) -> CachedWeights:
         """The STATE's slabs mapped and its views built; ``timings`` (the fetch's, so far) gets ``map``, ``views``
         (and ``copy``) and becomes the weights' ``timings``."""
-        t0 = time.perf_counter()
-        slabs = map_slabs(state, fds, self.device, timings)
-        timings["map"] = (time.perf_counter() - t0) * 1e3
-        keepalive: list[Any] = list(slabs)
-        bases = [s.base for s in slabs]
-        if mode == "copy":
-            t1 = time.perf_counter()
-            bases = [b.clone() for b in bases]
-            if any(b.is_cuda for b in bases):
-                torch.cuda.synchronize()  # the copies must land before the mappings go away
-            for s in slabs:
-                s.close()
-            keepalive = []
-            timings["copy"] = (time.perf_counter() - t1) * 1e3
-        t2 = time.perf_counter()
-        tensors = build_views(state, bases)
-        timings["views"] = (time.perf_counter() - t2) * 1e3
-        weights = CachedWeights(
-            tensors,
-            key=key,
-            lease=state.lease,
-            mode=mode,
-            aliases=state.aliases,
-            channel=ch,
-            hello=hello,
-            socket_path=path,
-            keepalive=keepalive,
-            buffers=state.buffers,
-        )
-        weights.timings = timings
-        return weights
+        from wcache.client.mapping import build_views, map_slabs
+
+        with gc_paused():  # slabs and views: tensor objects, none in a cycle (see ``_ahead``)
+            t0 = time.perf_counter()
+            slabs = map_slabs(state, fds, self.device, timings)
+            timings["map"] = (time.perf_counter() - t0) * 1e3
+            keepalive: list[Any] = list(slabs)
+            bases = [s.base for s in slabs]
+            if mode == "copy":
+                t1 = time.perf_counter()
+                bases = [b.clone() for b in bases]
+                if any(b.is_cuda for b in bases):
+                    torch.cuda.synchronize()  # the copies must land before the mappings go away
+                for s in slabs:
+                    s.close()
+                keepalive = []
+                timings["copy"] = (time.perf_counter() - t1) * 1e3
+            t2 = time.perf_counter()
+            tensors = build_views(state, bases)
+            timings["views"] = (time.perf_counter() - t2) * 1e3
+            weights = CachedWeights(
+                tensors,
+                key=key,
+                lease=state.lease,
+                mode=mode,
+                aliases=state.aliases,
+                channel=ch,
+                hello=hello,
+                socket_path=path,
+                keepalive=keepalive,
+                buffers=state.buffers,
+            )
+            weights.timings = timings
+            return weights
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
@@ -441,7 +460,7 @@ class WCacheClient:
         from wcache.rank import RankSpec
 
         spec = RankSpec.of(model_dir, **fields)
-        path = self.socket_path or (self.socket_dir or default_socket_dir()) / socket_name(spec.tp_rank)
+        path = self._socket(spec.tp_rank)
         async with self._session(path, timeout, keep_open=False) as session:
             session.ch, session.hello = await self._connect(path, session, spec.tp_rank)
             await session.ch.send(spec.to_preload(session.ch.conn.next_request_id()))
@@ -525,6 +544,8 @@ class WCacheClient:
             if not isinstance(frame, DepositSlab) or len(fds) != 1:
                 close_fds(fds)
                 raise ProtocolError(f"expected DEPOSIT_SLAB with one descriptor, got {frame.TYPE}")
+            from wcache.client.mapping import write_deposit
+
             try:
                 await asyncio.to_thread(write_deposit, frame, fds[0], payload)
             finally:
@@ -565,6 +586,7 @@ class WCacheClient:
                     name=self.name,
                     timeout=limit,
                     pipeline=request.build,
+                    meanwhile=_ahead(timings),
                     timings=timings,
                 )
             except CacheUnavailableError as exc:
@@ -652,6 +674,26 @@ class _Request:
                 close_fds(fds)
                 raise
         return frame
+
+
+def _ahead(timings: dict[str, float] | None) -> Meanwhile:
+    """What a fetch does while the daemon answers its HELLO and GET_STATE (``channel.Meanwhile``): load the
+    modules that decode the answer and map the STATE — the frame registry, the views', and the CUDA mapping's
+    where CUDA is up in this process (a CUDA daemon is then likely; they load on first use otherwise) — instead
+    of at ``import wcache`` or after the STATE is in. ``timings`` gets ``ahead`` (ms; within ``hello``)."""
+
+    def ahead() -> None:
+        t0 = time.perf_counter()
+        with gc_paused():  # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile
+            import wcache.client.mapping
+            import wcache.proto.frames
+
+            if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                import wcache.client.cuda  # noqa: F401  (the import is the work)
+        if timings is not None:
+            timings["ahead"] = (time.perf_counter() - t0) * 1e3
+
+    return ahead
 
 
 def _left(deadline: float) -> float:

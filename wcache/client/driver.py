@@ -261,7 +261,9 @@ def vmm_import_map(
     map and set access on device ``index`` — read-only where the driver allows. Returns
     (address, mapped read-only). The allocation handle is released at once: the mapping keeps the
     memory alive until :func:`vmm_unmap`. ``timings`` (ms, added to): ``import_handle``
-    (cuMemImportFromShareableHandle), ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess)."""
+    (cuMemImportFromShareableHandle), ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess),
+    and its parts ``reserve``, ``map_range`` (cuMemMap), ``set_access`` (with ``set_access_refused``: a read-only
+    attempt the driver refused before the read-write one)."""
     d = driver()
     t0 = time.perf_counter()
     handle = CUmemGenericAllocationHandle()
@@ -275,21 +277,33 @@ def vmm_import_map(
         check(d.cuMemAddressReserve(byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
         addr = int(ptr.value)
         try:
+            t2 = time.perf_counter()
             check(d.cuMemMap(addr, size, 0, handle, 0), "cuMemMap")
+            t3 = time.perf_counter()
             acc = CUmemAccessDesc()
             acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
             acc.location.id = index
             ro = False
+            refused = 0.0
             if read_only:
                 acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ
                 ro = d.cuMemSetAccess(addr, size, byref(acc), 1) == CUDA_SUCCESS
+                if not ro:
+                    refused = time.perf_counter() - t3
             if not ro:
                 acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
                 check(d.cuMemSetAccess(addr, size, byref(acc), 1), "cuMemSetAccess")
             if timings is not None:
-                t2 = time.perf_counter()
-                timings["import_handle"] = timings.get("import_handle", 0.0) + (t1 - t0) * 1e3
-                timings["reserve_map_access"] = timings.get("reserve_map_access", 0.0) + (t2 - t1) * 1e3
+                t4 = time.perf_counter()
+                for name, ms in (
+                    ("import_handle", t1 - t0),
+                    ("reserve_map_access", t4 - t1),
+                    ("reserve", t2 - t1),
+                    ("map_range", t3 - t2),
+                    ("set_access", t4 - t3),
+                    ("set_access_refused", refused),
+                ):
+                    timings[name] = timings.get(name, 0.0) + ms * 1e3
             return addr, ro
         except BaseException:
             d.cuMemUnmap(addr, size)  # fails harmlessly when nothing was mapped

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from wcache.channel import close_fds
-from wcache.client import cuda
 from wcache.errors import ProtocolError
 from wcache.proto.codec import gc_paused
 from wcache.proto.daemon_frames import SlabDescriptor, State
@@ -83,6 +82,8 @@ def map_slabs(
                     raise ProtocolError("memfd slab without a file descriptor")
                 slabs.append(_map_memfd(desc, fd))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
+                from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
+
                 buf = cuda.map_slab(desc, fd, device, timings)
                 t0 = time.perf_counter()
                 slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
@@ -99,11 +100,11 @@ def map_slabs(
     return slabs
 
 
-class GroupView(NamedTuple):
-    """One STATE group as a stacked view: ``tensor[j]`` is the tensor named ``names[j]``."""
-
-    names: tuple[str, ...]
-    tensor: torch.Tensor  # shape (len(names), *shape): the group's tensors, stacked in place
+GroupView = NamedTuple(  # noqa: UP014  (the class form compiles its string annotations: 4x the import cost)
+    "GroupView", [("names", tuple[str, ...]), ("tensor", torch.Tensor)]
+)
+GroupView.__doc__ = """One STATE group as a stacked view: ``tensor[j]`` is the tensor named ``names[j]`` (``tensor``: shape
+``(len(names), *shape)``, the group's tensors stacked in place)."""
 
 
 class TensorViews(Mapping[str, torch.Tensor]):
@@ -155,20 +156,38 @@ class TensorViews(Mapping[str, torch.Tensor]):
         views = self._views[i]
         if views is None:
             with gc_paused(self._groups[i].length * 64):  # 10^4+ tensor objects: no GC passes meanwhile
-                views = self._views[i] = self.stacked(i).unbind(0)
+                views = self._cut(i)
+        return views
+
+    def _cut(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Group ``i``'s per-name views: one ``unbind`` of its stacked view, or for a group of one tensor (most of
+        a dense checkpoint's groups) that tensor's own view, without a stacked tensor object made for it."""
+        g = self._groups[i]
+        if g.length == 1 and self._stacked[i] is None:
+            size = DTYPE_SIZES[g.dtype]
+            views: tuple[torch.Tensor, ...] = (
+                self._typed_base(g.slab, g.dtype).as_strided(g.shape, g.stride, g.offset // size),
+            )
+        else:
+            views = self.stacked(i).unbind(0)
+        self._views[i] = views
         return views
 
     def groups(self) -> list[GroupView]:
         """Every group as a stacked view, in table order (one view per group, no per-name tensors)."""
-        return [
-            GroupView(self._names[start : start + g.length], self.stacked(i))
-            for i, (start, g) in enumerate(zip(self._starts, self._groups, strict=True))
-        ]
+        with gc_paused():  # a tensor object per group, no cycle: no collection passes over torch's heap meanwhile
+            return [
+                GroupView(self._names[start : start + g.length], self.stacked(i))
+                for i, (start, g) in enumerate(zip(self._starts, self._groups, strict=True))
+            ]
 
     def materialize(self) -> None:
         """Build every per-name tensor now (what the first look-up of each group would do)."""
-        for i in range(len(self._groups)):
-            self._group_views(i)
+        with gc_paused():
+            views = self._views
+            for i in range(len(self._groups)):
+                if views[i] is None:
+                    self._cut(i)
 
     def _position(self, name: str) -> int:
         index = self._index
@@ -244,6 +263,8 @@ def write_deposit(slab: DepositSlab, fd: int, tensors: Mapping[str, torch.Tensor
     if desc.kind == "memfd":
         _write_memfd(slab, desc, fd, tensors)
     elif desc.kind == "cuda_vmm":
+        from wcache.client import cuda
+
         cuda.write_vmm_deposit(desc, fd, deposit_sources(slab, tensors))
     else:
         raise ProtocolError(

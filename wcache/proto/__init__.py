@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from wcache.proto._lazy import export
-
 if TYPE_CHECKING:  # the names of __all__, for the type checker; at run time each is imported when first read
     from wcache.proto.codec import *  # noqa: F403
     from wcache.proto.connection import *  # noqa: F403
@@ -103,6 +101,8 @@ _MODULES = ("wcache.proto.codec", "wcache.proto.connection", "wcache.proto.frame
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'wcache.proto' has no attribute {name!r}")
+    from wcache.proto._lazy import export  # not at import: an engine's path reads no name here
+
     return export(globals(), name, _MODULES)
 
 

@@ -19,6 +19,7 @@ from wcache.errors import FrameTooLargeError, LocalProtocolError, ProtocolError
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
+    "DIRECT_BODY",
     "HEADER_SIZE",
     "MAX_HANDSHAKE_FRAME",
     "MAX_REQUEST_SIZE",
@@ -120,14 +121,15 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 
 @contextmanager
-def gc_paused(size: int) -> Iterator[None]:
-    """Pause the cyclic GC while decoding a large frame body.
+def gc_paused(size: int | None = None) -> Iterator[None]:
+    """Pause the cyclic GC while decoding a large frame body (``size`` bytes; None: pause whatever the size).
 
     Decoding 50,000 tensor entries allocates ~10^5 small str/tuple objects, which
     triggers repeated full collections (a third of the decode time); none of these
-    objects can form cycles, so collecting meanwhile is pure waste.
+    objects can form cycles, so collecting meanwhile is pure waste. The same holds for an
+    engine's fetch as a whole (modules, views: tensors created in a process whose heap is torch's).
     """
-    if size < GC_PAUSE_BYTES or not gc.isenabled():
+    if (size is not None and size < GC_PAUSE_BYTES) or not gc.isenabled():
         yield
         return
     gc.disable()
@@ -145,40 +147,75 @@ class FrameBuffer:
 
     The length prefix is checked against ``max_frame_size`` as soon as its 4 bytes are
     in, before any of the body is kept waiting for the rest.
+
+    ``direct``: a body of at least DIRECT_BODY bytes is assembled in one buffer of its announced size, made when
+    the (checked) prefix is in, which the reader fills in place — :meth:`space` is the rest of it, to receive
+    into (``recv_into``), :meth:`filled` counts what arrived there — and :meth:`next_body` returns it as is. A
+    50,000-tensor STATE (2 MB) then costs one copy from the kernel instead of a chunk per read, a growing buffer
+    and the body copied out of it (each a pass over fresh memory in a fresh engine). For the side that takes a
+    big frame from a peer it trusts with its frame limit (a client from its daemon): a server buffers its peers'
+    frames only as they arrive, against a budget claimed first (wcache/channel.py, ``ReadBudget``).
     """
 
-    __slots__ = ("_buf", "_need", "_pos", "limit_reason", "max_frame_size")
+    __slots__ = ("_body", "_buf", "_filled", "_need", "_pos", "direct", "limit_reason", "max_frame_size")
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, *, direct: bool = False) -> None:
         if not 1 <= max_frame_size <= MAX_REPRESENTABLE:
             raise ValueError(f"max_frame_size must be in 1..{MAX_REPRESENTABLE}")
         self.max_frame_size = max_frame_size
         #: why the limit is what it is, for the error (e.g. "before the handshake")
         self.limit_reason = ""
+        self.direct = direct
         self._buf = bytearray()
         self._pos = 0
         self._need = -1  # body length of the frame in progress, -1 while reading the prefix
+        self._body: bytearray | None = None  # a direct body in progress, ``_filled`` bytes of it in
+        self._filled = 0
 
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as a frame (for partial-frame timeouts)."""
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + (self._filled if self._body is not None else 0)
 
     @property
     def demand(self) -> int:
         """Bytes this buffer will hold once the frame in progress is complete: what is buffered, or the
         announced body length if more (for a budget across connections, checked before the body arrives)."""
-        held = len(self._buf) - self._pos
+        held = self.buffered
         return held if self._need < 0 else max(held, self._need)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
+        body = self._body
+        if body is not None and self._filled < len(body):
+            take = min(len(data), len(body) - self._filled)
+            body[self._filled : self._filled + take] = data[:take]
+            self._filled += take
+            if take == len(data):
+                return
+            data = data[take:]
         if self._pos and self._pos >= len(self._buf) // 2:
             del self._buf[: self._pos]
             self._pos = 0
         self._buf += data
 
-    def next_body(self) -> bytes | None:
+    def space(self) -> memoryview | None:
+        """The part of a direct body still to arrive, to receive into (then :meth:`filled`); None otherwise."""
+        body = self._body
+        if body is None or self._filled >= len(body):
+            return None
+        return memoryview(body)[self._filled :]
+
+    def filled(self, n: int) -> None:
+        """``n`` bytes were received into :meth:`space`."""
+        body = self._body
+        if body is None or not 0 <= n <= len(body) - self._filled:
+            raise ValueError(f"{n} bytes do not fit the body in progress")
+        self._filled += n
+
+    def next_body(self) -> bytes | bytearray | None:
         """Return the next complete frame body, or None when more bytes are needed."""
+        if self._body is not None:
+            return self._direct_body()
         buf = self._buf
         if self._need < 0:
             if len(buf) - self._pos < HEADER_SIZE:
@@ -195,11 +232,30 @@ class FrameBuffer:
                 raise ProtocolError("zero-length frame")
             self._pos += HEADER_SIZE
             self._need = size
+            if self.direct and size >= DIRECT_BODY:
+                have = min(len(buf) - self._pos, size)
+                body = self._body = bytearray(size)
+                body[:have] = memoryview(buf)[self._pos : self._pos + have]
+                self._pos += have
+                self._filled = have
+                return self._direct_body()
         if len(buf) - self._pos < self._need:
             return None
         end = self._pos + self._need
         with memoryview(buf) as view:
-            body = bytes(view[self._pos : end])
+            out = bytes(view[self._pos : end])
         self._pos = end
         self._need = -1
+        return out
+
+    def _direct_body(self) -> bytearray | None:
+        body = self._body
+        if body is None or self._filled < len(body):
+            return None
+        self._body, self._filled, self._need = None, 0, -1
         return body
+
+
+#: Bodies a ``direct`` FrameBuffer assembles in place (smaller ones go through its buffer: a HELLO_OK, a dense
+#: STATE of a few KB).
+DIRECT_BODY = 64 * 1024

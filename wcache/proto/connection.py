@@ -24,7 +24,7 @@ of these from ``events()`` the connection should send ``fatal_error()`` and clos
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from operator import or_
 from typing import TYPE_CHECKING, Any, cast
@@ -46,7 +46,7 @@ from wcache.proto.codec import (
     gc_paused,
     pack_frame,
 )
-from wcache.proto.frames import ErrorFrame, Hello, HelloOk, Release, Released, State, decode_frame
+from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk, Release, Released, State
 
 if TYPE_CHECKING:  # the request unions name every service's requests: built when first read (``__getattr__``)
     from wcache.proto.fleet_frames import PeerOffer  # the peer channel's: never on an engine's path
@@ -283,16 +283,26 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """``DaemonRequest``, ``KeeperRequest`` and ``Event`` at run time (they import every frame module)."""
+    """``DaemonRequest``, ``KeeperRequest`` and ``Event`` at run time (they import every frame module; any other
+    name, ``__path__`` that ``from ... import`` looks for included, imports nothing)."""
+    types = _UNIONS.get(name)
+    if types is None and name != "Event":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from wcache.proto import frames
 
-    if name == "Event":
-        return frames.Frame | Misdirected
-    types = _UNIONS.get(name)
     if types is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return frames.Frame | Misdirected
     registry = frames.load_frames()
     return reduce(or_, (registry[t] for t in types))
+
+
+def _decode_frame() -> Callable[[Any], Frame]:
+    """``frames.decode_frame``: the registry is imported with the first frame received, not with this module (a
+    client's first frame is the HELLO_OK: an engine loads the registry while the daemon answers, not before its
+    HELLO is out)."""
+    from wcache.proto.frames import decode_frame
+
+    return decode_frame
 
 
 class Connection:
@@ -336,7 +346,8 @@ class Connection:
         #: record of what it may RELEASE. Empty on a server: it grants leases, and its store is their ledger
         self.leases: set[int] = set()
         self.max_handshake_frame = min(max_handshake_frame, max_frame_size)
-        self._buffer = FrameBuffer(max_frame_size)
+        # a client assembles a big frame (a STATE) where its reader receives it: codec.FrameBuffer's ``direct``
+        self._buffer = FrameBuffer(max_frame_size, direct=role is Role.CLIENT)
         self._eof = False
         self._next_id = 1
         #: descriptors received and not yet handed out with a frame (this connection's until released)
@@ -363,6 +374,19 @@ class Connection:
             self._eof = True
             return
         self._buffer.feed(data)
+
+    def receive_space(self) -> memoryview | None:
+        """Where the rest of the frame in progress goes, when this side assembles it in place (a client's big
+        frames, ``FrameBuffer.direct``): receive into it, then :meth:`received_into`. None: use receive_data."""
+        return self._buffer.space()
+
+    def received_into(self, n: int, fds: Iterable[int] = ()) -> None:
+        """``n`` bytes (> 0) arrived in :meth:`receive_space`, with these descriptors (as receive_data's)."""
+        if fds:
+            self._fds.extend(fds)
+            if not self.accepts_fds:
+                raise ProtocolError("this peer may not send file descriptors")
+        self._buffer.filled(n)
 
     def release_fds(self) -> list[int]:
         """Every descriptor received and not handed out with a frame through :meth:`received` (for the
@@ -423,7 +447,7 @@ class Connection:
                         raise ProtocolError(f"stream ended inside a frame ({self._buffer.buffered} bytes pending)")
                 return
             with gc_paused(len(body)):
-                frame = decode_frame(decode_body(body))
+                frame = _decode_frame()(decode_body(body))
             want = frame.fd_count if with_fds and frame.TYPE in CARRIES_FDS else 0
             if want > len(self._fds):
                 raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")

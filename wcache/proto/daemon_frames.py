@@ -11,9 +11,9 @@ constructor's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wcache.errors import ErrorCode, WCacheError
+from wcache.errors import WCacheError
 from wcache.proto.fields import (
     Array,
     Bin,
@@ -31,6 +31,9 @@ from wcache.proto.fields import (
     wire,
 )
 from wcache.proto.table import Aliases, Table, TensorTable
+
+if TYPE_CHECKING:
+    from wcache.error_codes import ErrorCode
 
 __all__ = [
     "BACKENDS",
@@ -152,6 +155,8 @@ class ErrorFrame(Message):
 
     @property
     def error_code(self) -> ErrorCode | int:
+        from wcache.error_codes import ErrorCode
+
         try:
             return ErrorCode(self.code)
         except ValueError:

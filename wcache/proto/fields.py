@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Self, TypeVar, dataclass_transform
 
 from wcache.errors import ProtocolError
-from wcache.proto._record import record
+from wcache.proto._record import declared, field, namespace
 
 __all__ = [
     "MAX_KEY_CHARS",
@@ -301,14 +301,23 @@ def wire(
     the value an absent wire field decodes to when it differs from the constructor's default (none: required).
     ``omit_default``: not encoded while it equals the value an absent field decodes to — how a field added
     to an existing frame keeps that frame's bytes for senders that do not use it (docs/protocol.md §2.1)."""
-    meta = {_DECL: (kind, missing, omit_default)}
-    if default_factory is not _MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return field(default=default, default_factory=default_factory, metadata={_DECL: (kind, missing, omit_default)})
 
 
-class Message:
-    """Base of every ``@message`` class: the generic encoder and decoder over its declared fields."""
+class _Record(type):
+    """Message's metaclass: a subclass's class statement builds the frozen record (``_record.namespace``) in one
+    class creation — ``@record`` on a finished class creates it a second time, with the slots, and that was a
+    third of a frame class's import."""
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], ns: dict[str, Any], **kwargs: Any) -> _Record:
+        if bases:  # Message itself is the base, not a record
+            ns = namespace(name, ns.get("__qualname__", name), bases, ns)
+        return super().__new__(mcls, name, bases, ns, **kwargs)
+
+
+class Message(metaclass=_Record):
+    """Base of every ``@message`` class: the generic encoder and decoder over its declared fields. Every subclass
+    is a frozen record (``_record.py``) from its class statement on; ``@message`` gives it the codec."""
 
     __slots__ = ()
     #: the wire value of the ``type`` field ("" for parts of frames)
@@ -371,10 +380,10 @@ def message(type_: str = "") -> Callable[[type[M]], type[M]]:
     (registered for ``decode_frame``), or "" for a part of a frame."""
 
     def build(cls: type[M]) -> type[M]:
-        out = record(cls)
+        out = cls  # a record already (Message's metaclass)
         spec = []
         omit = set()
-        for f in dataclasses.fields(out):  # type: ignore[arg-type]
+        for f in declared(out):
             decl = f.metadata.get(_DECL)
             if decl is None:
                 continue  # not on the wire (a cache, say)

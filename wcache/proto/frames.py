@@ -23,7 +23,6 @@ from operator import or_
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import ProtocolError
-from wcache.proto._lazy import export
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, decode_body, pack_frame
 from wcache.proto.daemon_frames import (
     BACKENDS,
@@ -263,6 +262,8 @@ def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     load_frames()  # a frame module's name: re-exported once every frame module is loaded
+    from wcache.proto._lazy import export
+
     return export(globals(), name, FRAME_MODULES[1:])
 
 

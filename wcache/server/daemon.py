@@ -313,13 +313,13 @@ class Daemon:
     async def _get_state(self, frame: GetState, conn_id: int, pid: int) -> Reply:
         """GET_STATE: a lease and the slabs' descriptors; the lease is revoked if the kernel refuses them."""
         t0 = time.perf_counter()
-        frame = self.store.completed(frame)  # a proof's key, whole (docs/protocol.md §4.3.1)
+        frame = self.store.completed(frame)  # a proof's key, whole (docs/protocol.md §4.3.1): once per request
         try:
-            state, fds, model = self.store.acquire(conn_id, pid, frame)
+            state, fds, model = self.store.acquire(conn_id, pid, frame, completed=True)
         except (KeyMismatchError, NotFoundError):
             if not await self._load_on_demand(frame, pid):
                 raise
-            state, fds, model = self.store.acquire(conn_id, pid, frame)
+            state, fds, model = self.store.acquire(conn_id, pid, frame, completed=True)
 
         def granted() -> None:
             self.metrics.observe_fetch(frame.mode, time.perf_counter() - t0)

@@ -526,11 +526,15 @@ class Store:
         m.close()
         return m
 
-    def acquire(self, conn_id: int, pid: int, req: GetState) -> tuple[State, list[int], ServedModel]:
-        """Grant a lease for ``req`` (a proof's key completed first: ``completed``); raises KeyMismatchError /
-        NotFoundError / DeviceMismatchError / LimitExceededError — for a completed proof with ``details.key``, the
-        completed key, so that the engine need not scan its checkpoint to learn it (docs/protocol.md §4.3.1)."""
-        req = self.completed(req)
+    def acquire(
+        self, conn_id: int, pid: int, req: GetState, *, completed: bool = False
+    ) -> tuple[State, list[int], ServedModel]:
+        """Grant a lease for ``req`` (a proof's key completed first: ``completed``, unless the caller says it did);
+        raises KeyMismatchError / NotFoundError / DeviceMismatchError / LimitExceededError — for a completed proof
+        with ``details.key``, the completed key, so that the engine need not scan its checkpoint to learn it
+        (docs/protocol.md §4.3.1)."""
+        if not completed:
+            req = self.completed(req)
         try:
             m = self.find(req.key)
             dev = self.backend.device
