@@ -85,13 +85,13 @@ def test_the_client_and_key_import_only_the_restart_path() -> None:
 
 
 def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
-    """``import wcache.proto`` loads nothing; one frame name loads its own module, the union of every frame all."""
+    """``import wcache.proto`` loads nothing; one frame name loads its own module, the registry every one."""
     assert _loaded("import wcache.proto") == ["wcache", "wcache.proto"]
     one = _loaded("from wcache.proto import State")
     assert "wcache.proto.daemon_frames" in one and not [
         m for m in one if m.endswith(("admin_frames", "peer_frames", "fleet_frames"))
     ]
-    every = _loaded("from wcache.proto import Frame")
+    every = _loaded("from wcache.proto import FRAME_TYPES")
     assert {
         "wcache.proto.admin_frames",
         "wcache.proto.deposit_frames",
