@@ -15,6 +15,7 @@ from wcache.errors import (
     InsecurePathError,
     InternalError,
     LocalProtocolError,
+    NotFoundError,
     ProtocolError,
     RemoteProtocolError,
     ShardingError,
@@ -49,6 +50,27 @@ def test_every_sent_code_maps_to_its_class_and_back() -> None:
         assert cls.code is code
         err = error_from_frame(int(code), "m", {"k": 1})
         assert type(err) is cls and err.details == {"k": 1}
+
+
+def test_each_code_is_declared_by_one_class() -> None:
+    """ERROR_CLASSES is what the classes declare in their class statements (``code=``): a second class claiming a
+    code is refused when it is defined; one that borrows a code (``sent_as=``) or inherits one does not displace
+    the class a received ERROR of that code is raised as."""
+    with pytest.raises(TypeError, match="code NOT_FOUND is NotFoundError's"):
+
+        class Again(WCacheError, code="NOT_FOUND"):
+            pass
+
+    class Borrowed(WCacheError, sent_as="NOT_FOUND"):
+        pass
+
+    class Inherited(NotFoundError):
+        pass
+
+    assert Borrowed.code is Inherited.code is ErrorCode.NOT_FOUND
+    assert ERROR_CLASSES[ErrorCode.NOT_FOUND] is NotFoundError
+    assert type(error_from_frame(int(ErrorCode.NOT_FOUND), "m", {})) is NotFoundError
+    assert LocalProtocolError.code is ErrorCode.INTERNAL and ERROR_CLASSES[ErrorCode.INTERNAL] is InternalError
 
 
 @pytest.mark.parametrize(
