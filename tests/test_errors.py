@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 
+import wcache
 from wcache.errors import (
     ERROR_CLASSES,
     CheckpointError,
@@ -35,6 +37,20 @@ def test_local_and_remote_protocol_errors_are_siblings() -> None:
     assert not issubclass(RemoteProtocolError, LocalProtocolError)
     for cls in (FrameTooLargeError, UnsupportedVersionError, UnexpectedFrameError):
         assert issubclass(cls, RemoteProtocolError)
+
+
+def test_every_protocol_break_wcache_detects_says_whose_fault_it_is() -> None:
+    """No module raises (or builds) the bare ProtocolError: what the peer sent is a RemoteProtocolError, what we
+    tried to send a LocalProtocolError; the base class is only what a received PROTOCOL_ERROR verdict becomes
+    (``error_from_frame``, through ERROR_CLASSES), so that the server shell knows whose fault each one is."""
+    root = Path(wcache.__file__).parent
+    bare = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "ProtocolError"
+    ]
+    assert bare == []
 
 
 def test_a_local_protocol_error_is_never_sent_as_protocol_error() -> None:

@@ -15,6 +15,7 @@ from wcache.errors import (
     LocalProtocolError,
     PermissionDeniedError,
     ProtocolError,
+    RemoteProtocolError,
     UnexpectedFrameError,
     UnsupportedVersionError,
 )
@@ -192,7 +193,7 @@ def test_eof_inside_frame() -> None:
     data = Connection(Role.CLIENT).send(Hello(versions=(PROTOCOL_VERSION,)))
     s.receive_data(data[:-3])
     s.receive_data(b"")
-    with pytest.raises(ProtocolError, match="stream ended inside a frame"):
+    with pytest.raises(RemoteProtocolError, match="stream ended inside a frame"):
         list(s.events())
     assert s.phase is Phase.CLOSED
 
@@ -260,13 +261,13 @@ def test_descriptors_go_with_the_frame_that_announces_them() -> None:
     data = s.send(EXAMPLES["STATE"])
     c.receive_data(data[:1], [7])
     c.receive_data(data[1:], [8])  # one more than STATE announces, with no frame after it
-    with pytest.raises(ProtocolError, match="no frame announced"):
+    with pytest.raises(RemoteProtocolError, match="no frame announced"):
         list(c.received())
     assert c.release_fds() == [8]
 
     daemon = Connection(Role.SERVER, service=Service.DAEMON)
     assert not daemon.accepts_fds and Connection(Role.SERVER, service=Service.KEEPER).accepts_fds
-    with pytest.raises(ProtocolError, match="may not send file descriptors"):
+    with pytest.raises(RemoteProtocolError, match="may not send file descriptors"):
         daemon.receive_data(b"\x00", [5])
     assert daemon.release_fds() == [5]  # still the owner's to close
 
@@ -276,7 +277,7 @@ def test_a_frame_announcing_more_descriptors_than_arrived_is_refused() -> None:
     s.receive_data(c.send(EXAMPLES["GET_STATE"]))
     list(s.events())
     c.receive_data(s.send(EXAMPLES["STATE"]))
-    with pytest.raises(ProtocolError, match="announces 1 file descriptor"):
+    with pytest.raises(RemoteProtocolError, match="announces 1 file descriptor"):
         list(c.received())
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from wcache.errors import ProtocolError
+from wcache.errors import RemoteProtocolError
 from wcache.proto import decode_body, decode_frame, pack_frame
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.fields import (
@@ -175,7 +175,7 @@ def test_every_field_limit_is_enforced_on_decode(
 ) -> None:
     wire = _wire(name)
     _at(wire, path)[attr] = bad
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(RemoteProtocolError) as info:
         decode_frame(wire)  # the map, not bytes: msgpack itself refuses some of these (int keys)
     assert info.value.details.get("frame") in (part, "TensorTable"), info.value
     if info.value.details.get("frame") == part:
@@ -189,7 +189,7 @@ def test_missing_fields_are_refused_or_defaulted(name: str) -> None:
         wire = _wire(name)
         wire.pop(attr, None)  # an omit_default field at its default is absent already
         if absent is _MISSING and factory is _MISSING:
-            with pytest.raises(ProtocolError) as info:
+            with pytest.raises(RemoteProtocolError) as info:
                 decode_frame(wire)
             assert info.value.details == {"frame": name, "field": attr}
         else:

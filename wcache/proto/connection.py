@@ -21,10 +21,10 @@ A peer channel in the shared-secret mode (``auth=True``, docs/protocol.md §10.2
 ``AUTH`` after the handshake: only the authentication frames may travel until PEER_AUTH_OK, and
 frames stay as small as before the handshake.
 
-Errors: a frame the *peer* may not send now raises :class:`UnexpectedFrameError`
-(a :class:`ProtocolError`); a frame *we* may not send raises
-:class:`LocalProtocolError`. Malformed bytes raise :class:`ProtocolError`. After any
-of these from ``events()`` the connection should send ``fatal_error()`` and close.
+Errors, by whose fault (h11's model): what the *peer* sent — malformed bytes, a bad field, a frame it may
+not send now (:class:`UnexpectedFrameError`), descriptors it may not send — raises a
+:class:`RemoteProtocolError`; a frame *we* may not send raises :class:`LocalProtocolError`. After either
+from ``events()`` the connection should send ``fatal_error()`` and close.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 from wcache.errors import (
     LocalProtocolError,
     NotFoundError,
-    ProtocolError,
+    RemoteProtocolError,
     UnexpectedFrameError,
     UnsupportedVersionError,
     WCacheError,
@@ -271,12 +271,12 @@ class Connection:
     def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ()) -> None:
         """Feed bytes from the peer, with the descriptors that came with them (SCM_RIGHTS); ``b""`` marks
         the end of the stream. The descriptors are the connection's from here on: each goes out with the
-        frame that announces it, and :meth:`release_fds` returns the rest for closing. ProtocolError when
-        this peer may not send descriptors at all."""
+        frame that announces it, and :meth:`release_fds` returns the rest for closing. RemoteProtocolError
+        when this peer may not send descriptors at all."""
         if fds:
             self._fds.extend(fds)
             if not self.accepts_fds:
-                raise ProtocolError("this peer may not send file descriptors")
+                raise RemoteProtocolError("this peer may not send file descriptors")
         if not data:
             self._eof = True
             return
@@ -292,7 +292,7 @@ class Connection:
         if fds:
             self._fds.extend(fds)
             if not self.accepts_fds:
-                raise ProtocolError("this peer may not send file descriptors")
+                raise RemoteProtocolError("this peer may not send file descriptors")
         self._buffer.filled(n)
 
     def release_fds(self) -> list[int]:
@@ -334,9 +334,9 @@ class Connection:
         """Yield each complete frame received so far, validated against the state, with the descriptors it
         announces (``fd_count``; the caller owns them).
 
-        Raises ProtocolError (or a subclass) on malformed bytes, an illegal frame, a frame announcing more
-        descriptors than arrived, or descriptors that no frame announces. A stream that ends inside a frame
-        raises ProtocolError too.
+        Raises RemoteProtocolError (or a subclass) on malformed bytes, an illegal frame, a frame announcing
+        more descriptors than arrived, or descriptors that no frame announces. A stream that ends inside a
+        frame raises RemoteProtocolError too.
         """
         return self._decode(with_fds=True)
 
@@ -347,17 +347,19 @@ class Connection:
             if body is None:
                 if with_fds and self._fds and not self._buffer.buffered:
                     # descriptors travel with the first byte of the frame that announces them: these came with none
-                    raise ProtocolError(f"{len(self._fds)} file descriptor(s) arrived that no frame announced")
+                    raise RemoteProtocolError(f"{len(self._fds)} file descriptor(s) arrived that no frame announced")
                 if self._eof:
                     self.phase = Phase.CLOSED
                     if self._buffer.buffered:
-                        raise ProtocolError(f"stream ended inside a frame ({self._buffer.buffered} bytes pending)")
+                        raise RemoteProtocolError(
+                            f"stream ended inside a frame ({self._buffer.buffered} bytes pending)"
+                        )
                 return
             with gc_paused(len(body)):
                 frame = _decode_frame()(decode_body(body))
             want = frame.fd_count if with_fds else 0  # 0 but for the frames that carry descriptors
             if want > len(self._fds):
-                raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
+                raise RemoteProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
             self._on(RECV, frame)  # an illegal frame leaves its descriptors to release_fds
             fds, self._fds = self._fds[:want], self._fds[want:]
             if self.role is Role.SERVER and self.service is not None and self._misdirected(frame):

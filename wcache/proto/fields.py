@@ -16,8 +16,8 @@ so the wire map lists fields in declaration order (the golden bytes of docs/prot
 it). Decoding validates every present field, takes the declared default for an absent one
 (``missing=`` when the wire default differs from the constructor's), ignores unknown fields
 (schema evolution, docs/protocol.md §2.1) and then runs the class's ``_validate`` for rules that
-span fields. Every failure is a :class:`~wcache.errors.ProtocolError` whose ``details`` name
-``frame`` and ``field`` — never a KeyError or TypeError.
+span fields. Every failure is a :class:`~wcache.errors.RemoteProtocolError` (a receiver decodes what its
+peer sent) whose ``details`` name ``frame`` and ``field`` — never a KeyError or TypeError.
 
 The reply, the services that answer a request, the phases a frame travels in and whether it may be
 pipelined are the frame's declaration (:func:`message`), and whether it brings descriptors is its
@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self, TypeVar, dataclass_transform
 
-from wcache.errors import ProtocolError
+from wcache.errors import RemoteProtocolError
 from wcache.proto._record import declared, field, namespace
 
 __all__ = [
@@ -78,9 +78,10 @@ _MISSING: Any = dataclasses.MISSING
 _DECL = "wcache.wire"
 
 
-def fail(frame: str, fld: str, what: str) -> ProtocolError:
-    """The one decode error: names the frame (or part) and the field."""
-    return ProtocolError(f"{frame}.{fld}: {what}", details={"frame": frame, "field": fld})
+def fail(frame: str, fld: str, what: str) -> RemoteProtocolError:
+    """The one decode error, the peer's (what it sent breaks docs/protocol.md): names the frame (or part) and the
+    field."""
+    return RemoteProtocolError(f"{frame}.{fld}: {what}", details={"frame": frame, "field": fld})
 
 
 # --------------------------------------------------------------------------- kinds
@@ -352,10 +353,10 @@ class Message(metaclass=_Record):
 
     @classmethod
     def from_wire(cls, m: Any) -> Self:
-        """Decode and validate one map (docs/protocol.md §4); ProtocolError naming frame and field."""
+        """Decode and validate one map (docs/protocol.md §4); RemoteProtocolError naming frame and field."""
         frame = cls._NAME
         if type(m) is not dict:
-            raise ProtocolError(f"{frame}: expected a map, got {type(m).__name__}", details={"frame": frame})
+            raise RemoteProtocolError(f"{frame}: expected a map, got {type(m).__name__}", details={"frame": frame})
         values: dict[str, Any] = {}
         for name, kind, absent, factory in cls._SPEC:
             v = m.get(name, _MISSING)

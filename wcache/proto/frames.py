@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from wcache.errors import ProtocolError
+from wcache.errors import LocalProtocolError, RemoteProtocolError
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, decode_body, pack_frame
 from wcache.proto.fields import MAX_NAME, MAX_PATH, REGISTRY, Frame, KeyMap
 from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, TensorEntry, TensorGroup, TensorTable, tensor_extent
@@ -77,13 +77,13 @@ def load_frames() -> dict[str, type[Frame]]:
 
 
 def decode_frame(m: Mapping[str, Any]) -> Frame:
-    """Turn a decoded frame map into its typed frame, or raise ProtocolError."""
+    """Turn a decoded frame map into its typed frame, or raise RemoteProtocolError."""
     t = m.get("type")
     if type(t) is not str:
-        raise ProtocolError("frame has no string 'type' field")
+        raise RemoteProtocolError("frame has no string 'type' field")
     cls = REGISTRY.get(t) or load_frames().get(t)
     if cls is None:
-        raise ProtocolError(f"unknown frame type {t[:64]!r}", details={"type": t[:64]})
+        raise RemoteProtocolError(f"unknown frame type {t[:64]!r}", details={"type": t[:64]})
     return cls.from_wire(m)
 
 
@@ -92,12 +92,13 @@ def as_received(frame: Frame, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> F
     decoded by the one decoder every receiver runs. A sender that builds a frame from a peer's input (the
     daemon laying out a DEPOSIT's STATE, a daemon handing over its models) checks it here before it commits
     to anything, so that what it accepts is never refused by its receivers: no second set of rules to drift
-    apart from the decoder's. Raises FrameTooLargeError past the size, else ProtocolError naming the
-    field a receiver refuses (an integer too large for its wire column included)."""
+    apart from the decoder's. Raises what a receiver's decoder would: FrameTooLargeError past the size, else
+    RemoteProtocolError naming the field it refuses; LocalProtocolError for an integer too large for its wire
+    column (no receiver gets it at all). Callers turn these into the error of the input they came from."""
     try:
         data = pack_frame(frame.to_wire(), max_frame_size)
     except OverflowError as exc:  # an integer no wire column holds (the tensor table's uint64 arrays)
-        raise ProtocolError(
+        raise LocalProtocolError(
             f"{frame.TYPE}: an integer does not fit its wire field ({exc})", details={"frame": frame.TYPE}
         ) from None
     return decode_frame(decode_body(data[4:]))
