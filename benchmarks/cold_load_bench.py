@@ -1,4 +1,4 @@
-"""Cold and warm daemon loads vs other loaders, side by side (issue 5).
+"""Cold and warm daemon loads vs other loaders, side by side (docs/performance.md).
 
 On a GPU (``--device cuda:0``), same 16 GB Llama-3-8B-shaped checkpoint:
 wcache-server load cold (page cache dropped) and warm, a TP=2 rank's read fraction,
@@ -207,7 +207,7 @@ def main() -> None:
         loaders += [  # the disk's own ceiling: the same reads with no copy at all (64 MiB preads, threads)
             ("disk_direct", lambda: child(DISK, str(model), "direct", t)),
             ("disk_buffered", lambda: child(DISK, str(model), "buffered", t)),
-            # fastsafetensors' nogds pattern with no copy: 512 KiB O_DIRECT reads in file order (issue 20)
+            # fastsafetensors' nogds pattern with no copy: 512 KiB O_DIRECT reads in file order
             ("disk_direct_512k", lambda: child(DISK, str(model), "direct", t, str(512 << 10))),
         ]
         loaders += [
@@ -222,7 +222,7 @@ def main() -> None:
                 lambda: daemon_load(model, args.device, work, *wextra, "--staging-bytes", "1073741824"),
             ),
             ("wcache_direct_io", lambda: daemon_load(model, args.device, work, *wextra, "--io", "direct")),
-            # issue 20: fastsafetensors' read pattern (docs/performance.md): O_DIRECT blocks in file order
+            # fastsafetensors' read pattern (docs/performance.md): O_DIRECT blocks in file order
             # for uncached files, buffered whole jobs for cached ones (the warm rows)
             ("wcache_stream", lambda: daemon_load(model, args.device, work, *wextra, "--io", "stream")),
             ("wcache_stream_512k", lambda: daemon_load(model, args.device, work, *wextra, "--io", "stream:512KiB")),

@@ -1,4 +1,4 @@
-"""Which read pattern does this machine's disk serve fastest, cold? (issue 20, cold load)
+"""Which read pattern does this machine's disk serve fastest, cold? (docs/performance.md, cold loads)
 
 fastsafetensors 0.5.0 beat wcache's cold load and even a 16-thread 64 MiB O_DIRECT read with no copy at
 all (docs/performance.md). This bench reads the same checkpoint cold (page cache dropped before each run)

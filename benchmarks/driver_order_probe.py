@@ -1,4 +1,4 @@
-"""Why does a daemon whose CUDA driver calls came before torch's runtime copy slowly? (issue 20)
+"""Why does a daemon whose CUDA driver calls came before torch's runtime copy slowly? (docs/performance.md, cold loads)
 
 A daemon that starts driver-first (reclaiming from its keeper without torch) and must then load a model
 copied host-to-device at 4.7 GB/s instead of 27 GB/s (backends/cuda.py ``prepare_loads``). Each order runs

@@ -1,4 +1,4 @@
-"""Engine restart to first token, with and without the cache (issue 6), on a GPU.
+"""Engine restart to first token, with and without the cache, on a GPU.
 
 A daemon serves the 16 GB Llama-3-8B-shaped checkpoint on ``--device``. Fresh engine
 processes then build the Hugging Face ``LlamaForCausalLM`` and compute one greedy token:

@@ -1,4 +1,4 @@
-"""FP8 write-back on the GPU (issue 17, docs/protocol.md §4.13): the restart a user of an on-the-fly
+"""FP8 write-back on the GPU (docs/protocol.md §4.13): the restart a user of an on-the-fly
 quantized model saves.
 
 A wcache daemon serves a bf16 Llama (wcache.synthetic) on the GPU. Two fresh engine processes:

@@ -1,4 +1,4 @@
-"""GPU benchmarks (issue 4), side by side in one run on the lent H200.
+"""GPU benchmarks (README, Measured), side by side in one run on the lent H200.
 
 Generates a 16 GB Llama-3-8B-shaped bf16 checkpoint (291 tensors, 4 shards) and a
 MoE-like layout of 50,000 tensors, then measures:

@@ -1,4 +1,4 @@
-"""Host-memory tier and daemon hand-off on a GPU (issue 7).
+"""Host-memory tier and daemon hand-off on a GPU (docs/reliability.md).
 
 On ``--device cuda:K`` with the 16 GB Llama-3-8B-shaped checkpoint:
 

@@ -1,4 +1,4 @@
-"""Daemon restart on a keeper (issue 20, "Daemon restart"): process start -> ready file, after SIGKILL.
+"""Daemon restart on a keeper (docs/performance.md, "Daemon restart"): process start -> ready file, after SIGKILL.
 
 A wcache-keeper runs; a daemon (``--keeper``) loads the checkpoint; then ``--samples`` times: SIGKILL the
 daemon (a crash) and start it again with the same arguments, timing ``spawn_daemon`` from process start

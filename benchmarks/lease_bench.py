@@ -1,4 +1,4 @@
-"""GET_STATE + RELEASE round trip against a live daemon while N other leases are held (issue 16, class 7).
+"""GET_STATE + RELEASE round trip against a live daemon while N other leases are held (docs/reliability.md, lease bookkeeping).
 
     python benchmarks/lease_bench.py [--leases 0,6400,12800,25600] [--rounds 300]
 

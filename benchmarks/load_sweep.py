@@ -1,4 +1,4 @@
-"""Where a daemon load's time goes on the GPU, and which loader settings are fastest (issues 5, 7).
+"""Where a daemon load's time goes on the GPU, and which loader settings are fastest (docs/performance.md).
 
 In one process (torch and the CUDA context started once), for the 16 GB Llama-3-8B-shaped
 checkpoint on ``--device cuda:K``:

@@ -1,6 +1,6 @@
 """STATE frame encode+decode cost for 291 (Llama-3-8B) and 50,000 (MoE-like) tensors.
 
-Targets (issue 2): <= 1 ms for 291 entries, <= 50 ms for 50,000, on the 2-core CI machine.
+Targets (docs/performance.md, protocol decode): <= 1 ms for 291 entries, <= 50 ms for 50,000, on the 2-core CI machine.
 Measures the full path a daemon and a client run: frame -> bytes (``Connection.send``)
 and bytes -> validated typed frame (``Connection.events``). Writes JSON to
 benchmarks/results/proto_bench-<date>.json (or --out).

@@ -1,4 +1,4 @@
-"""Shared memory -> GPU by registering the mapping with the driver, chunk by chunk, on N threads (issue 7).
+"""Shared memory -> GPU by registering the mapping with the driver, chunk by chunk, on N threads (docs/performance.md).
 
 The host tier's slab file lives in tmpfs; its pages are already resident. Registering them
 (``cudaHostRegister``, page pinning) is what costs: 16 GB took 0.67 s in one call. This

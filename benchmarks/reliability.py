@@ -1,4 +1,4 @@
-"""Reliability figures (issue 8): fuzz, hostile frames, killed clients and daemons, load.
+"""Reliability figures (docs/reliability.md): fuzz, hostile frames, killed clients and daemons, load.
 
 Runs on the host backend (any machine); writes JSON to benchmarks/results/ and prints the
 table kept in docs/reliability.md. Long: not part of the default CI run.

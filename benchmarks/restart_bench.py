@@ -1,4 +1,4 @@
-"""Engine restart on one machine: disk load vs wcache zero_copy vs copy (issue 3).
+"""Engine restart on one machine: disk load vs wcache zero_copy vs copy.
 
 Generates a Llama-shaped checkpoint of >= 2 GB (291 tensors: Llama-3-8B's tensor count
 and names, scaled-down shapes), starts ``wcache-server`` on it, then runs several fresh

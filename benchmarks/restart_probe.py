@@ -1,4 +1,4 @@
-"""What bounds a restarted daemon's reload of 16 GB from host memory, and what could outlive it (issue 7).
+"""What bounds a restarted daemon's reload of 16 GB from host memory, and what could outlive it (docs/performance.md).
 
 Four measurements, each in fresh processes (the parent never touches CUDA):
 

@@ -1,4 +1,4 @@
-"""What a host-tier reload costs in a *fresh* daemon process, by reader threads and staging size (issue 7).
+"""What a host-tier reload costs in a *fresh* daemon process, by reader threads and staging size (docs/performance.md).
 
 A restarted daemon finds its slab in the host tier (a file in shared memory) and copies it to a new GPU
 slab with the loader's pinned staging pipeline (``load_file_into``). The staging is new in a new

@@ -1,4 +1,4 @@
-"""TP=2 across two GPUs (issue 9), on the lent 2-GPU machine.
+"""TP=2 across two GPUs, on the lent 2-GPU machine.
 
 - Two daemons: rank 0 on physical GPU 0 and rank 1 on physical GPU 1, both started with
   CUDA_VISIBLE_DEVICES=1,0 (so rank 0 is ``--device cuda:1``): engines must find the GPU

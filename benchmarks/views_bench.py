@@ -1,4 +1,4 @@
-"""Cost of building 50,000 tensor views on one device, by method (issue 4's MoE target).
+"""Cost of building 50,000 tensor views on one device, by method (the 50,000-tensor MoE layout).
 
 A 50,000-tensor STATE group is one stacked view split with ``unbind``; this measures what
 that split costs per tensor on CPU and CUDA tensors, and the alternatives.

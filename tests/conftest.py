@@ -18,7 +18,7 @@ from wcache.synthetic import TINY, LlamaShape, make_llama_checkpoint
 
 READY_TIMEOUT = 60.0
 
-#: Shared directories a run must leave as it found them: tests use tmp_path (issue 16, item 13).
+#: Shared directories a run must leave as it found them: tests use tmp_path.
 SHARED_TMP = (Path("/tmp"), Path("/dev/shm"))
 
 

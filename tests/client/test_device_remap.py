@@ -1,6 +1,6 @@
 """A GPU is found by UUID, never by index (docs/protocol.md §4.5): under a permuted ``CUDA_VISIBLE_DEVICES`` an
 engine finds the daemon's GPU at whatever local index it has, refuses a GPU it cannot see, and refuses to map a
-slab onto another GPU than the one it chose (issue 15's CPU part: the process's device view is simulated)."""
+slab onto another GPU than the one it chose (the CPU half of device remapping: the process's device view is simulated)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``--io stream`` on the CUDA slab (issue 20): the staged front (512 KiB O_DIRECT blocks by every thread
+"""``--io stream`` on the CUDA slab (docs/performance.md, cold loads): the staged front (512 KiB O_DIRECT blocks by every thread
 into job-sized pinned buffers, one copy per job) fills the device slab with the bytes a buffered load does."""
 
 from __future__ import annotations

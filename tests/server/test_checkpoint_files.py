@@ -1,4 +1,4 @@
-"""The daemon and hostile checkpoint directories (issue 16, classes 2, 3, 5), end to end.
+"""The daemon and hostile checkpoint directories (docs/security.md, checkpoint directories), end to end.
 
 A checkpoint it cannot open safely, or cannot serve within the protocol's limits, is refused — at
 start-up with exit status 1 and no socket, by PRELOAD with an ERROR — and the daemon keeps serving;

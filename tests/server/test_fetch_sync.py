@@ -1,4 +1,4 @@
-"""``fetch_sync`` on a blocking socket (issue 20): the same requests through the same sans-I/O connection,
+"""``fetch_sync`` on a blocking socket (docs/performance.md, the restart path): the same requests through the same sans-I/O connection,
 no event loop started, and the same errors and lease lifetime as ``fetch``."""
 
 from __future__ import annotations

@@ -763,7 +763,7 @@ async def test_a_model_served_in_vllms_layout_is_reclaimed_after_a_crash(
 async def test_a_kept_deposit_is_served_after_a_crash_and_dropped_once_its_checkpoint_changes(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
 ) -> None:
-    """Write-back survives a daemon crash like a load does (issue 17): the restarted daemon serves the kept
+    """Write-back survives a daemon crash like a load does (docs/reliability.md): the restarted daemon serves the kept
     deposit under its recipe key (origin "keeper", buffers kept, the engine's bytes), not "unverifiable"; once
     the recipe's checkpoint changed on disk, the kept deposit is stale and dropped from the keeper too."""
     from tests.server.deposit_engine import recipe_key, tensors

@@ -1,4 +1,4 @@
-"""Connection-level resource limits (issue 16, classes 1, 4, 7, 8): memory before HELLO, a read budget
+"""Connection-level resource limits (docs/reliability.md, connection limits): memory before HELLO, a read budget
 across connections, peers that never read their replies, lease bookkeeping, idle peers at the cap."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PRELOAD and the engine's key: the rank a request names is the rank the daemon plans, keys and loads.
 
-Regression tests for issue 19's two bugs from describing one rank in six places, and for the codes a
+Regression tests for the two bugs that came from describing one rank in six places, and for the codes a
 PRELOAD's user errors reach the client with (docs/protocol.md §6)."""
 
 from __future__ import annotations

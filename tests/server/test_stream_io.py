@@ -1,4 +1,4 @@
-"""``--io stream[:BLOCK]`` (issue 20, docs/performance.md): files mostly not in the page cache are read in
+"""``--io stream[:BLOCK]`` (docs/performance.md, cold loads): files mostly not in the page cache are read in
 block-aligned O_DIRECT blocks that every thread takes in file order (one front), into one staging buffer
 per job on slabs whose writer stages; cached files, and slabs that do not stage, read whole jobs as with
 buffered. The slab must hold the same bytes as a buffered load, shards and TP slices alike."""

