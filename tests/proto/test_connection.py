@@ -39,7 +39,7 @@ from wcache.proto import (
 )
 from wcache.proto.connection import transitions
 from wcache.proto.examples import EXAMPLES
-from wcache.proto.fields import REGISTRY, Frame, Int, Str, message, wire
+from wcache.proto.fields import REGISTRY, Frame, Int, Message, Str, message, wire
 from wcache.proto.frames import FRAME_TYPES, decode_frame, load_frames
 
 
@@ -487,6 +487,30 @@ def test_a_new_frame_is_one_declaration(toy_frames: tuple[Any, Any]) -> None:
     d.receive_data(c.send(hold(id=1, what="y")))
     (event,) = d.events()
     assert isinstance(event, Misdirected) and event.error.code is ErrorCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    ("base", "type_", "declared", "why"),
+    [
+        (Frame, "TOY_ASK", {"reply": "TOY_ANSWER"}, "declares its reply and service"),  # served by no one
+        (Frame, "TOY_ASK", {"service": Service.DAEMON}, "declares its reply and service"),  # answered by nothing
+        (Frame, "TOY_TELL", {"pipelined": True}, "only a request is pipelined"),
+        (Frame, "TOY_TELL", {"phase": Phase.AUTH, "moves": {Phase.AUTH: Phase.OPEN}}, "phase= or moves="),
+        (Message, "", {"reply": "TOY_ANSWER", "service": Service.DAEMON}, "a part of a frame"),
+        (Message, "TOY_TELL", {}, "a frame \\(a Frame subclass\\) has a type"),
+        (Frame, "", {}, "a frame \\(a Frame subclass\\) has a type"),
+    ],
+)
+def test_a_declaration_that_cannot_hang_together_is_refused_where_it_is_made(
+    base: type[Message], type_: str, declared: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(TypeError, match=why):
+
+        @message(type_, **declared)
+        class Toy(base):  # type: ignore[valid-type,misc]
+            id: int = wire(Int(lo=1))
+
+    assert "TOY_ASK" not in REGISTRY and "TOY_TELL" not in REGISTRY
 
 
 def test_every_frame_declares_a_place_that_hangs_together() -> None:
