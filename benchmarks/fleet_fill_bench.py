@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wcache.reshard import Copy
+from wcache.plan.reshard import Copy
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.nixl import Agent, nixl_module
 from wcache.server.startup import make_backend
@@ -189,9 +189,10 @@ def _fill_part(device: str, model: Path, work: Path, reps: int, targets: list[in
     import statistics
 
     from wcache.channel import expect
+    from wcache.plan.key import RankSpec
+    from wcache.plan.rank import plan_rank
     from wcache.proto import Release
     from wcache.proto.fleet_frames import PeerOffer, PeerQuery
-    from wcache.rank import RankSpec, plan_rank
     from wcache.server.fill import FillConfig, fill
     from wcache.server.peer_auth import PeerSecurity
     from wcache.server.peer_channel import connect_peer
@@ -240,7 +241,7 @@ def _fill_part(device: str, model: Path, work: Path, reps: int, targets: list[in
             async def one_fill() -> float:
                 cfg = FillConfig(((host, int(port)),), sec, "bench")
                 t0 = time.perf_counter()
-                model_ = await fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=rp.key.plan)
+                model_ = await fill(rp.key, rp, backend, agent, cfg)
                 secs = time.perf_counter() - t0
                 model_.close()
                 return secs

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from wcache.key import WeightCacheKey
-    from wcache.recipe import RecipeKey
+    from wcache.plan.key import WeightCacheKey
+    from wcache.plan.recipe import RecipeKey
 
 #: about 0.5 B parameters, 1 GB in bf16: large enough for the starts' times to mean something
 SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {  # hidden, intermediate, layers, heads, kv_heads, vocab
@@ -74,7 +74,7 @@ def config_hash(config: Mapping[str, Any]) -> str:
 def recipe_key(
     base: WeightCacheKey, config: Mapping[str, Any], *, engine_version: str, capability: tuple[int, int]
 ) -> RecipeKey:
-    from wcache.recipe import RecipeKey
+    from wcache.plan.recipe import RecipeKey
 
     return RecipeKey.of(
         base,

@@ -360,9 +360,9 @@ def per_tensor_ipc(model: Path, device: str, work: Path, samples: int, env: dict
 
 
 def settle(model: Path) -> None:
-    """Wait until the checkpoint's files are old enough for the daemon to record their proof (wcache.key.RACY_NS:
+    """Wait until the checkpoint's files are old enough for the daemon to record their proof (wcache.plan.key.RACY_NS:
     a daemon that read files changed just before cannot prove them, and every engine would scan)."""
-    from wcache.key import RACY_NS
+    from wcache.plan.key import RACY_NS
 
     newest = max(f.stat().st_ctime_ns for f in model.iterdir())
     time.sleep(max(0.0, (newest + RACY_NS - time.time_ns()) / 1e9 + 0.05))

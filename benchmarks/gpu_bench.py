@@ -240,7 +240,7 @@ TP2_ENGINE = r"""
 import asyncio, glob, json, sys, time, torch
 from safetensors.torch import load_file
 from wcache import WCacheClient, WeightCacheKey
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.sharding import LLAMA_PLAN
 sock_dir, model = sys.argv[1], sys.argv[2]
 torch.empty(1, device="cuda:0"); torch.cuda.synchronize()
 keys = [WeightCacheKey.from_checkpoint(model, tp_rank=r, tp_size=2) for r in (0, 1)]

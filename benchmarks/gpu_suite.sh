@@ -125,11 +125,10 @@ if want keeper; then
 fi
 if want imports; then
   # what the restart path imports, and what each module costs on this machine (python -X importtime)
-  # the engine's import (the top-level wcache.client.client entry), then what a fetch loads: the key's rank module,
-  # and while the daemon answers the frame registry and the mapping's modules (CUDA ones included: CUDA is up here)
+  # the engine's import (the top-level wcache.client.client entry), then what a fetch loads while the daemon
+  # answers: the frame registry and the mapping's modules (CUDA ones included: CUDA is up here)
   step importtime 60 python3 -X importtime -c "import torch; torch.empty(1, device='cuda:0'); import wcache; \
-from wcache import WCacheClient, WeightCacheKey; import wcache.rank, wcache.proto.frames, wcache.client.mapping, \
-wcache.client.cuda"
+from wcache import WCacheClient, WeightCacheKey; import wcache.proto.frames, wcache.client.mapping, wcache.client.cuda"
 fi
 if want fresh_moe; then  # 50,000 tensors (~1.5 min)
   step fresh_engine_moe "${FRESH_MOE_TIMEOUT:-240}" python3 benchmarks/fresh_engine_bench.py --device cuda:0 --work $W \

@@ -52,7 +52,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
-    from wcache import WCacheClient, WeightCacheKey
+    from wcache import RankSpec, WCacheClient, WeightCacheKey
     from wcache.server.process import spawn_daemon
     from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint
 
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.1)
         res["c_tier_pinned_s"] = grab(r"host tier pinned .*? seconds=([\d.]+)", c.log_text())
         await client.evict(key)
-        r = await client.preload(args.model)
+        r = await client.preload(RankSpec(Path(args.model)))
         res["tier_reload_after_evict_s"] = r.load_seconds
         res["tier_reload_after_evict_copy"] = (re.findall(r"from_host_tier .*? copy=(\w+)", c.log_text()) or ["?"])[-1]
         async with await client.fetch(key) as w:

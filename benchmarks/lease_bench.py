@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from wcache.channel import Channel, close_fds, connect, expect
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import GetState, Release, State
 from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint

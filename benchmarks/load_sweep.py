@@ -50,7 +50,8 @@ def main() -> None:
 
     import torch
 
-    from wcache.rank import plan_rank
+    from wcache.plan.key import RankSpec
+    from wcache.plan.rank import plan_rank
     from wcache.server.backends.cuda import CudaBackend
     from wcache.server.loader import load_into
     from wcache.synthetic import LLAMA3_8B, make_llama_checkpoint
@@ -60,7 +61,7 @@ def main() -> None:
     dev = torch.device(args.device)
     index = dev.index or 0
     torch.empty(1, device=dev)
-    rp = plan_rank(args.model, dtype="bfloat16")
+    rp = plan_rank(RankSpec(args.model, dtype="bfloat16"))
     layout = rp.layout
     res: dict[str, Any] = {
         "benchmark": "load_sweep",

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from wcache.plan.key import RankSpec
 from wcache.server.backends.host import HostBackend
 from wcache.server.load import load_model
 from wcache.server.reclaim import SAMPLE_BYTES, SAMPLES, check_model
@@ -34,7 +35,7 @@ def _evict(ckpt: Path) -> None:
 
 
 def bench(ckpt: Path, repeat: int) -> list[dict[str, object]]:
-    model = load_model(ckpt, backend=HostBackend())
+    model = load_model(RankSpec(ckpt), backend=HostBackend())
     out: list[dict[str, object]] = []
     try:
         for mode in ("warm", "cold"):

@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from wcache import WCacheClient, WeightCacheKey
 from wcache import _cuda
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.sharding import LLAMA_PLAN
 sock, model, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 key = WeightCacheKey.from_checkpoint(model, tp_rank=rank, tp_size=2)
 torch.empty(1, device="cuda:0"); torch.cuda.synchronize()

@@ -7,6 +7,9 @@ Public API (everything else is internal)::
     async with await WCacheClient(socket_path=...).fetch(key) as weights:
         model.load_state_dict(weights, assign=True)
 
+``RankSpec`` names a rank the way every other rank-taking API takes it (``WeightCacheKey.from_spec``,
+``WCacheClient.preload``): ``RankSpec("/models/llama", tp_rank=0, tp_size=1)``.
+
 Every public name is imported on first access (PEP 562): ``import wcache`` itself loads nothing,
 so an engine's restart pays only for the modules its path uses (the key, the protocol, the
 client), and ``import wcache.proto`` stays free of asyncio and torch (docs/protocol.md is
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
         UnsupportedPlatformError,
         WCacheError,
     )
-    from wcache.key import WeightCacheKey
+    from wcache.plan.key import RankSpec, WeightCacheKey
 
 __version__ = "0.1.0"
 
@@ -51,6 +54,7 @@ __all__ = [
     "NotReadyError",
     "PermissionDeniedError",
     "ProtocolError",
+    "RankSpec",
     "ServerError",
     "ShardingError",
     "TransformError",
@@ -66,7 +70,8 @@ __all__ = [
 _HOME = {
     "WCacheClient": "wcache.client.client",
     "CachedWeights": "wcache.client.client",
-    "WeightCacheKey": "wcache.key",
+    "WeightCacheKey": "wcache.plan.key",
+    "RankSpec": "wcache.plan.key",
     **{n: "wcache.errors" for n in __all__ if n.endswith("Error")},
 }
 

@@ -31,8 +31,8 @@ from wcache import __version__
 from wcache.client import WCacheClient
 from wcache.errors import CacheUnavailableError, CheckpointError, NotFoundError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
+from wcache.plan.key import WeightCacheKey, tp_problem
 from wcache.proto import ModelInfo, StatusReply
-from wcache.rank import tp_problem
 from wcache.units import size_arg
 
 __all__ = ["build_parser", "main", "parse_args"]
@@ -163,8 +163,6 @@ def _to_json(r: StatusReply) -> dict[str, Any]:
 def _served_of(args: argparse.Namespace, results: list[tuple[Path, StatusReply | str]]) -> list[tuple[Path, ModelInfo]]:
     """The checkpoint models (not deposits) of ``args.model`` the daemons serve — the same directory, or the same
     sampled fingerprint — that agree with every option given (an option left out matches anything)."""
-    from wcache.key import WeightCacheKey
-
     base = WeightCacheKey.from_checkpoint(args.model)  # headers only: its fingerprint and stored dtype
     where = os.path.abspath(args.model)
     want: dict[str, Any] = {"tp_rank": args.tp_rank, "tp_size": args.tp_size, "transform": args.transform}
@@ -193,8 +191,6 @@ async def _evict(args: argparse.Namespace) -> int:
     """``wcache evict DIR``: with --tp-rank and --tp-size, the key they name (its daemon says how it differs
     from what it serves); otherwise what the daemons serve of DIR, found through STATUS: one model (or, with
     --all, every one) is evicted, several are listed with the options that pick each."""
-    from wcache.key import WeightCacheKey
-
     if args.tp_rank is not None and args.tp_size is not None:
         from wcache.server.startup import rank_spec
 

@@ -47,13 +47,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from wcache.errors import IncompatibleModelError, WCacheError
-from wcache.key import WeightCacheKey
-from wcache.rank import RankSpec, plan_rank
+from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.rank import plan_rank
 
 if TYPE_CHECKING:
     from wcache.client import WCacheClient
+    from wcache.plan.recipe import RecipeKey
     from wcache.proto import Deposited
-    from wcache.recipe import RecipeKey
 
 __all__ = [
     "AttachReport",
@@ -291,20 +291,29 @@ class LoadedWeights:
 
 
 def load_from_disk(
-    model_dir: str | os.PathLike[str] | RankSpec,
+    model_dir: str | os.PathLike[str],
     *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dtype: str | None = None,
+    plan_file: str | os.PathLike[str] | None = None,
+    transform: str = "",
     device: str | torch.device = "cpu",
-    **fields: Any,
 ) -> dict[str, torch.Tensor]:
     """The same tensors a daemon would serve (same plan, slices, cast, aliases, transform), read from disk.
 
-    ``model_dir``: a RankSpec, or a checkpoint directory with RankSpec's fields as keywords (``tp_rank``,
-    ``tp_size``, ``dtype``, ``plan_file``, ``transform``)."""
+    ``model_dir``: the checkpoint directory; the other keywords but ``device`` are RankSpec's fields (``plan_file``
+    ``None`` or ``""``: no plan file)."""
+    plan = Path(plan_file) if plan_file else None
+    return _from_disk(RankSpec(Path(model_dir), tp_rank, tp_size, dtype, plan, transform), device)
+
+
+def _from_disk(spec: RankSpec, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """``load_from_disk`` of a spec (``load_weights``'s fallback reads the spec its key was built from)."""
     from safetensors import safe_open
 
     from wcache.peer_files import refuse_stubs
 
-    spec = RankSpec.of(model_dir, **fields)
     with plan_rank(spec) as rp:
         ckpt, layout = rp.checkpoint, rp.layout
         refuse_stubs(ckpt.path, ckpt.files)  # a directory filled from a peer holds headers, not weights
@@ -336,23 +345,28 @@ def load_from_disk(
 
 
 async def load_weights(
-    model_dir: str | os.PathLike[str] | RankSpec,
+    model_dir: str | os.PathLike[str],
     *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dtype: str | None = None,
+    plan_file: str | os.PathLike[str] | None = None,
+    transform: str = "",
+    verify_content: bool = False,
     mode: str = "zero_copy",
     client: Any = None,
     fallback: bool = True,
     device: str | torch.device = "cpu",
-    **fields: Any,
 ) -> LoadedWeights:
     """Weights for one rank: from the daemon if it can serve them, else (``fallback``) from disk.
 
-    ``model_dir``: a RankSpec, or a checkpoint directory with RankSpec's fields as keywords (``tp_rank``,
-    ``tp_size``, ``dtype``, ``plan_file``, ``transform``, ``verify_content`` — the daemon's
-    ``--verify-content``). The key is built from the whole spec, so a daemon serving a transform serves an
-    engine asking for it."""
+    ``model_dir``: the checkpoint directory; ``tp_rank`` ... ``verify_content`` are RankSpec's fields
+    (``verify_content``: the daemon's ``--verify-content``). The key is built from the whole spec, so a daemon
+    serving a transform serves an engine asking for it."""
     from wcache.client import WCacheClient
 
-    spec = RankSpec.of(model_dir, **fields)
+    plan = Path(plan_file) if plan_file else None
+    spec = RankSpec(Path(model_dir), tp_rank, tp_size, dtype, plan, transform, verify_content)
     try:
         key = WeightCacheKey.from_spec(spec)
         c = client if client is not None else WCacheClient()
@@ -363,7 +377,7 @@ async def load_weights(
             raise
         reason = f"{type(exc).__name__}: {exc.message}"
     log.warning("wcache: loading %s from disk instead of the cache (%s)", spec.checkpoint, reason)
-    tensors = load_from_disk(spec, device=device)
+    tensors = _from_disk(spec, device)
     return LoadedWeights(tensors, "disk", reason)
 
 

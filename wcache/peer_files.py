@@ -18,9 +18,9 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
+from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.proto.fleet_frames import MAX_FILE_BYTES, PeerBlock, PeerFile
 
 __all__ = ["MARKER", "checkpoint_files", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from wcache.errors import ShardingError, TransformError
-from wcache.quant import SCALE_SUFFIX, fp8_block_size
-from wcache.sharding import VOCAB_PADDED_TRANSFORMS, VOCAB_ROWS
+from wcache.plan.quant import SCALE_SUFFIX, fp8_block_size
+from wcache.plan.sharding import VOCAB_PADDED_TRANSFORMS, VOCAB_ROWS
 
 __all__ = [
     "PACKED_ALONG_OUT",
@@ -151,7 +151,7 @@ def vllm_layout(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> dic
     ``ParallelLMHead`` hold ``round_up(vocab, 64) / tp_size`` rows per rank and zero the padding).
 
     At tensor-parallel size > 1 the daemon already cut this rank's rows as vLLM splits the *padded* vocabulary
-    (``wcache.sharding.padded_vocab_shard``, keyed by this transform's name); here they are padded to the
+    (``wcache.plan.sharding.padded_vocab_shard``, keyed by this transform's name); here they are padded to the
     rank's share. Tied weights stay one tensor.
     """
     out = fuse_llama_qkv_gate_up(stack_experts(tensors), config)

@@ -18,24 +18,25 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DaemonProc
-from wcache.key import RACY_NS
+from wcache.plan.key import RACY_NS
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 #: modules of other paths: the daemon's loader and planning, write-back recipes, integrations
 NOT_ON_THE_RESTART_PATH = (
-    "wcache.layout",
-    "wcache.sharding",
-    "wcache.recipe",
+    "wcache.plan.rank",  # the planner: a daemon's
+    "wcache.plan.layout",
+    "wcache.plan.sharding",
+    "wcache.plan.recipe",
     "wcache.transforms",
     "wcache.nn",
     "wcache.server",
     "wcache.integrations",
     "wcache.client.wait",
     "wcache.peer_files",
-    "wcache.reshard",
-    "wcache.checkpoint",
+    "wcache.plan.reshard",
+    "wcache.plan.checkpoint",
     "wcache.files",
-    "wcache.quant",
+    "wcache.plan.quant",
     "wcache.proto.admin_frames",
     "wcache.proto.deposit_frames",
     "wcache.proto.peer_frames",
@@ -49,7 +50,8 @@ RESTART_PATH = {
     "wcache.client",
     "wcache.client.client",
     "wcache.errors",
-    "wcache.key",
+    "wcache.plan",  # the domain package's __init__: a docstring
+    "wcache.plan.key",  # the key and its request, RankSpec
     "wcache.proto",
     "wcache.proto._record",
     "wcache.proto.codec",
@@ -58,9 +60,9 @@ RESTART_PATH = {
     "wcache.proto.fields",
     "wcache.proto.table",
 }
-#: what the key (the rank's spec) and a host fetch add: the frame registry and the mapping's module, loaded while
-#: the daemon answers (the CUDA mapping's modules too where CUDA is up)
-FETCH_ADDS = {"wcache.rank", "wcache.proto.frames", "wcache.client.mapping"}
+#: what a host fetch adds: the frame registry and the mapping's module, loaded while the daemon answers (the CUDA
+#: mapping's modules too where CUDA is up)
+FETCH_ADDS = {"wcache.proto.frames", "wcache.client.mapping"}
 
 
 def _loaded(code: str, *args: str) -> list[str]:
@@ -114,6 +116,7 @@ def test_computing_a_key_imports_no_loader_module(tmp_path: Path) -> None:
     )
     extra = [m for m in loaded if m.startswith(NOT_ON_THE_RESTART_PATH)]
     assert extra == [], f"computing a key imports {extra}"
+    assert {m for m in loaded if m.startswith("wcache")} == RESTART_PATH  # the key's request is the key's module
 
 
 @pytest.fixture(scope="module")
@@ -144,4 +147,4 @@ def test_a_proven_fetch_imports_no_header_scan(
     touched = tmp_path / "touched"
     shutil.copytree(settled, touched)  # other inodes: the daemon did not read these files
     scanned = _loaded(fetch, str(touched), str(daemon.socket))
-    assert {"wcache.checkpoint", "wcache.files"} <= set(scanned)
+    assert {"wcache.plan.checkpoint", "wcache.files"} <= set(scanned)

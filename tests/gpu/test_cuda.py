@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import DaemonProc
 from wcache import CacheUnavailableError, DeviceMismatchError, UnsupportedPlatformError, WCacheClient, WeightCacheKey
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.key import RankSpec
+from wcache.plan.sharding import LLAMA_PLAN
 
 EXPORTS = ["vmm", "ipc"]
 
@@ -295,7 +296,7 @@ async def _tier_refills(
         await asyncio.sleep(0.05)
     assert (await client.status()).tier_pinned == 1, second.log_text()[-4000:]
     await client.evict(key)
-    await client.preload(ckpt)  # refilled from the page-locked tier entry: one DMA copy
+    await client.preload(RankSpec(ckpt))  # refilled from the page-locked tier entry: one DMA copy
     assert [(m.origin, m.tier_copy) for m in (await client.status()).models] == [("tier", "pinned")]
     async with await client.fetch(key) as w:
         assert all(torch.equal(w[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in ref.items())

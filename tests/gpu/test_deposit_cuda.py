@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import DaemonProc
 from wcache import UnsupportedPlatformError, WCacheClient, WeightCacheKey
-from wcache.recipe import RecipeKey
+from wcache.plan.recipe import RecipeKey
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -110,7 +110,7 @@ import torch
 from tests.gpu.test_deposit_cuda import gpu_tensors, recipe
 from wcache.channel import connect, expect
 from wcache.client import cuda
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import Deposit, DepositSlab, DepositTensor
 
 async def main(sock, step, marker, base):

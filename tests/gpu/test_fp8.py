@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import DaemonProc
 from wcache import WCacheClient, WeightCacheKey
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.sharding import LLAMA_PLAN
 from wcache.synthetic import make_fp8_llama_checkpoint
 
 EXPORTS = ["vmm", "ipc"]

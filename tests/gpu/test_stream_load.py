@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from wcache.checkpoint import Checkpoint
-from wcache.layout import Layout, plan_layout
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import Layout, plan_layout
+from wcache.plan.sharding import resolve_plan
 from wcache.server import loader
 from wcache.server.backends.cuda import CudaBackend
 from wcache.server.reads import Job
-from wcache.sharding import resolve_plan
 
 
 def _layout(ckpt: Path, rank: int, tp: int) -> Layout:

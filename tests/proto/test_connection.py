@@ -75,6 +75,30 @@ def test_handshake_and_request_cycle() -> None:
     assert c.pending == s.pending == {}
 
 
+def test_a_request_over_the_limit_the_server_announced_is_refused_before_it_is_sent() -> None:
+    """HELLO_OK announces the largest frame body the server takes (``max_frame_size``; a daemon's is 1 MiB): a
+    client refuses to send a bigger request (LocalProtocolError naming both sizes, nothing pending), where it
+    used to send it and lose the connection to the server's fatal FRAME_TOO_LARGE; a body of exactly the limit,
+    and any request within it, still goes out."""
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER, max_frame_size=512)
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+    list(c.events())
+
+    def get_state(rid: int, size: int) -> GetState:  # a GET_STATE whose body is ``size`` bytes
+        return next(
+            f for n in range(size) if len(pack_frame((f := GetState(id=rid, key={"k": "x" * n})).to_wire())) == size + 4
+        )
+
+    with pytest.raises(LocalProtocolError, match="513 bytes, over the 512 bytes"):
+        c.send(get_state(1, 513))
+    assert c.pending == {} and c.phase is Phase.OPEN
+    s.receive_data(c.send(get_state(1, 512)))
+    assert [f.TYPE for f in s.events()] == ["GET_STATE"]
+
+
 def test_a_retracted_reply_leaves_its_request_pending_for_an_error() -> None:
     """A STATE whose descriptors the kernel refused never left: retract() makes its GET_STATE pending again, the
     ERROR that answers it is legal, and the client never held the lease."""

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from wcache.channel import connect, expect
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.recipe import RecipeKey
 from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor
-from wcache.recipe import RecipeKey
 
 STEPS = ("deposit_sent", "slab_received", "half_written", "commit_sent")
 

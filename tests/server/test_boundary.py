@@ -3,7 +3,8 @@
 Everything device-specific lives in wcache/server/backends/ (and wcache/_cuda.py): the read primitives, the
 loader, the load pipeline, the store, the tier, the daemon and the reclaim check name no device API, and the
 staging budget is the backend's. The read primitives (server/reads.py) sit below both the loader and the
-backends, and the backends never import upwards. No wcache module's top-level imports form a circle. No
+backends, and the backends never import upwards. No wcache module's top-level imports form a circle, and the
+domain package (wcache/plan/) imports in its declared order, its imports inside functions counted too. No
 daemon start-up module imports torch at import time; a daemon serving only what its keeper handed back never
 imports it.
 """
@@ -21,7 +22,7 @@ import pytest
 
 from tests.conftest import DaemonProc
 from wcache import WCacheClient
-from wcache.key import WeightCacheKey
+from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.server.process import DaemonProcess
 
 PACKAGE = Path(__file__).resolve().parents[2] / "wcache"
@@ -48,7 +49,7 @@ START_MODULES = [
     "wcache.server.backends.host",
     "wcache.server.backends.cuda",
     "wcache._cuda",
-    "wcache.rank",
+    "wcache.plan.rank",
 ]
 
 
@@ -148,15 +149,17 @@ async def test_a_daemon_restarted_on_its_keeper_serves_without_torch_and_imports
     assert not _maps_torch(second.pid)
 
     # a load that needs torch (a dtype cast) imports it then, and is served
-    r = await WCacheClient(second.socket).preload(ckpt, dtype="float32")
+    r = await WCacheClient(second.socket).preload(RankSpec(ckpt, dtype="float32"))
     assert r.bytes > served.bytes
     assert _maps_torch(second.pid)
 
 
 # ------------------------------------------------------------------ who imports whom
-#: circles another change is removing (the domain package orders checkpoint -> quant -> sharding -> layout -> key
-#: -> rank): the test fails once one is gone, so that its entry goes too and no circle comes back under it
-BEING_REMOVED: set[frozenset[str]] = {frozenset({"wcache.key", "wcache.layout", "wcache.rank"})}
+#: the domain package's modules (wcache/plan/__init__.py), each importing only those before it
+PLAN_ORDER = ("checkpoint", "quant", "sharding", "layout", "reshard", "key", "recipe", "rank")
+#: all the domain package may import of the rest of wcache: the errors, the bounded file reads, the protocol's
+#: records, limits and frames (a key is a wire object)
+PLAN_BELOW = ("wcache.errors", "wcache.files", "wcache.proto")
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -187,16 +190,24 @@ def _top_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom
     return found
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the same package its top-level imports name. ``from a.b import c`` names ``a.b.c``
-    where that is a module, else ``a.b``; relative imports are resolved. A package's own ``__init__`` re-exporting
-    names of modules inside it is not counted: that is how a package shows its API, not a dependency of layers."""
+def _every_import(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, inside its functions and classes too: one a function makes is a
+    dependency when it runs, so it may point down a layer (for start-up time), never up one."""
+    return [n for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def import_graph(root: Path, *, inside_functions: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the same package its top-level imports (``inside_functions``: all its imports)
+    name. ``from a.b import c`` names ``a.b.c`` where that is a module, else ``a.b``; relative imports are
+    resolved. A package's own ``__init__`` re-exporting names of modules inside it is not counted: that is how a
+    package shows its API, not a dependency of layers."""
+    imports = _every_import if inside_functions else _top_level_imports
     mods = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in _top_level_imports(ast.parse(path.read_text()).body):
+        for node in imports(ast.parse(path.read_text()).body):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -249,11 +260,8 @@ def circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 
 def test_no_import_circle_in_wcache() -> None:
     """Nothing imports upwards: no circle among every wcache module's top-level imports (TYPE_CHECKING ones too)."""
-    found = circles(import_graph(PACKAGE))
-    new = [sorted(c) for c in found - BEING_REMOVED]
-    assert new == [], f"import circles (docs/architecture.md says who may import whom): {new}"
-    gone = [sorted(c) for c in BEING_REMOVED - found]
-    assert gone == [], f"these circles are gone: delete them from BEING_REMOVED {gone}"
+    found = sorted(sorted(c) for c in circles(import_graph(PACKAGE)))
+    assert found == [], f"import circles (docs/architecture.md says who may import whom): {found}"
 
 
 def test_the_circle_check_sees_circles(tmp_path: Path) -> None:
@@ -269,6 +277,65 @@ def test_the_circle_check_sees_circles(tmp_path: Path) -> None:
     (pkg / "loader.py").write_text("import pkg\nfrom .sub.base import Slab\ndef f():\n    from pkg import late\n")
     (pkg / "late.py").write_text("from pkg.loader import f\n")
     assert circles(import_graph(pkg)) == {frozenset({"pkg.sub.base", "pkg.loader"})}
+
+
+def order_violations(
+    graph: dict[str, set[str]], package: str, order: tuple[str, ...], below: tuple[str, ...]
+) -> list[str]:
+    """What breaks ``package``'s declared order in ``graph``: a module importing one of the package declared after
+    it (or not declared), or a module of the rest of the tree outside ``below``."""
+    found = []
+    for i, short in enumerate(order):
+        name = f"{package}.{short}"
+        for dep in sorted(graph[name]):
+            if dep.startswith(package + "."):
+                if dep.removeprefix(package + ".") not in order[:i]:
+                    found.append(f"{name} imports {dep}, declared after it")
+            elif dep != package and not dep.startswith(below):
+                found.append(f"{name} imports {dep}, which is not below the package")
+    return found
+
+
+def test_the_domain_package_imports_in_its_order() -> None:
+    """Each wcache.plan module imports only those before it (PLAN_ORDER) and, of the rest of wcache, PLAN_BELOW
+    only — every import counted, those inside functions too, so no upward edge hides in a function (the key once
+    reached the planner so, and the layout the key at the top: key -> rank -> layout -> key). The package's
+    ``__init__`` imports nothing: an engine's restart loads it with the key."""
+    graph = import_graph(PACKAGE, inside_functions=True)
+    declared = {f"wcache.plan.{m}" for m in PLAN_ORDER}
+    assert {m for m in graph if m.startswith("wcache.plan.")} == declared, "a new wcache.plan module joins PLAN_ORDER"
+    assert order_violations(graph, "wcache.plan", PLAN_ORDER, PLAN_BELOW) == []
+    assert graph["wcache.plan"] == set()
+
+
+def test_only_the_planner_composes_the_domain() -> None:
+    """The planner (``rank``) is the one module that brings the checkpoint, the shard plan, the layout and the key
+    together; the server's modules take a plan from it (``plan_rank``) rather than composing the parts."""
+    graph = import_graph(PACKAGE, inside_functions=True)
+    parts = {f"wcache.plan.{m}" for m in ("checkpoint", "sharding", "layout", "key")}
+    assert sorted(m for m in graph if parts <= graph[m]) == ["wcache.plan.rank"]
+
+
+def test_the_order_check_sees_an_upward_import_inside_a_function(tmp_path: Path) -> None:
+    """The domain's old shape — the key reaching the planner inside a function, the planner the layout under
+    ``TYPE_CHECKING``, the layout the key at the top — breaks the order twice; the top-level graph alone sees
+    one of the two."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "key.py").write_text("def from_checkpoint():\n    from pkg.rank import RankSpec\n")
+    (pkg / "rank.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .layout import Layout\n"
+    )
+    (pkg / "layout.py").write_text("from pkg.key import LAYOUT_VERSION\n")
+    order = ("layout", "key", "rank")
+    assert order_violations(import_graph(tmp_path / "pkg", inside_functions=True), "pkg", order, ()) == [
+        "pkg.layout imports pkg.key, declared after it",
+        "pkg.key imports pkg.rank, declared after it",
+    ]
+    assert order_violations(import_graph(tmp_path / "pkg"), "pkg", order, ()) == [
+        "pkg.layout imports pkg.key, declared after it"
+    ]
 
 
 def test_reads_are_below_the_loader_and_the_backends() -> None:

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import DaemonProc
-from tests.test_checkpoint import one_tensor_dir
+from tests.plan.test_checkpoint import one_tensor_dir
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import CheckpointError, ErrorCode, ProtocolError
+from wcache.plan.key import RankSpec
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
@@ -88,10 +89,10 @@ async def test_preload_of_a_bad_checkpoint_is_refused_and_the_daemon_keeps_servi
 ) -> None:
     client = WCacheClient(daemon.socket)
     with pytest.raises(CheckpointError) as info:  # INVALID_CHECKPOINT: the requester's error, not INTERNAL
-        await client.preload(make(tmp_path / "bad"), timeout=60)
+        await client.preload(RankSpec(make(tmp_path / "bad")), timeout=60)
     assert info.value.code is ErrorCode.INVALID_CHECKPOINT
     good = make_llama_checkpoint(tmp_path / "good", SMALL, seed=7)
-    r = await client.preload(good, timeout=60)  # the PRELOAD lock was not left held
+    r = await client.preload(RankSpec(good), timeout=60)  # the PRELOAD lock was not left held
     assert r.tensors == 21
     for model in (ckpt, good):
         async with await client.fetch(WeightCacheKey.from_checkpoint(model), timeout=60) as w:
@@ -120,7 +121,7 @@ def test_the_loaded_slab_holds_the_validated_files_bytes_when_a_shard_is_swapped
         return load_into(*args, **kwargs)
 
     monkeypatch.setattr(load, "load_into", swap_then_load)
-    model = load.load_model(a, backend=HostBackend(), threads=2)
+    model = load.load_model(RankSpec(a), backend=HostBackend(), threads=2)
     try:
         assert shard.read_bytes() != original
         assert model.key == key_a

@@ -129,7 +129,7 @@ def test_device_that_is_not_a_device_name_is_refused(device: str) -> None:
 
 
 def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """One range check (wcache.rank.tp_problem) for wcache-server, wcache preload and wcache evict."""
+    """One range check (wcache.plan.key.tp_problem) for wcache-server, wcache preload and wcache evict."""
     from wcache.cli import parse_args as wcache_args
 
     for parse, argv in (
@@ -257,7 +257,7 @@ def test_bad_checkpoint_is_a_clean_error(tmp_path: Path, socket_dir: Path, defec
 
 def test_deep_shard_plan_is_a_sharding_error(tmp_path: Path, ckpt: Path) -> None:
     from wcache.errors import ShardingError
-    from wcache.sharding import load_plan_file
+    from wcache.plan.sharding import load_plan_file
 
     plan = tmp_path / "plan.json"
     plan.write_text("[" * 100_000 + "]" * 100_000)
@@ -267,7 +267,7 @@ def test_deep_shard_plan_is_a_sharding_error(tmp_path: Path, ckpt: Path) -> None
 
 def test_missing_plan_names_the_client_argument(tmp_path: Path) -> None:
     from wcache.errors import ShardingError
-    from wcache.sharding import resolve_plan
+    from wcache.plan.sharding import resolve_plan
 
     with pytest.raises(ShardingError, match="plan_file=") as e:
         resolve_plan("GPTNeoXForCausalLM", 2)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,11 @@ from wcache.errors import (
     UnknownLeaseError,
 )
 from wcache.nn import load_from_disk
+from wcache.plan.key import RankSpec
 from wcache.proto import (
     Commit,
     Deposit,
+    Deposited,
     DepositSlab,
     DepositTensor,
     GetState,
@@ -61,7 +64,7 @@ def backend() -> HostBackend:
 
 @pytest.fixture
 def store(backend: HostBackend, ckpt: Path) -> Iterator[Store]:
-    s = Store(backend, [load_model(ckpt, backend=backend)])
+    s = Store(backend, [load_model(RankSpec(ckpt), backend=backend)])
     try:
         yield s
     finally:
@@ -118,8 +121,8 @@ async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_d
     try:
         async with serving(empty, socket_dir, loader=lambda rp: load_model(rp, backend=backend)) as d:
             client = WCacheClient(d.socket_path)
-            first = await client.preload(ckpt)
-            again = await client.preload(ckpt)
+            first = await client.preload(RankSpec(ckpt))
+            again = await client.preload(RankSpec(ckpt))
             assert first.key == again.key == key.to_wire() and first.load_seconds > 0
             assert again.load_seconds == 0  # already held: nothing loaded
             async with await client.fetch(key):
@@ -136,7 +139,7 @@ async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_d
 async def test_preload_without_a_loader_is_refused(store: Store, socket_dir: Path, ckpt: Path) -> None:
     async with serving(store, socket_dir) as d:
         with pytest.raises(NotFoundError, match="without a loader"):
-            await WCacheClient(d.socket_path).preload(ckpt)
+            await WCacheClient(d.socket_path).preload(RankSpec(ckpt))
 
 
 async def test_deposit_and_commit_then_fetch(store: Store, socket_dir: Path, ckpt: Path) -> None:
@@ -172,6 +175,54 @@ async def test_refusals_are_answered_and_the_connection_serves_on(store: Store, 
             ch.close()
         errors = d.metrics.errors
         assert (errors["KEY_MISMATCH"], errors["UNKNOWN_LEASE"], errors["NOT_FOUND"]) == (1, 2, 1)
+
+
+async def _begin_deposit(ch: Channel, key: Any) -> DepositSlab:
+    """DEPOSIT of one float32[4] on ``ch`` (request id 1): its DEPOSIT_SLAB (the descriptor closed here)."""
+    slab = await _ask(ch, Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
+    assert isinstance(slab, DepositSlab)
+    return slab
+
+
+async def test_a_commit_from_another_connection_is_refused_and_the_deposit_stays_its_engines(
+    store: Store, socket_dir: Path, ckpt: Path
+) -> None:
+    """A deposit belongs to the connection that asked: another connection's COMMIT of its real id gets the same
+    UNKNOWN_LEASE as a made-up id, changes nothing, and the engine's own COMMIT then publishes it."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    async with serving(store, socket_dir) as d:
+        engine, other = await _open(d), await _open(d)
+        try:
+            slab = await _begin_deposit(engine, key)
+            with pytest.raises(UnknownLeaseError):
+                await _ask(other, Commit(id=1, deposit=slab.deposit))
+            assert list(store.deposits) == [slab.deposit]
+            assert isinstance(await _ask(engine, Commit(id=2, deposit=slab.deposit)), Deposited)
+        finally:
+            engine.close()
+            other.close()
+        assert sorted(m.origin for m in (await _status(d)).models) == ["deposit", "disk"]
+
+
+async def test_an_idle_connection_with_a_deposit_in_progress_is_closed_and_the_deposit_freed(
+    store: Store, socket_dir: Path, ckpt: Path
+) -> None:
+    """Idle deadline 0.3 s: a deposit in progress does not keep a silent connection open (only leases do); its
+    closing frees the deposit, whose key is then free for the next one."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    async with serving(store, socket_dir, limits=ConnectionLimits(idle_timeout=0.3)) as d:
+        ch = await _open(d)
+        try:
+            await _begin_deposit(ch, key)
+            with pytest.raises((EOFError, ConnectionError)):
+                await asyncio.wait_for(ch.receive(), 20)  # closed for silence
+        finally:
+            ch.close()
+        deadline = time.monotonic() + 20
+        while store.deposits:
+            assert time.monotonic() < deadline, "the idle connection's deposit was not freed"
+            await asyncio.sleep(0.01)
+        await WCacheClient(d.socket_path).deposit(key, {"w": torch.ones(4)})
 
 
 async def test_a_lease_holder_outlives_the_idle_deadline(store: Store, socket_dir: Path, ckpt: Path) -> None:

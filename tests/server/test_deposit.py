@@ -5,6 +5,8 @@ engine SIGKILLed at each step of a deposit."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import fcntl
 import json
 import mmap
@@ -27,6 +29,8 @@ from wcache.channel import Channel, connect, expect
 from wcache.errors import (
     InUseError,
     KeyMismatchError,
+    LocalProtocolError,
+    NotFoundError,
     OutOfMemoryError,
     ProtocolError,
     RemoteProtocolError,
@@ -34,8 +38,18 @@ from wcache.errors import (
     UnsupportedPlatformError,
 )
 from wcache.nn import load_from_disk
-from wcache.proto import Commit, Deposit, DepositSlab, DepositTensor, DeviceInfo, ErrorFrame, SlabDescriptor
-from wcache.recipe import RecipeKey
+from wcache.plan.key import RankSpec
+from wcache.plan.recipe import RecipeKey
+from wcache.proto import (
+    Commit,
+    Deposit,
+    Deposited,
+    DepositSlab,
+    DepositTensor,
+    DeviceInfo,
+    ErrorFrame,
+    SlabDescriptor,
+)
 from wcache.server.backends.base import Backend
 from wcache.server.store import Store, deposit_layout
 
@@ -156,6 +170,130 @@ async def test_commit_while_still_mapped_is_refused_and_leaves_nothing(daemon: D
     await wait_for(lambda: fd_count(daemon.pid) == before, why="the refused slab's fd closed")
 
 
+def _write_four_floats(fd: int, slab: DepositSlab) -> None:
+    """What an engine does before COMMIT: map the slab writable, write ``w`` = 0, 1, 2, 3, unmap."""
+    (entry,) = slab.tensors
+    mm = mmap.mmap(fd, slab.slabs[0].size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    mm[entry.offset : entry.offset + 16] = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    mm.close()
+
+
+async def test_after_commit_nothing_the_engine_kept_can_write_the_slab(daemon: DaemonProc, ckpt: Path) -> None:
+    """Once DEPOSITED, every way the depositing engine could still reach its host slab is refused by the seals
+    COMMIT added: through the descriptor it got, a dup of it or a /proc/self/fd reopen, no writable shared
+    mapping, pwrite, splice from a pipe, ftruncate or fallocate, and a read-only mapping cannot be mprotect'ed
+    writable; the deposit serves the bytes committed."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    ch, _ = await connect(daemon.socket, software="t", name="keeper-of-fds")
+    kept: list[int] = []
+    try:
+        slab, fds = await _four_floats(ch, key)
+        kept += fds
+        size, (entry,) = slab.slabs[0].size, slab.tensors
+        _write_four_floats(fds[0], slab)
+        kept.append(os.dup(fds[0]))
+        await ch.send(Commit(id=2, deposit=slab.deposit))
+        assert isinstance((await expect(ch))[0], Deposited)
+        kept.append(os.open(f"/proc/self/fd/{kept[1]}", os.O_RDWR))  # the kernel lets it open; writes are refused
+        r, w = os.pipe()
+        kept += [r, w]
+        for fd in kept[:3]:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x", entry.offset)
+            os.write(w, b"x")
+            with pytest.raises(PermissionError):
+                os.splice(r, fd, 1, offset_dst=entry.offset)
+            assert os.read(r, 1) == b"x"
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)
+            with pytest.raises(PermissionError):
+                os.posix_fallocate(fd, 0, size + 4096)
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+            try:
+                assert libc.mprotect(addr, size, mmap.PROT_READ | mmap.PROT_WRITE) == -1
+                assert ctypes.get_errno() == errno.EACCES
+            finally:
+                libc.munmap(addr, size)
+    finally:
+        ch.close()
+        for fd in kept:
+            os.close(fd)
+    async with await WCacheClient(daemon.socket).fetch(key) as weights:
+        assert torch.equal(weights["w"], torch.arange(4, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("holder", ["child-mapping", "vmsplice"])
+async def test_a_commit_is_refused_while_the_engine_can_still_reach_the_pages(
+    daemon: DaemonProc, ckpt: Path, holder: str
+) -> None:
+    """The engine unmapped, but another process still maps the slab writable (a child it started: a fork's
+    inherited mapping is the same to the kernel), or the slab's pages sit in a pipe it vmspliced them into: the
+    seal cannot be added, so COMMIT is refused (IN_USE), nothing is served under the key and the key takes the
+    next deposit."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    ch, _ = await connect(daemon.socket, software="t", name=holder)
+    child: subprocess.Popen[str] | None = None
+    pipe: tuple[int, int] | None = None
+    try:
+        slab, fds = await _four_floats(ch, key)
+        size = slab.slabs[0].size
+        if holder == "child-mapping":
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"import mmap, sys; m = mmap.mmap({fds[0]}, {size}, mmap.MAP_SHARED, "
+                    "mmap.PROT_READ | mmap.PROT_WRITE); print('mapped', flush=True); sys.stdin.read()",
+                ],
+                pass_fds=fds,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert child.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+            assert line.strip() == "mapped"
+            _write_four_floats(fds[0], slab)
+        else:
+
+            class IoVec(ctypes.Structure):
+                _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+            mm = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            pipe = os.pipe()
+            iov = IoVec(ctypes.addressof(ctypes.c_char.from_buffer(mm)), 4096)
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.vmsplice(pipe[1], ctypes.byref(iov), 1, 0) == 4096, os.strerror(ctypes.get_errno())
+            del iov
+            mm.close()  # unmapped: only the pipe holds the pages
+        os.close(fds[0])
+        await ch.send(Commit(id=2, deposit=slab.deposit))
+        with pytest.raises(InUseError):
+            await expect(ch)
+    finally:
+        ch.close()
+        if child is not None:
+            child.kill()
+            child.wait(30)
+            for f in (child.stdin, child.stdout):
+                if f is not None:
+                    f.close()
+        if pipe is not None:
+            os.close(pipe[0])
+            os.close(pipe[1])
+    assert key.short() not in await models(daemon)
+    await WCacheClient(daemon.socket).deposit(key, {"w": torch.ones(4)})
+    assert (await models(daemon))[key.short()] == "deposit"
+
+
 @pytest.mark.parametrize("step", STEPS)
 async def test_engine_killed_mid_deposit_leaves_nothing(
     daemon: DaemonProc, ckpt: Path, tmp_path: Path, step: str
@@ -184,6 +322,47 @@ async def test_engine_killed_mid_deposit_leaves_nothing(
     # and the key is free for the next engine: a deposit now succeeds
     await WCacheClient(daemon.socket).deposit(key, tensors())
     assert (await models(daemon))[key.short()] == "deposit"
+
+
+@pytest.mark.parametrize("restart", ["tier", "keeper"])
+async def test_a_daemon_killed_mid_deposit_serves_none_of_it_after_a_restart(
+    daemon_factory: Callable[..., DaemonProc],
+    ckpt: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    restart: str,
+) -> None:
+    """The daemon is SIGKILLed while an engine maps its deposit slab, half written; restarted with its host
+    tier or on its keeper (what outlives a daemon), it serves the checkpoint and nothing under the recipe key:
+    an uncommitted deposit is never saved to the tier nor kept (the engine, still alive, maps the orphaned
+    slab)."""
+    extra = {
+        "tier": ("--host-tier", str(1 << 30), "--host-tier-dir", str(tmp_path / "tier")),
+        "keeper": ("--keeper",),
+    }[restart]
+    if restart == "keeper":
+        request.getfixturevalue("keeper")
+    first = daemon_factory(ckpt, *extra)
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    marker = tmp_path / "at-step"
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tests.server.deposit_engine", str(first.socket), "half_written", str(marker)]
+        + [json.dumps(base.to_wire())],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    try:
+        await wait_for(lambda: marker.exists() or engine.poll() is not None, 60, "engine reached half_written")
+        assert engine.poll() is None, f"the engine exited with {engine.returncode}"
+        first.stop(signal.SIGKILL)
+        second = daemon_factory(ckpt, *extra)
+        assert set(await models(second)) == {"ckpt"}
+        with pytest.raises((KeyMismatchError, NotFoundError)):
+            async with await WCacheClient(second.socket).fetch(recipe_key(base), timeout=15):
+                pass
+    finally:
+        engine.kill()
+        engine.wait(30)
 
 
 async def test_deposit_over_budget_is_refused_before_allocation(
@@ -256,7 +435,7 @@ def _budget_for_one(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> tu
     size fits only once the checkpoint is evicted."""
     from wcache.server.load import planned_bytes
 
-    size = planned_bytes(ckpt)[1]
+    size = planned_bytes(RankSpec(ckpt))[1]
     return daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20))), size
 
 
@@ -428,6 +607,21 @@ async def test_a_key_over_its_bounds_is_refused(daemon: DaemonProc, ckpt: Path) 
     wire = Deposit(id=1, key=key, tensors=(DepositTensor("w", "int8", (1,)),)).to_wire()
     err = _fatal_reply(daemon, wire)
     assert err.code == 1 and err.details == {"frame": "DEPOSIT", "field": "key"} and "at most 64 fields" in err.message
+    assert set(await models(daemon)) == {"ckpt"}
+
+
+async def test_a_deposit_over_the_daemons_request_limit_is_refused_before_it_is_sent(
+    daemon: DaemonProc, ckpt: Path
+) -> None:
+    """30,000 tensors (a large MoE model's count) make a DEPOSIT frame of about 1.8 MB, over the 1 MiB the
+    daemon announces in HELLO_OK: the client refuses it naming both sizes, before anything is sent, with a
+    WCacheError (the engines' fallback), and the daemon serves on. It was sent: the daemon closed the
+    connection on its length prefix and the engine got CacheUnavailableError ('Broken pipe'), as if no daemon
+    ran."""
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    ts = {f"model.layers.{i // 512}.mlp.experts.{i % 512}.w": torch.zeros(1) for i in range(30_000)}
+    with pytest.raises(LocalProtocolError, match=r"DEPOSIT is \d+ bytes, over the 1048576 bytes"):
+        await WCacheClient(daemon.socket).deposit(recipe_key(base), ts)
     assert set(await models(daemon)) == {"ckpt"}
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tests.conftest import DaemonProc, run_cli
 from tests.server import exposition
 from wcache import KeyMismatchError, UnknownLeaseError, WCacheClient, WeightCacheKey
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.sharding import LLAMA_PLAN
 
 
 def reference(model: Path) -> dict[str, torch.Tensor]:

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.plan.test_rank import plan_file
 from wcache.errors import CheckpointError, FillError
 from wcache.peer_files import MARKER, refuse_stubs, write_files
-from wcache.rank import RankPlan, RankSpec, plan_rank
-from wcache.recipe import RecipeKey
+from wcache.plan.key import RankSpec
+from wcache.plan.rank import RankPlan, plan_rank
+from wcache.plan.recipe import RecipeKey
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import FillConfig, fill, resolve_peers
 from wcache.server.load import load_model
@@ -88,7 +90,7 @@ def _cfg(ports: list[int], security: PeerSecurity = NONE, **kw: object) -> FillC
 
 
 async def _fill(rp: RankPlan, agent: Agent, cfg: FillConfig) -> ServedModel:
-    return await fill(rp.key, rp.layout, rp.checkpoint, HostBackend(), agent, cfg, plan_id=rp.key.plan)
+    return await fill(rp.key, rp, HostBackend(), agent, cfg)
 
 
 async def test_tp1_fills_tp1_and_both_tp2_ranks_bit_identical(ckpt: Path, agent: Agent) -> None:
@@ -124,12 +126,34 @@ async def test_two_tp2_peers_fill_a_tp1_daemon_and_three_peers_are_striped(ckpt:
         got.close()
 
 
+async def test_slabs_sharded_by_a_plan_file_fill_its_other_layouts(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
+    """A plan file's rules hold at any size: two TP=2 peers sharded by it fill a TP=1 target keyed by the same
+    file, and a TP=1 peer fills both TP=2 ranks (the target plans the peers' layouts with its own plan)."""
+    plan = plan_file(tmp_path)
+    spec = RankSpec(ckpt, plan_file=plan)
+    ranks = [load_model(dataclasses.replace(spec, tp_rank=r, tp_size=2), backend=HostBackend()) for r in range(2)]
+    whole = load_model(spec, backend=HostBackend())
+    assert whole.key.plan == ranks[0].key.plan and whole.key.plan.startswith("file:")
+    want = [(m.key, _bytes(m)) for m in ranks]  # a source's store closes its models
+    async with sources(*ranks) as ports:
+        with plan_rank(spec) as rp:
+            got = await _fill(rp, agent, _cfg(ports))
+        assert _bytes(got) == _bytes(whole) and got.key == whole.key
+        got.close()
+    async with sources(whole) as ports:
+        for r, (key, data) in enumerate(want):
+            with plan_rank(dataclasses.replace(spec, tp_rank=r, tp_size=2)) as rp:
+                got = await _fill(rp, agent, _cfg(ports))
+            assert _bytes(got) == data and got.key == key
+            got.close()
+
+
 async def test_a_deposit_fills_by_its_recipe_key_byte_for_byte(ckpt: Path, agent: Agent) -> None:
     m = _load(ckpt)
     recipe = RecipeKey.of(m.key, engine="vllm", postprocess=1)
     deposit = dataclasses.replace(m, key=recipe, origin="deposit", buffers=("model.norm.weight",))
     async with sources(deposit) as ports:
-        got = await fill(recipe, None, None, HostBackend(), agent, _cfg(ports))
+        got = await fill(recipe, None, HostBackend(), agent, _cfg(ports))
         assert _bytes(got) == _bytes(deposit) and got.key == recipe
         assert got.buffers == ("model.norm.weight",) and list(got.table) == list(deposit.table)
         got.close()
@@ -255,7 +279,7 @@ async def test_a_node_without_the_checkpoint_gets_files_keys_and_weights(
     ckpt: Path, tmp_path: Path, agent: Agent
 ) -> None:
     from wcache.channel import expect
-    from wcache.key import WeightCacheKey
+    from wcache.plan.key import WeightCacheKey
     from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
     from wcache.server.peer_channel import connect_peer
 

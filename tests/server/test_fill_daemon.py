@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 from wcache import WCacheClient, WeightCacheKey
-from wcache.key import RACY_NS
-from wcache.rank import RankSpec, plan_rank
+from wcache.plan.key import RACY_NS, RankSpec
+from wcache.plan.rank import plan_rank
 from wcache.server.process import DaemonProcess, spawn_daemon
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")

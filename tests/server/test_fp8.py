@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tests.conftest import DaemonProc, server_cmd
 from wcache import WCacheClient, WeightCacheKey
 from wcache.nn import load_from_disk
-from wcache.sharding import LLAMA_PLAN
+from wcache.plan.sharding import LLAMA_PLAN
 from wcache.synthetic import make_fp8_llama_checkpoint
 from wcache.transforms import FUSE_SPEC
 

@@ -27,7 +27,6 @@ import torch
 from tests.conftest import DaemonProc, run_cli, serving_here
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import close_fds, connect, expect
-from wcache.checkpoint import SAMPLE_BLOCK
 from wcache.errors import (
     CacheUnavailableError,
     DeviceMismatchError,
@@ -38,6 +37,9 @@ from wcache.errors import (
 )
 from wcache.nn import load_from_disk
 from wcache.paths import KEEPER_SOCKET
+from wcache.plan.checkpoint import SAMPLE_BLOCK
+from wcache.plan.key import RankSpec
+from wcache.plan.rank import plan_rank
 from wcache.proto import (
     PROTOCOL_VERSION,
     Connection,
@@ -54,7 +56,6 @@ from wcache.proto import (
 )
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.frames import MAX_KEPT_FDS
-from wcache.rank import plan_rank
 from wcache.server import keeper as kp
 from wcache.server import keeper_link as kl
 from wcache.server.process import DaemonProcess, spawn_keeper
@@ -125,7 +126,7 @@ async def test_a_kept_model_whose_checkpoint_changed_is_dropped_and_others_stay(
     model from an unchanged checkpoint is served as kept — and load-on-demand still knows its directory."""
     first = daemon_factory(model, "--keeper", "--load-on-demand")
     client = WCacheClient(first.socket)
-    await client.preload(tied_ckpt)
+    await client.preload(RankSpec(tied_ckpt))
     first.stop(signal.SIGKILL)
     _flip_byte(model, sampled=True)
     new_key = WeightCacheKey.from_checkpoint(model)
@@ -473,7 +474,7 @@ def test_keeper_stop_frees_everything_and_one_keeper_per_socket(keeper: DaemonPr
 def _forged(ckpt: Path, *, key: WeightCacheKey | None = None) -> tuple[HandedModel, int]:
     """A model as the daemon of ``ckpt`` would deposit it — key, tensor table, slab size, source — whose
     slab holds random bytes instead of the checkpoint's (a sealed memfd, as the keeper demands)."""
-    layout = plan_rank(ckpt).layout
+    layout = plan_rank(RankSpec(ckpt)).layout
     fd = _sealed_memfd(layout.total_bytes, os.urandom(layout.total_bytes))
     model = HandedModel(
         (key or WeightCacheKey.from_checkpoint(ckpt)).to_wire(),
@@ -694,7 +695,7 @@ async def test_forged_slabs_are_not_served_and_do_not_spoil_the_real_one(
     assert served.key == loaded.key and served.load_seconds == loaded.load_seconds  # reclaimed, not reloaded
     assert [m.key for m in (await WCacheClient(keeper.socket).status()).models] == [loaded.key]
     ref = load_from_disk(tied_ckpt)
-    await WCacheClient(second.socket).preload(tied_ckpt)
+    await WCacheClient(second.socket).preload(RankSpec(tied_ckpt))
     async with await WCacheClient(second.socket).fetch(tied) as w:  # the checkpoint's bytes
         assert all(torch.equal(w[k], v) for k, v in ref.items())
 
@@ -722,7 +723,7 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
     from wcache.server.startup import adopt
 
     backend = HostBackend()
-    good = load_model(model, backend=backend)
+    good = load_model(RankSpec(model), backend=backend)
     try:
         fds: list[int] = []
         descs = good.export(fds)

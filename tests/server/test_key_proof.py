@@ -21,7 +21,7 @@ from tests.conftest import DaemonProc
 from tests.server.test_fetch import reference
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
 from wcache.errors import KeyUnprovenError
-from wcache.key import RACY_NS
+from wcache.plan.key import RACY_NS, RankSpec
 from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
 
@@ -171,7 +171,7 @@ def test_files_changed_just_before_a_preload_are_not_recorded(
     os.utime(fresh / "config.json")  # changed now: the preload below reads it within RACY_NS
     client = WCacheClient(daemon.socket)
     for model in (settled, fresh):
-        asyncio.run(client.preload(model))
+        asyncio.run(client.preload(RankSpec(model)))
     proven = {}
     for model in (settled, fresh):
         key = WeightCacheKey.from_checkpoint(model)
@@ -200,14 +200,14 @@ def test_a_second_rank_of_one_checkpoint_is_completed_from_the_same_files(
 def test_the_store_completes_only_a_proof_of_files_it_read(copies: Callable[[], Path]) -> None:
     """In process: ``Store.completed`` fills the file-derived fields from the facts of exactly those files, and
     refuses (KEY_MISMATCH naming why) a proof of files it did not read; a plain GET_STATE passes as it is."""
+    from wcache.plan.rank import plan_rank
     from wcache.proto import GetState
-    from wcache.rank import plan_rank
     from wcache.server.backends.host import HostBackend
     from wcache.server.store import Store
 
     model = copies()
     store = Store(HostBackend())
-    with plan_rank(model) as rp:
+    with plan_rank(RankSpec(model)) as rp:
         assert rp.facts is not None
         store.remember_facts(rp.facts)
     key = WeightCacheKey.from_checkpoint(model)

@@ -23,6 +23,7 @@ from tests.server.test_faults import _raw, _read_reply
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import Channel, ReadBudget
 from wcache.errors import FrameTooLargeError, LimitExceededError
+from wcache.plan.key import RankSpec
 from wcache.proto import PROTOCOL_VERSION, Connection, GetState, Hello, Role, pack_frame
 from wcache.proto.codec import MAX_HANDSHAKE_FRAME
 from wcache.server.backends.host import HostBackend
@@ -233,7 +234,7 @@ class _NoScan(dict[int, Any]):
 
 def test_lease_bookkeeping_does_not_scan_leases(ckpt: Path) -> None:
     backend = HostBackend()
-    model = load_model(ckpt, backend=backend)
+    model = load_model(RankSpec(ckpt), backend=backend)
     store = Store(backend, [model], max_leases_per_connection=64)
     try:
         key = WeightCacheKey.from_checkpoint(ckpt).to_wire()

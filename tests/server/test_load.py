@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from wcache.plan.key import RankSpec
 from wcache.server.backends.base import PinnedFile
 from wcache.server.backends.host import HostBackend, HostSlab
 from wcache.server.load import load_from_tier, load_model
@@ -56,7 +57,7 @@ def test_a_refill_says_which_copy_path_ran(ckpt: Path, tmp_path: Path) -> None:
     backend = _OneCopyBackend()
     tier = HostTier(tmp_path / "tier", 1 << 30, pin=_PinnedBytes)
     try:
-        disk = load_model(ckpt, backend=backend, threads=2, tier=tier)  # saved to the tier, then pinned
+        disk = load_model(RankSpec(ckpt), backend=backend, threads=2, tier=tier)  # saved to the tier, then pinned
         key = disk.key
         want = disk.slabs[0].read(0, disk.slab_bytes)
         assert disk.stats.tier_copy == ""
@@ -84,7 +85,7 @@ def test_a_tier_without_a_pinner_refills_staged(ckpt: Path, tmp_path: Path) -> N
     could copy from one is refilled through the loader's threads, every block checked."""
     tier = HostTier(tmp_path / "tier", 1 << 30)
     try:
-        disk = load_model(ckpt, backend=HostBackend(), threads=2, tier=tier)
+        disk = load_model(RankSpec(ckpt), backend=HostBackend(), threads=2, tier=tier)
         key = disk.key
         disk.close()
         entry = tier.lookup(key)

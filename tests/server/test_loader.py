@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from wcache.checkpoint import Checkpoint
-from wcache.layout import plan_layout
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import plan_layout
 from wcache.server.backends.host import HostBackend
 from wcache.server.loader import load_into
 

@@ -15,6 +15,7 @@ from tests.conftest import DaemonProc, run_cli
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
 from wcache.errors import InUseError, NotFoundError, OutOfMemoryError
 from wcache.nn import load_from_disk
+from wcache.plan.key import RankSpec
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
@@ -30,16 +31,16 @@ def small_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def _slab(model: Path) -> int:
     from wcache.server.load import planned_bytes
 
-    return planned_bytes(model)[1]
+    return planned_bytes(RankSpec(model))[1]
 
 
 async def test_preload_fetch_evict(daemon_factory: Callable[..., DaemonProc], small_models: list[Path]) -> None:
     a, b, _ = small_models
     d = daemon_factory(a)
     client = WCacheClient(d.socket)
-    r = await client.preload(b)
+    r = await client.preload(RankSpec(b))
     assert r.tensors == 21 and r.load_seconds > 0 and r.evicted == ()
-    again = await client.preload(b)  # already resident: nothing loaded
+    again = await client.preload(RankSpec(b))  # already resident: nothing loaded
     assert again.load_seconds == 0
     for m in (a, b):
         async with await client.fetch(WeightCacheKey.from_checkpoint(m)) as w:
@@ -63,7 +64,7 @@ async def test_key_mismatch_is_against_the_closest_served_model(
     a, b, _ = small_models
     d = daemon_factory(a)
     client = WCacheClient(d.socket)
-    await client.preload(b)  # b is now the most recently used
+    await client.preload(RankSpec(b))  # b is now the most recently used
     with pytest.raises(KeyMismatchError) as info:
         await client.fetch(WeightCacheKey.from_checkpoint(a, dtype="float16"))
     assert set(info.value.fields) == {"dtype"} and info.value.details["closest"].startswith("LlamaForCausalLM@")
@@ -89,7 +90,7 @@ def test_wcache_evict_finds_what_is_served_of_the_checkpoint(
 
     a = small_models[0]
     d = daemon_factory(a, "--tp-size", "2", "--tp-rank", "0")
-    asyncio.run(WCacheClient(d.socket).preload(a))  # tp0/1 too, on the same daemon
+    asyncio.run(WCacheClient(d.socket).preload(RankSpec(a)))  # tp0/1 too, on the same daemon
     where = ("--socket-dir", str(socket_dir))
     both = run_cli("evict", str(a), *where)
     assert both.returncode == 1, both.stdout
@@ -114,21 +115,21 @@ async def test_budget_evicts_lru_but_never_a_leased_model(
     budget = _slab(a) + _slab(b) + _slab(c) // 2  # room for two models, not three
     d = daemon_factory(a, "--memory-budget", str(budget))
     client = WCacheClient(d.socket)
-    await client.preload(b)
+    await client.preload(RankSpec(b))
     held = await client.fetch(WeightCacheKey.from_checkpoint(a))  # a: leased (and most recently used)
-    r = await client.preload(c)  # must evict b (unleased), not a
+    r = await client.preload(RankSpec(c))  # must evict b (unleased), not a
     assert [k["fingerprint"] for k in r.evicted] == [WeightCacheKey.from_checkpoint(b).fingerprint]
     keys = {m.key["fingerprint"] for m in (await client.status()).models}
     assert keys == {WeightCacheKey.from_checkpoint(m).fingerprint for m in (a, c)}
     held_c = await client.fetch(WeightCacheKey.from_checkpoint(c))
     with pytest.raises(OutOfMemoryError) as info:  # a and c leased: nothing may go
-        await client.preload(b)
+        await client.preload(RankSpec(b))
     assert len(info.value.details["pinned"]) == 2
     with pytest.raises(InUseError):
         await client.evict(WeightCacheKey.from_checkpoint(a))
     await held.release()
     await held_c.release()
-    await client.preload(b)  # now a (least recently used, unleased) goes
+    await client.preload(RankSpec(b))  # now a (least recently used, unleased) goes
     assert WeightCacheKey.from_checkpoint(a).fingerprint not in {
         m.key["fingerprint"] for m in (await client.status()).models
     }
@@ -200,9 +201,9 @@ def test_a_fetch_compares_its_key_with_one_model_not_all(monkeypatch: pytest.Mon
     """A GET_STATE, EVICT or load-on-demand check finds its model by the key it names (one hash lookup and
     one comparison), not by comparing the request with every model's key: 40 deposits under recipe keys of
     25,000 fields once slowed every checkpoint fetch from 13 ms to ~400 ms. Counted, not timed."""
-    from wcache.key import WeightCacheKey as Key
+    from wcache.plan.key import WeightCacheKey as Key
+    from wcache.plan.recipe import RecipeKey
     from wcache.proto import Evict, GetState, TensorEntry, TensorTable
-    from wcache.recipe import RecipeKey
     from wcache.server.backends.host import HostBackend
     from wcache.server.loader import LoadStats
     from wcache.server.store import ServedModel, Store

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from wcache.errors import FillError
-from wcache.reshard import Copy
+from wcache.plan.reshard import Copy
 from wcache.server import nixl as nixl_mod
 from wcache.server.backends.host import HostBackend, HostSlab
 from wcache.server.nixl import Agent, Registration

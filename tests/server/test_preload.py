@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,6 +15,7 @@ from tests.server.test_checkpoint_files import _fifo_config
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import CheckpointError, ErrorCode, ShardingError, TransformError, WCacheError
 from wcache.nn import load_weights
+from wcache.plan.key import RankSpec
 
 FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
@@ -30,7 +30,7 @@ async def test_preload_under_verify_content_finds_the_model_already_held(
     key = WeightCacheKey.from_checkpoint(ckpt, verify_content=True)
     async with await client.fetch(key) as w:
         assert len(w) > 0
-        again = await client.preload(ckpt)
+        again = await client.preload(RankSpec(ckpt))
     assert again.key == key.to_wire()
     assert again.load_seconds == 0 and again.evicted == ()  # "0 if it already was" (PRELOADED, §4)
     st = await client.status()
@@ -62,18 +62,18 @@ async def test_preload_user_errors_reach_the_client_as_their_own_classes(
     (not_a_checkpoint / "cat.jpg").write_bytes(b"\xff\xd8")
     bad_plan = tmp_path / "plan.json"
     bad_plan.write_text('{"rules": "all of them"}')
-    cases: list[tuple[dict[str, Any], type[WCacheError], ErrorCode]] = [
-        ({"model_dir": not_a_checkpoint}, CheckpointError, ErrorCode.INVALID_CHECKPOINT),
-        ({"model_dir": tmp_path / "missing"}, CheckpointError, ErrorCode.INVALID_CHECKPOINT),
-        ({"model_dir": _fifo_config(tmp_path / "fifo")}, CheckpointError, ErrorCode.INVALID_CHECKPOINT),
-        ({"model_dir": ckpt, "plan_file": bad_plan}, ShardingError, ErrorCode.INVALID_PLAN),
-        ({"model_dir": ckpt, "plan_file": tmp_path / "no-plan.json"}, ShardingError, ErrorCode.INVALID_PLAN),
-        ({"model_dir": ckpt, "transform": "nope"}, TransformError, ErrorCode.INVALID_TRANSFORM),
-        ({"model_dir": ckpt, "transform": "wcache.transforms:missing"}, TransformError, ErrorCode.INVALID_TRANSFORM),
+    cases: list[tuple[RankSpec, type[WCacheError], ErrorCode]] = [
+        (RankSpec(not_a_checkpoint), CheckpointError, ErrorCode.INVALID_CHECKPOINT),
+        (RankSpec(tmp_path / "missing"), CheckpointError, ErrorCode.INVALID_CHECKPOINT),
+        (RankSpec(_fifo_config(tmp_path / "fifo")), CheckpointError, ErrorCode.INVALID_CHECKPOINT),
+        (RankSpec(ckpt, plan_file=bad_plan), ShardingError, ErrorCode.INVALID_PLAN),
+        (RankSpec(ckpt, plan_file=tmp_path / "no-plan.json"), ShardingError, ErrorCode.INVALID_PLAN),
+        (RankSpec(ckpt, transform="nope"), TransformError, ErrorCode.INVALID_TRANSFORM),
+        (RankSpec(ckpt, transform="wcache.transforms:missing"), TransformError, ErrorCode.INVALID_TRANSFORM),
     ]
-    for kwargs, cls, code in cases:
+    for spec, cls, code in cases:
         with pytest.raises(cls) as info:
-            await client.preload(timeout=60, **kwargs)
-        assert type(info.value) is cls and info.value.code is code, kwargs
-    again = await client.preload(ckpt)
+            await client.preload(spec, timeout=60)
+        assert type(info.value) is cls and info.value.code is code, spec
+    again = await client.preload(RankSpec(ckpt))
     assert again.load_seconds == 0  # still serving the model it started with

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from wcache.checkpoint import Checkpoint
-from wcache.layout import plan_layout
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import plan_layout
 from wcache.server import loader
 from wcache.server.backends.base import DEFAULT_STAGING
 from wcache.server.reads import Job

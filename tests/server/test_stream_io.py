@@ -20,15 +20,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError
-from wcache.layout import Layout, plan_layout
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import Layout, plan_layout
+from wcache.plan.sharding import resolve_plan
 from wcache.server import loader
 from wcache.server.backends.base import LoadAborted
 from wcache.server.backends.host import HostBackend
 from wcache.server.loader import load_into, parse_io
 from wcache.server.reads import ALIGN_IO, Files, Job, read_job
-from wcache.sharding import resolve_plan
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 

@@ -17,7 +17,7 @@ from tests.conftest import DaemonProc
 from tests.server.deposit_engine import recipe_key
 from wcache import WCacheClient, WeightCacheKey
 from wcache.nn import load_from_disk
-from wcache.recipe import RecipeKey
+from wcache.plan.recipe import RecipeKey
 from wcache.server.process import spawn_daemon
 
 

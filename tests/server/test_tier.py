@@ -14,6 +14,7 @@ from tests.conftest import DaemonProc, run_cli
 from wcache import WCacheClient, WeightCacheKey
 from wcache.client import CachedWeights
 from wcache.nn import load_from_disk
+from wcache.plan.key import RankSpec
 
 
 def _tier_args(tier: Path, budget: int = 1 << 30) -> tuple[str, ...]:
@@ -88,7 +89,7 @@ async def test_evicted_model_comes_back_from_the_tier(
     client = WCacheClient(d.socket)
     assert await _origins(d) == ["disk"]
     await client.evict(WeightCacheKey.from_checkpoint(ckpt))
-    r = await client.preload(ckpt)
+    r = await client.preload(RankSpec(ckpt))
     assert r.load_seconds > 0
     assert await _origins(d) == ["tier"]
     assert await _identical(d, ckpt)
@@ -197,7 +198,7 @@ def _entry_files(tier: Path, key: WeightCacheKey) -> tuple[Path, Path]:
 
 def _flip_unsampled_byte(slab: Path) -> None:
     """Flip one byte in the middle of the gap between sampled 4 KiB blocks 7 and 8 of the 16."""
-    from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
+    from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
 
     data = bytearray(slab.read_bytes())
     sampled = _sample_offsets(len(data))
@@ -398,7 +399,7 @@ async def test_a_deposit_entry_whose_meta_is_a_fifo_is_absent_and_blocks_nothing
         assert await _absent(d2, key)
         client = WCacheClient(d2.socket)
         await client.evict(base)
-        await client.preload(ckpt, timeout=30)
+        await client.preload(RankSpec(ckpt), timeout=30)
         assert await _origins(d2) == ["tier"]
     finally:
         if meta.exists():

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
 from wcache.proto.table import TensorEntry, TensorTable
 from wcache.server.tier import HostTier
 

@@ -247,6 +247,9 @@ class Connection:
         self.version: int | None = None
         self.supported_versions = supported_versions
         self.max_frame_size = max_frame_size
+        #: the largest frame body the peer takes, as its HELLO_OK announced (a client's; None until then):
+        #: send() refuses a bigger one, which the peer would end the connection for (FRAME_TOO_LARGE)
+        self.peer_max_frame_size: int | None = None
         #: request id -> request frame type, for requests awaiting a reply
         self.pending: dict[int, str] = {}
         #: leases the peer granted this side (a STATE received) and has not ended (its RELEASED): a client's
@@ -373,11 +376,21 @@ class Connection:
 
     # ------------------------------------------------------------------ outbound
     def send(self, frame: Frame) -> bytes:
-        """Validate ``frame`` against the state, update the state, return its bytes."""
+        """Validate ``frame`` against the state, update the state, return its bytes. LocalProtocolError, the
+        state unchanged, for a frame this side may not send now or one over the peer's announced
+        ``max_frame_size``."""
         if self.role is Role.CLIENT and self.service is not None and self._misdirected(frame):
             raise LocalProtocolError(f"a wcache {self.service.value} does not serve {frame.TYPE}")
+        data = pack_frame(frame.to_wire(), max_frame_size=MAX_REPRESENTABLE)
+        limit = self.peer_max_frame_size
+        if limit is not None and len(data) - 4 > limit:
+            raise LocalProtocolError(
+                f"{frame.TYPE} is {len(data) - 4} bytes, over the {limit} bytes the peer takes (its HELLO_OK "
+                "max_frame_size, docs/protocol.md §7): nothing sent",
+                details={"frame": frame.TYPE, "size": len(data) - 4, "max_size": limit},
+            )
         self._on(SEND, frame)
-        return pack_frame(frame.to_wire(), max_frame_size=MAX_REPRESENTABLE)
+        return data
 
     def retract(self, request: Frame) -> None:
         """Undo the reply just sent to ``request`` when none of its bytes left (the kernel refused its
@@ -438,6 +451,8 @@ class Connection:
                     details={"chosen": frame.version, "supported": list(self.supported_versions)},
                 )
             self.version = frame.version
+            if direction == RECV:
+                self.peer_max_frame_size = frame.max_frame_size
             return
         rid: int = getattr(frame, "id", 0)  # every frame but the handshake's has one
         if frame.REPLIES:  # a request

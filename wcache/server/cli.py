@@ -17,7 +17,7 @@ from types import FrameType
 from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, socket_name
-from wcache.rank import tp_problem
+from wcache.plan.key import tp_problem
 from wcache.server.startup import run
 from wcache.units import size_arg
 

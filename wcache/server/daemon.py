@@ -33,7 +33,9 @@ from wcache.errors import (
     UnknownLeaseError,
     UnsupportedPlatformError,
 )
-from wcache.key import WeightCacheKey
+from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.rank import RankPlan, plan_rank
+from wcache.plan.recipe import key_from_wire
 from wcache.proto import (
     Commit,
     Connection,
@@ -60,8 +62,6 @@ from wcache.proto import (
 )
 from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
-from wcache.rank import RankPlan, RankSpec, plan_rank
-from wcache.recipe import key_from_wire
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.listen import bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics

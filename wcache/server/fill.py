@@ -1,5 +1,5 @@
 """The target side of a fleet fill (docs/fleet.md, "A fill, step by step"): ask the peers for the key, plan which
-bytes to READ from which (wcache/reshard.py), READ them with NIXL straight into a new slab, verify, seal — or
+bytes to READ from which (wcache/plan/reshard.py), READ them with NIXL straight into a new slab, verify, seal — or
 raise FillError, having freed the half-filled slab and released everything it held.
 
 Nothing here serves: ``fill`` returns a ``ServedModel`` the daemon adds to its store like a loaded one (origin
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wcache.checkpoint import SAMPLE_BLOCK, Checkpoint, _sample_offsets
 from wcache.errors import (
     CacheUnavailableError,
     FillError,
@@ -30,11 +29,13 @@ from wcache.errors import (
     ProtocolError,
     WCacheError,
 )
-from wcache.key import WeightCacheKey
-from wcache.layout import Layout, plan_layout
+from wcache.plan.checkpoint import SAMPLE_BLOCK, Checkpoint, _sample_offsets
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.layout import Layout
+from wcache.plan.rank import RankPlan
+from wcache.plan.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.proto import DTYPE_SIZES, Frame, Release
 from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
-from wcache.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats
 from wcache.server.nixl import Agent, Transfer
@@ -124,46 +125,34 @@ async def _request(src: _Source, frame: Frame, timeout: float) -> object:
     return reply
 
 
-def _source_layout(
-    model: PeerModel, key: WeightCacheKey, layout: Layout, ckpt: Checkpoint, plan_id: str
-) -> Layout | None:
-    """The layout of an offered slab, as the target computes it from the headers (None: not one it can plan,
-    or the offered table is not that layout's)."""
-    from wcache.sharding import resolve_plan
-
+def _source_layout(model: PeerModel, key: WeightCacheKey, rp: RankPlan) -> Layout | None:
+    """The layout of an offered slab, as the target's planner computes it from the headers (None: not one it can
+    plan, or the offered table is not that layout's)."""
     mk = model.key
     if not key.diff_wire(dict(mk)):
-        src = layout
+        src: Layout | None = rp.layout
     else:
         tp_rank, tp_size, plan = mk.get("tp_rank"), mk.get("tp_size"), mk.get("plan", "none")
         if not isinstance(tp_rank, int) or not isinstance(tp_size, int) or not isinstance(plan, str):
             return None
-        try:
-            sp = resolve_plan(ckpt.architecture, tp_size) if plan.startswith("builtin:") or plan == "none" else None
-        except WCacheError:
-            return None
-        if plan not in (sp.id if sp is not None else "none", plan_id):
-            return None  # a plan file the target does not have
-        src = plan_layout(ckpt, tp_rank=tp_rank, tp_size=tp_size, dtype=layout.dtype, plan=sp)
-    if model.size != src.total_bytes or list(model.tensors) != list(src.table()):
+        src = rp.layout_of(tp_rank, tp_size, plan)
+    if src is None or model.size != src.total_bytes or list(model.tensors) != list(src.table()):
         return None
     return src
 
 
 async def fill(
     key: WeightCacheKey,
-    layout: Layout | None,
-    ckpt: Checkpoint | None,
+    rp: RankPlan | None,
     backend: Backend,
     agent: Agent,
     cfg: FillConfig,
-    *,
-    plan_id: str = "none",
 ) -> ServedModel:
-    """Fill a slab for ``key`` from the peers in ``cfg``. ``layout``/``ckpt``: the key's layout and open checkpoint
-    (from local files or peer stubs), or None for a same-layout fill (a deposit's recipe key, a transformed
-    layout): the offered slab is then copied byte for byte with its table. FillError on any failure, with
-    nothing left allocated or held."""
+    """Fill a slab for ``key`` from the peers in ``cfg``. ``rp``: the key's rank planned from its checkpoint (local
+    files or peer stubs), whose planner gives the layouts of the offered slabs to reshard from; or None for a
+    same-layout fill (a deposit's recipe key, a transformed layout): the offered slab is then copied byte for byte
+    with its table. FillError on any failure, with nothing left allocated or held."""
+    layout, ckpt = (rp.layout, rp.checkpoint) if rp is not None else (None, None)
     t0 = time.perf_counter()
     if not cfg.peers:
         raise FillError("no peer to fill from", details={"reason": "no-peer"})
@@ -191,11 +180,11 @@ async def fill(
             s.offer = o
             s.leases = {m.lease for m in o.models}
             for m in o.models:
-                if layout is None or ckpt is None:
+                if rp is None:
                     if not key.diff_wire(dict(m.key)):
                         usable.append((s, m, None))
                     continue
-                src = _source_layout(m, key, layout, ckpt, plan_id)
+                src = _source_layout(m, key, rp)
                 if src is not None:
                     usable.append((s, m, src))
         if not usable:

@@ -65,8 +65,8 @@ from wcache.errors import (
     PermissionDeniedError,
     RemoteProtocolError,
 )
-from wcache.key import WeightCacheKey
 from wcache.locks import lock_holder, lock_holders
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
     Connection,

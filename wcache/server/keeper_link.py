@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 from wcache import __version__
 from wcache.channel import close_fds, connect, expect
 from wcache.errors import CacheUnavailableError, NotFoundError, RemoteProtocolError, WCacheError
-from wcache.key import WeightCacheKey
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
 
 if TYPE_CHECKING:

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import CheckpointError, TierEntryError, TransformError
-from wcache.key import WeightCacheKey
-from wcache.layout import ALIGN, Layout, align_up, contiguous_strides
 from wcache.peer_files import refuse_stubs
+from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.layout import ALIGN, Layout, align_up, contiguous_strides
+from wcache.plan.rank import RankPlan, plan_rank
 from wcache.proto import DTYPE_SIZES, TensorEntry, TensorTable
-from wcache.rank import RankPlan, RankSpec, plan_rank
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import LoadStats, load_file_into, load_into, torch_dtype
 from wcache.server.store import ServedModel
@@ -38,33 +38,31 @@ __all__ = ["load_from_tier", "load_model", "planned_bytes"]
 log = logging.getLogger("wcache.server")
 
 
-def planned_bytes(spec: RankSpec | str | os.PathLike[str], **fields: Any) -> tuple[WeightCacheKey, int]:
-    """The key and slab size a load would have, from headers alone (for budget checks). ``spec``: a
-    RankSpec, or a checkpoint directory with RankSpec's fields as keywords."""
-    with plan_rank(spec, **fields) as rp:
+def planned_bytes(spec: RankSpec) -> tuple[WeightCacheKey, int]:
+    """The key and slab size a load of ``spec`` would have, from headers alone (for callers that only ask: the
+    daemon plans once with ``plan_rank`` and loads that plan). The whole spec counts, ``verify_content`` and
+    ``transform`` included (a PRELOAD that planned without ``verify_content`` never found a --verify-content
+    daemon's model already held)."""
+    with plan_rank(spec) as rp:
         return rp.key, rp.layout.total_bytes
 
 
 def load_model(
-    spec: RankSpec | RankPlan | str | os.PathLike[str],
+    spec: RankSpec | RankPlan,
     *,
     backend: Backend,
     threads: int = 8,
     io: str = "buffered",
     tier: HostTier | None = None,
-    **fields: Any,
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read.
 
-    ``spec``: the rank's RankPlan (planned once by the caller, which keeps ownership of it), a RankSpec,
-    or a checkpoint directory with RankSpec's fields as keywords (``tp_rank=``..., as before).
+    ``spec``: the rank, planned here; or its RankPlan, planned once by the caller (which keeps ownership of it).
     With a host ``tier``: a valid entry for the key fills the slab instead of the checkpoint, and a
     model loaded from the checkpoint is copied into the tier."""
     if isinstance(spec, RankPlan):
-        if fields:
-            raise TypeError(f"load_model(plan, ...) takes no rank fields ({', '.join(fields)}): the plan has them")
         return _load_planned(spec, backend, threads, io, tier)
-    with plan_rank(spec, **fields) as rp:
+    with plan_rank(spec) as rp:
         return _load_planned(rp, backend, threads, io, tier)
 
 

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from wcache.errors import CheckpointError
-from wcache.layout import Layout
+from wcache.plan.layout import Layout
 from wcache.server.backends.base import LoadAborted, Slab, StagedWriter
 from wcache.server.reads import (
     ALIGN_IO,
@@ -75,7 +75,7 @@ from wcache.server.reads import (
 if TYPE_CHECKING:
     import torch
 
-    from wcache.checkpoint import Checkpoint
+    from wcache.plan.checkpoint import Checkpoint
 
 __all__ = [
     "IO_MODES",

@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from wcache.errors import FillError
-from wcache.reshard import Copy
+from wcache.plan.reshard import Copy
 from wcache.server.backends.base import MemoryRegion
 
 __all__ = ["MODULES", "Agent", "ReadStats", "Registration", "Transfer", "nixl_module"]
@@ -163,7 +163,7 @@ class Agent:
         deadline: float,
         strided: bool = False,
     ) -> Transfer:
-        """Post one READ request of every copy (a resharding plan's, wcache/reshard.py: ``src`` offsets into
+        """Post one READ request of every copy (a resharding plan's, wcache/plan/reshard.py: ``src`` offsets into
         ``peer``'s ``remote`` region, ``dst`` offsets into ``local``) and return at once: poll
         :meth:`Transfer.done` (an event loop polls several, one per source) or block in :meth:`Transfer.wait`.
         ``deadline``: time.monotonic() by which it must be done, else FillError (reason ``deadline``); a

@@ -31,8 +31,8 @@ from wcache.errors import CheckpointError
 from wcache.files import open_regular
 
 if TYPE_CHECKING:
-    from wcache.checkpoint import Checkpoint
-    from wcache.layout import Placement
+    from wcache.plan.checkpoint import Checkpoint
+    from wcache.plan.layout import Placement
 
 __all__ = [
     "ALIGN_IO",

@@ -48,12 +48,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from wcache.errors import WCacheError
-from wcache.key import WeightCacheKey
-from wcache.layout import Layout, Placement
+from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.layout import Layout, Placement
+from wcache.plan.rank import RankPlan, plan_rank
+from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.proto.table import tensor_extent
-from wcache.rank import RankPlan, plan_rank
-from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.keeper_link import KeeperLink
 from wcache.server.loader import torch_dtype
@@ -197,15 +197,16 @@ def _plan_source(model: ServedModel, key: WeightCacheKey, plan_file: str | os.Pa
     """The rank ``key`` names, planned from the model's ``source`` checkpoint now (the caller closes it), or why not."""
     assert model.source is not None
     try:
-        return plan_rank(
+        spec = RankSpec(
             model.source,
             tp_rank=key.tp_rank,
             tp_size=key.tp_size,
             dtype=key.dtype,
-            plan_file=plan_file if key.plan != "none" else None,
+            plan_file=Path(plan_file) if plan_file and key.plan != "none" else None,
             transform=key.transform,
             verify_content=key.fingerprint_kind == "content",
         )
+        return plan_rank(spec)
     except (WCacheError, OSError, ValueError) as exc:
         return Check(f"its checkpoint {model.source} cannot be read ({exc})", "unverifiable")
 

@@ -32,9 +32,9 @@ from wcache.server.security import (
 )
 
 if TYPE_CHECKING:
-    from wcache.key import WeightCacheKey
+    from wcache.plan.key import RankSpec, WeightCacheKey
+    from wcache.plan.rank import RankPlan
     from wcache.proto import HandedModel
-    from wcache.rank import RankPlan, RankSpec
     from wcache.server.backends.base import Slab
     from wcache.server.fill import FillConfig
     from wcache.server.keeper_link import KeeperLink
@@ -152,7 +152,7 @@ def checkpoint_errors(model: str) -> Iterator[None]:
 def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> list[ServedModel]:
     """Serve models whose slabs another process handed over (their fd fields index ``fds``). Every fd in
     ``fds`` is consumed: adopted by a slab, or closed (on failure too)."""
-    from wcache.recipe import key_from_wire
+    from wcache.plan.recipe import key_from_wire
     from wcache.server.loader import LoadStats
     from wcache.server.store import ServedModel
 
@@ -353,9 +353,9 @@ def drop(evicted: list[ServedModel], link: KeeperLink | None, reason: str) -> No
 
 def rank_spec(args: argparse.Namespace) -> RankSpec:
     """The rank ``--model``, ``--tp-rank``, ``--tp-size``, ``--dtype``, ``--shard-plan``, ``--transform`` and
-    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.rank); also what
+    ``--verify-content`` name: the one description the daemon plans, keys and loads (wcache.plan.key); also what
     ``wcache preload`` / ``evict DIR`` name (``model`` their directory)."""
-    from wcache.rank import RankSpec
+    from wcache.plan.key import RankSpec
 
     return RankSpec(
         Path(args.model),
@@ -386,8 +386,8 @@ def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
     Without them there is nothing to load from disk either: the CheckpointError says why."""
     import asyncio
 
-    from wcache.checkpoint import INDEX_NAME
     from wcache.errors import FillError
+    from wcache.plan.checkpoint import INDEX_NAME
     from wcache.server.fill import fetch_files
 
     if any(root.glob("*.safetensors")) or (root / INDEX_NAME).exists():
@@ -421,8 +421,7 @@ def fill_from_peers(
     agent: Agent | None = None
     try:
         agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
-        plan_id = rp.plan.id if rp.plan is not None else "none"
-        model = asyncio.run(fill(rp.key, rp.layout, rp.checkpoint, backend, agent, cfg, plan_id=plan_id))
+        model = asyncio.run(fill(rp.key, rp, backend, agent, cfg))
         model.facts = rp.facts  # its local files give its key, as for a disk load: engines may prove them (§4.3.1)
         outcomes.append(("", model.stats.bytes_read, model.stats.seconds))
         return model
@@ -464,7 +463,7 @@ def write_ready(path: Path, payload: dict[str, object]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wcache.rank import plan_rank
+    from wcache.plan.rank import plan_rank
     from wcache.server.daemon import Daemon
     from wcache.server.load import load_model
     from wcache.server.service import ConnectionLimits

@@ -32,8 +32,9 @@ from wcache.errors import (
     UnsupportedPlatformError,
     WCacheError,
 )
-from wcache.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
-from wcache.layout import ALIGN, align_up, contiguous_strides
+from wcache.plan.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
+from wcache.plan.layout import ALIGN, align_up, contiguous_strides
+from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.proto import (
     Commit,
     Deposit,
@@ -53,7 +54,6 @@ from wcache.proto import (
     as_received,
 )
 from wcache.proto.fields import fail
-from wcache.recipe import RecipeKey, key_from_wire
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import LoadStats
 

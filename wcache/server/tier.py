@@ -65,10 +65,10 @@ from typing import Any
 
 import msgpack
 
-from wcache.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.errors import ProtocolError, TierEntryError, WCacheError
 from wcache.files import file_kind, read_at_most
-from wcache.key import WeightCacheKey
+from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
+from wcache.plan.key import WeightCacheKey
 from wcache.proto import TensorTable
 from wcache.server.backends.base import PinnedFile, Slab
 from wcache.server.security import check_private_dir

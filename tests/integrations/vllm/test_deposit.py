@@ -16,7 +16,7 @@ from wcache.errors import IncompatibleModelError
 from wcache.integrations.vllm.deposit import deposit_tensors, write_back
 from wcache.integrations.vllm.info import INFO_ATTR
 from wcache.integrations.vllm.plan import PLAN_ATTR, PLAN_TENSOR, decode_plan
-from wcache.recipe import RecipeKey
+from wcache.plan.recipe import RecipeKey
 
 
 def _layer() -> nn.Linear:

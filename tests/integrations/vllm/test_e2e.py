@@ -41,7 +41,7 @@ from tests.integrations.vllm import ROOT, engine_env, require_vllm
 from tests.integrations.vllm.models import make_llama, make_qwen3_moe
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import InUseError
-from wcache.recipe import RecipeKey, key_from_wire
+from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.server.process import DaemonProcess, spawn_daemon
 
 require_vllm()

@@ -46,7 +46,7 @@ def test_padded_vocab_shards_are_vllms(vocab: int, tp: int) -> None:
     """The daemon cuts each rank's embedding rows where vLLM's VocabParallelEmbedding takes them from the
     checkpoint: vLLM's own pad_vocab_size / vocab_range_from_global_vocab_size (when vLLM is installed),
     else the formula they implement."""
-    from wcache.sharding import padded_vocab_shard
+    from wcache.plan.sharding import padded_vocab_shard
 
     try:
         from vllm.model_executor.layers.vocab_parallel_embedding import (

@@ -19,7 +19,7 @@ from wcache.integrations.vllm.recipe import (
     recipe_key,
     recipe_quantization,
 )
-from wcache.recipe import RecipeKey
+from wcache.plan.recipe import RecipeKey
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 

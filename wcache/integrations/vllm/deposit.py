@@ -16,7 +16,7 @@ from wcache.integrations.vllm.plan import PLAN_ATTR, PLAN_TENSOR, count_modes, e
 
 if TYPE_CHECKING:
     from wcache.client import WCacheClient
-    from wcache.recipe import RecipeKey
+    from wcache.plan.recipe import RecipeKey
 
 __all__ = ["deposit_tensors", "write_back"]
 

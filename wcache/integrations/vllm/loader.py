@@ -43,9 +43,9 @@ from wcache.integrations.vllm.info import INFO_ATTR, hold
 from wcache.integrations.vllm.options import parse_extra_config
 from wcache.integrations.vllm.plan import PLAN_TENSOR, count_modes, decode_plan, following_plan, observing
 from wcache.integrations.vllm.recipe import recipe_key
-from wcache.key import WeightCacheKey
 from wcache.nn import attach, empty_parameters
-from wcache.recipe import RecipeKey
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.recipe import RecipeKey
 
 __all__ = ["WCacheModelLoader"]
 

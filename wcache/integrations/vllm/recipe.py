@@ -15,8 +15,8 @@ import torch
 from wcache.integrations.vllm.checks import quant_config_dict
 
 if TYPE_CHECKING:
-    from wcache.key import WeightCacheKey
-    from wcache.recipe import RecipeKey
+    from wcache.plan.key import WeightCacheKey
+    from wcache.plan.recipe import RecipeKey
 
 __all__ = ["POSTPROCESS_VERSION", "device_recipe", "engine_config_digest", "recipe_key", "recipe_quantization"]
 
@@ -94,7 +94,7 @@ def recipe_key(
     """The RecipeKey of ``base`` (the rank's checkpoint key: fingerprint, rank layout, dtype, transform)
     as vLLM ``engine_version`` post-processes it on ``device`` under ``vllm_config``
     (:func:`engine_config_digest`)."""
-    from wcache.recipe import RecipeKey
+    from wcache.plan.recipe import RecipeKey
 
     return RecipeKey.of(
         base,

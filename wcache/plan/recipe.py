@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from wcache.errors import ProtocolError
-from wcache.key import KeyValue, WeightCacheKey
+from wcache.plan.key import KeyValue, WeightCacheKey
 from wcache.proto.fields import Key
 
 __all__ = ["RECIPE_FIELDS", "RecipeKey", "key_from_wire"]

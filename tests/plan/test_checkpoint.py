@@ -1,8 +1,12 @@
-"""What the daemon opens from a checkpoint directory, and what it agrees to serve (issue 16, classes 2, 3, 5).
+"""What the daemon opens from a checkpoint directory, and what it agrees to serve (the rows of docs/reliability.md's
+table that name this file):
 
-- Class 2: every file is a regular file (symlinks followed), metadata size-capped, opened without blocking.
-- Class 3: fingerprint, headers and data come from the descriptor that was validated, not from the path again.
-- Class 5: tensors the protocol cannot carry (docs/protocol.md §7) are refused at load, naming tensor and limit.
+- file types and sizes: every file is a regular file (symlinks followed), metadata size-capped, opened without
+  blocking;
+- one descriptor per file: fingerprint, headers and data come from the descriptor that was validated, not from
+  the path again;
+- the protocol's limits: tensors the protocol cannot carry (docs/protocol.md §7) are refused at load, naming
+  tensor and limit.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from wcache import CheckpointError, WeightCacheKey
-from wcache.checkpoint import Checkpoint
-from wcache.layout import plan_layout
-from wcache.rank import plan_rank
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.key import RankSpec
+from wcache.plan.layout import plan_layout
+from wcache.plan.rank import plan_rank
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
@@ -50,7 +55,7 @@ def one_tensor_dir(root: Path, name: str = "w", shape: list[int] | None = None, 
     return root
 
 
-# --------------------------------------------------------------------------- class 2: file types and sizes
+# --------------------------------------------------------------------------- file types and sizes
 
 
 def _refused_in_child(model: Path) -> subprocess.CompletedProcess[str]:
@@ -59,7 +64,7 @@ def _refused_in_child(model: Path) -> subprocess.CompletedProcess[str]:
     code = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-        "from wcache.checkpoint import Checkpoint\n"
+        "from wcache.plan.checkpoint import Checkpoint\n"
         "from wcache.errors import CheckpointError\n"
         "try:\n"
         "    Checkpoint.open(sys.argv[1])\n"
@@ -118,12 +123,12 @@ def test_directory_and_dangling_symlink_shards_are_refused_not_skipped(tmp_path:
 
 def test_metadata_over_its_cap_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = one_tensor_dir(tmp_path / "m", config={"architectures": ["LlamaForCausalLM"], "pad": "x" * 5000})
-    monkeypatch.setattr("wcache.checkpoint.MAX_CONFIG_BYTES", 4096)
+    monkeypatch.setattr("wcache.plan.checkpoint.MAX_CONFIG_BYTES", 4096)
     with pytest.raises(CheckpointError, match="4096-byte limit"):
         Checkpoint.open(model)
-    monkeypatch.setattr("wcache.checkpoint.MAX_CONFIG_BYTES", 1 << 20)
+    monkeypatch.setattr("wcache.plan.checkpoint.MAX_CONFIG_BYTES", 1 << 20)
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
-    monkeypatch.setattr("wcache.checkpoint.MAX_INDEX_BYTES", 16)
+    monkeypatch.setattr("wcache.plan.checkpoint.MAX_INDEX_BYTES", 16)
     with pytest.raises(CheckpointError, match=r"index is .* over the 16-byte limit"):
         Checkpoint.open(model)
 
@@ -163,7 +168,7 @@ def test_checkpoint_descriptors_are_released(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-# --------------------------------------------------------------------------- class 3: one descriptor per file
+# --------------------------------------------------------------------------- one descriptor per file
 
 
 def _swap(victim: Path, replacement: Path, how: str) -> None:
@@ -197,7 +202,7 @@ def test_a_shard_swapped_after_validation_is_not_served(tmp_path: Path, how: str
         shutil.copyfile(shard, kept)
         shard.unlink()
         shard.symlink_to(kept)
-    rp = plan_rank(a)
+    rp = plan_rank(RankSpec(a))
     _swap(shard, b / "model.safetensors", how)
     assert shard.read_bytes() != original  # the path now names the other file
     assert rp.checkpoint.fingerprint() == rp.key.fingerprint  # still the validated file's
@@ -223,11 +228,11 @@ def test_fingerprint_reads_the_validated_descriptor(tmp_path: Path) -> None:
     with Checkpoint.open(a) as c:
         _swap(a / "model.safetensors", b / "model.safetensors", "rename")
         for content in (False, True):
-            assert WeightCacheKey.from_checkpoint(a, checkpoint=c, verify_content=content) == want[content]
+            assert WeightCacheKey.from_spec(RankSpec(a, verify_content=content), checkpoint=c) == want[content]
     assert WeightCacheKey.from_checkpoint(a) == key_b  # reopened: now it is the other checkpoint
 
 
-# --------------------------------------------------------------------------- class 5: the protocol's limits
+# --------------------------------------------------------------------------- the protocol's limits
 
 
 @pytest.mark.parametrize(
@@ -250,7 +255,7 @@ def test_tensors_the_protocol_cannot_carry_are_refused_at_load(
     if config is not None:
         (model / "config.json").write_text(json.dumps(config))  # json escapes the lone surrogates
     with pytest.raises(CheckpointError, match=match):
-        plan_rank(model)
+        plan_rank(RankSpec(model))
 
 
 def test_limits_themselves_are_served(tmp_path: Path) -> None:
@@ -260,7 +265,7 @@ def test_limits_themselves_are_served(tmp_path: Path) -> None:
         model / "model.safetensors",
         {"n" * 1024: ("F32", [1] * 16, bytes(4)), "z": ("F32", [2**48 - 1, 0], b"")},
     )
-    rp = plan_rank(model)
+    rp = plan_rank(RankSpec(model))
     assert rp.key.architecture == "A" * 1024
     assert len(rp.layout.table()) == 2
     rp.close()
@@ -270,11 +275,11 @@ def test_a_table_too_large_for_one_state_frame_is_refused(tmp_path: Path, monkey
     model = tmp_path / "m"
     model.mkdir()
     write_safetensors(model / "model.safetensors", {f"{i:04d}" + "n" * 1000: ("F32", [1], bytes(4)) for i in range(80)})
-    monkeypatch.setattr("wcache.layout.DEFAULT_MAX_FRAME_SIZE", 128 << 10)
+    monkeypatch.setattr("wcache.plan.layout.DEFAULT_MAX_FRAME_SIZE", 128 << 10)
     with Checkpoint.open(model) as c:
         with pytest.raises(CheckpointError, match="frame limit"):
             plan_layout(c, tp_rank=0, tp_size=1, dtype="float32", plan=None)
-        monkeypatch.setattr("wcache.layout.DEFAULT_MAX_FRAME_SIZE", 64 << 20)
+        monkeypatch.setattr("wcache.plan.layout.DEFAULT_MAX_FRAME_SIZE", 64 << 20)
         assert len(plan_layout(c, tp_rank=0, tp_size=1, dtype="float32", plan=None).placements) == 80
 
 

@@ -3,7 +3,8 @@
 Pure Python. Tensors are placed in checkpoint-file order (so reads are sequential),
 each at an offset aligned to ``ALIGN`` bytes; the slab's size is a multiple of ``ALIGN``.
 Tied weights absent from the checkpoint become aliases (``lm_head.weight`` ->
-``model.embed_tokens.weight`` when ``tie_word_embeddings``).
+``model.embed_tokens.weight`` when ``tie_word_embeddings``). A change of these rules bumps
+``wcache.plan.key.LAYOUT_VERSION``: the key above carries the version, so a slab of another layout is another key.
 """
 
 from __future__ import annotations
@@ -12,19 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wcache.checkpoint import FLOATING, Checkpoint, TensorInfo
 from wcache.errors import CheckpointError
-from wcache.key import LAYOUT_VERSION
-from wcache.key import resolve_dtype as key_dtype
+from wcache.plan.checkpoint import FLOATING, Checkpoint, TensorInfo
+from wcache.plan.quant import fp8_block_size, is_fp8_checkpoint
+from wcache.plan.quant import resolve_dtype as key_dtype
+from wcache.plan.sharding import Shard, ShardPlan, shard_tensors
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
 from wcache.proto.frames import DTYPE_SIZES, TensorEntry, TensorTable
-from wcache.quant import fp8_block_size, is_fp8_checkpoint
-from wcache.sharding import Shard, ShardPlan, shard_tensors
 
 __all__ = [
     "ALIGN",
     "FLOATING",
-    "LAYOUT_VERSION",
     "Layout",
     "Placement",
     "align_up",
@@ -46,7 +45,7 @@ def is_quantized(config: Mapping[str, Any]) -> bool:
 
 
 def serves_as_stored(ckpt: Checkpoint) -> bool:
-    """Every tensor keeps its checkpoint dtype: FP8 checkpoints (wcache.quant) and every other quantized one.
+    """Every tensor keeps its checkpoint dtype: FP8 checkpoints (wcache.plan.quant) and every other quantized one.
 
     A quantized checkpoint's floating tensors are not all the model's dtype: scales the engine keeps in
     float32 (compressed-tensors int8 / FP8 ``weight_scale``), AWQ / GPTQ fp16 ``scales``; which of them the
@@ -56,9 +55,10 @@ def serves_as_stored(ckpt: Checkpoint) -> bool:
 
 
 def resolve_dtype(ckpt: Checkpoint, requested: str | None) -> str:
-    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint (``wcache.key``).
+    """``None``/``"auto"`` -> the floating dtype holding the most bytes in the checkpoint (the key's dtype:
+    ``wcache.plan.quant.resolve_dtype``).
 
-    FP8 checkpoints: the dtype of their unquantized tensors, any other refused (wcache.quant). Other quantized
+    FP8 checkpoints: the dtype of their unquantized tensors, any other refused (wcache.plan.quant). Other quantized
     checkpoints are served as stored too (:func:`serves_as_stored`); their key's dtype names the dtype the
     engine runs in (a castable one, or ``auto``), which the engine's own casts follow."""
     return key_dtype(ckpt.dtype_bytes(), ckpt.config, requested)

@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from dataclasses import field
 from pathlib import Path
 
-from wcache.checkpoint import TensorInfo
 from wcache.errors import ShardingError
+from wcache.plan.checkpoint import TensorInfo
+from wcache.plan.quant import weight_name
 from wcache.proto._record import record
-from wcache.quant import weight_name
 
 __all__ = ["BUILTIN_PLANS", "Shard", "ShardPlan", "load_plan_file", "resolve_plan", "shard_tensors"]
 
@@ -133,8 +133,8 @@ def resolve_plan(architecture: str, tp_size: int, plan_file: str | os.PathLike[s
         raise ShardingError(
             f"no built-in sharding plan for architecture {architecture or '(none in config.json)'!r} "
             f"(built in: {', '.join(sorted(BUILTIN_PLANS))}); pass a JSON plan file: plan_file= from Python "
-            "(WeightCacheKey.from_checkpoint, WCacheClient.preload, wcache.nn.load_weights), --shard-plan on the "
-            "command line (format: docs/shard-plans.md)"
+            "(RankSpec, which WCacheClient.preload takes; WeightCacheKey.from_checkpoint, wcache.nn.load_weights), "
+            "--shard-plan on the command line (format: docs/shard-plans.md)"
         )
     return plan
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import ShardingError
-from wcache.key import WeightCacheKey
-from wcache.sharding import Shard, load_plan_file, shard_tensors
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.sharding import Shard, load_plan_file, shard_tensors
 
-DOC = Path(__file__).parents[1] / "docs" / "shard-plans.md"
+DOC = Path(__file__).parents[2] / "docs" / "shard-plans.md"
 HIDDEN, VOCAB, FF = 64, 128, 256
 
 

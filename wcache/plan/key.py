@@ -1,4 +1,12 @@
-"""The cache key: which bytes a daemon serves, computed the same way by daemon and engine.
+"""The request and the cache key: which rank is asked for, and which bytes a daemon serves for it, computed
+the same way by daemon and engine.
+
+A ``RankSpec`` is the one description of a rank — checkpoint directory, tensor parallel rank and size, dtype,
+shard plan file, load-time transform, fingerprint kind — that the key, the planner (``wcache.plan.rank``), the
+daemon's loader, the client's PRELOAD, ``wcache.nn`` and the ``wcache-server`` CLI all take, so that they agree
+(spelt out field by field, a PRELOAD's "already held" check once lost ``verify_content``, and
+``nn.load_weights``'s key ``transform``). Every API that acts on a rank takes one; ``from_checkpoint`` is the
+engines' keyword form of ``from_spec``.
 
 A key names a checkpoint (fingerprint of its file names, headers and a data sample), the rank's
 sharding and dtype, and the slab layout version. The daemon refuses a GET_STATE whose
@@ -11,7 +19,9 @@ files instead (docs/protocol.md §4.3.1): ``from_checkpoint`` lists the director
 covers (:func:`checkpoint_files`), and ``fetch`` sends that identity with GET_STATE; the daemon completes the
 key from what it recorded (:class:`KeyFacts`) when those files, unchanged since, were read. The header scan
 runs only when a file-derived field is read first (:meth:`WeightCacheKey.resolve`), or when the daemon does
-not recognise the files — then fetch retries with the full key on the same connection.
+not recognise the files — then fetch retries with the full key on the same connection. So this module imports
+the domain modules below it (checkpoint, quant, sharding) inside the functions that scan headers: an engine whose
+key the daemon proves never loads them (tests/client/test_imports.py).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from wcache.errors import (
@@ -33,22 +44,114 @@ from wcache.errors import (
     describe_fields,
 )
 from wcache.proto._record import record
-from wcache.proto.codec import gc_paused
 from wcache.proto.daemon_frames import MAX_PROOF_FILES, CheckpointProof, FileStat
 from wcache.proto.fields import MAX_NAME
 
-if TYPE_CHECKING:
-    from wcache.checkpoint import Checkpoint, DtypeBytes
-    from wcache.rank import RankSpec
-    from wcache.sharding import ShardPlan
+if TYPE_CHECKING:  # imported where the header scan runs (module docstring)
+    from wcache.plan.checkpoint import Checkpoint, DtypeBytes
+    from wcache.plan.sharding import ShardPlan
+    from wcache.proto.admin_frames import Preload
 
-#: Bump when placement rules change (wcache.layout): a cached slab of another layout is another key. Defined
-#: here only — layout.py re-exports it, so the key need not import the layout (tests/test_layout.py).
+#: Bump when placement rules change (wcache.plan.layout): a cached slab of another layout is another key. Defined
+#: here, with the key that carries it, and nowhere else: the layout sits below the key and an engine's restart
+#: imports the key without it (tests/plan/test_layout.py).
 LAYOUT_VERSION = 2  # 2: quantized checkpoints keep their stored dtypes (docs/protocol.md §4.4)
 
-__all__ = ["KeyFacts", "WeightCacheKey", "checkpoint_files", "closest", "key_mismatch", "not_served"]
+__all__ = [
+    "KeyFacts",
+    "RankSpec",
+    "WeightCacheKey",
+    "check_tp",
+    "checkpoint_files",
+    "closest",
+    "key_mismatch",
+    "not_served",
+    "tp_problem",
+]
 
 KeyValue = Union[str, int]
+
+PathLike = str | os.PathLike[str]
+
+
+def tp_problem(tp_rank: object, tp_size: object, *, flags: bool = False) -> str | None:
+    """What is wrong with a tensor-parallel rank and world size, in words (None: nothing). The one range
+    check of every place that takes ranks: RankSpec (keys, PRELOAD, ``wcache.nn``), ``wcache-server`` and
+    ``wcache preload`` / ``evict``; ``flags`` names them as the command lines do (``--tp-rank``)."""
+    rank, size = ("--tp-rank", "--tp-size") if flags else ("tp_rank", "tp_size")
+    for name, value in ((size, tp_size), (rank, tp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{name} must be an integer, got {value!r}"
+    assert isinstance(tp_rank, int) and isinstance(tp_size, int)
+    if tp_size < 1:
+        return f"{size} {tp_size} must be at least 1 (1: one rank serves whole tensors)"
+    if not 0 <= tp_rank < tp_size:
+        last = f"0..{tp_size - 1}" if tp_size > 1 else "0"
+        return f"{rank} {tp_rank} must be in [0, {tp_size}) for {size} {tp_size} (ranks {last})"
+    return None
+
+
+def check_tp(tp_rank: object, tp_size: object) -> None:
+    """Raise ShardingError (INVALID_PLAN on the wire) for a rank outside ``[0, tp_size)`` or a size below 1."""
+    problem = tp_problem(tp_rank, tp_size)
+    if problem is not None:
+        raise ShardingError(problem, details={"tp_rank": repr(tp_rank), "tp_size": repr(tp_size)})
+
+
+@record
+class RankSpec:
+    """One rank of a checkpoint as a request names it. Immutable and hashable; build variants with
+    ``dataclasses.replace``.
+
+    ``checkpoint`` and ``plan_file`` are made absolute (a PRELOAD names paths on the daemon's machine);
+    ``dtype`` ``None`` (or ``"auto"``) means as stored. ``verify_content`` fingerprints all data instead
+    of a sample (the key's ``fingerprint_kind``); it is the daemon's policy (``--verify-content``), not a
+    PRELOAD field."""
+
+    checkpoint: Path
+    tp_rank: int = 0
+    tp_size: int = 1
+    dtype: str | None = None
+    plan_file: Path | None = None
+    transform: str = ""
+    verify_content: bool = False
+
+    def __post_init__(self) -> None:
+        check_tp(self.tp_rank, self.tp_size)
+        object.__setattr__(self, "checkpoint", Path(os.path.abspath(self.checkpoint)))
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", None)
+        if self.plan_file is not None and str(self.plan_file) == "":
+            object.__setattr__(self, "plan_file", None)
+        elif self.plan_file is not None:
+            object.__setattr__(self, "plan_file", Path(os.path.abspath(self.plan_file)))
+
+    @classmethod
+    def from_preload(cls, req: Preload, *, verify_content: bool = False) -> RankSpec:
+        """The rank a PRELOAD frame names, under the daemon's fingerprint policy."""
+        return cls(
+            Path(req.model),
+            tp_rank=req.tp_rank,
+            tp_size=req.tp_size,
+            dtype=req.dtype,
+            plan_file=Path(req.plan_file) if req.plan_file else None,
+            transform=req.transform,
+            verify_content=verify_content,
+        )
+
+    def to_preload(self, id: int) -> Preload:
+        """The PRELOAD frame asking a daemon for this rank (``verify_content`` is the daemon's choice)."""
+        from wcache.proto.admin_frames import Preload  # not an engine's frame: its restart never builds it
+
+        return Preload(
+            id=id,
+            model=str(self.checkpoint),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            dtype=self.dtype or "auto",
+            plan_file=str(self.plan_file) if self.plan_file is not None else "",
+            transform=self.transform,
+        )
 
 
 class _Unset:
@@ -56,21 +159,6 @@ class _Unset:
 
 
 _UNSET = _Unset()
-
-
-def resolve_dtype(counted: DtypeBytes, config: dict[str, Any], requested: str | None) -> str:
-    """The key's ``dtype``: ``None``/``"auto"`` -> the floating dtype holding the most bytes (``counted``:
-    ``Checkpoint.dtype_bytes()``); FP8 checkpoints are served as stored, never cast (``wcache.quant``)."""
-    from wcache.checkpoint import FLOATING
-    from wcache.quant import is_fp8_checkpoint, stored_dtype
-
-    if counted.fp8 or is_fp8_checkpoint({}, config):
-        return stored_dtype(counted, requested)
-    if requested not in (None, "auto"):
-        if requested not in FLOATING:
-            raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(sorted(FLOATING))}")
-        return str(requested)
-    return max(counted.floating, key=counted.floating.__getitem__) if counted.floating else "float32"
 
 
 #: a key field over the protocol's string limit -> whose input it came from, and what to do
@@ -98,18 +186,21 @@ class WeightCacheKey:
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | os.PathLike[str] | RankSpec,
+        model_dir: PathLike,
         *,
-        checkpoint: Checkpoint | None = None,
-        **fields: Any,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: str | None = None,
+        plan_file: PathLike | None = None,
+        transform: str = "",
+        verify_content: bool = False,
     ) -> WeightCacheKey:
-        """The key a daemon started with the same arguments serves: ``path`` is a RankSpec, or a
-        checkpoint directory with RankSpec's fields as keywords (``tp_rank``, ``tp_size``, ``dtype``,
-        ``plan_file``, ``transform``, ``verify_content``). See ``from_spec``."""
-        with gc_paused():  # an engine's first key imports the rank module: no collection over torch's heap meanwhile
-            from wcache.rank import RankSpec
-
-        return cls.from_spec(RankSpec.of(path, **fields), checkpoint=checkpoint)
+        """The key a daemon started with the same arguments serves: the engine's call. The keywords are
+        RankSpec's fields (``plan_file`` ``None`` or ``""``: no plan file); ``from_spec`` is the same for a
+        RankSpec, and says what is read when."""
+        plan = Path(plan_file) if plan_file else None
+        spec = RankSpec(Path(model_dir), tp_rank, tp_size, dtype, plan, transform, verify_content)
+        return cls.from_spec(spec)
 
     @classmethod
     def from_spec(
@@ -126,7 +217,7 @@ class WeightCacheKey:
         Otherwise (and by :meth:`resolve`) it reads headers and 64 KiB of data per file (all data with
         ``spec.verify_content``), through the descriptors ``checkpoint`` validated them from (a checkpoint
         opened here is closed before returning); ``plan``: the rank's shard plan when the caller resolved it
-        already (``wcache.rank.plan_rank``).
+        already (``wcache.plan.rank.plan_rank``).
 
         Raises CheckpointError / ShardingError, and for a key string the protocol cannot carry (over
         1024 characters, docs/protocol.md §7) the class of whatever it came from (``_TOO_LONG``)."""
@@ -142,7 +233,7 @@ class WeightCacheKey:
     ) -> WeightCacheKey:
         """The key from the files' headers (and data sample)."""
         if checkpoint is None:  # the key's own: headers and bytes per dtype, not a validated entry per tensor
-            from wcache.checkpoint import Checkpoint
+            from wcache.plan.checkpoint import Checkpoint  # the header scan's: a proven key never loads it
 
             with Checkpoint.open(spec.checkpoint, tensors=False) as ckpt:
                 return cls._scanned(spec, ckpt, plan)
@@ -150,9 +241,11 @@ class WeightCacheKey:
         if isinstance(plan, _Unset):
             plan = None
             if spec.tp_size != 1 or spec.plan_file is not None:  # else no plan: sharding not imported
-                from wcache.sharding import resolve_plan
+                from wcache.plan.sharding import resolve_plan  # the header scan's (a proven key never loads it)
 
                 plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
+
+        from wcache.plan.quant import resolve_dtype  # the header scan's, like the checkpoint
 
         key = WeightCacheKey(
             fingerprint=ckpt.fingerprint(content=spec.verify_content),
@@ -406,8 +499,11 @@ class KeyFacts:
         if kind != self.fingerprint_kind:
             raise ValueError(f"fingerprint_kind {kind!r}: the daemon read these files for {self.fingerprint_kind!r}")
         plan = "none"
+        # a daemon's call (it has both loaded already): imported here so that an engine's key does not load them
+        from wcache.plan.quant import resolve_dtype
+
         if tp_size != 1:
-            from wcache.sharding import resolve_plan
+            from wcache.plan.sharding import resolve_plan
 
             resolved = resolve_plan(self.architecture, tp_size, None)
             plan = resolved.id if resolved is not None else "none"

@@ -1,7 +1,7 @@
 """Resharding for a fleet fill (docs/fleet.md, "Resharding"): which bytes of which source slab go where in the
 target slab. Pure Python: no torch, no I/O, no NIXL.
 
-Every slab of an untransformed key is a :class:`~wcache.layout.Layout` the target can compute from the
+Every slab of an untransformed key is a :class:`~wcache.plan.layout.Layout` the target can compute from the
 checkpoint's headers alone: for each tensor its slice (``Placement.shard``: ``length`` entries of one
 dimension from ``start``, or the whole tensor), its served dtype and its offset, C-contiguous. So a target
 of any tensor-parallel layout is filled from sources of any other by intersecting, per tensor, the target's
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from wcache.errors import FillError
-from wcache.layout import Layout, Placement
+from wcache.plan.layout import Layout, Placement
 from wcache.proto._record import record
 from wcache.proto.frames import DTYPE_SIZES
 

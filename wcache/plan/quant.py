@@ -8,7 +8,8 @@ tensors (embeddings, norms, often ``lm_head``) stay in bf16.
 The daemon serves such a checkpoint **as stored**: FP8 weights, their float32 scales and the bf16
 tensors each in their own dtype. A cast makes no sense (a bf16 copy of an FP8 weight is not the
 model, a bf16 scale loses precision), so the key's ``dtype`` names the dtype the unquantized floating
-tensors are stored in (``auto`` resolves to it) and any other dtype is refused. Pure Python, no torch.
+tensors are stored in (``auto`` resolves to it) and any other dtype is refused (:func:`resolve_dtype`, the key's
+dtype of every checkpoint, FP8 or not). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from wcache.checkpoint import FP8_DTYPES, DtypeBytes, TensorInfo
 from wcache.errors import CheckpointError
+from wcache.plan.checkpoint import FLOATING, FP8_DTYPES, DtypeBytes, TensorInfo
 
 __all__ = [
     "FP8_DTYPES",
     "SCALE_SUFFIX",
     "fp8_block_size",
     "is_fp8_checkpoint",
+    "resolve_dtype",
     "scale_name",
     "stored_dtype",
     "weight_name",
@@ -89,3 +91,15 @@ def stored_dtype(counted: DtypeBytes, requested: str | None) -> str:
             details={"requested": requested, "stored": dtype},
         )
     return dtype
+
+
+def resolve_dtype(counted: DtypeBytes, config: dict[str, Any], requested: str | None) -> str:
+    """The key's ``dtype``: ``None``/``"auto"`` -> the floating dtype holding the most bytes (``counted``:
+    ``Checkpoint.dtype_bytes()``); FP8 checkpoints are served as stored, never cast (:func:`stored_dtype`)."""
+    if counted.fp8 or is_fp8_checkpoint({}, config):
+        return stored_dtype(counted, requested)
+    if requested not in (None, "auto"):
+        if requested not in FLOATING:
+            raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(sorted(FLOATING))}")
+        return str(requested)
+    return max(counted.floating, key=counted.floating.__getitem__) if counted.floating else "float32"

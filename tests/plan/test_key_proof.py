@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import CheckpointError, RemoteProtocolError, ShardingError
-from wcache.key import RACY_NS, KeyFacts, WeightCacheKey, checkpoint_files
-from wcache.rank import RankSpec, plan_rank
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.key import RACY_NS, KeyFacts, RankSpec, WeightCacheKey, checkpoint_files
+from wcache.plan.rank import plan_rank
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 
@@ -80,7 +80,7 @@ def test_a_symlinked_file_is_stated_as_its_target(tmp_path: Path, settled: Path)
 @pytest.mark.parametrize("tp_size", [1, 2])
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16"])
 def test_recorded_facts_complete_the_scanned_key(settled: Path, tp_size: int, dtype: str) -> None:
-    with plan_rank(settled, tp_rank=tp_size - 1, tp_size=tp_size) as rp:
+    with plan_rank(RankSpec(settled, tp_rank=tp_size - 1, tp_size=tp_size)) as rp:
         assert rp.facts is not None and rp.facts.files == checkpoint_files(settled)
         deferred = WeightCacheKey.from_checkpoint(settled, tp_rank=tp_size - 1, tp_size=tp_size, dtype=dtype)
         proof = deferred.proof()
@@ -94,7 +94,7 @@ def test_recorded_facts_complete_the_scanned_key(settled: Path, tp_size: int, dt
 
 
 def test_facts_refuse_what_a_scan_would_refuse(settled: Path, tmp_path: Path) -> None:
-    with plan_rank(settled) as rp:
+    with plan_rank(RankSpec(settled)) as rp:
         facts = rp.facts
     assert facts is not None
     partial = {"tp_size": 1, "tp_rank": 0, "layout": 2, "fingerprint_kind": "sampled", "transform": ""}
@@ -118,14 +118,14 @@ def test_a_file_changed_just_before_the_read_is_not_recorded(tmp_path: Path, set
     """Racy: a later write in the same timestamp tick would leave the stat as recorded."""
     m = tmp_path / "m"
     shutil.copytree(settled, m)
-    with plan_rank(m) as rp:
+    with plan_rank(RankSpec(m)) as rp:
         assert rp.facts is None  # every file is seconds old at most
     _settle(m)
     os.utime(m / "config.json")  # one file changed now: still racy
-    with plan_rank(m) as rp:
+    with plan_rank(RankSpec(m)) as rp:
         assert rp.facts is None
     _settle(m)
-    with plan_rank(m) as rp:
+    with plan_rank(RankSpec(m)) as rp:
         assert rp.facts is not None
 
 
@@ -139,7 +139,7 @@ def test_a_file_the_listing_does_not_cover_records_nothing(tmp_path: Path, settl
     index["weight_map"] = {t: ("shard-1.bin" if f == first else f) for t, f in index["weight_map"].items()}
     (m / "model.safetensors.index.json").write_text(json.dumps(index))
     _settle(m)
-    with plan_rank(m) as rp:
+    with plan_rank(RankSpec(m)) as rp:
         assert rp.facts is None and rp.key == _scanned(m)
 
 

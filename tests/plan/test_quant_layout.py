@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integrations.vllm.quant_models import make_quantized
-from wcache.checkpoint import Checkpoint
-from wcache.layout import is_quantized, plan_layout, resolve_dtype, serves_as_stored
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import is_quantized, plan_layout, resolve_dtype, serves_as_stored
 from wcache.transforms import fuse_llama_qkv_gate_up, rank_config, vllm_layout
 
 

@@ -10,14 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from wcache import CheckpointError, ShardingError, WCacheError, WeightCacheKey
-from wcache.checkpoint import Checkpoint
 from wcache.client.mapping import _DTYPES
-from wcache.layout import plan_layout, resolve_dtype
-from wcache.quant import fp8_block_size
-from wcache.rank import plan_rank
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.key import RankSpec
+from wcache.plan.layout import plan_layout, resolve_dtype
+from wcache.plan.quant import fp8_block_size
+from wcache.plan.rank import plan_rank
+from wcache.plan.sharding import LLAMA_PLAN
 from wcache.server.backends.host import HostBackend
 from wcache.server.loader import load_into
-from wcache.sharding import LLAMA_PLAN
 from wcache.synthetic import FP8_TINY, LlamaShape, make_fp8_llama_checkpoint
 from wcache.transforms import fuse_llama_qkv_gate_up
 
@@ -45,7 +46,7 @@ def expected_slice(ref: dict[str, torch.Tensor], name: str, rank: int, tp: int) 
 
 def load_rank(model: Path, rank: int, tp: int) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The rank's tensors as the daemon's loader writes them into a host slab (copied out)."""
-    rp = plan_rank(model, tp_rank=rank, tp_size=tp)
+    rp = plan_rank(RankSpec(model, tp_rank=rank, tp_size=tp))
     slab = HostBackend(staging_bytes=1 << 16).allocate(rp.layout.total_bytes)
     try:
         load_into(rp.layout, slab, threads=2, progress=False)
@@ -73,7 +74,7 @@ def test_fp8_dtypes_end_to_end(tmp_path: Path, fp8: torch.dtype) -> None:
     assert w.dtype == name and w.nbytes == 256 * 256
     assert c.tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == "float32"
     assert _DTYPES[name] is fp8
-    table = plan_rank(model).layout.table()
+    table = plan_rank(RankSpec(model)).layout.table()
     assert name in {e.dtype for e in table}
     config = json.loads((model / "config.json").read_text())["quantization_config"]
     assert config == {
@@ -134,7 +135,7 @@ def test_shards_bit_identical_to_the_expected_slices(fp8_ckpt: Path, tp: int) ->
 def test_shard_not_a_multiple_of_the_block(tmp_path: Path, shape: LlamaShape, tp: int, tensor: str, shard: int) -> None:
     model = make_fp8_llama_checkpoint(tmp_path / "m", shape)
     with pytest.raises(ShardingError, match=rf"{tensor}.*shard of {shard} .*multiple of the FP8 block 128") as info:
-        plan_rank(model, tp_rank=0, tp_size=tp)
+        plan_rank(RankSpec(model, tp_rank=0, tp_size=tp))
     assert info.value.details["block"] == [128, 128] and info.value.details["shard"] == shard
 
 
@@ -147,7 +148,7 @@ def test_partial_edge_blocks_serve_whole_and_refuse_a_split(tmp_path: Path) -> N
     got, _ = load_rank(model, 0, 1)
     assert all(same_bytes(got[n], ref[n]) for n in ref)
     with pytest.raises(ShardingError, match=r"(gate|up|down)_proj.*not a whole number of blocks"):
-        plan_rank(model, tp_rank=1, tp_size=2)
+        plan_rank(RankSpec(model, tp_rank=1, tp_size=2))
 
 
 def _rewrite_config(model: Path, **quant: object) -> None:
@@ -160,13 +161,13 @@ def _rewrite_config(model: Path, **quant: object) -> None:
 def test_missing_or_bad_block_size(tmp_path: Path) -> None:
     model = make_fp8_llama_checkpoint(tmp_path / "m")
     _rewrite_config(model, weight_block_size=None)
-    plan_rank(model)  # as stored at TP=1: nothing to split
+    plan_rank(RankSpec(model))  # as stored at TP=1: nothing to split
     with pytest.raises(ShardingError, match=r"weight_scale_inv.*no quantization_config.weight_block_size"):
-        plan_rank(model, tp_rank=0, tp_size=2)
+        plan_rank(RankSpec(model, tp_rank=0, tp_size=2))
     for bad in ([128], [128, 0], "128x128"):
         _rewrite_config(model, weight_block_size=bad)
         with pytest.raises(CheckpointError, match="weight_block_size"):
-            plan_rank(model, tp_rank=0, tp_size=2)
+            plan_rank(RankSpec(model, tp_rank=0, tp_size=2))
     assert fp8_block_size({"quantization_config": {"quant_method": "awq", "weight_block_size": [1]}}) is None
 
 
@@ -175,7 +176,7 @@ def test_scale_of_the_wrong_shape(tmp_path: Path) -> None:
     model = make_fp8_llama_checkpoint(tmp_path / "m")
     _rewrite_config(model, weight_block_size=[64, 128])
     with pytest.raises(ShardingError, match=r"block scale .*needs \[4, \d\]"):
-        plan_rank(model, tp_rank=0, tp_size=2)
+        plan_rank(RankSpec(model, tp_rank=0, tp_size=2))
 
 
 def test_fused_transform_fuses_scales_by_blocks(fp8_ckpt: Path) -> None:

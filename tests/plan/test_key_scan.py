@@ -1,6 +1,7 @@
-"""The key's header scan (issue 20): ``WeightCacheKey.from_checkpoint`` reads headers the safetensors library
-wrote without building an object per tensor, and gets the key the full parse gets, for every header: those
-the scan reads, and those it hands to the full parse (other writers, escapes, duplicates, bad input)."""
+"""The key's header scan (docs/performance.md, "The restart weight path in a fresh engine"):
+``WeightCacheKey.from_checkpoint`` reads headers the safetensors library wrote without building an object per
+tensor, and gets the key the full parse gets, for every header: those the scan reads, and those it hands to the
+full parse (other writers, escapes, duplicates, bad input)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import torch
 from safetensors.torch import save_file
 
 from wcache import CheckpointError, WeightCacheKey
-from wcache import checkpoint as ckpt_mod
-from wcache.checkpoint import Checkpoint, DtypeBytes
+from wcache.plan import checkpoint as ckpt_mod
+from wcache.plan.checkpoint import Checkpoint, DtypeBytes
+from wcache.plan.key import RankSpec
 
 
 def _full_key(path: Path, **fields: Any) -> WeightCacheKey:
     """The key through the validated, parsed checkpoint (the daemon's way)."""
     with Checkpoint.open(path) as c:
-        return WeightCacheKey.from_checkpoint(path, checkpoint=c, **fields)
+        return WeightCacheKey.from_spec(RankSpec(path, **fields), checkpoint=c)
 
 
 def _scanned(path: Path) -> DtypeBytes | None:

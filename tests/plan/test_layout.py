@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from wcache import CheckpointError, ShardingError, WeightCacheKey
-from wcache.checkpoint import Checkpoint
-from wcache.layout import ALIGN, plan_layout, resolve_dtype
-from wcache.sharding import LLAMA_PLAN, load_plan_file, resolve_plan, shard_tensors
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import ALIGN, plan_layout, resolve_dtype
+from wcache.plan.sharding import LLAMA_PLAN, load_plan_file, resolve_plan, shard_tensors
 
 
 def test_checkpoint_reads_index_and_config(ckpt: Path) -> None:
@@ -123,7 +123,8 @@ def test_missing_directory_and_no_files(tmp_path: Path) -> None:
 
 
 def test_tp2_rank_reads_about_half(tmp_path: Path, ckpt: Path) -> None:
-    """Issue 5: with TP=2 each rank reads <= 55% of the checkpoint's bytes, and gets the right slices."""
+    """With TP=2 each rank reads <= 55% of the checkpoint's bytes (a rank reads its shards, not the whole
+    checkpoint), and gets the right slices."""
     import glob
 
     import torch
@@ -332,11 +333,12 @@ def test_populate_reports_pages_it_cannot_allocate() -> None:
 
 
 def test_one_layout_version() -> None:
-    """LAYOUT_VERSION is defined once, in wcache.key (the key must not import the layout); layout re-exports it.
-    A second definition in layout.py would let keys and layouts disagree on the version silently."""
-    import wcache.key
-    import wcache.layout
+    """LAYOUT_VERSION is defined once, in wcache.plan.key, the key that carries it (the layout sits below the key
+    and an engine imports the key alone). A second definition in layout.py would let keys and layouts disagree on
+    the version silently."""
+    import wcache.plan.key
+    import wcache.plan.layout
 
-    assert wcache.layout.LAYOUT_VERSION is wcache.key.LAYOUT_VERSION
-    assert WeightCacheKey("f", "A", 1, 0, "bfloat16").layout == wcache.key.LAYOUT_VERSION
-    assert "LAYOUT_VERSION =" not in Path(wcache.layout.__file__).read_text()
+    assert not hasattr(wcache.plan.layout, "LAYOUT_VERSION")
+    assert WeightCacheKey("f", "A", 1, 0, "bfloat16").layout == wcache.plan.key.LAYOUT_VERSION
+    assert "LAYOUT_VERSION =" not in Path(wcache.plan.layout.__file__).read_text()

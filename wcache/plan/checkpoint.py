@@ -17,8 +17,9 @@ unreferenced Checkpoint releases them when collected.
 A key needs only the raw headers and the bytes per dtype (:class:`DtypeBytes`), not a validated
 entry per tensor: ``Checkpoint.open(path, tensors=False)`` reads headers written the way the
 safetensors library writes them with one regular-expression scan (``_scan_header``; 50,000 tensors
-in ~15 ms where parsing and validating them took ~300 ms, issue 20) and parses any other header in
-full, so the key is the same either way. Validating every tensor is the loader's job.
+in ~15 ms where parsing and validating them took ~300 ms: docs/performance.md, "The restart weight
+path in a fresh engine") and parses any other header in full, so the key is the same either way.
+Validating every tensor is the loader's job.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 }
 #: Dtypes a checkpoint's tensors can be cast between (the key's ``dtype`` when not "auto").
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
-#: FP8 dtypes (served as stored, never cast: wcache.quant)
+#: FP8 dtypes (served as stored, never cast: wcache.plan.quant)
 FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
-#: a weight's FP8 block-scale tensor ends so (wcache.quant.SCALE_SUFFIX)
+#: a weight's FP8 block-scale tensor ends so (wcache.plan.quant.SCALE_SUFFIX)
 _SCALE_END = ".weight_scale_inv"
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself applies
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,7 +86,7 @@ class TensorInfo:
 @record
 class DtypeBytes:
     """Bytes per dtype over a checkpoint's tensors, in file then header order: all the key's ``dtype`` is
-    resolved from (``wcache.key.resolve_dtype``). Each dict lists dtypes in first-seen order (ties go to the
+    resolved from (``wcache.plan.key.resolve_dtype``). Each dict lists dtypes in first-seen order (ties go to the
     first, as ``Counter.most_common``)."""
 
     #: floating dtype -> bytes of every floating tensor

@@ -1,4 +1,4 @@
-"""Resharding plans (wcache/reshard.py): a target slab built by a plan's copies from source slabs is bit-identical
+"""Resharding plans (wcache/plan/reshard.py): a target slab built by a plan's copies from source slabs is bit-identical
 to the safetensors slices the target's own layout names — for random shapes, shard dimensions and
 tensor-parallel sizes (hypothesis), and for the loader's real slabs of a Llama checkpoint (TP=1 -> TP=2 both
 ranks, TP=2 -> TP=1, three TP=1 sources striped)."""
@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from wcache.checkpoint import Checkpoint
 from wcache.errors import FillError
-from wcache.layout import Layout, plan_layout
-from wcache.reshard import Copy, FillPlan, plan_fill, plan_same
-from wcache.sharding import load_plan_file, resolve_plan
+from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.layout import Layout, plan_layout
+from wcache.plan.reshard import Copy, FillPlan, plan_fill, plan_same
+from wcache.plan.sharding import load_plan_file, resolve_plan
 
 
 def apply(plan: FillPlan, sources: list[bytes]) -> bytes:
@@ -133,7 +133,8 @@ def test_plan_same_stripes_round_robin() -> None:
 
 
 def _loaded(ckpt: Path, tp_rank: int, tp_size: int) -> tuple[Layout, bytes]:
-    from wcache.rank import RankSpec, plan_rank
+    from wcache.plan.key import RankSpec
+    from wcache.plan.rank import plan_rank
     from wcache.server.backends.host import HostBackend
     from wcache.server.load import load_model
 

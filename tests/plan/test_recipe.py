@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from wcache.key import WeightCacheKey
-from wcache.recipe import RecipeKey, key_from_wire
+from wcache.plan.key import WeightCacheKey
+from wcache.plan.recipe import RecipeKey, key_from_wire
 
 BASE = WeightCacheKey("8f3a", "LlamaForCausalLM", 2, 0, "bfloat16")
 
