@@ -6,6 +6,7 @@ never the loader's modules (layout, sharding, recipes, the daemon)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -100,6 +101,26 @@ def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
         "wcache.proto.peer_frames",
         "wcache.proto.fleet_frames",
     } <= set(every)
+    # a submodule a from-import asks the package for is imported alone, not searched for among the frames
+    assert _loaded("from wcache.proto import codec") == [
+        "wcache",
+        "wcache.errors",
+        "wcache.proto",
+        "wcache.proto.codec",
+    ]
+
+
+def test_the_wire_package_exports_every_frame_module_name() -> None:
+    """``wcache.proto``'s names are its modules' ``__all__``, no list of its own: every frame class and part is
+    one, and each name it lists is there."""
+    import wcache.proto
+    from wcache.proto.frames import FRAME_MODULES
+
+    names = set(wcache.proto.__all__)
+    for module in map(importlib.import_module, FRAME_MODULES):
+        assert set(module.__all__) <= names, module.__name__
+    assert {"Connection", "Frame", "FRAME_TYPES", "pack_frame", "decode_frame", "TRANSITIONS"} <= names
+    assert all(getattr(wcache.proto, n) is not None for n in names)
 
 
 def test_errors_stay_importable_by_name() -> None:
