@@ -9,11 +9,13 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.plan.test_rank import plan_file
 from wcache.errors import CheckpointError, FillError
@@ -21,12 +23,14 @@ from wcache.peer_files import MARKER, refuse_stubs, write_files
 from wcache.plan.key import RankSpec
 from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
+from wcache.plan.reshard import DEFAULT_CHUNK, Copy
 from wcache.server.backends.host import HostBackend
-from wcache.server.fill import FillConfig, fill, resolve_peers
+from wcache.server.fill import MIN_GRANT, FillConfig, batches, fill, grant_bytes, resolve_peers
 from wcache.server.load import load_model
 from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
 from wcache.server.peer_auth import PeerSecurity
+from wcache.server.peer_channel import GRANT_SECONDS
 from wcache.server.store import ServedModel, Store
 from wcache.synthetic import TINY, make_llama_checkpoint
 
@@ -242,17 +246,90 @@ async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
             got = await _fill(rp, agent, _cfg(ports, chunk=1 << 20))
             took = time.monotonic() - t0
     got.close()
-    assert took >= size / rate
+    assert took >= size / rate - GRANT_SECONDS  # what an idle cap lends
+
+
+async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) -> None:
+    """What a target READs from a capped source follows the cap over any window of a tenth of a second, though
+    the whole slab is one 64 MiB batch: the grants are a hundredth of a second of the rate each, asked for two
+    ahead, so at most the rate times the window (and the hundredth of a second an idle cap lends) plus two
+    grants lands in it (on main's code the whole slab was READ at once, after one grant that waited for all
+    of it)."""
+    m = _load(ckpt)
+    size, want = m.slabs[0].size, _bytes(m)
+    rate = size * 2  # half a second for the slab
+    window = 0.1
+    grant = grant_bytes(rate, DEFAULT_CHUNK)
+    assert grant < size * window  # many grants per window
+    agent = Agent(f"t-posts-{os.getpid()}-{time.monotonic_ns()}")
+    posts: list[tuple[float, int]] = []
+    agent.on_post = lambda n: posts.append((time.monotonic(), n))
+    try:
+        async with sources(m, max_rate=rate) as ports:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                got = await _fill(rp, agent, _cfg(ports))
+        assert _bytes(got) == want
+        got.close()
+    finally:
+        agent.close()
+    assert sum(n for _, n in posts) == size
+    worst = max(sum(n for t, n in posts if t0 <= t < t0 + window) for t0, _ in posts)
+    assert worst <= rate * (window + GRANT_SECONDS) + 2 * grant, (worst, rate * window)
+
+
+def test_grants_follow_the_cap_and_cost_nothing_uncapped() -> None:
+    assert grant_bytes(0, DEFAULT_CHUNK) == DEFAULT_CHUNK  # uncapped: a 64 MiB batch per PEER_READ, as before
+    assert grant_bytes(10 << 30, DEFAULT_CHUNK) == DEFAULT_CHUNK  # a hundredth of 10 GiB/s is more than a batch
+    assert grant_bytes(1 << 30, DEFAULT_CHUNK) == int((1 << 30) * GRANT_SECONDS)
+    assert grant_bytes(1000, DEFAULT_CHUNK) == MIN_GRANT  # never a round trip per handful of bytes
+    assert grant_bytes(1000, 4096) == 4096
+
+
+_copies = st.lists(
+    st.tuples(st.integers(1, 40), st.integers(1, 8), st.integers(0, 24), st.integers(0, 24)), min_size=1, max_size=6
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(copies=_copies, limit=st.integers(1, 100))
+def test_batches_cover_the_same_bytes_within_their_limit(copies: list[tuple[int, int, int, int]], limit: int) -> None:
+    """Batches of at most ``limit`` bytes, in order, move exactly the bytes of the copies (each target byte from
+    the same source byte); copies already within the limit go whole, as uncapped fills always batch."""
+    plan, src, dst = [], 0, 0
+    for length, count, gap_src, gap_dst in copies:
+        s_stride, d_stride = (length + gap_src, length + gap_dst) if count > 1 else (0, 0)
+        plan.append(Copy(0, src, dst, length, count, s_stride, d_stride))
+        src += length + count * (length + gap_src)
+        dst += length + count * (length + gap_dst)
+    out = batches(plan, limit)
+    assert all(0 < sum(c.nbytes for c in b) <= limit for b in out)
+    assert _moves([c for b in out for c in b]) == _moves(plan)
+    if all(c.nbytes <= limit for c in plan):
+        assert [c for b in out for c in b] == plan
+
+
+def _moves(copies: Sequence[Copy]) -> dict[int, int]:
+    """target byte -> source byte of every run of ``copies``."""
+    out: dict[int, int] = {}
+    for c in copies:
+        for i in range(c.count):
+            for j in range(c.length):
+                assert c.dst + i * c.dst_stride + j not in out  # no byte twice
+                out[c.dst + i * c.dst_stride + j] = c.src + i * c.src_stride + j
+    return out
 
 
 def test_rate_cap_books_grants_on_a_virtual_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr("wcache.server.peer.time.monotonic", lambda: now[0])
-    cap = RateCap(1000)
-    assert cap.delay(500) == pytest.approx(0.5)  # even the first grant waits for its bytes
-    assert cap.delay(500) == pytest.approx(1.0)  # behind the first
-    now[0] += 5.0  # idle: no debt carried, no credit saved up
-    assert cap.delay(1000) == pytest.approx(1.0)
+    cap = RateCap(1000, burst=0.1)
+    assert cap.delay(500) == pytest.approx(0.4)  # even the first grant waits for its bytes, less what idle lends
+    assert cap.delay(500) == pytest.approx(0.9)  # behind the first
+    now[0] += 5.0  # idle: no debt carried, no more than ``burst`` lent
+    assert cap.delay(1000) == pytest.approx(0.9)
+    now[0] += 1.0 - 0.05  # the next grant asked for late, by less than ``burst``: the lag is made up
+    assert cap.delay(50) == pytest.approx(0.0)
+    assert cap.delay(50) == pytest.approx(0.05)
     assert RateCap(0).delay(1 << 40) == 0.0
 
 

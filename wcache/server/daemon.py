@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -67,9 +68,10 @@ from wcache.server.listen import bind_private_socket
 from wcache.server.metrics import Metrics, serve_metrics
 from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, Shell, raise_nofile, stop_on_signals
 from wcache.server.store import ServedModel, Store, split_descriptors
-from wcache.server.tier import HostTier, TierEntry
+from wcache.server.tier import HostTier, TierEntry, tier_holds
 
 if TYPE_CHECKING:
+    from wcache.server.fill import Filled, PeerFill
     from wcache.server.peer import PeerListener
 
 __all__ = ["Daemon"]
@@ -119,10 +121,13 @@ class Daemon:
         tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
         handoff_timeout: float = 10.0,
         peers: PeerListener | None = None,
+        peer_fill: PeerFill | None = None,
     ) -> None:
         self.store = store
         #: --peer-listen: the peer channel (docs/fleet.md), served by a shell of its own beside this one
         self.peers = peers
+        #: --fill-from: PRELOAD, a load on demand and a recipe key asked for try the peers first (docs/fleet.md)
+        self.peer_fill = peer_fill
         self.socket_path = Path(socket_path)
         self.software = software
         limits = limits or ConnectionLimits()
@@ -534,11 +539,13 @@ class Daemon:
                 await self.keeper.unkeep(m)
 
     async def _restore_deposit(self, req: GetState, pid: int) -> bool:
-        """A deposit evicted (or lost with a restart) whose host-tier entry has the requested recipe key:
-        fill a slab from the entry and serve it again (origin "tier"). True if it is served now."""
-        if self.tier is None or self.tier_restore is None:
+        """A recipe key this daemon does not serve (a deposit evicted, lost with a restart, or made on another
+        node): filled from the peers that serve it (--fill-from, origin "peer ADDR"), else from a host-tier entry
+        of it (origin "tier"). True if it is served now; one fill at a time, so concurrent requests for the key
+        share it."""
+        tier, restore, filler = self.tier, self.tier_restore, self.peer_fill
+        if (tier is None or restore is None) and filler is None:
             return False
-        tier, restore = self.tier, self.tier_restore
         try:
             key = key_from_wire(dict(req.key))
         except (TypeError, ValueError):
@@ -547,11 +554,16 @@ class Daemon:
             if key in self.store.models:
                 return True
             since = self.store.generations.get(key)  # a deposit committed here since: only its generation
-            entry = await asyncio.to_thread(tier.lookup, key, generation=since)
-            if entry is None:
-                return False
-            await self._evicted(self.store.make_room(entry.size), "tier-restore")
-            model = await asyncio.to_thread(restore, entry, key)
+            model: ServedModel | None = None
+            if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
+                entry = await asyncio.to_thread(tier.lookup, key, generation=since)
+                if entry is not None:
+                    await self._evicted(self.store.make_room(entry.size), "tier-restore")
+                    model = await asyncio.to_thread(restore, entry, key)
+            if model is None and filler is not None:
+                model = await self._filled(functools.partial(filler.key, key, self._room_from_thread(), "not served"))
+                if model is not None and model.source is None:
+                    model.source = self.store.source_for(key.to_wire())
             if model is None:
                 return False
             if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
@@ -562,15 +574,35 @@ class Daemon:
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(
-            "deposit restored from host tier %s pid=%d key=%s tensors=%d bytes=%d seconds=%.2f",
+            "deposit restored %s pid=%d key=%s origin=%s tensors=%d bytes=%d seconds=%.2f",
             self._tag,
             pid,
             key.short(),
+            model.origin,
             len(model.table),
             model.slab_bytes,
             model.stats.seconds,
         )
         return True
+
+    async def _filled(self, call: Callable[[], Filled]) -> ServedModel | None:
+        """One ``PeerFill`` call in a worker thread (the fill runs its own loop there: this one serves on), its
+        outcome counted in the metrics."""
+        filled = await asyncio.to_thread(call)
+        self.metrics.observe_fill(*filled.outcome)
+        return filled.model
+
+    def _room_from_thread(self) -> Callable[[int], None]:
+        """``make_room`` for a fill in a worker thread: run on this loop (the store is the loop's), waited for."""
+        loop = asyncio.get_running_loop()
+
+        async def room(nbytes: int) -> None:
+            await self._evicted(self.store.make_room(nbytes), "peer-fill")
+
+        def call(nbytes: int) -> None:
+            asyncio.run_coroutine_threadsafe(room(nbytes), loop).result(60.0)
+
+        return call
 
     def _save_to_tier(self, model: ServedModel) -> None:
         """Copy a committed deposit into the host tier in the background (serving goes on meanwhile)."""
@@ -603,7 +635,8 @@ class Daemon:
 
     async def _preload(self, spec: RankSpec, rid: int, pid: int) -> Preloaded:
         """Load a model in a worker thread (the daemon keeps serving), after making room for it. The rank
-        is planned once: that plan's key answers "already held", its layout the budget, and it is loaded."""
+        is planned once: that plan's key answers "already held", its layout the budget, and it is filled from
+        the peers (--fill-from) or loaded. One at a time: a second request for the key finds it held."""
         if self.loader is None:
             raise NotFoundError("this daemon was started without a loader for PRELOAD")
         loader = self.loader
@@ -617,15 +650,21 @@ class Daemon:
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
                 evicted = self.store.make_room(rp.layout.total_bytes)
                 await self._evicted(evicted, "preload")
-                model = await asyncio.to_thread(loader, rp)
+                model = None
+                # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
+                if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
+                    model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
+                if model is None:
+                    model = await asyncio.to_thread(loader, rp)
             self.store.add(model)
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(
-            "preloaded %s pid=%d key=%s tensors=%d bytes=%d load_s=%.2f resident=%d models=%d",
+            "preloaded %s pid=%d key=%s origin=%s tensors=%d bytes=%d load_s=%.2f resident=%d models=%d",
             self._tag,
             pid,
             model.key.short(),
+            model.origin,
             len(model.table),
             model.slab_bytes,
             model.stats.seconds,

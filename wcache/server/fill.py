@@ -3,7 +3,9 @@ bytes to READ from which (wcache/plan/reshard.py), READ them with NIXL straight 
 raise FillError, having freed the half-filled slab and released everything it held.
 
 Nothing here serves: ``fill`` returns a ``ServedModel`` the daemon adds to its store like a loaded one (origin
-``peer ADDR[,ADDR]``), or the FillError whose reason the daemon logs before it loads from disk.
+``peer ADDR[ +N]``), or the FillError whose reason the daemon logs before it loads from disk. ``PeerFill`` is
+what a daemon started with ``--fill-from`` calls, at start and on demand (PRELOAD, a load on demand, a GET_STATE
+of a recipe key it does not hold): one blocking fill per call, on an event loop and a NIXL agent of its own.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from wcache.errors import (
     FillError,
     LimitExceededError,
     NotFoundError,
+    OutOfMemoryError,
     PermissionDeniedError,
     ProtocolError,
     WCacheError,
@@ -40,16 +43,41 @@ from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats
 from wcache.server.nixl import Agent, Transfer
 from wcache.server.peer_auth import PeerSecurity
-from wcache.server.peer_channel import StreamChannel, connect_peer, parse_address
+from wcache.server.peer_channel import GRANT_SECONDS, StreamChannel, connect_peer, parse_address
 from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
-__all__ = ["FillConfig", "check_sampled_blocks", "fetch_files", "fill", "resolve_peers"]
+__all__ = [
+    "MIN_GRANT",
+    "FillConfig",
+    "Filled",
+    "PeerFill",
+    "batches",
+    "check_sampled_blocks",
+    "fetch_files",
+    "fill",
+    "grant_bytes",
+    "resolve_peers",
+]
 
 log = logging.getLogger("wcache.fleet")
 
 #: dim-1 shards go as NIXL's strided lists (benchmarks/fleet_fill_bench.py, "strided"; docs/fleet.md)
 STRIDED = True
+
+#: a capped source (PEER_OFFER's ``max_rate``) is asked for GRANT_SECONDS of its rate per PEER_READ, never less
+#: than this many bytes: what the target READs then follows the cap at that grain, not in bursts of a whole
+#: batch (docs/fleet.md, "Bandwidth policy")
+MIN_GRANT = 64 << 10
+#: grants a target has asked for and not yet used, per source (``_pull``)
+AHEAD = 2
+
+
+def grant_bytes(max_rate: int, chunk: int) -> int:
+    """Bytes per PEER_READ from a source whose cap is ``max_rate`` bytes/s (0: none, ``chunk``, a batch)."""
+    if max_rate <= 0:
+        return chunk
+    return max(1, min(chunk, max(MIN_GRANT, int(max_rate * GRANT_SECONDS))))
 
 
 def resolve_peers(spec: str) -> list[tuple[str, int]]:
@@ -105,6 +133,8 @@ def _reason(exc: BaseException) -> str:
         return "auth"
     if isinstance(exc, NotFoundError):
         return "not-found"
+    if isinstance(exc, OutOfMemoryError):
+        return "room"
     if isinstance(exc, LimitExceededError | ProtocolError):
         return "refused"
     if isinstance(exc, TimeoutError):
@@ -147,11 +177,14 @@ async def fill(
     backend: Backend,
     agent: Agent,
     cfg: FillConfig,
+    *,
+    room: Callable[[int], None] | None = None,
 ) -> ServedModel:
     """Fill a slab for ``key`` from the peers in ``cfg``. ``rp``: the key's rank planned from its checkpoint (local
     files or peer stubs), whose planner gives the layouts of the offered slabs to reshard from; or None for a
     same-layout fill (a deposit's recipe key, a transformed layout): the offered slab is then copied byte for byte
-    with its table. FillError on any failure, with nothing left allocated or held."""
+    with its table. ``room``: called with the slab's size before it is allocated (a same-layout fill learns it
+    from the offer), to make room or raise. FillError on any failure, with nothing left allocated or held."""
     layout, ckpt = (rp.layout, rp.checkpoint) if rp is not None else (None, None)
     t0 = time.perf_counter()
     if not cfg.peers:
@@ -200,6 +233,11 @@ async def fill(
         else:
             total = layout.total_bytes
             plan = plan_fill(layout, [u[2] for u in usable if u[2] is not None], chunk=cfg.chunk)
+        if room is not None:
+            try:
+                room(total)
+            except WCacheError as exc:
+                raise FillError(f"no room for {total} bytes: {exc.message}", details={"reason": "room"}) from exc
         slab = backend.allocate(total)
         region = slab.region()
         reg = agent.register(region)
@@ -213,7 +251,9 @@ async def fill(
                 assert s.offer is not None
                 s.agent_name = agent.add_peer(s.offer.agent)
             remote = MemoryRegion(m.address, m.size, m.memory, m.device)
-            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, cfg.chunk, deadline))
+            assert s.offer is not None
+            grant = grant_bytes(s.offer.max_rate, cfg.chunk)
+            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, grant, deadline))
         done = await _all_or_none(jobs)
         agent.deregister(reg)
         reg = None
@@ -265,6 +305,96 @@ async def fill(
         if slab is not None:
             slab.close()  # never a half-filled slab served
         await _release(sources)
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What one ``PeerFill`` call gave: the model, or None and the FillError's reason (already logged)."""
+
+    model: ServedModel | None
+    reason: str = ""
+
+    @property
+    def outcome(self) -> tuple[str, int, float]:
+        """(reason, bytes, seconds): ``Metrics.observe_fill``'s arguments."""
+        if self.model is None:
+            return self.reason, 0, 0.0
+        return "", self.model.stats.bytes_read, self.model.stats.seconds
+
+
+def _agent_name() -> str:
+    return f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+class PeerFill:
+    """``--fill-from``: a daemon's fills from its peers, at start and on demand (docs/fleet.md, "When a daemon
+    fills"). Each call is one blocking fill — its own event loop and NIXL agent, in the calling thread (the
+    daemon calls it in a worker thread, so its own loop serves on) — and never raises for a fill that failed:
+    it logs one line naming the key, the peers and the reason, followed by ``then`` (what the caller does
+    next), and returns the reason. ``spec``: the ``--fill-from`` text; a ``dns:NAME:PORT`` one is resolved
+    again for every fill, so a daemon asks the peers a headless Service lists now, not those it listed when
+    the daemon started (a fleet grows)."""
+
+    def __init__(
+        self, cfg: FillConfig, backend: Backend, *, spec: str = "", agent_name: Callable[[], str] = _agent_name
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.spec = spec
+        self._agent_name = agent_name
+
+    @property
+    def peers(self) -> str:
+        """The peers the last fill asked (or will ask, before the first)."""
+        return ",".join(f"{h}:{p}" for h, p in self.cfg.peers)
+
+    def _config(self) -> FillConfig:
+        if self.spec.startswith("dns:"):
+            self.cfg = replace(self.cfg, peers=tuple(resolve_peers(self.spec)))
+        return self.cfg
+
+    def rank(self, rp: RankPlan, then: str = "loading from disk") -> Filled:
+        """The rank ``rp`` plans: resharded from any layout the peers hold (an untransformed key, planned and
+        verified from ``rp``'s headers), or byte for byte from a slab under exactly its key (a load-time
+        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make."""
+        filled = self._run(rp.key, None if rp.spec.transform else rp, None, then)
+        if filled.model is not None:
+            filled.model.source = rp.spec.checkpoint
+            filled.model.facts = rp.facts  # its local files give its key, as for a disk load (§4.3.1)
+        return filled
+
+    def key(self, key: WeightCacheKey, room: Callable[[int], None], then: str) -> Filled:
+        """A slab served under exactly ``key`` (a deposit's recipe key), copied byte for byte with its table;
+        ``room(size)`` once the offer says how large it is, before it is allocated."""
+        return self._run(key, None, room, then)
+
+    def _run(
+        self,
+        key: WeightCacheKey,
+        rp: RankPlan | None,
+        room: Callable[[int], None] | None,
+        then: str,
+    ) -> Filled:
+        agent: Agent | None = None
+        cfg = self._config()
+        try:
+            agent = Agent(self._agent_name())
+            coro = fill(key, rp, self.backend, agent, cfg, room=room)
+            return Filled(asyncio.run(coro))
+        except FillError as exc:
+            reason = str(exc.details.get("reason", "fill"))
+            log.warning(
+                "fill failed key=%s peers=%s reason=%s: %s; %s",
+                key.short(),
+                self.peers or "-",
+                reason,
+                exc.message,
+                then,
+            )
+            return Filled(None, reason)
+        finally:
+            if agent is not None:
+                agent.close()
 
 
 async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) -> list[str]:
@@ -330,21 +460,33 @@ async def _pull(
     copies: list[Copy],
     local: MemoryRegion,
     remote: MemoryRegion,
-    chunk: int,
+    grant: int,
     deadline: float,
 ) -> int:
-    """READ ``copies`` from one source in batches of about ``chunk`` bytes, each granted first (PEER_READ). The
-    next batch is granted and posted while the one before is in flight (two at a time), so neither the grant's
-    round trip nor the posting leaves the link idle."""
+    """READ ``copies`` from one source in batches of at most ``grant`` bytes (``grant_bytes``: a 64 MiB batch
+    from an uncapped source, a hundredth of a second of its rate from a capped one), each granted first
+    (PEER_READ). Grants are asked for AHEAD batches ahead, each once the batch AHEAD before it is posted, so the
+    source has the next request in hand when it answers one (a capped source's grants follow one another at
+    its rate, whatever this side's round trip); and a batch's READ is in flight while the next is posted (two
+    at a time), so neither the grants' round trips nor the posting leaves the link idle."""
+    from wcache.channel import expect
+
+    todo = batches(copies, grant)
     done = 0
     inflight: list[Transfer] = []
+
+    async def ask(k: int) -> None:
+        rid = src.ch.conn.next_request_id()
+        await src.ch.send(PeerRead(id=rid, lease=lease, bytes=sum(c.nbytes for c in todo[k])))
+
     try:
-        for batch in _batches(copies, chunk):
-            n = sum(c.nbytes for c in batch)
+        for k in range(min(AHEAD, len(todo))):
+            await ask(k)
+        for k, batch in enumerate(todo):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
-            ok = await _request(src, PeerRead(id=src.ch.conn.next_request_id(), lease=lease, bytes=n), left)
+            ok, _ = await asyncio.wait_for(expect(src.ch), left)  # the grant of batch k (answered in order)
             assert isinstance(ok, PeerReadOk)
             assert src.agent_name is not None
             for part, strided in (
@@ -355,9 +497,11 @@ async def _pull(
                     inflight.append(
                         agent.start_read(src.agent_name, part, local, remote, deadline=deadline, strided=strided)
                     )
+            if k + AHEAD < len(todo):  # after the post: what is READ never runs ahead of the grants (above)
+                await ask(k + AHEAD)
             while len(inflight) > 2:
                 await _landed(inflight.pop(0))
-            done += n
+            done += sum(c.nbytes for c in batch)
         while inflight:
             await _landed(inflight.pop(0))
     finally:
@@ -377,16 +521,47 @@ async def _landed(t: Transfer) -> None:
         t.release()
 
 
-def _batches(copies: list[Copy], chunk: int) -> list[list[Copy]]:
+def batches(copies: Sequence[Copy], limit: int) -> list[list[Copy]]:
+    """``copies`` in order, in batches of at most ``limit`` bytes; a copy larger than ``limit`` is split: a range
+    into ranges, a strided copy into whole rows (a row larger than ``limit`` into ranges). The batches cover
+    exactly the bytes of ``copies``."""
+    if limit < 1:
+        raise ValueError(f"a batch holds at least one byte, not {limit}")
     out: list[list[Copy]] = [[]]
     n = 0
     for c in copies:
-        if out[-1] and n + c.nbytes > chunk:
-            out.append([])
-            n = 0
-        out[-1].append(c)
-        n += c.nbytes
+        for piece in _split(c, limit):
+            if out[-1] and n + piece.nbytes > limit:
+                out.append([])
+                n = 0
+            out[-1].append(piece)
+            n += piece.nbytes
     return [b for b in out if b]
+
+
+def _split(c: Copy, limit: int) -> Iterator[Copy]:
+    if c.nbytes <= limit:
+        yield c
+        return
+    if c.count > 1 and c.length <= limit:
+        step = limit // c.length
+        for i in range(0, c.count, step):
+            k = min(step, c.count - i)
+            strided = k > 1
+            yield Copy(
+                c.source,
+                c.src + i * c.src_stride,
+                c.dst + i * c.dst_stride,
+                c.length,
+                k,
+                c.src_stride if strided else 0,
+                c.dst_stride if strided else 0,
+            )
+        return
+    for i in range(c.count):
+        src, dst = c.src + i * c.src_stride, c.dst + i * c.dst_stride
+        for off in range(0, c.length, limit):
+            yield Copy(c.source, src + off, dst + off, min(limit, c.length - off))
 
 
 async def _release(sources: list[_Source]) -> None:

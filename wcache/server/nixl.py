@@ -20,7 +20,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -99,6 +99,9 @@ class Agent:
         if "UCX" not in self._agent.backends:
             raise FillError(f"NIXL agent {name}: no UCX backend in this NIXL build", details={"reason": "nixl"})
         self._peers: set[str] = set()
+        #: called with each READ's bytes just before it is prepared and posted (what a test or a benchmark
+        #: observes of the READ timeline: docs/fleet.md, "Bandwidth policy")
+        self.on_post: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ memory
     def register(self, region: MemoryRegion) -> Registration:
@@ -177,6 +180,8 @@ class Agent:
         blocks = copies
         if time.monotonic() > deadline:
             raise _late(peer, nbytes)
+        if self.on_post is not None:
+            self.on_post(nbytes)
         t0 = time.perf_counter()
         handle, prepped, n = self._request(peer, blocks, local, remote, strided)
         t = Transfer(self, peer, handle, prepped, nbytes, n, deadline, t0)

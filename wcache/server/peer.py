@@ -45,7 +45,7 @@ from wcache.proto.frames import Frame
 from wcache.server.metrics import Metrics
 from wcache.server.nixl import Agent, Registration
 from wcache.server.peer_auth import PeerSecurity, SecretServer
-from wcache.server.peer_channel import StreamChannel
+from wcache.server.peer_channel import GRANT_SECONDS, StreamChannel
 from wcache.server.service import ConnectionLimits, PeerIdentity, Refusal, Shell
 from wcache.server.store import ServedModel, Store
 
@@ -87,10 +87,14 @@ def fills_key(served: _Key, wanted: dict[str, str | int]) -> bool:
 class RateCap:
     """``rate`` bytes per second over every grant (0: none). A virtual clock: a grant of ``n`` bytes is answered
     once the bytes granted before it and these ``n`` are paid for at ``rate``, so what the targets READ after
-    their grants never runs ahead of the cap, the first grant included."""
+    their grants never runs ahead of the cap. An idle cap lends at most ``burst`` seconds of its rate (a late
+    wake-up, or a target's turnaround between two grants, is made up rather than lost): over any window, what
+    is answered is at most the rate times (the window + ``burst``) plus one grant (docs/fleet.md, "Bandwidth
+    policy", for what the targets then READ)."""
 
-    def __init__(self, rate: int) -> None:
+    def __init__(self, rate: int, burst: float = GRANT_SECONDS) -> None:
         self.rate = rate
+        self.burst = burst
         self._free = 0.0  # time.monotonic() at which the bytes granted so far are paid for
 
     def delay(self, n: int) -> float:
@@ -98,8 +102,8 @@ class RateCap:
         if self.rate <= 0:
             return 0.0
         now = time.monotonic()
-        self._free = max(now, self._free) + n / self.rate
-        return self._free - now
+        self._free = max(now - self.burst, self._free) + n / self.rate
+        return max(0.0, self._free - now)
 
 
 @dataclass

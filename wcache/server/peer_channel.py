@@ -22,9 +22,14 @@ from wcache.proto import PROTOCOL_VERSION, Connection, Hello, HelloOk, Role, Ser
 from wcache.proto.fleet_frames import PeerAuthOk, PeerChallenge
 from wcache.server.peer_auth import PeerSecurity, SecretClient
 
-__all__ = ["StreamChannel", "connect_peer", "parse_address"]
+__all__ = ["GRANT_SECONDS", "StreamChannel", "connect_peer", "parse_address"]
 
 RECV_SIZE = 1 << 18
+
+#: the grain of a source's rate cap (docs/fleet.md, "Bandwidth policy"): a target asks a capped source for at
+#: most this many seconds of its ``max_rate`` per PEER_READ, and the source's cap lends at most as much to a
+#: grant answered or asked for late, so the cap is reached and never exceeded by more than that over any window
+GRANT_SECONDS = 0.01
 
 
 class StreamChannel(Channel):

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from wcache.plan.rank import RankPlan
     from wcache.proto import HandedModel
     from wcache.server.backends.base import Slab
-    from wcache.server.fill import FillConfig
+    from wcache.server.fill import FillConfig, PeerFill
     from wcache.server.keeper_link import KeeperLink
     from wcache.server.metrics import Metrics
     from wcache.server.peer import PeerListener
@@ -50,6 +50,7 @@ __all__ = [
     "fetch_checkpoint_files",
     "fill_from_peers",
     "make_backend",
+    "peer_fill",
     "pytorch_bin_hint",
     "rank_spec",
     "reclaim",
@@ -401,43 +402,26 @@ def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
         ) from exc
 
 
+def peer_fill(args: argparse.Namespace, backend: Backend) -> PeerFill:
+    """--fill-from: what fills this daemon's slabs from its peers, at start and on demand (wcache/server/fill.py)."""
+    from wcache.server.fill import PeerFill
+
+    return PeerFill(_fill_config(args), backend, spec=args.fill_from)
+
+
 def fill_from_peers(
-    args: argparse.Namespace, rp: RankPlan, backend: Backend, outcomes: list[tuple[str, int, float]]
+    args: argparse.Namespace, rp: RankPlan, filler: PeerFill, outcomes: list[tuple[str, int, float]]
 ) -> ServedModel | None:
-    """--fill-from: the rank's slab from the peers (wcache/server/fill.py), or None — after one log line naming
-    the reason — for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
-    import asyncio
-
-    from wcache.errors import FillError
-    from wcache.server.fill import fill
-    from wcache.server.nixl import Agent
-
+    """--fill-from at start: the rank's slab from the peers, or None — after one log line naming the reason —
+    for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
     if args.fill_fingerprint and rp.key.fingerprint != args.fill_fingerprint:
         raise CheckpointError(
             f"{rp.spec.checkpoint}: its key's fingerprint is {rp.key.fingerprint}, not --fill-fingerprint "
             f"{args.fill_fingerprint}: refusing to serve another checkpoint"
         )
-    cfg = _fill_config(args)
-    agent: Agent | None = None
-    try:
-        agent = Agent(f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
-        model = asyncio.run(fill(rp.key, rp, backend, agent, cfg))
-        model.facts = rp.facts  # its local files give its key, as for a disk load: engines may prove them (§4.3.1)
-        outcomes.append(("", model.stats.bytes_read, model.stats.seconds))
-        return model
-    except FillError as exc:
-        outcomes.append((str(exc.details.get("reason", "fill")), 0, 0.0))
-        log.warning(
-            "fill failed key=%s peers=%s reason=%s: %s; loading from disk",
-            rp.key.short(),
-            ",".join(f"{h}:{p}" for h, p in cfg.peers) or args.fill_from,
-            exc.details.get("reason", "fill"),
-            exc.message,
-        )
-        return None
-    finally:
-        if agent is not None:
-            agent.close()
+    filled = filler.rank(rp, "loading from disk")
+    outcomes.append(filled.outcome)
+    return filled.model
 
 
 def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> PeerListener:
@@ -528,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
                 reclaimed = handed = reclaim(link, backend, args.shard_plan)
         store = Store(backend, handed, budget=args.memory_budget or None)
+        filler = peer_fill(args, backend) if args.fill_from is not None else None
         fill_outcomes: list[tuple[str, int, float]] = []  # (reason or "", bytes, seconds) of each fill: metrics
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
@@ -545,9 +530,8 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        filled = (
-                            fill_from_peers(args, rp, backend, fill_outcomes) if args.fill_from is not None else None
-                        )
+                        local = tier is not None and tier.lookup(rp.key) is not None  # the host tier before the peers
+                        filled = None if filler is None or local else fill_from_peers(args, rp, filler, fill_outcomes)
                         store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
@@ -576,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
                 keeper=link,
                 keeper_check=args.keeper_check,
                 tier_restore=restorer(tier, store, backend, args) if tier is not None else None,
+                peer_fill=filler,
             )
             for reason, nbytes, seconds in fill_outcomes:
                 daemon.metrics.observe_fill(reason, nbytes, seconds)

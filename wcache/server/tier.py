@@ -138,6 +138,12 @@ class TierEntry:
     inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the slab file verified at lookup: the restore reads that
 
 
+def tier_holds(tier: HostTier | None, key: WeightCacheKey) -> bool:
+    """Whether ``tier`` has a whole entry of ``key``: this node's own, checked copy, refilled from before any peer
+    is asked (docs/fleet.md, "When a daemon fills")."""
+    return tier is not None and tier.lookup(key) is not None
+
+
 def _open_own(path: Path) -> int | None:
     """A read-only descriptor of ``path`` if it is a file as the daemon writes entries: regular (not a symlink:
     ``O_NOFOLLOW``), of this uid, mode 0600 or stricter, one link. None if absent; _Foreign otherwise. Never
