@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 
+import wcache
 from wcache.errors import (
     ERROR_CLASSES,
     CheckpointError,
@@ -15,6 +17,7 @@ from wcache.errors import (
     InsecurePathError,
     InternalError,
     LocalProtocolError,
+    NotFoundError,
     ProtocolError,
     RemoteProtocolError,
     ShardingError,
@@ -36,6 +39,20 @@ def test_local_and_remote_protocol_errors_are_siblings() -> None:
         assert issubclass(cls, RemoteProtocolError)
 
 
+def test_every_protocol_break_wcache_detects_says_whose_fault_it_is() -> None:
+    """No module raises (or builds) the bare ProtocolError: what the peer sent is a RemoteProtocolError, what we
+    tried to send a LocalProtocolError; the base class is only what a received PROTOCOL_ERROR verdict becomes
+    (``error_from_frame``, through ERROR_CLASSES), so that the server shell knows whose fault each one is."""
+    root = Path(wcache.__file__).parent
+    bare = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "ProtocolError"
+    ]
+    assert bare == []
+
+
 def test_a_local_protocol_error_is_never_sent_as_protocol_error() -> None:
     """Even a handler that converts it blindly tells the peer INTERNAL (our bug), not PROTOCOL_ERROR."""
     frame = ErrorFrame.from_exception(LocalProtocolError("STATE frame not allowed in phase HANDSHAKE"), 7, fatal=True)
@@ -49,6 +66,27 @@ def test_every_sent_code_maps_to_its_class_and_back() -> None:
         assert cls.code is code
         err = error_from_frame(int(code), "m", {"k": 1})
         assert type(err) is cls and err.details == {"k": 1}
+
+
+def test_each_code_is_declared_by_one_class() -> None:
+    """ERROR_CLASSES is what the classes declare in their class statements (``code=``): a second class claiming a
+    code is refused when it is defined; one that borrows a code (``sent_as=``) or inherits one does not displace
+    the class a received ERROR of that code is raised as."""
+    with pytest.raises(TypeError, match="code NOT_FOUND is NotFoundError's"):
+
+        class Again(WCacheError, code="NOT_FOUND"):
+            pass
+
+    class Borrowed(WCacheError, sent_as="NOT_FOUND"):
+        pass
+
+    class Inherited(NotFoundError):
+        pass
+
+    assert Borrowed.code is Inherited.code is ErrorCode.NOT_FOUND
+    assert ERROR_CLASSES[ErrorCode.NOT_FOUND] is NotFoundError
+    assert type(error_from_frame(int(ErrorCode.NOT_FOUND), "m", {})) is NotFoundError
+    assert LocalProtocolError.code is ErrorCode.INTERNAL and ERROR_CLASSES[ErrorCode.INTERNAL] is InternalError
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wcache.errors import CacheUnavailableError, FrameTooLargeError, ProtocolError, error_from_frame
+from wcache.errors import (
+    CacheUnavailableError,
+    FrameTooLargeError,
+    RemoteProtocolError,
+    error_from_frame,
+)
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_HANDSHAKE_FRAME
 from wcache.proto.connection import PROTOCOL_VERSION, Connection, Misdirected, Role, Service
 from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk
@@ -285,7 +290,7 @@ class Channel:
                 fds.extend(arr)
         if flags & socket.MSG_CTRUNC:
             close_fds(fds)
-            raise ProtocolError("file descriptors were truncated in transit")
+            raise RemoteProtocolError("file descriptors were truncated in transit")
         if target is None:
             self.conn.receive_data(data, fds)
         elif n:
@@ -340,7 +345,7 @@ class Channel:
 
         ``frame_timeout``: once part of a frame has arrived, the rest must arrive within
         this many seconds (TimeoutError otherwise) — a peer cannot hold a half-sent frame.
-        Raises ProtocolError on bad input and EOFError when the peer closed cleanly
+        Raises RemoteProtocolError on bad input and EOFError when the peer closed cleanly
         between frames.
         """
         partial_since: float | None = None

@@ -1,8 +1,9 @@
 """The one exception tree of wcache, and the error codes carried by ERROR frames.
 
 Every error wcache raises on purpose derives from :class:`WCacheError`. Errors that
-travel in ERROR frames carry an :class:`ErrorCode`; each code maps to exactly one
-class (``ERROR_CLASSES``), so a client re-raises the daemon's error as the same type.
+travel in ERROR frames carry an :class:`ErrorCode`; each code is declared by exactly one
+class (``code=`` in its class statement, from which ``ERROR_CLASSES`` is derived), so a client re-raises the
+daemon's error as the same type.
 
 ::
 
@@ -113,14 +114,35 @@ class _Code:
         return ErrorCode[self.name]
 
 
+#: ErrorCode name -> the class a received ERROR of that code is raised as (each class's ``code=``, in
+#: ``WCacheError.__init_subclass__``)
+_RAISED_AS: dict[str, type[WCacheError]] = {}
+
+
 class WCacheError(Exception):
     """Root of every error wcache raises on purpose.
 
     ``details`` is a JSON/msgpack-friendly map with structured facts (e.g. the
     mismatched key fields); it travels in ERROR frames unchanged.
+
+    A subclass declares its code in its class statement: ``code="NOT_FOUND"`` makes it the class an ERROR of
+    that code is raised as (``ERROR_CLASSES``, one class per code); ``sent_as="INTERNAL"`` gives it a code
+    without that (``LocalProtocolError``: a received INTERNAL is the daemon's ``InternalError``). A subclass
+    that declares neither has its base's code.
     """
 
     code = _Code("INTERNAL")
+
+    def __init_subclass__(cls, *, code: str = "", sent_as: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code and sent_as:
+            raise TypeError(f"{cls.__qualname__}: declare code= or sent_as=, not both")
+        if code or sent_as:
+            type.__setattr__(cls, "code", _Code(code or sent_as))
+        if code:
+            holder = _RAISED_AS.setdefault(code, cls)
+            if holder is not cls:
+                raise TypeError(f"{cls.__qualname__}: code {code} is {holder.__qualname__}'s (one class per code)")
 
     def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -128,22 +150,18 @@ class WCacheError(Exception):
         self.details: dict[str, Any] = dict(details or {})
 
 
-class ProtocolError(WCacheError):
+class ProtocolError(WCacheError, code="PROTOCOL_ERROR"):
     """A break of the wire contract: catch this for either side's. Raise one of its two subclasses —
     ``RemoteProtocolError`` (the peer's input) or ``LocalProtocolError`` (our own frame) — so the handler
     knows whose fault it is. A received ERROR frame with code ``PROTOCOL_ERROR`` (the peer's verdict on
     our frames) is raised as this class; engines fall back to disk on it (``except WCacheError``)."""
 
-    code = _Code("PROTOCOL_ERROR")
 
-
-class LocalProtocolError(ProtocolError):
+class LocalProtocolError(ProtocolError, sent_as="INTERNAL"):
     """We tried to send a frame the protocol does not allow in this state (a bug in the caller).
 
     Never sent as ``PROTOCOL_ERROR``: the peer did nothing wrong. Its ``code`` is ``INTERNAL``, so even a
     handler that converts it to an ERROR frame tells the peer the truth."""
-
-    code = _Code("INTERNAL")
 
 
 class RemoteProtocolError(ProtocolError):
@@ -151,10 +169,8 @@ class RemoteProtocolError(ProtocolError):
     a frame in the wrong state. Answered with a fatal ERROR of its code, then the connection closes."""
 
 
-class FrameTooLargeError(RemoteProtocolError):
+class FrameTooLargeError(RemoteProtocolError, code="FRAME_TOO_LARGE"):
     """A length prefix above the configured maximum; raised before the body is buffered."""
-
-    code = _Code("FRAME_TOO_LARGE")
 
     @classmethod
     def for_size(cls, size: int, max_size: int) -> FrameTooLargeError:
@@ -172,37 +188,31 @@ class FrameTooLargeError(RemoteProtocolError):
         return int(self.details.get("max_size", -1))
 
 
-class UnsupportedVersionError(RemoteProtocolError):
+class UnsupportedVersionError(RemoteProtocolError, code="UNSUPPORTED_VERSION"):
     """The peers share no protocol version."""
 
-    code = _Code("UNSUPPORTED_VERSION")
 
-
-class UnexpectedFrameError(RemoteProtocolError):
+class UnexpectedFrameError(RemoteProtocolError, code="UNEXPECTED_FRAME"):
     """A well-formed frame that is not allowed in the connection's current state."""
 
-    code = _Code("UNEXPECTED_FRAME")
 
-
-class CacheUnavailableError(WCacheError):
+class CacheUnavailableError(WCacheError, code="UNAVAILABLE"):
     """No usable daemon: socket missing, connection refused, timeout, or the daemon died.
 
     Engines treat this as "load from disk instead" — as every other WCacheError (module docstring).
     """
-
-    code = _Code("UNAVAILABLE")
 
 
 class ServerError(WCacheError):
     """The daemon answered a request with an ERROR frame."""
 
 
-class PermissionDeniedError(ServerError):
-    code = _Code("PERMISSION_DENIED")
+class PermissionDeniedError(ServerError, code="PERMISSION_DENIED"):
+    """The peer may not use this socket: its uid is not the daemon's, or (peer channel) its proof of the secret fails."""
 
 
-class NotReadyError(ServerError):
-    code = _Code("NOT_READY")
+class NotReadyError(ServerError, code="NOT_READY"):
+    """The daemon holds no weights yet."""
 
 
 def _show(value: Any) -> str:
@@ -244,86 +254,68 @@ class _KeyDiff:
         return {k: v[0] for k, v in self.fields.items() if isinstance(v, list | tuple) and len(v) == 2}
 
 
-class KeyMismatchError(_KeyDiff, ServerError):
+class KeyMismatchError(_KeyDiff, ServerError, code="KEY_MISMATCH"):
     """The requested key differs from every served one; ``fields`` names each differing field against the
     closest served model (``details["closest"]``), as ``[served, requested]`` — ``requested_values`` and
     ``served_values`` give the two sides by name, and the message labels them."""
 
-    code = _Code("KEY_MISMATCH")
+
+class UnknownLeaseError(ServerError, code="UNKNOWN_LEASE"):
+    """Not a lease (or deposit) of this connection."""
 
 
-class UnknownLeaseError(ServerError):
-    code = _Code("UNKNOWN_LEASE")
+class LimitExceededError(ServerError, code="LIMIT_EXCEEDED"):
+    """Over a limit: leases or deposits of a connection, models, connections, slabs of a hand-off or a keeper."""
 
 
-class LimitExceededError(ServerError):
-    code = _Code("LIMIT_EXCEEDED")
+class DeviceMismatchError(ServerError, code="DEVICE_MISMATCH"):
+    """The engine and the daemon are on different GPUs (or backends)."""
 
 
-class DeviceMismatchError(ServerError):
-    code = _Code("DEVICE_MISMATCH")
-
-
-class UnsupportedPlatformError(ServerError):
+class UnsupportedPlatformError(ServerError, code="UNSUPPORTED_PLATFORM"):
     """This platform cannot share the daemon's memory; use the host backend or load from disk."""
 
-    code = _Code("UNSUPPORTED_PLATFORM")
 
-
-class OutOfMemoryError(ServerError):
+class OutOfMemoryError(ServerError, code="OUT_OF_MEMORY"):
     """A PRELOAD does not fit the memory budget even after evicting every unleased model;
     ``details["pinned"]`` lists the keys held by leases."""
 
-    code = _Code("OUT_OF_MEMORY")
 
-
-class InUseError(ServerError):
+class InUseError(ServerError, code="IN_USE"):
     """EVICT of a model that live leases still hold; TAKEOVER of a daemon already handing over."""
 
-    code = _Code("IN_USE")
 
-
-class NotFoundError(_KeyDiff, ServerError):
+class NotFoundError(_KeyDiff, ServerError, code="NOT_FOUND"):
     """The daemon holds no model under that key (EVICT), or none at all (GET_STATE). An EVICT's names the
     fields that differ from the closest served model, as KeyMismatchError does (empty when none is served)."""
 
-    code = _Code("NOT_FOUND")
 
-
-class KeyUnprovenError(ServerError):
+class KeyUnprovenError(ServerError, code="KEY_UNPROVEN"):
     """A GET_STATE's proof (docs/protocol.md §4.3.1) names files this daemon did not read as they are, or cannot
     complete the key (``details.proof`` says why): not a refusal of the key, which the client then computes from
     the headers and asks for on the same connection (the reference client does it itself)."""
 
-    code = _Code("KEY_UNPROVEN")
+
+class InternalError(ServerError, code="INTERNAL"):
+    """An unexpected failure inside the daemon (a bug there, its own protocol violations included)."""
 
 
-class InternalError(ServerError):
-    code = _Code("INTERNAL")
-
-
-class CheckpointError(WCacheError):
+class CheckpointError(WCacheError, code="INVALID_CHECKPOINT"):
     """A checkpoint directory or file is missing, truncated, inconsistent, not a regular file, over a
     metadata size cap, or holds tensors the protocol cannot carry (names over 1024 characters, rank
     over 16, dimensions of 2**48 or more); the message names the file, the tensor and the limit.
 
     Sent as ``INVALID_CHECKPOINT`` when a PRELOAD names such a directory."""
 
-    code = _Code("INVALID_CHECKPOINT")
 
-
-class ShardingError(WCacheError):
+class ShardingError(WCacheError, code="INVALID_PLAN"):
     """Tensor parallel sharding is impossible: no plan, a bad plan file, or a dimension not divisible by
     tp_size. Sent as ``INVALID_PLAN``."""
 
-    code = _Code("INVALID_PLAN")
 
-
-class TransformError(WCacheError):
+class TransformError(WCacheError, code="INVALID_TRANSFORM"):
     """A load-time transform (``--transform module:function``) that cannot be imported or called, or
     whose result is not a dict of str -> torch.Tensor of a protocol dtype. Sent as ``INVALID_TRANSFORM``."""
-
-    code = _Code("INVALID_TRANSFORM")
 
 
 class IncompatibleModelError(WCacheError):
@@ -352,39 +344,9 @@ class DaemonRunningError(WCacheError):
     choose another socket path. Not a security failure (that is ``InsecurePathError``)."""
 
 
-#: The classes ERROR frames carry, one per code (``ERROR_CLASSES``: code -> class, built when first read).
-_SENT: tuple[type[WCacheError], ...] = (
-    ProtocolError,
-    FrameTooLargeError,
-    UnsupportedVersionError,
-    UnexpectedFrameError,
-    PermissionDeniedError,
-    NotReadyError,
-    KeyMismatchError,
-    UnknownLeaseError,
-    LimitExceededError,
-    DeviceMismatchError,
-    UnsupportedPlatformError,
-    OutOfMemoryError,
-    InUseError,
-    NotFoundError,
-    KeyUnprovenError,
-    CacheUnavailableError,
-    CheckpointError,
-    ShardingError,
-    TransformError,
-    InternalError,
-)
-_BY_CODE: dict[ErrorCode, type[WCacheError]] = {}
 if TYPE_CHECKING:
-    #: ERROR frame code -> the exception class a client raises for it (1:1; made when first read: ``__getattr__``)
+    #: ERROR frame code -> the exception class a client raises for it (1:1), from each class's ``code=``
     ERROR_CLASSES: dict[ErrorCode, type[WCacheError]]
-
-
-def _error_classes() -> dict[ErrorCode, type[WCacheError]]:
-    if not _BY_CODE:
-        _BY_CODE.update((cls.code, cls) for cls in _SENT)
-    return _BY_CODE
 
 
 def __getattr__(name: str) -> Any:
@@ -395,7 +357,9 @@ def __getattr__(name: str) -> Any:
 
         return ErrorCode
     if name == "ERROR_CLASSES":
-        return _error_classes()
+        from wcache.error_codes import ErrorCode
+
+        return {ErrorCode[code]: cls for code, cls in _RAISED_AS.items()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -407,4 +371,4 @@ def error_from_frame(code: int, message: str, details: dict[str, Any]) -> WCache
         ecode = ErrorCode(code)
     except ValueError:
         return ServerError(f"[code {code}] {message}", details=details)
-    return _error_classes()[ecode](message, details=details)
+    return _RAISED_AS.get(ecode.name, ServerError)(message, details=details)

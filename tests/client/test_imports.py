@@ -6,6 +6,7 @@ never the loader's modules (layout, sharding, recipes, the daemon)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -87,19 +88,39 @@ def test_the_client_and_key_import_only_the_restart_path() -> None:
 
 
 def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
-    """``import wcache.proto`` loads nothing; one frame name loads its own module, the union of every frame all."""
+    """``import wcache.proto`` loads nothing; one frame name loads its own module, the registry every one."""
     assert _loaded("import wcache.proto") == ["wcache", "wcache.proto"]
     one = _loaded("from wcache.proto import State")
     assert "wcache.proto.daemon_frames" in one and not [
         m for m in one if m.endswith(("admin_frames", "peer_frames", "fleet_frames"))
     ]
-    every = _loaded("from wcache.proto import Frame")
+    every = _loaded("from wcache.proto import FRAME_TYPES")
     assert {
         "wcache.proto.admin_frames",
         "wcache.proto.deposit_frames",
         "wcache.proto.peer_frames",
         "wcache.proto.fleet_frames",
     } <= set(every)
+    # a submodule a from-import asks the package for is imported alone, not searched for among the frames
+    assert _loaded("from wcache.proto import codec") == [
+        "wcache",
+        "wcache.errors",
+        "wcache.proto",
+        "wcache.proto.codec",
+    ]
+
+
+def test_the_wire_package_exports_every_frame_module_name() -> None:
+    """``wcache.proto``'s names are its modules' ``__all__``, no list of its own: every frame class and part is
+    one, and each name it lists is there."""
+    import wcache.proto
+    from wcache.proto.frames import FRAME_MODULES
+
+    names = set(wcache.proto.__all__)
+    for module in map(importlib.import_module, FRAME_MODULES):
+        assert set(module.__all__) <= names, module.__name__
+    assert {"Connection", "Frame", "FRAME_TYPES", "pack_frame", "decode_frame", "TRANSITIONS"} <= names
+    assert all(getattr(wcache.proto, n) is not None for n in names)
 
 
 def test_errors_stay_importable_by_name() -> None:

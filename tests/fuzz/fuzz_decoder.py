@@ -2,8 +2,8 @@
 
 Invariant: for any input bytes, fed whole and then in small pieces (one byte at a time for
 inputs up to 256 bytes, 7-byte pieces beyond) into a server-side and a client-side
-``Connection``, decoding yields only typed frames or raises ``wcache.errors.ProtocolError``
-(or a subclass); whole and piecewise feeding yield the same frames and the same outcome;
+``Connection``, decoding yields only typed frames or raises ``wcache.errors.RemoteProtocolError``
+(or a subclass: the peer broke the protocol); whole and piecewise feeding yield the same frames and the same outcome;
 buffered bytes stay bounded by the frame limit.
 Anything else — another exception, a hang, unbounded buffering — is a bug.
 
@@ -19,7 +19,7 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from wcache.errors import ProtocolError
+    from wcache.errors import RemoteProtocolError
     from wcache.proto import Connection, Event, Role, pack_frame
     from wcache.proto.examples import EXAMPLES
 
@@ -38,7 +38,7 @@ def _drive(data: bytes, role: Role, chunk: int) -> tuple[list[Event], str]:
                 raise AssertionError(f"unbounded buffering: {conn.buffered} bytes")
         conn.receive_data(b"")
         frames.extend(conn.events())
-    except ProtocolError as exc:
+    except RemoteProtocolError as exc:
         outcome = type(exc).__name__
     return frames, outcome
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from wcache.errors import CheckpointError, ProtocolError, ShardingError
+from wcache.errors import CheckpointError, RemoteProtocolError, ShardingError
 from wcache.plan.checkpoint import Checkpoint
 from wcache.plan.key import RACY_NS, KeyFacts, RankSpec, WeightCacheKey, checkpoint_files
 from wcache.plan.rank import plan_rank
@@ -183,11 +183,11 @@ def test_verify_content_and_plan_files_are_scanned_at_once(settled: Path, tmp_pa
 def test_adopt_takes_the_served_file_fields_and_refuses_another_rank(settled: Path) -> None:
     full = _scanned(settled).to_wire()
     key = WeightCacheKey.from_checkpoint(settled)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         key.adopt({**full, "tp_rank": 1})
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         key.adopt({k: v for k, v in full.items() if k != "fingerprint"})
     key.adopt(full)
     assert key.to_wire() == full and not key.scanned
-    with pytest.raises(ProtocolError):  # known fields: a served key must equal them
+    with pytest.raises(RemoteProtocolError):  # known fields: a served key must equal them
         key.adopt({**full, "fingerprint": "0" * 32})

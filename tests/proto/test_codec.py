@@ -7,7 +7,7 @@ import struct
 import msgpack
 import pytest
 
-from wcache.errors import FrameTooLargeError, ProtocolError
+from wcache.errors import FrameTooLargeError, RemoteProtocolError
 from wcache.proto import FrameBuffer, decode_body, pack_frame
 from wcache.proto.codec import DIRECT_BODY
 
@@ -31,7 +31,7 @@ def test_huge_length_prefix() -> None:
 def test_zero_length_frame() -> None:
     buf = FrameBuffer()
     buf.feed(b"\x00\x00\x00\x00")
-    with pytest.raises(ProtocolError, match="zero-length"):
+    with pytest.raises(RemoteProtocolError, match="zero-length"):
         buf.next_body()
 
 
@@ -54,13 +54,13 @@ def test_pack_frame_limit() -> None:
     ],
 )
 def test_strict_decoding(body: bytes, match: str) -> None:
-    with pytest.raises(ProtocolError, match=match):
+    with pytest.raises(RemoteProtocolError, match=match):
         decode_body(body)
 
 
 def test_deep_nesting_is_a_protocol_error() -> None:
     body = b"\x81\xa1k" + b"\x91" * 5000 + b"\xc0"
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         decode_body(body)
 
 

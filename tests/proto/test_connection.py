@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+from collections.abc import Iterator
+from typing import Any, get_args
+
 import pytest
 
 from wcache.errors import (
@@ -9,6 +15,7 @@ from wcache.errors import (
     LocalProtocolError,
     PermissionDeniedError,
     ProtocolError,
+    RemoteProtocolError,
     UnexpectedFrameError,
     UnsupportedVersionError,
 )
@@ -27,9 +34,13 @@ from wcache.proto import (
     Role,
     Service,
     Status,
+    connection,
     pack_frame,
 )
+from wcache.proto.connection import transitions
 from wcache.proto.examples import EXAMPLES
+from wcache.proto.fields import REGISTRY, Frame, Int, Message, Str, message, wire
+from wcache.proto.frames import FRAME_TYPES, decode_frame, load_frames
 
 
 def _ok(version: int = PROTOCOL_VERSION) -> HelloOk:
@@ -206,7 +217,7 @@ def test_eof_inside_frame() -> None:
     data = Connection(Role.CLIENT).send(Hello(versions=(PROTOCOL_VERSION,)))
     s.receive_data(data[:-3])
     s.receive_data(b"")
-    with pytest.raises(ProtocolError, match="stream ended inside a frame"):
+    with pytest.raises(RemoteProtocolError, match="stream ended inside a frame"):
         list(s.events())
     assert s.phase is Phase.CLOSED
 
@@ -274,13 +285,13 @@ def test_descriptors_go_with_the_frame_that_announces_them() -> None:
     data = s.send(EXAMPLES["STATE"])
     c.receive_data(data[:1], [7])
     c.receive_data(data[1:], [8])  # one more than STATE announces, with no frame after it
-    with pytest.raises(ProtocolError, match="no frame announced"):
+    with pytest.raises(RemoteProtocolError, match="no frame announced"):
         list(c.received())
     assert c.release_fds() == [8]
 
     daemon = Connection(Role.SERVER, service=Service.DAEMON)
     assert not daemon.accepts_fds and Connection(Role.SERVER, service=Service.KEEPER).accepts_fds
-    with pytest.raises(ProtocolError, match="may not send file descriptors"):
+    with pytest.raises(RemoteProtocolError, match="may not send file descriptors"):
         daemon.receive_data(b"\x00", [5])
     assert daemon.release_fds() == [5]  # still the owner's to close
 
@@ -290,7 +301,7 @@ def test_a_frame_announcing_more_descriptors_than_arrived_is_refused() -> None:
     s.receive_data(c.send(EXAMPLES["GET_STATE"]))
     list(s.events())
     c.receive_data(s.send(EXAMPLES["STATE"]))
-    with pytest.raises(ProtocolError, match="announces 1 file descriptor"):
+    with pytest.raises(RemoteProtocolError, match="announces 1 file descriptor"):
         list(c.received())
 
 
@@ -442,3 +453,183 @@ def test_the_peer_channel_misdirects_daemon_requests_and_only_it_authenticates()
     assert "peer" in ev.error.message
     with pytest.raises(ValueError, match="peer channel"):
         Connection(Role.SERVER, service=Service.DAEMON, auth=True)
+
+
+# --------------------------------------------------------------------------- the tables, derived from the frames
+
+
+@pytest.fixture
+def toy_frames() -> Iterator[tuple[Any, Any]]:
+    """A request and its reply that no frame module declares: registered for the test, then gone."""
+
+    @message("TOY_HOLD", reply="TOY_HELD", service=Service.KEEPER)
+    class ToyHold(Frame):
+        id: int = wire(Int(lo=1))
+        what: str = wire(Str())
+
+    @message("TOY_HELD")
+    class ToyHeld(Frame):
+        id: int = wire(Int(lo=1))
+        slabs: int = wire(Int(hi=4))
+
+        @property
+        def fd_count(self) -> int:
+            return self.slabs
+
+    try:
+        yield ToyHold, ToyHeld
+    finally:
+        del REGISTRY["TOY_HOLD"], REGISTRY["TOY_HELD"]
+
+
+def test_a_new_frame_is_one_declaration(toy_frames: tuple[Any, Any]) -> None:
+    """A request and its reply declared with ``@message``, and nowhere else, are in every table: the decoder's,
+    both ends' transitions, the requests of the service that answers it and its union, the frames that bring
+    descriptors; a client and a keeper exchange them, and a daemon answers the request NOT_FOUND."""
+    hold, held = toy_frames
+    assert FRAME_TYPES["TOY_HOLD"] is toy_frames[0]
+    assert decode_frame({"type": "TOY_HELD", "id": 1, "slabs": 2}) == held(id=1, slabs=2)
+    assert {row: after for row, after in connection.TRANSITIONS.items() if row[3].startswith("TOY_")} == {
+        (Role.CLIENT, Phase.OPEN, "send", "TOY_HOLD"): Phase.OPEN,
+        (Role.SERVER, Phase.OPEN, "recv", "TOY_HOLD"): Phase.OPEN,
+        (Role.SERVER, Phase.OPEN, "send", "TOY_HELD"): Phase.OPEN,
+        (Role.CLIENT, Phase.OPEN, "recv", "TOY_HELD"): Phase.OPEN,
+    }
+    serves = connection.SERVES
+    assert "TOY_HOLD" in serves[Service.KEEPER] and "TOY_HOLD" not in serves[Service.DAEMON] | serves[Service.PEER]
+    assert "TOY_HELD" in connection.CARRIES_FDS and "TOY_HOLD" not in connection.CARRIES_FDS
+    assert hold in get_args(connection.KeeperRequest) and hold not in get_args(connection.DaemonRequest)
+
+    c, s = _served(Service.KEEPER)
+    s.receive_data(c.send(hold(id=5, what="x")))
+    assert list(s.events()) == [hold(id=5, what="x")]
+    c.receive_data(s.send(held(id=5, slabs=2)), [7, 8])
+    assert list(c.received()) == [(held(id=5, slabs=2), [7, 8])] and c.pending == s.pending == {}
+    with pytest.raises(LocalProtocolError):
+        s.send(held(id=5, slabs=0))  # answered already
+    c, d = _served(Service.DAEMON)
+    d.receive_data(c.send(hold(id=1, what="y")))
+    (event,) = d.events()
+    assert isinstance(event, Misdirected) and event.error.code is ErrorCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    ("base", "type_", "declared", "why"),
+    [
+        (Frame, "TOY_ASK", {"reply": "TOY_ANSWER"}, "declares its reply and service"),  # served by no one
+        (Frame, "TOY_ASK", {"service": Service.DAEMON}, "declares its reply and service"),  # answered by nothing
+        (Frame, "TOY_TELL", {"pipelined": True}, "only a request is pipelined"),
+        (Frame, "TOY_TELL", {"phase": Phase.AUTH, "moves": {Phase.AUTH: Phase.OPEN}}, "phase= or moves="),
+        (Message, "", {"reply": "TOY_ANSWER", "service": Service.DAEMON}, "a part of a frame"),
+        (Message, "TOY_TELL", {}, "a frame \\(a Frame subclass\\) has a type"),
+        (Frame, "", {}, "a frame \\(a Frame subclass\\) has a type"),
+    ],
+)
+def test_a_declaration_that_cannot_hang_together_is_refused_where_it_is_made(
+    base: type[Message], type_: str, declared: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(TypeError, match=why):
+
+        @message(type_, **declared)
+        class Toy(base):  # type: ignore[valid-type,misc]
+            id: int = wire(Int(lo=1))
+
+    assert "TOY_ASK" not in REGISTRY and "TOY_TELL" not in REGISTRY
+
+
+def test_every_frame_declares_a_place_that_hangs_together() -> None:
+    """What the frames declare is consistent, so that the tables derived from it say what docs/protocol.md §5
+    says: a request is the client's, answered by a service, its replies frames the server sends in every phase
+    the request travels in (but before HELLO_OK, where only the handshake answers); every other frame is a reply
+    or the handshake's or ERROR; each row a frame has at one end has its mirror at the other; the tables hold
+    exactly what the classes declare (CARRIES_FDS: the frames that count descriptors, each example with some)."""
+    registry = load_frames()
+    replies = {r for cls in registry.values() for r in cls.REPLIES}
+    for t, cls in registry.items():
+        if cls.REPLIES:
+            assert cls.SENDER is Role.CLIENT and cls.SERVICES and t not in replies, t
+            for r in cls.REPLIES:
+                reply = registry[r]
+                assert reply.SENDER is Role.SERVER and not reply.REPLIES, (t, r)
+                assert {p for p, _ in cls.MOVES} - {Phase.HELLO_SENT} <= {p for p, _ in reply.MOVES}, (t, r)
+        else:
+            assert t in replies or t in ("HELLO", "HELLO_OK", "ERROR"), f"{t} is no request and answers none"
+            assert not cls.SERVICES and not cls.PIPELINED, t
+        rows = transitions(cls)
+        mirror = {Phase.HELLO_SENT: Phase.HELLO_RECEIVED}
+        for phase, after in cls.MOVES:
+            sent, received = ("send", "recv") if cls.SENDER is Role.CLIENT else ("recv", "send")
+            assert rows[(Role.CLIENT, phase, sent)] is after, t
+            assert rows[(Role.SERVER, mirror.get(phase, phase), received)] is mirror.get(after, after), t
+        assert len(rows) == 2 * len(cls.MOVES), t
+        assert {row[:3]: after for row, after in connection.TRANSITIONS.items() if row[3] == t} == rows
+    assert {s: {t for t, c in registry.items() if s in c.SERVICES} for s in Service} == connection.SERVES
+    assert {t for t, cls in registry.items() if cls.fd_count is not Frame.fd_count} == connection.CARRIES_FDS
+    assert all(EXAMPLES[t].fd_count > 0 for t in connection.CARRIES_FDS)
+    assert {t for t, cls in registry.items() if cls.PIPELINED} == {"GET_STATE"}  # §5.1: only GET_STATE
+
+
+def test_the_type_checkers_request_unions_name_what_the_frames_declare() -> None:
+    """``DaemonRequest`` and ``KeeperRequest`` as the type checker reads them (connection.py's annotations, which
+    the servers' match statements are checked against) name the requests each service declares it answers."""
+    tree = ast.parse(inspect.getsource(connection))
+    spelled = {
+        ast.unparse(n.targets[0]): {x.id for x in ast.walk(n.value) if isinstance(x, ast.Name)}
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) in ("DaemonRequest", "KeeperRequest")
+    }
+    assert spelled == {
+        "DaemonRequest": {cls.__name__ for cls in get_args(connection.DaemonRequest)},
+        "KeeperRequest": {cls.__name__ for cls in get_args(connection.KeeperRequest)},
+    }
+    assert {cls.TYPE for cls in get_args(connection.DaemonRequest)} == connection.SERVES[Service.DAEMON]
+
+
+def _pair_in(phase: Phase) -> tuple[Connection, Connection]:
+    """A client and a server (of no particular service) in ``phase``, in the client's view."""
+    if phase is Phase.AUTH:
+        c, s = Connection(Role.CLIENT, auth=True), Connection(Role.SERVER, auth=True)
+    else:
+        c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
+    s.receive_data(c.send(Hello(versions=(PROTOCOL_VERSION,))))
+    (hello,) = s.events()
+    assert isinstance(hello, Hello)
+    if phase is not Phase.HELLO_SENT:
+        c.receive_data(s.send(s.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))))
+        list(c.events())
+    assert c.phase is phase
+    return c, s
+
+
+@pytest.mark.parametrize(
+    ("request_type", "phase", "reply_type"),
+    [
+        (t, phase, r)
+        for t, cls in sorted(load_frames().items())
+        for phase, _ in cls.MOVES
+        for r in (*cls.REPLIES, "ERROR")
+        if cls.REPLIES
+    ],
+)
+def test_every_request_travels_and_is_answered_where_it_declares(
+    request_type: str, phase: Phase, reply_type: str
+) -> None:
+    """Generated from the declarations: each request, in each phase it declares, goes from a client to a server,
+    and each of its replies (and ERROR) comes back, with the phases the declarations say at both ends."""
+    c, s = _pair_in(phase)
+    request = EXAMPLES[request_type]
+    if isinstance(request, Release):
+        c.leases.add(request.lease)  # a client releases only a lease it holds
+    s.receive_data(c.send(request))
+    assert list(s.events()) == [request]
+    out = b""
+    if phase is Phase.HELLO_SENT:  # a pipelined request: answered after HELLO_OK
+        out = s.send(_ok())
+    rid: int = getattr(request, "id", 0)
+    reply = (
+        ErrorFrame(id=rid, code=ErrorCode.NOT_FOUND, message="no") if reply_type == "ERROR" else EXAMPLES[reply_type]
+    )
+    c.receive_data(out + s.send(dataclasses.replace(reply, id=rid)))  # type: ignore[call-arg]
+    assert [f.TYPE for f in c.events()][-1] == reply_type
+    after = dict(type(reply).MOVES).get(phase if phase is not Phase.HELLO_SENT else Phase.OPEN)
+    assert c.phase is s.phase is after and c.pending == s.pending == {}

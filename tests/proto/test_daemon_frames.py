@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wcache.errors import ProtocolError
+from wcache.errors import RemoteProtocolError
 from wcache.proto import Deposit, DepositTensor
 
 KEY: dict[str, str | int] = {
@@ -37,6 +37,6 @@ def test_a_deposit_is_checked_in_linear_time() -> None:
     names = [_Counted(f"t{i}") for i in range(n)] + [_Counted(f"t{n - 1}")]  # the one duplicate: last
     deposit = Deposit(id=1, key=KEY, tensors=tuple(DepositTensor(name, "int8", (1,)) for name in names))
     _Counted.comparisons = 0
-    with pytest.raises(ProtocolError, match="listed twice"):
+    with pytest.raises(RemoteProtocolError, match="listed twice"):
         deposit._validate()
     assert _Counted.comparisons <= 4 * n, _Counted.comparisons

@@ -1,8 +1,9 @@
 """Fuzzing the decoder.
 
 Invariant: for ANY input bytes, fed whole or one byte at a time, a server-side
-``Connection`` yields only typed frames or raises ``wcache.errors.ProtocolError`` (or a
-subclass) — never another exception, never a hang, never unbounded buffering.
+``Connection`` yields only typed frames or raises ``wcache.errors.RemoteProtocolError`` (or a
+subclass: the peer broke the protocol) — never another exception (our own ``LocalProtocolError`` or the
+base ``ProtocolError`` included), never a hang, never unbounded buffering.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wcache.errors import ProtocolError
+from wcache.errors import RemoteProtocolError
 from wcache.proto import PROTOCOL_VERSION, Connection, Event, Frame, Role, pack_frame
 from wcache.proto.frames import FRAME_TYPES
 
@@ -31,7 +32,7 @@ def _drive(data: bytes, *, chunk: int, role: Role = Role.SERVER) -> list[Event]:
             out.extend(conn.events())
         conn.receive_data(b"")
         out.extend(conn.events())
-    except ProtocolError:
+    except RemoteProtocolError:
         pass
     assert conn.buffered <= MAX + 4 + chunk
     return out
@@ -106,7 +107,7 @@ def test_msgpack_ext_and_timestamp_rejected() -> None:
         conn.receive_data(struct.pack(">I", len(body)) + body)
         try:
             list(conn.events())
-        except ProtocolError as exc:
+        except RemoteProtocolError as exc:
             assert "ext" in str(exc)
         else:  # pragma: no cover - would be a bug
             raise AssertionError("ext type accepted")

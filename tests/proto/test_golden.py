@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from wcache.errors import ProtocolError
+from wcache.errors import RemoteProtocolError
 from wcache.proto import Connection, Keep, Kept, Reclaimed, Role, TakeoverState, decode_body, decode_frame, pack_frame
 from wcache.proto.examples import EXAMPLES, VARIANTS, hexdump
 
@@ -157,5 +157,5 @@ def test_keep_refuses_a_slab_without_an_fd() -> None:
     assert isinstance(keep, Keep)
     wire = keep.to_wire()
     wire["model"]["slabs"][0]["fd"] = -1
-    with pytest.raises(ProtocolError, match=r"KEEP\.models"):
+    with pytest.raises(RemoteProtocolError, match=r"KEEP\.models"):
         decode_frame(wire)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from wcache.errors import ProtocolError, UnsupportedVersionError
+from wcache.errors import RemoteProtocolError, UnsupportedVersionError
 from wcache.proto import Connection, DeviceInfo, Hello, Role, TensorEntry, TensorGroup, TensorTable
 
 
@@ -89,7 +89,7 @@ def _le(values: list[int], width: int) -> bytes:
     ],
 )
 def test_decoder_rejects(changes: dict[str, Any], match: str) -> None:
-    with pytest.raises(ProtocolError, match=match):
+    with pytest.raises(RemoteProtocolError, match=match):
         TensorTable.from_wire(_wire(**changes), [4096])
 
 
@@ -101,7 +101,7 @@ def test_a_name_that_is_not_a_string_is_refused_wherever_it_is(at: int, bad: Any
     m = TensorTable.from_entries(entries).to_wire()
     names = list(m["names"])
     names[at] = bad
-    with pytest.raises(ProtocolError, match="names must be strings"):
+    with pytest.raises(RemoteProtocolError, match="names must be strings"):
         TensorTable.from_wire({**m, "names": tuple(names)}, [256 * 5000])
     assert len(TensorTable.from_wire(m, [256 * 5000])) == 5000
 

@@ -33,6 +33,7 @@ from wcache.errors import (
     NotFoundError,
     OutOfMemoryError,
     ProtocolError,
+    RemoteProtocolError,
     UnknownLeaseError,
     UnsupportedPlatformError,
 )
@@ -638,7 +639,7 @@ def test_bad_dtype_is_refused_by_the_client_and_the_decoder() -> None:
         tensors=(DepositTensor("w", "float32", (4,)),),
     ).to_wire()
     wire["tensors"][0]["dtype"] = "complex64"
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(RemoteProtocolError) as info:
         Deposit.from_wire(wire)
     assert info.value.details == {"frame": "DepositTensor", "field": "dtype"}
 
@@ -768,14 +769,14 @@ def test_client_refuses_a_deposit_slab_it_cannot_write(tmp_path: Path) -> None:
     from wcache.client import mapping
 
     ts = tensors()
-    with pytest.raises(ProtocolError, match="cuda_ipc"):
+    with pytest.raises(RemoteProtocolError, match="cuda_ipc"):
         mapping.write_deposit(_deposit_slab("cuda_ipc", ts), -1, ts)
     # a table that disagrees with the engine's tensors (shape) is refused before any byte is written
     slab = _deposit_slab("memfd", {**ts, "rotary.inv_freq": torch.zeros(8)})
     fd = os.memfd_create("t")
     try:
         os.ftruncate(fd, slab.slabs[0].size)
-        with pytest.raises(ProtocolError, match=r"rotary\.inv_freq"):
+        with pytest.raises(RemoteProtocolError, match=r"rotary\.inv_freq"):
             mapping.write_deposit(slab, fd, ts)
     finally:
         os.close(fd)

@@ -152,6 +152,8 @@ async def _until(what: Callable[[], object], deadline_s: float = 20.0) -> None:
         (PermissionError(1, "Operation not permitted"), InternalError, False),  # an OSError of the handler's own
         (RemoteProtocolError("the peer's bytes"), ProtocolError, True),  # the peer's: fatal
         (LocalProtocolError("ours"), InternalError, True),  # our bug: INTERNAL, never PROTOCOL_ERROR, fatal
+        # another party's verdict on what the handler sent it (a keeper's PROTOCOL_ERROR): ours, not this peer's
+        (ProtocolError("the keeper refused what this daemon sent it"), InternalError, False),
     ],
 )
 async def test_a_failure_maps_to_its_error_frame(

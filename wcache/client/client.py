@@ -9,7 +9,7 @@ Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or c
 missing or refused while a daemon is evidently coming back — its lock held, or a keeper holding a
 model for its rank — is first waited on for up to ``wait_for_daemon`` seconds, wcache/client/wait.py),
 the daemon's errors as their ``ServerError`` subclasses (``KeyMismatchError`` ...),
-``ProtocolError`` for bytes that break docs/protocol.md. A fetch cancelled at any point
+``RemoteProtocolError`` for bytes that break docs/protocol.md. A fetch cancelled at any point
 closes its connection, so the daemon frees its lease, and the client stays usable.
 """
 
@@ -34,7 +34,7 @@ from wcache.errors import (
     KeyMismatchError,
     KeyUnprovenError,
     NotFoundError,
-    ProtocolError,
+    RemoteProtocolError,
     error_from_frame,
 )
 from wcache.plan.key import RankSpec, WeightCacheKey
@@ -534,7 +534,7 @@ class WCacheClient:
             frame, fds = await expect(ch)
             if not isinstance(frame, DepositSlab) or len(fds) != 1:
                 close_fds(fds)
-                raise ProtocolError(f"expected DEPOSIT_SLAB with one descriptor, got {frame.TYPE}")
+                raise RemoteProtocolError(f"expected DEPOSIT_SLAB with one descriptor, got {frame.TYPE}")
             from wcache.client.mapping import write_deposit
 
             try:
@@ -657,7 +657,7 @@ class _Request:
         """``frame`` as the STATE answering this request; a proven key takes its file-derived fields from it."""
         if not isinstance(frame, State):
             close_fds(fds)
-            raise ProtocolError(f"expected STATE, got {frame.TYPE}")
+            raise RemoteProtocolError(f"expected STATE, got {frame.TYPE}")
         if self.proven:
             try:
                 self.key.adopt(frame.key)

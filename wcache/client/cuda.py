@@ -13,7 +13,7 @@ import torch
 
 from wcache import _cuda
 from wcache.client import driver
-from wcache.errors import DeviceMismatchError, ProtocolError, UnsupportedPlatformError
+from wcache.errors import DeviceMismatchError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto.daemon_frames import SlabDescriptor
 
 __all__ = ["ipc_open", "local_uuid", "map_slab", "prepare", "visible_uuids", "vmm_import", "write_vmm_deposit"]
@@ -138,10 +138,10 @@ def map_slab(
         raise DeviceMismatchError(f"asked for cuda:{device.index}, but the slab lives on cuda:{index}")
     if desc.kind == "cuda_ipc":
         if len(desc.handle) != 64:
-            raise ProtocolError(f"cuda_ipc handle must be 64 bytes, got {len(desc.handle)}")
+            raise RemoteProtocolError(f"cuda_ipc handle must be 64 bytes, got {len(desc.handle)}")
         return ipc_open(desc.handle, desc.offset, desc.size, index)
     if fd < 0:
-        raise ProtocolError("cuda_vmm slab without a file descriptor")
+        raise RemoteProtocolError("cuda_vmm slab without a file descriptor")
     buf, _read_only = vmm_import(fd, desc.offset, desc.size, index, read_only=True, timings=timings)
     return buf
 
@@ -153,7 +153,7 @@ def write_vmm_deposit(desc: SlabDescriptor, fd: int, sources: Iterable[tuple[int
     unmap. After this returns the process holds no mapping of, and no handle to, the allocation: the
     daemon's COMMIT guarantee rests on that (docs/security.md, "Write-back")."""
     if fd < 0:
-        raise ProtocolError("cuda_vmm deposit slab without a file descriptor")
+        raise RemoteProtocolError("cuda_vmm deposit slab without a file descriptor")
     index = _slab_device(desc)
     buf, _ = vmm_import(fd, desc.offset, desc.size, index, read_only=False)
     try:

@@ -37,7 +37,7 @@ from wcache.errors import (
     CheckpointError,
     KeyMismatchError,
     NotFoundError,
-    ProtocolError,
+    RemoteProtocolError,
     ShardingError,
     TransformError,
     WCacheError,
@@ -289,7 +289,7 @@ class WeightCacheKey:
         """Take the file-derived fields from the key a daemon served for :meth:`proof` (the rest must be this
         key's: ProtocolError otherwise). A known key only checks that ``served`` equals it."""
         if self.diff_wire(served):
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"the daemon served key {served} for the request {self.to_wire()}", details={"served": served}
             )
 
@@ -584,7 +584,7 @@ class _DeferredKey(WeightCacheKey):
             want = _TYPES[name]
             v = served.get(name, _DEFAULTS[name])
             if type(v) is not want or (name not in FROM_FILES and v != getattr(self, name)):
-                raise ProtocolError(
+                raise RemoteProtocolError(
                     f"the daemon served key {served} for a proof of {self._spec.checkpoint} "
                     f"({', '.join(f'{n}={getattr(self, n)!r}' for n in _FIELDS if n not in FROM_FILES)})",
                     details={"served": served, "field": name},

@@ -9,15 +9,15 @@ from typing import Any
 
 __all__ = ["export"]
 
-_ABSENT = object()
-
 
 def export(namespace: dict[str, Any], name: str, modules: Iterable[str]) -> Any:
-    """``name`` from the first of ``modules`` (imported here) that has it, kept in ``namespace`` (a module's
-    globals) so that later look-ups skip the module's ``__getattr__``; AttributeError when none has it."""
+    """``name`` from the first of ``modules`` whose ``__all__`` names it (each imported when reached), kept in
+    ``namespace`` (a module's globals) so that later look-ups skip the module's ``__getattr__``; AttributeError
+    when none exports it."""
     for module in modules:
-        value = getattr(importlib.import_module(module), name, _ABSENT)
-        if value is not _ABSENT:
+        m = importlib.import_module(module)
+        if name in m.__all__:
+            value = getattr(m, name)
             namespace[name] = value
             return value
     raise AttributeError(f"module {namespace.get('__name__')!r} has no attribute {name!r}")

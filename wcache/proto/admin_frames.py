@@ -9,11 +9,13 @@ from wcache.proto.fields import (
     Array,
     Choice,
     Float,
+    Frame,
     Int,
     Key,
     KeyMap,
     Message,
     Nested,
+    Service,
     Str,
     fail,
     message,
@@ -57,15 +59,15 @@ class LeaseInfo(Message):
     age_seconds: float = wire(Float(), missing=0.0)
 
 
-@message("STATUS")
-class Status(Message):
+@message("STATUS", reply="STATUS_REPLY", service=(Service.DAEMON, Service.KEEPER))
+class Status(Frame):
     """Client -> daemon (or keeper): report what is served (operators)."""
 
     id: int = wire(_ID)
 
 
 @message("STATUS_REPLY")
-class StatusReply(Message):
+class StatusReply(Frame):
     """Daemon -> client: models, leases, connections, uptime."""
 
     id: int = wire(_ID)
@@ -85,8 +87,8 @@ class StatusReply(Message):
     tier_pinned: int = wire(Int(), default=0, omit_default=True)
 
 
-@message("PRELOAD")
-class Preload(Message):
+@message("PRELOAD", reply="PRELOADED", service=Service.DAEMON)
+class Preload(Frame):
     """Client -> daemon: load a checkpoint directory (on the daemon's machine) for one rank and keep it."""
 
     id: int = wire(_ID)
@@ -103,7 +105,7 @@ class Preload(Message):
 
 
 @message("PRELOADED")
-class Preloaded(Message):
+class Preloaded(Frame):
     """Daemon -> client: the model is resident (``load_seconds`` 0 if it already was)."""
 
     id: int = wire(_ID)
@@ -114,8 +116,8 @@ class Preloaded(Message):
     evicted: tuple[KeyMap, ...] = wire(Array(Key()), default=())
 
 
-@message("EVICT")
-class Evict(Message):
+@message("EVICT", reply="EVICTED", service=Service.DAEMON)
+class Evict(Frame):
     """Client -> daemon: drop the model served under ``key`` (refused while leases hold it)."""
 
     id: int = wire(_ID)
@@ -123,7 +125,7 @@ class Evict(Message):
 
 
 @message("EVICTED")
-class Evicted(Message):
+class Evicted(Frame):
     """Daemon -> client: the model is gone; ``bytes`` were freed."""
 
     id: int = wire(_ID)

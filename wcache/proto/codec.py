@@ -2,7 +2,8 @@
 
 Decoding is strict: no ext types (timestamps included), string/bin/array/map lengths
 bounded by the frame body, string keys only at the top level, no trailing bytes.
-Every failure is a :class:`~wcache.errors.ProtocolError`.
+A decode failure is the peer's, a :class:`~wcache.errors.RemoteProtocolError` (``FrameTooLargeError``
+for a length over the limit); an encode failure ours, a :class:`~wcache.errors.LocalProtocolError`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from wcache.errors import FrameTooLargeError, LocalProtocolError, ProtocolError
+from wcache.errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
@@ -94,7 +95,7 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Decode one frame body into a map with string keys, or raise ProtocolError."""
     n = len(body)
     if n == 0:
-        raise ProtocolError("empty frame body")
+        raise RemoteProtocolError("empty frame body")
     try:
         obj = msgpack.unpackb(
             body,
@@ -109,14 +110,14 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
             max_map_len=n // 2,
         )
     except msgpack.ExtraData as exc:
-        raise ProtocolError("trailing bytes after the msgpack map in a frame") from exc
+        raise RemoteProtocolError("trailing bytes after the msgpack map in a frame") from exc
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"malformed msgpack in frame body: {exc}") from exc
+        raise RemoteProtocolError(f"malformed msgpack in frame body: {exc}") from exc
     if not isinstance(obj, dict):
-        raise ProtocolError(f"frame body must be a msgpack map, got {type(obj).__name__}")
+        raise RemoteProtocolError(f"frame body must be a msgpack map, got {type(obj).__name__}")
     for k in obj:
         if type(k) is not str:
-            raise ProtocolError("frame map keys must be strings")
+            raise RemoteProtocolError("frame map keys must be strings")
     return obj
 
 
@@ -229,7 +230,7 @@ class FrameBuffer:
                     details={"size": size, "max_size": self.max_frame_size},
                 )
             if size == 0:
-                raise ProtocolError("zero-length frame")
+                raise RemoteProtocolError("zero-length frame")
             self._pos += HEADER_SIZE
             self._need = size
             if self.direct and size >= DIRECT_BODY:

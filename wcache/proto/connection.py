@@ -1,11 +1,17 @@
 """The sans-I/O connection: bytes in, typed frames out; frames in, bytes out.
 
-Everything that affects the connection's state lives in this module: the transition
-table ``TRANSITIONS`` (docs/protocol.md §5), which service answers which requests
-(``SERVES``), which frames bring file descriptors (``CARRIES_FDS``, docs/protocol.md §2.2),
-the outstanding request ids, and (on a client) the leases the peer granted it. The asyncio server
-and client only move bytes and descriptors between a socket and a :class:`Connection`. A server's leases
-live in one ledger, its store's (wcache/server/store.py): its connections do not keep a second copy.
+Everything that affects the connection's state lives in this module, derived from one declaration per frame
+(``@message`` in ``fields.py``: its reply, the services that answer it, the phases it travels in, whether it
+may be pipelined, and its ``fd_count`` if it brings descriptors). From them come the transition table
+``TRANSITIONS`` (docs/protocol.md §5: each frame's rows for the end that sends it, and their mirror for the
+end that receives it), which service answers which requests (``SERVES``), which frames bring file
+descriptors (``CARRIES_FDS``, docs/protocol.md §2.2) and each service's request union (``DaemonRequest``,
+``KeeperRequest``). A connection reads a frame's rows from its class, so it needs no frame module beyond the
+ones whose frames it meets; the tables, read here, import every frame module (``frames.FRAME_MODULES``).
+This module also keeps the outstanding request ids and (on a client) the leases the peer granted it. The
+asyncio server and client only move bytes and descriptors between a socket and a :class:`Connection`. A
+server's leases live in one ledger, its store's (wcache/server/store.py): its connections do not keep a
+second copy.
 
 A server connection knows the service it speaks for (:class:`Service`): a request for another
 service (a RECLAIM to a daemon, a GET_STATE to a keeper or a peer channel) comes out as
@@ -15,15 +21,14 @@ A peer channel in the shared-secret mode (``auth=True``, docs/protocol.md §10.2
 ``AUTH`` after the handshake: only the authentication frames may travel until PEER_AUTH_OK, and
 frames stay as small as before the handshake.
 
-Errors: a frame the *peer* may not send now raises :class:`UnexpectedFrameError`
-(a :class:`ProtocolError`); a frame *we* may not send raises
-:class:`LocalProtocolError`. Malformed bytes raise :class:`ProtocolError`. After any
-of these from ``events()`` the connection should send ``fatal_error()`` and close.
+Errors, by whose fault (h11's model): what the *peer* sent — malformed bytes, a bad field, a frame it may
+not send now (:class:`UnexpectedFrameError`), descriptors it may not send — raises a
+:class:`RemoteProtocolError`; a frame *we* may not send raises :class:`LocalProtocolError`. After either
+from ``events()`` the connection should send ``fatal_error()`` and close.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Iterator
 from functools import reduce
 from operator import or_
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 from wcache.errors import (
     LocalProtocolError,
     NotFoundError,
-    ProtocolError,
+    RemoteProtocolError,
     UnexpectedFrameError,
     UnsupportedVersionError,
     WCacheError,
@@ -47,14 +52,14 @@ from wcache.proto.codec import (
     pack_frame,
 )
 from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk, Release, Released, State
+from wcache.proto.fields import REGISTRY, Frame, Phase, Role, Service
 
-if TYPE_CHECKING:  # the request unions name every service's requests: built when first read (``__getattr__``)
+if TYPE_CHECKING:  # the tables and request unions, derived from every frame when first read (``__getattr__``)
     from wcache.proto.fleet_frames import PeerOffer  # the peer channel's: never on an engine's path
     from wcache.proto.frames import (
         Commit,
         Deposit,
         Evict,
-        Frame,
         GetState,
         Keep,
         Preload,
@@ -65,8 +70,16 @@ if TYPE_CHECKING:  # the request unions name every service's requests: built whe
         Unkeep,
     )
 
+    # the type checker's copy of ``requests(service)`` (match statements check against it; test_connection
+    # checks it names what the frames declare)
     DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
     KeeperRequest = Keep | Unkeep | Reclaim | Status
+    #: (role, phase, direction, frame type) -> next phase, for every frame; absent = not allowed
+    TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase]
+    #: the requests each service answers, by frame type; a server answers the others' with NOT_FOUND
+    SERVES: dict[Service, frozenset[str]]
+    #: the frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may
+    CARRIES_FDS: frozenset[str]
 
 __all__ = [
     "CARRIES_FDS",
@@ -82,169 +95,49 @@ __all__ = [
     "Phase",
     "Role",
     "Service",
+    "requests",
+    "transitions",
 ]
 
 #: The protocol version this implementation speaks (docs/protocol.md §3).
 PROTOCOL_VERSION = 2
 SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
-
-
-class Role(enum.Enum):
-    CLIENT = "client"
-    SERVER = "server"
-
-
-class Service(enum.Enum):
-    """What a server speaks for: a daemon serves weights, a keeper holds slabs for daemons (§4.11), a peer
-    channel offers a daemon's slabs to other daemons of a fleet over TCP (§10)."""
-
-    DAEMON = "daemon"
-    KEEPER = "keeper"
-    PEER = "peer"
-
-
-class Phase(enum.Enum):
-    START = "start"  # nothing exchanged yet
-    HELLO_SENT = "hello_sent"  # client: HELLO out, awaiting HELLO_OK
-    HELLO_RECEIVED = "hello_received"  # server: HELLO in, must answer HELLO_OK or fatal ERROR
-    AUTH = "auth"  # peer channel, shared-secret mode: HELLO_OK sent, proofs not yet exchanged (§10.2)
-    OPEN = "open"  # requests and replies flow
-    CLOSED = "closed"  # a fatal ERROR went either way, or the stream ended
-
-
 SEND, RECV = "send", "recv"
-#: (role, phase, direction, frame type) -> next phase. Absent = not allowed.
-#: A fatal ERROR (either direction, any phase) always leads to CLOSED; see _after().
-TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase] = {
-    (Role.CLIENT, Phase.START, SEND, "HELLO"): Phase.HELLO_SENT,
-    (Role.CLIENT, Phase.HELLO_SENT, RECV, "HELLO_OK"): Phase.OPEN,
-    # pipelining (docs/protocol.md §5.1): GET_STATE may follow HELLO before HELLO_OK is back, saving a round trip
-    (Role.CLIENT, Phase.HELLO_SENT, SEND, "GET_STATE"): Phase.HELLO_SENT,
-    (Role.CLIENT, Phase.OPEN, SEND, "GET_STATE"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "RELEASE"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "STATUS"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "PRELOAD"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "EVICT"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "TAKEOVER"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "TAKEOVER_STATE"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "TAKEOVER_ADOPTED"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "TAKEOVER_DONE"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "PRELOADED"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "EVICTED"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "STATE"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "RELEASED"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "STATUS_REPLY"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "ERROR"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "KEEP"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "UNKEEP"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "RECLAIM"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "KEPT"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "DEPOSIT"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "DEPOSIT_SLAB"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "COMMIT"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "DEPOSITED"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "RECLAIMED"): Phase.OPEN,
-    (Role.SERVER, Phase.START, RECV, "HELLO"): Phase.HELLO_RECEIVED,
-    (Role.SERVER, Phase.HELLO_RECEIVED, SEND, "HELLO_OK"): Phase.OPEN,
-    # a pipelined GET_STATE, answered after HELLO_OK (the server answers in order)
-    (Role.SERVER, Phase.HELLO_RECEIVED, RECV, "GET_STATE"): Phase.HELLO_RECEIVED,
-    (Role.SERVER, Phase.OPEN, RECV, "GET_STATE"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "RELEASE"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "STATUS"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "PRELOAD"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "EVICT"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "TAKEOVER"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "TAKEOVER_STATE"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "TAKEOVER_ADOPTED"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "TAKEOVER_DONE"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "PRELOADED"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "EVICTED"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "STATE"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "RELEASED"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "STATUS_REPLY"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "ERROR"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "KEEP"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "UNKEEP"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "RECLAIM"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "KEPT"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "DEPOSIT"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "DEPOSIT_SLAB"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "COMMIT"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "DEPOSITED"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "RECLAIMED"): Phase.OPEN,
-    # the peer channel (§10): authentication in the shared-secret mode, then fills
-    (Role.CLIENT, Phase.AUTH, SEND, "PEER_AUTH"): Phase.AUTH,
-    (Role.CLIENT, Phase.AUTH, RECV, "PEER_CHALLENGE"): Phase.AUTH,
-    (Role.CLIENT, Phase.AUTH, SEND, "PEER_PROOF"): Phase.AUTH,
-    (Role.CLIENT, Phase.AUTH, RECV, "PEER_AUTH_OK"): Phase.OPEN,
-    (Role.SERVER, Phase.AUTH, RECV, "PEER_AUTH"): Phase.AUTH,
-    (Role.SERVER, Phase.AUTH, SEND, "PEER_CHALLENGE"): Phase.AUTH,
-    (Role.SERVER, Phase.AUTH, RECV, "PEER_PROOF"): Phase.AUTH,
-    (Role.SERVER, Phase.AUTH, SEND, "PEER_AUTH_OK"): Phase.OPEN,
-    # a refused proof (PERMISSION_DENIED): the connection stays unproven, admitting nothing but proofs
-    (Role.CLIENT, Phase.AUTH, RECV, "ERROR"): Phase.AUTH,
-    (Role.SERVER, Phase.AUTH, SEND, "ERROR"): Phase.AUTH,
-    (Role.CLIENT, Phase.OPEN, SEND, "PEER_QUERY"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "PEER_OFFER"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "PEER_READ"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "PEER_READ_OK"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, SEND, "PEER_FILES"): Phase.OPEN,
-    (Role.CLIENT, Phase.OPEN, RECV, "PEER_FILES_REPLY"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "PEER_QUERY"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "PEER_OFFER"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "PEER_READ"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "PEER_READ_OK"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, RECV, "PEER_FILES"): Phase.OPEN,
-    (Role.SERVER, Phase.OPEN, SEND, "PEER_FILES_REPLY"): Phase.OPEN,
-}
-
-#: Request type -> the reply type that answers it (ERROR answers any request).
-REPLY_TO: dict[str, str] = {
-    "GET_STATE": "STATE",
-    "RELEASE": "RELEASED",
-    "STATUS": "STATUS_REPLY",
-    "PRELOAD": "PRELOADED",
-    "EVICT": "EVICTED",
-    "TAKEOVER": "TAKEOVER_STATE",
-    "TAKEOVER_ADOPTED": "TAKEOVER_DONE",
-    "KEEP": "KEPT",
-    "UNKEEP": "KEPT",
-    "RECLAIM": "RECLAIMED",
-    "DEPOSIT": "DEPOSIT_SLAB",
-    "COMMIT": "DEPOSITED",
-    "PEER_AUTH": "PEER_CHALLENGE",
-    "PEER_PROOF": "PEER_AUTH_OK",
-    "PEER_QUERY": "PEER_OFFER",
-    "PEER_READ": "PEER_READ_OK",
-    "PEER_FILES": "PEER_FILES_REPLY",
-}
-#: The requests each service answers; a server with a service answers the others' with NOT_FOUND.
-SERVES: dict[Service, frozenset[str]] = {
-    Service.DAEMON: frozenset(
-        {"GET_STATE", "RELEASE", "STATUS", "PRELOAD", "EVICT", "TAKEOVER", "TAKEOVER_ADOPTED", "DEPOSIT", "COMMIT"}
-    ),
-    Service.KEEPER: frozenset({"KEEP", "UNKEEP", "RECLAIM", "STATUS"}),
-    Service.PEER: frozenset({"PEER_AUTH", "PEER_PROOF", "PEER_QUERY", "PEER_READ", "PEER_FILES", "RELEASE"}),
-}
-#: Frames that bring file descriptors (``fd_count`` of them, docs/protocol.md §2.2); no other frame may.
-CARRIES_FDS = frozenset({"STATE", "TAKEOVER_STATE", "KEEP", "RECLAIMED", "DEPOSIT_SLAB"})
-#: The requests of each service, by frame type (the unions above, for runtime use: ``__getattr__``)
-_UNIONS = {
-    "DaemonRequest": (
-        "GET_STATE",
-        "RELEASE",
-        "STATUS",
-        "PRELOAD",
-        "EVICT",
-        "TAKEOVER",
-        "TAKEOVER_ADOPTED",
-        "DEPOSIT",
-        "COMMIT",
-    ),
-    "KeeperRequest": ("KEEP", "UNKEEP", "RECLAIM", "STATUS"),
-}
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64
+#: The one phase that is named differently at the two ends: HELLO travelled, HELLO_OK not yet.
+_MIRROR = {Phase.HELLO_SENT: Phase.HELLO_RECEIVED}
+#: frame class -> its rows, (role, phase, direction) -> next phase (``transitions``, derived on first use)
+_ROWS: dict[type[Frame], dict[tuple[Role, Phase, str], Phase]] = {}
+#: service -> whether a request it answers brings descriptors (``Connection.accepts_fds``, derived on first use)
+_ACCEPTS_FDS: dict[Service, bool] = {}
+#: the request unions' names (``__getattr__``)
+_UNIONS = {"DaemonRequest": Service.DAEMON, "KeeperRequest": Service.KEEPER}
+
+
+def transitions(cls: type[Frame]) -> dict[tuple[Role, Phase, str], Phase]:
+    """One frame's rows of the state machine, (role, phase, direction) -> next phase: each phase it declares
+    (``MOVES``, in the client's view) for the end that sends it, and the mirror of that row for the end that
+    receives it (a fatal ERROR, in any phase, closes the connection: ``Connection._on``)."""
+    rows = _ROWS.get(cls)
+    if rows is None:
+        sends = cls.SENDER
+        rows = {}
+        for phase, after in cls.MOVES:
+            for role in Role:
+                here, there = (phase, after) if role is Role.CLIENT else (_mirror(phase), _mirror(after))
+                rows[(role, here, SEND if role is sends else RECV)] = there
+        _ROWS[cls] = rows
+    return rows
+
+
+def _mirror(phase: Phase) -> Phase:
+    return _MIRROR.get(phase, phase)
+
+
+def requests(service: Service) -> tuple[type[Frame], ...]:
+    """The requests ``service`` answers (imports every frame module)."""
+    return tuple(cls for cls in _frames() if service in cls.SERVICES)
 
 
 class Misdirected:
@@ -277,23 +170,37 @@ class Misdirected:
         return f"Misdirected({self.request!r})"
 
 
-if TYPE_CHECKING:
-    #: What a connection yields: a frame, or a request the server does not serve.
-    Event = Frame | Misdirected
+#: What a connection yields: a frame, or a request the server does not serve.
+Event = Frame | Misdirected
 
 
 def __getattr__(name: str) -> Any:
-    """``DaemonRequest``, ``KeeperRequest`` and ``Event`` at run time (they import every frame module; any other
-    name, ``__path__`` that ``from ... import`` looks for included, imports nothing)."""
-    types = _UNIONS.get(name)
-    if types is None and name != "Event":
+    """The tables and request unions, derived from every frame's declaration when read (they import every frame
+    module; any other name, ``__path__`` that ``from ... import`` looks for included, imports nothing)."""
+    if name == "TRANSITIONS":
+        return {(*row, cls.TYPE): after for cls in _frames() for row, after in transitions(cls).items()}
+    if name == "SERVES":
+        return {service: frozenset(cls.TYPE for cls in requests(service)) for service in Service}
+    if name == "CARRIES_FDS":
+        return frozenset(cls.TYPE for cls in _frames() if cls.carries_fds())
+    service = _UNIONS.get(name)
+    if service is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from wcache.proto import frames
+    return reduce(or_, requests(service))
 
-    if types is None:
-        return frames.Frame | Misdirected
-    registry = frames.load_frames()
-    return reduce(or_, (registry[t] for t in types))
+
+def _frames() -> Iterable[type[Frame]]:
+    from wcache.proto.frames import load_frames
+
+    return load_frames().values()
+
+
+def _accepts_fds(service: Service) -> bool:
+    """Whether a request ``service`` answers brings descriptors (a keeper's KEEP; a daemon's none)."""
+    accepts = _ACCEPTS_FDS.get(service)
+    if accepts is None:
+        accepts = _ACCEPTS_FDS[service] = any(cls.carries_fds() for cls in requests(service))
+    return accepts
 
 
 def _decode_frame() -> Callable[[Any], Frame]:
@@ -362,17 +269,17 @@ class Connection:
         """Whether any frame this side may receive brings descriptors (a daemon's clients never send any)."""
         if self.role is Role.CLIENT or self.service is None:
             return True
-        return bool(SERVES[self.service] & CARRIES_FDS)
+        return _accepts_fds(self.service)
 
     def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ()) -> None:
         """Feed bytes from the peer, with the descriptors that came with them (SCM_RIGHTS); ``b""`` marks
         the end of the stream. The descriptors are the connection's from here on: each goes out with the
-        frame that announces it, and :meth:`release_fds` returns the rest for closing. ProtocolError when
-        this peer may not send descriptors at all."""
+        frame that announces it, and :meth:`release_fds` returns the rest for closing. RemoteProtocolError
+        when this peer may not send descriptors at all."""
         if fds:
             self._fds.extend(fds)
             if not self.accepts_fds:
-                raise ProtocolError("this peer may not send file descriptors")
+                raise RemoteProtocolError("this peer may not send file descriptors")
         if not data:
             self._eof = True
             return
@@ -388,7 +295,7 @@ class Connection:
         if fds:
             self._fds.extend(fds)
             if not self.accepts_fds:
-                raise ProtocolError("this peer may not send file descriptors")
+                raise RemoteProtocolError("this peer may not send file descriptors")
         self._buffer.filled(n)
 
     def release_fds(self) -> list[int]:
@@ -430,9 +337,9 @@ class Connection:
         """Yield each complete frame received so far, validated against the state, with the descriptors it
         announces (``fd_count``; the caller owns them).
 
-        Raises ProtocolError (or a subclass) on malformed bytes, an illegal frame, a frame announcing more
-        descriptors than arrived, or descriptors that no frame announces. A stream that ends inside a frame
-        raises ProtocolError too.
+        Raises RemoteProtocolError (or a subclass) on malformed bytes, an illegal frame, a frame announcing
+        more descriptors than arrived, or descriptors that no frame announces. A stream that ends inside a
+        frame raises RemoteProtocolError too.
         """
         return self._decode(with_fds=True)
 
@@ -443,17 +350,19 @@ class Connection:
             if body is None:
                 if with_fds and self._fds and not self._buffer.buffered:
                     # descriptors travel with the first byte of the frame that announces them: these came with none
-                    raise ProtocolError(f"{len(self._fds)} file descriptor(s) arrived that no frame announced")
+                    raise RemoteProtocolError(f"{len(self._fds)} file descriptor(s) arrived that no frame announced")
                 if self._eof:
                     self.phase = Phase.CLOSED
                     if self._buffer.buffered:
-                        raise ProtocolError(f"stream ended inside a frame ({self._buffer.buffered} bytes pending)")
+                        raise RemoteProtocolError(
+                            f"stream ended inside a frame ({self._buffer.buffered} bytes pending)"
+                        )
                 return
             with gc_paused(len(body)):
                 frame = _decode_frame()(decode_body(body))
-            want = frame.fd_count if with_fds and frame.TYPE in CARRIES_FDS else 0
+            want = frame.fd_count if with_fds else 0  # 0 but for the frames that carry descriptors
             if want > len(self._fds):
-                raise ProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
+                raise RemoteProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
             self._on(RECV, frame)  # an illegal frame leaves its descriptors to release_fds
             fds, self._fds = self._fds[:want], self._fds[want:]
             if self.role is Role.SERVER and self.service is not None and self._misdirected(frame):
@@ -463,7 +372,7 @@ class Connection:
 
     def _misdirected(self, frame: Frame) -> bool:
         assert self.service is not None
-        return frame.TYPE in REPLY_TO and frame.TYPE not in SERVES[self.service]
+        return bool(frame.REPLIES) and self.service not in frame.SERVICES
 
     # ------------------------------------------------------------------ outbound
     def send(self, frame: Frame) -> bytes:
@@ -487,7 +396,7 @@ class Connection:
         """Undo the reply just sent to ``request`` when none of its bytes left (the kernel refused its
         descriptors): the request is pending again, to be answered with an ERROR."""
         rid = getattr(request, "id", 0)
-        if request.TYPE not in REPLY_TO or rid in self.pending:
+        if not request.REPLIES or rid in self.pending:
             raise LocalProtocolError(f"{request.TYPE} {rid} is not a request just answered: no reply to retract")
         self.pending[rid] = request.TYPE
 
@@ -519,7 +428,7 @@ class Connection:
                 raise LocalProtocolError("connection is closed")
             self.phase = Phase.CLOSED
             return
-        nxt = TRANSITIONS.get((self.role, self.phase, direction, t))
+        nxt = transitions(type(frame)).get((self.role, self.phase, direction))
         if nxt is Phase.OPEN and self.auth and t == "HELLO_OK":
             nxt = Phase.AUTH  # the shared-secret proofs come first (§10.2)
         if nxt is None:
@@ -545,8 +454,8 @@ class Connection:
             if direction == RECV:
                 self.peer_max_frame_size = frame.max_frame_size
             return
-        rid = frame.id
-        if frame.TYPE in REPLY_TO:  # a request
+        rid: int = getattr(frame, "id", 0)  # every frame but the handshake's has one
+        if frame.REPLIES:  # a request
             if rid in self.pending:
                 raise err(f"request id {rid} is already waiting for a reply")
             if len(self.pending) >= MAX_PENDING:
@@ -558,7 +467,7 @@ class Connection:
         if isinstance(frame, ErrorFrame) and rid == 0:
             return  # a connection-level error, answering no particular request
         req = self.pending.get(rid)
-        if req is None or (not isinstance(frame, ErrorFrame) and REPLY_TO[req] != frame.TYPE):
+        if req is None or (not isinstance(frame, ErrorFrame) and frame.TYPE not in REGISTRY[req].REPLIES):
             raise err(f"{frame.TYPE} with id {rid} answers no pending request of that kind")
         del self.pending[rid]
         if direction == SEND:

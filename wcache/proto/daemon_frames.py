@@ -19,12 +19,16 @@ from wcache.proto.fields import (
     Bin,
     Bool,
     Choice,
+    Frame,
     Int,
     Key,
     KeyMap,
     Message,
     Nested,
+    Phase,
     Plain,
+    Role,
+    Service,
     Str,
     fail,
     message,
@@ -115,8 +119,8 @@ class SlabDescriptor(Message):
 # --------------------------------------------------------------------------- handshake, STATUS, ERROR
 
 
-@message("HELLO")
-class Hello(Message):
+@message("HELLO", sender=Role.CLIENT, moves={Phase.START: Phase.HELLO_SENT})
+class Hello(Frame):
     """Client -> daemon, first frame: the protocol versions the client speaks."""
 
     versions: tuple[int, ...] = wire(Array(Int(lo=1, hi=2**31 - 1), min_items=1, max_items=MAX_VERSIONS))
@@ -124,8 +128,8 @@ class Hello(Message):
     name: str = wire(Str(), default="")
 
 
-@message("HELLO_OK")
-class HelloOk(Message):
+@message("HELLO_OK", moves={Phase.HELLO_SENT: Phase.OPEN})
+class HelloOk(Frame):
     """Daemon -> client: the chosen version and what the daemon serves from where."""
 
     version: int = wire(Int(lo=1, hi=2**31 - 1))
@@ -136,8 +140,8 @@ class HelloOk(Message):
     server_pid: int = wire(Int(), default=0)
 
 
-@message("ERROR")
-class ErrorFrame(Message):
+@message("ERROR", phase=(Phase.OPEN, Phase.AUTH))
+class ErrorFrame(Frame):
     """Either direction: a request failed (``id`` > 0) or the connection did (``id`` 0).
 
     ``fatal`` means the sender closes the connection right after this frame.
@@ -193,8 +197,8 @@ class CheckpointProof(Message):
             raise fail("CheckpointProof", "files", "file names must be non-empty and unique")
 
 
-@message("GET_STATE")
-class GetState(Message):
+@message("GET_STATE", reply="STATE", service=Service.DAEMON, pipelined=True)
+class GetState(Frame):
     """Client -> daemon: lease the weights served under ``key``; with ``proof``, ``key`` holds only the fields
     the checkpoint's files do not determine, and the daemon completes it (docs/protocol.md §4.3.1)."""
 
@@ -206,7 +210,7 @@ class GetState(Message):
 
 
 @message("STATE")
-class State(Message):
+class State(Frame):
     """Daemon -> client: a lease and everything needed to map the weights."""
 
     id: int = wire(_ID)
@@ -228,8 +232,8 @@ class State(Message):
         return sum(1 for s in self.slabs if s.fd >= 0)
 
 
-@message("RELEASE")
-class Release(Message):
+@message("RELEASE", reply="RELEASED", service=(Service.DAEMON, Service.PEER))
+class Release(Frame):
     """Client -> daemon: end a lease held by this connection."""
 
     id: int = wire(_ID)
@@ -237,7 +241,7 @@ class Release(Message):
 
 
 @message("RELEASED")
-class Released(Message):
+class Released(Frame):
     """Daemon -> client: the lease is over; ``leases_left`` on that model, all clients."""
 
     id: int = wire(_ID)

@@ -5,7 +5,23 @@ restart path (``daemon_frames``)."""
 from __future__ import annotations
 
 from wcache.proto.daemon_frames import MAX_DEPOSIT_TENSORS, SlabDescriptor, fd_positions
-from wcache.proto.fields import Array, Bool, Choice, Int, Key, KeyMap, Message, Nested, Str, StrMap, fail, message, wire
+from wcache.proto.fields import (
+    Array,
+    Bool,
+    Choice,
+    Frame,
+    Int,
+    Key,
+    KeyMap,
+    Message,
+    Nested,
+    Service,
+    Str,
+    StrMap,
+    fail,
+    message,
+    wire,
+)
 from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, Aliases, Table, TensorTable
 
 __all__ = [
@@ -52,8 +68,8 @@ class DepositTensor(Message):
         return n
 
 
-@message("DEPOSIT")
-class Deposit(Message):
+@message("DEPOSIT", reply="DEPOSIT_SLAB", service=Service.DAEMON)
+class Deposit(Frame):
     """Engine -> daemon: "I will write these tensors; publish them under the recipe ``key``"."""
 
     id: int = wire(_ID)
@@ -83,7 +99,7 @@ class Deposit(Message):
 
 
 @message("DEPOSIT_SLAB")
-class DepositSlab(Message):
+class DepositSlab(Frame):
     """Daemon -> engine: the deposit's writable slab (one descriptor) and where each tensor goes in it."""
 
     id: int = wire(_ID)
@@ -100,8 +116,8 @@ class DepositSlab(Message):
         return sum(1 for s in self.slabs if s.fd >= 0)
 
 
-@message("COMMIT")
-class Commit(Message):
+@message("COMMIT", reply="DEPOSITED", service=Service.DAEMON)
+class Commit(Frame):
     """Engine -> daemon: every tensor of ``deposit`` is written and the engine's mappings are gone."""
 
     id: int = wire(_ID)
@@ -109,7 +125,7 @@ class Commit(Message):
 
 
 @message("DEPOSITED")
-class Deposited(Message):
+class Deposited(Frame):
     """Daemon -> engine: the slab is sealed and served under ``key`` (``replaced``: an unleased model was)."""
 
     id: int = wire(_ID)

@@ -1,10 +1,12 @@
-"""Field declarations for frames: one declaration per field drives encode *and* decode.
+"""Declarations for frames: one declaration per field drives encode *and* decode, and one per frame drives the
+connection's state machine.
 
-A frame (or a part of one, such as ``DeviceInfo``) is a ``@message`` class whose fields are
-declared with :func:`wire`::
+A frame is a ``@message`` class of :class:`Frame` (a part of one, such as ``DeviceInfo``, one of
+:class:`Message`) whose fields are declared with :func:`wire`, and whose place in the protocol is declared
+with ``@message``'s arguments::
 
-    @message("RELEASE")
-    class Release(Message):
+    @message("RELEASE", reply="RELEASED", service=(Service.DAEMON, Service.PEER))
+    class Release(Frame):
         id: int = wire(Int(lo=1))
         lease: int = wire(Int(lo=1))
 
@@ -14,18 +16,23 @@ so the wire map lists fields in declaration order (the golden bytes of docs/prot
 it). Decoding validates every present field, takes the declared default for an absent one
 (``missing=`` when the wire default differs from the constructor's), ignores unknown fields
 (schema evolution, docs/protocol.md §2.1) and then runs the class's ``_validate`` for rules that
-span fields. Every failure is a :class:`~wcache.errors.ProtocolError` whose ``details`` name
-``frame`` and ``field`` — never a KeyError or TypeError.
+span fields. Every failure is a :class:`~wcache.errors.RemoteProtocolError` (a receiver decodes what its
+peer sent) whose ``details`` name ``frame`` and ``field`` — never a KeyError or TypeError.
+
+The reply, the services that answer a request, the phases a frame travels in and whether it may be
+pipelined are the frame's declaration (:func:`message`), and whether it brings descriptors is its
+``fd_count``; ``connection.py`` derives its tables from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Self, TypeVar, dataclass_transform
 
-from wcache.errors import ProtocolError
+from wcache.errors import RemoteProtocolError
 from wcache.proto._record import declared, field, namespace
 
 __all__ = [
@@ -39,13 +46,17 @@ __all__ = [
     "Bool",
     "Choice",
     "Float",
+    "Frame",
     "Int",
     "Key",
     "KeyMap",
     "Kind",
     "Message",
     "Nested",
+    "Phase",
     "Plain",
+    "Role",
+    "Service",
     "Str",
     "StrMap",
     "fail",
@@ -67,9 +78,10 @@ _MISSING: Any = dataclasses.MISSING
 _DECL = "wcache.wire"
 
 
-def fail(frame: str, fld: str, what: str) -> ProtocolError:
-    """The one decode error: names the frame (or part) and the field."""
-    return ProtocolError(f"{frame}.{fld}: {what}", details={"frame": frame, "field": fld})
+def fail(frame: str, fld: str, what: str) -> RemoteProtocolError:
+    """The one decode error, the peer's (what it sent breaks docs/protocol.md): names the frame (or part) and the
+    field."""
+    return RemoteProtocolError(f"{frame}.{fld}: {what}", details={"frame": frame, "field": fld})
 
 
 # --------------------------------------------------------------------------- kinds
@@ -304,6 +316,7 @@ def wire(
     return field(default=default, default_factory=default_factory, metadata={_DECL: (kind, missing, omit_default)})
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(wire, dataclasses.field, dataclasses.Field))
 class _Record(type):
     """Message's metaclass: a subclass's class statement builds the frozen record (``_record.namespace``) in one
     class creation — ``@record`` on a finished class creates it a second time, with the slots, and that was a
@@ -328,11 +341,6 @@ class Message(metaclass=_Record):
     _OMIT: ClassVar[frozenset[str]] = frozenset()
     _NAME: ClassVar[str] = ""
 
-    @property
-    def fd_count(self) -> int:
-        """How many file descriptors travel with this frame (SCM_RIGHTS, docs/protocol.md §2.2)."""
-        return 0
-
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.TYPE} if self.TYPE else {}
         omit = self._OMIT
@@ -345,10 +353,10 @@ class Message(metaclass=_Record):
 
     @classmethod
     def from_wire(cls, m: Any) -> Self:
-        """Decode and validate one map (docs/protocol.md §4); ProtocolError naming frame and field."""
+        """Decode and validate one map (docs/protocol.md §4); RemoteProtocolError naming frame and field."""
         frame = cls._NAME
         if type(m) is not dict:
-            raise ProtocolError(f"{frame}: expected a map, got {type(m).__name__}", details={"frame": frame})
+            raise RemoteProtocolError(f"{frame}: expected a map, got {type(m).__name__}", details={"frame": frame})
         values: dict[str, Any] = {}
         for name, kind, absent, factory in cls._SPEC:
             v = m.get(name, _MISSING)
@@ -368,19 +376,116 @@ class Message(metaclass=_Record):
         """Rules that span fields (a frame overrides it); raise ``fail(...)``."""
 
 
+# --------------------------------------------------------------------------- a frame's place in the protocol
+
+
+class Role(enum.Enum):
+    """An end of a connection: the client sends requests, the server answers them."""
+
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class Service(enum.Enum):
+    """What a server speaks for: a daemon serves weights, a keeper holds slabs for daemons (§4.11), a peer
+    channel offers a daemon's slabs to other daemons of a fleet over TCP (§10)."""
+
+    DAEMON = "daemon"
+    KEEPER = "keeper"
+    PEER = "peer"
+
+
+class Phase(enum.Enum):
+    """Where a connection stands (docs/protocol.md §5.1); the values travel in UNEXPECTED_FRAME's details."""
+
+    START = "start"  # nothing exchanged yet
+    HELLO_SENT = "hello_sent"  # client: HELLO out, awaiting HELLO_OK
+    HELLO_RECEIVED = "hello_received"  # server: HELLO in, must answer HELLO_OK or fatal ERROR
+    AUTH = "auth"  # peer channel, shared-secret mode: HELLO_OK sent, proofs not yet exchanged (§10.2)
+    OPEN = "open"  # requests and replies flow
+    CLOSED = "closed"  # a fatal ERROR went either way, or the stream ended
+
+
+class Frame(Message):
+    """A message that travels on its own, tagged by its ``type``: every frame of docs/protocol.md §4.
+
+    Its ``@message`` declares its place in the protocol, once, and the connection's tables are derived from
+    these declarations (``connection.py``: ``TRANSITIONS``, ``SERVES``, ``CARRIES_FDS``, the request unions).
+    """
+
+    __slots__ = ()
+    #: the frames that answer this request, by type (an ERROR answers any request); empty: not a request
+    REPLIES: ClassVar[tuple[str, ...]] = ()
+    #: the services that answer this request; a server of another service answers it NOT_FOUND (§4.11)
+    SERVICES: ClassVar[frozenset[Service]] = frozenset()
+    #: the end that sends it: the client a request (and HELLO), the server every other frame
+    SENDER: ClassVar[Role] = Role.SERVER
+    #: the phases it may travel in, each with the phase it leaves the connection in, in the client's view (the
+    #: server's is the mirror: HELLO_RECEIVED for HELLO_SENT)
+    MOVES: ClassVar[tuple[tuple[Phase, Phase], ...]] = ()
+    #: a request a client may send right behind HELLO, before HELLO_OK is back (docs/protocol.md §5.1)
+    PIPELINED: ClassVar[bool] = False
+
+    @property
+    def fd_count(self) -> int:
+        """How many file descriptors travel with this frame (SCM_RIGHTS, docs/protocol.md §2.2). A frame that
+        brings descriptors overrides this, and that is its declaration: no other frame may bring any."""
+        return 0
+
+    @classmethod
+    def carries_fds(cls) -> bool:
+        """Whether this frame brings descriptors (it counts them: ``fd_count``)."""
+        return cls.fd_count is not Frame.fd_count
+
+
 #: frame type -> class, for every ``@message`` with a TYPE (the decoder's registry)
-REGISTRY: dict[str, type[Message]] = {}
+REGISTRY: dict[str, type[Frame]] = {}
 
 M = TypeVar("M", bound=Message)
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(wire, dataclasses.field, dataclasses.Field))
-def message(type_: str = "") -> Callable[[type[M]], type[M]]:
-    """Make ``cls`` a frozen record (``_record.py``) with the generic codec; ``type_``: its frame type
-    (registered for ``decode_frame``), or "" for a part of a frame."""
+def message(
+    type_: str = "",
+    *,
+    reply: str | tuple[str, ...] = (),
+    service: Service | tuple[Service, ...] = (),
+    phase: Phase | tuple[Phase, ...] = (),
+    moves: Mapping[Phase, Phase] | None = None,
+    sender: Role | None = None,
+    pipelined: bool = False,
+) -> Callable[[type[M]], type[M]]:
+    """Give a record (every Message subclass is one) the generic codec.
+
+    ``type_``: the frame type of a :class:`Frame` subclass (registered for ``decode_frame``), or "" for a part
+    of a frame (a plain Message). A frame's place in the protocol, declared here once:
+
+    - ``reply``: a request's reply frame type(s) (an ERROR answers any request too), and ``service``: the
+      service(s) that answer it. A frame with a reply is a request, sent by the client;
+    - ``phase``: the phase(s) it travels in, the connection staying there (default OPEN); ``moves`` instead
+      for a frame that moves the connection on ({phase: next phase}, in the client's view);
+    - ``sender``: the end that sends it, where that is not the default (the client a request, else the server);
+    - ``pipelined``: a request the client may send before HELLO_OK is back (docs/protocol.md §5.1).
+
+    Descriptors are declared by the frame's ``fd_count`` (:meth:`Frame.carries_fds`).
+    """
+    replies = (reply,) if isinstance(reply, str) else tuple(reply)
+    services = frozenset((service,) if isinstance(service, Service) else service)
+    phases = (phase,) if isinstance(phase, Phase) else tuple(phase)
+    if moves is not None and phases:
+        raise TypeError(f"{type_}: declare phase= or moves=, not both")
+    if bool(replies) != bool(services) or (pipelined and not replies):
+        raise TypeError(f"{type_}: a request declares its reply and service (and only a request is pipelined)")
+    if not type_ and (replies or phases or moves or sender or pipelined):
+        raise TypeError("a part of a frame has no place in the protocol of its own: declare it on the frame")
+    steps = tuple(moves.items()) if moves is not None else tuple((p, p) for p in phases or (Phase.OPEN,))
+    if pipelined:
+        steps += ((Phase.HELLO_SENT, Phase.HELLO_SENT),)
 
     def build(cls: type[M]) -> type[M]:
         out = cls  # a record already (Message's metaclass)
+        if bool(type_) != issubclass(out, Frame):
+            raise TypeError(f"{cls.__qualname__}: a frame (a Frame subclass) has a type, a part (a Message) none")
         spec = []
         omit = set()
         for f in declared(out):
@@ -399,9 +504,11 @@ def message(type_: str = "") -> Callable[[type[M]], type[M]]:
         out._OMIT = frozenset(omit)
         out.TYPE = type_
         out._NAME = type_ or out.__name__
-        if type_:
+        if issubclass(out, Frame):
             if type_ in REGISTRY:
                 raise TypeError(f"frame type {type_} declared twice")
+            out.REPLIES, out.SERVICES, out.MOVES, out.PIPELINED = replies, services, steps, pipelined
+            out.SENDER = sender or (Role.CLIENT if replies else Role.SERVER)
             REGISTRY[type_] = out
         return out
 

@@ -11,7 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 from wcache.errors import ProtocolError
-from wcache.proto.fields import Array, Bin, Choice, Float, Int, Key, KeyMap, Message, Nested, Str, fail, message, wire
+from wcache.proto.fields import (
+    Array,
+    Bin,
+    Choice,
+    Float,
+    Frame,
+    Int,
+    Key,
+    KeyMap,
+    Message,
+    Nested,
+    Phase,
+    Service,
+    Str,
+    fail,
+    message,
+    wire,
+)
 from wcache.proto.table import Aliases, Table, TensorTable
 
 __all__ = [
@@ -72,8 +89,8 @@ def _exact(frame: str, fld: str, v: bytes, n: int) -> None:
 # --------------------------------------------------------------------------- shared-secret authentication (§10.2)
 
 
-@message("PEER_AUTH")
-class PeerAuth(Message):
+@message("PEER_AUTH", reply="PEER_CHALLENGE", service=Service.PEER, phase=Phase.AUTH)
+class PeerAuth(Frame):
     """Target -> source, first request in the shared-secret mode: the target's nonce."""
 
     id: int = wire(_ID)
@@ -83,8 +100,8 @@ class PeerAuth(Message):
         _exact("PEER_AUTH", "nonce", self.nonce, NONCE_BYTES)
 
 
-@message("PEER_CHALLENGE")
-class PeerChallenge(Message):
+@message("PEER_CHALLENGE", phase=Phase.AUTH)
+class PeerChallenge(Frame):
     """Source -> target: the source's nonce and its proof of the secret, bound to both nonces and the TLS
     certificate it presented."""
 
@@ -97,8 +114,8 @@ class PeerChallenge(Message):
         _exact("PEER_CHALLENGE", "proof", self.proof, PROOF_BYTES)
 
 
-@message("PEER_PROOF")
-class PeerProof(Message):
+@message("PEER_PROOF", reply="PEER_AUTH_OK", service=Service.PEER, phase=Phase.AUTH)
+class PeerProof(Frame):
     """Target -> source: the target's proof of the secret (the source answers PEER_AUTH_OK or a fatal ERROR)."""
 
     id: int = wire(_ID)
@@ -108,8 +125,8 @@ class PeerProof(Message):
         _exact("PEER_PROOF", "proof", self.proof, PROOF_BYTES)
 
 
-@message("PEER_AUTH_OK")
-class PeerAuthOk(Message):
+@message("PEER_AUTH_OK", moves={Phase.AUTH: Phase.OPEN})
+class PeerAuthOk(Frame):
     """Source -> target: both ends hold the secret; requests may follow."""
 
     id: int = wire(_ID)
@@ -118,8 +135,8 @@ class PeerAuthOk(Message):
 # --------------------------------------------------------------------------- fill (§10.3)
 
 
-@message("PEER_QUERY")
-class PeerQuery(Message):
+@message("PEER_QUERY", reply="PEER_OFFER", service=Service.PEER)
+class PeerQuery(Frame):
     """Target -> source: what do you hold that fills ``key`` (the target's own key: its rank, or a recipe key)?"""
 
     id: int = wire(_ID)
@@ -148,7 +165,7 @@ class PeerModel(Message):
 
 
 @message("PEER_OFFER")
-class PeerOffer(Message):
+class PeerOffer(Frame):
     """Source -> target: the slabs that fill the query (the target plans which bytes to READ from which) and
     the NIXL metadata to READ them with — a capability, sent only after authentication (§10.1)."""
 
@@ -163,8 +180,8 @@ class PeerOffer(Message):
             raise fail("PEER_OFFER", "models", "a lease is offered twice")
 
 
-@message("PEER_READ")
-class PeerRead(Message):
+@message("PEER_READ", reply="PEER_READ_OK", service=Service.PEER)
+class PeerRead(Frame):
     """Target -> source: the target will READ ``bytes`` more of ``lease``'s slab (the source's rate cap answers)."""
 
     id: int = wire(_ID)
@@ -173,7 +190,7 @@ class PeerRead(Message):
 
 
 @message("PEER_READ_OK")
-class PeerReadOk(Message):
+class PeerReadOk(Frame):
     """Source -> target: go ahead with ``bytes`` (sent when the source's rate cap allows them)."""
 
     id: int = wire(_ID)
@@ -215,8 +232,8 @@ class PeerFile(Message):
             end = b.offset + len(b.data)
 
 
-@message("PEER_FILES")
-class PeerFiles(Message):
+@message("PEER_FILES", reply="PEER_FILES_REPLY", service=Service.PEER)
+class PeerFiles(Frame):
     """Target -> source: the small files of the checkpoint ``key`` names (the target has no weights)."""
 
     id: int = wire(_ID)
@@ -224,7 +241,7 @@ class PeerFiles(Message):
 
 
 @message("PEER_FILES_REPLY")
-class PeerFilesReply(Message):
+class PeerFilesReply(Frame):
     """Source -> target: the files of the checkpoint directory it loaded the key from."""
 
     id: int = wire(_ID)

@@ -10,7 +10,22 @@ from collections.abc import Sequence
 
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_REPRESENTABLE
 from wcache.proto.daemon_frames import BACKENDS, SlabDescriptor, fd_positions
-from wcache.proto.fields import MAX_PATH, Array, Choice, Float, Int, Key, KeyMap, Message, Nested, Str, message, wire
+from wcache.proto.fields import (
+    MAX_PATH,
+    Array,
+    Choice,
+    Float,
+    Frame,
+    Int,
+    Key,
+    KeyMap,
+    Message,
+    Nested,
+    Service,
+    Str,
+    message,
+    wire,
+)
 from wcache.proto.table import Aliases, Table, TensorTable
 
 __all__ = [
@@ -59,8 +74,8 @@ def _kept_fds(frame: str, models: Sequence[HandedModel]) -> int:
     return len(fds)
 
 
-@message("TAKEOVER")
-class Takeover(Message):
+@message("TAKEOVER", reply="TAKEOVER_STATE", service=Service.DAEMON)
+class Takeover(Frame):
     """New daemon -> running daemon: hand over your models and your listening socket, then exit."""
 
     id: int = wire(_ID)
@@ -72,7 +87,7 @@ class Takeover(Message):
 
 
 @message("TAKEOVER_STATE")
-class TakeoverState(Message):
+class TakeoverState(Frame):
     """Running daemon -> new daemon: its models (slabs travel as fds) and its listening socket (an fd)."""
 
     id: int = wire(_ID)
@@ -90,8 +105,8 @@ class TakeoverState(Message):
         return 1 + sum(1 for x in self.models for s in x.slabs if s.fd >= 0)
 
 
-@message("TAKEOVER_ADOPTED")
-class TakeoverAdopted(Message):
+@message("TAKEOVER_ADOPTED", reply="TAKEOVER_DONE", service=Service.DAEMON)
+class TakeoverAdopted(Frame):
     """New daemon -> running daemon, after TAKEOVER_STATE: every model is adopted; release your lock and stop.
     Until it arrives the running daemon serves on (a new daemon that fails closes the connection instead)."""
 
@@ -101,15 +116,15 @@ class TakeoverAdopted(Message):
 
 
 @message("TAKEOVER_DONE")
-class TakeoverDone(Message):
+class TakeoverDone(Frame):
     """Running daemon -> new daemon: its lock is released and it stops; the socket and models are yours."""
 
     id: int = wire(_ID)
     pid: int = wire(Int(), default=0)
 
 
-@message("KEEP")
-class Keep(Message):
+@message("KEEP", reply="KEPT", service=Service.KEEPER)
+class Keep(Frame):
     """Daemon -> keeper: hold this model's slabs (they travel as fds) for the daemon serving ``owner``."""
 
     id: int = wire(_ID)
@@ -128,8 +143,8 @@ class Keep(Message):
         return len(self.model.slabs)
 
 
-@message("UNKEEP")
-class Unkeep(Message):
+@message("UNKEEP", reply="KEPT", service=Service.KEEPER)
+class Unkeep(Frame):
     """Daemon -> keeper: stop holding the model ``key`` of ``owner`` (evicted: its memory is freed)."""
 
     id: int = wire(_ID)
@@ -138,7 +153,7 @@ class Unkeep(Message):
 
 
 @message("KEPT")
-class Kept(Message):
+class Kept(Frame):
     """Keeper -> daemon: the answer to KEEP and UNKEEP: what it now holds for ``owner``."""
 
     id: int = wire(_ID)
@@ -146,8 +161,8 @@ class Kept(Message):
     bytes: int = wire(Int())
 
 
-@message("RECLAIM")
-class Reclaim(Message):
+@message("RECLAIM", reply="RECLAIMED", service=Service.KEEPER)
+class Reclaim(Frame):
     """Daemon -> keeper, at start: the models kept for ``owner`` on this backend and device."""
 
     id: int = wire(_ID)
@@ -158,7 +173,7 @@ class Reclaim(Message):
 
 
 @message("RECLAIMED")
-class Reclaimed(Message):
+class Reclaimed(Frame):
     """Keeper -> daemon: the kept models (their slabs travel as fds; the keeper keeps holding them)
     and how many entries of ``owner`` it dropped because they were on another backend or device."""
 

@@ -63,7 +63,7 @@ from wcache.errors import (
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
-    ProtocolError,
+    RemoteProtocolError,
 )
 from wcache.locks import lock_holder, lock_holders
 from wcache.plan.key import WeightCacheKey
@@ -235,7 +235,7 @@ class Keeper:
         """``pid`` (SO_PEERCRED) must hold ``owner``'s daemon lock: a process of the uid that merely names a
         socket path may not deposit slabs a daemon would serve, nor take a daemon's slabs, nor drop them."""
         if not owner:
-            raise ProtocolError(f"{what}.owner: the depositing daemon's socket path is required")
+            raise RemoteProtocolError(f"{what}.owner: the depositing daemon's socket path is required")
         if not self.check_owner:
             return
         holder = lock_holder(owner) or 0  # 0: nobody (or not visible to us)
@@ -332,7 +332,7 @@ class Keeper:
             if problem is not None:
                 if req.backend in SLAB_KINDS and desc.kind not in SLAB_KINDS[req.backend]:
                     raise DeviceMismatchError(f"KEEP: {problem}; nothing kept", details={"backend": req.backend})
-                raise ProtocolError(f"KEEP: {problem}; nothing kept (a kept host slab must be a sealed memfd)")
+                raise RemoteProtocolError(f"KEEP: {problem}; nothing kept (a kept host slab must be a sealed memfd)")
         k = (req.owner, _key_id(req.model.key))
         old = self.entries.get(k)
         mine = [e for e in self._owned(req.owner) if e is not old]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from wcache import __version__
 from wcache.channel import close_fds, connect, expect
-from wcache.errors import CacheUnavailableError, NotFoundError, ProtocolError, WCacheError
+from wcache.errors import CacheUnavailableError, NotFoundError, RemoteProtocolError, WCacheError
 from wcache.plan.key import WeightCacheKey
 from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
 
@@ -70,7 +70,7 @@ async def reclaim(
 def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
     if not isinstance(frame, cls):
         close_fds(fds or [])
-        raise ProtocolError(f"expected {cls.__name__}, got {frame.TYPE}")
+        raise RemoteProtocolError(f"expected {cls.__name__}, got {frame.TYPE}")
     return frame
 
 

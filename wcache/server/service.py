@@ -11,10 +11,12 @@ does) nor touches a socket; the shell interprets nothing a frame says.
 
 Errors (docs/protocol.md §6), by whose fault they are (h11's model, wcache/errors.py):
 
-- a ``ProtocolError`` (a ``RemoteProtocolError``: the peer broke the protocol): a fatal ERROR of its code, close;
+- a ``RemoteProtocolError`` (the peer broke the protocol): a fatal ERROR of its code, close;
 - a ``LocalProtocolError`` (we did: a bug): logged with its traceback, a fatal ``INTERNAL``, close;
 - any other ``WCacheError`` from a handler: an ERROR answering that request; the connection serves on;
-- anything else from a handler: logged with its traceback, ``INTERNAL`` answering that request; serves on.
+- anything else from a handler — a bare ``ProtocolError`` included, another party's verdict on what this service
+  sent it (a received PROTOCOL_ERROR), which is not this peer's doing: logged with its traceback, ``INTERNAL``
+  answering that request; serves on.
 
 Nothing a peer sends ends more than its own connection.
 
@@ -48,6 +50,7 @@ from wcache.errors import (
     LocalProtocolError,
     PermissionDeniedError,
     ProtocolError,
+    RemoteProtocolError,
     WCacheError,
 )
 from wcache.proto import Connection, ErrorFrame, Frame, Hello, HelloOk, Misdirected, Phase, Role, Service
@@ -454,7 +457,7 @@ class Shell:
                     f"the {self.handler.service.value} broke the protocol (a bug; report it): {exc.message}"
                 )
                 await asyncio.wait_for(ch.send_bytes(conn.fatal_error(bug)), 1.0)
-        except ProtocolError as exc:
+        except RemoteProtocolError as exc:
             log.warning("protocol error %s pid=%d code=%s error=%s", tag, ctx.pid, exc.code.name, exc.message)
             self.metrics.errors[exc.code.name] += 1
             with contextlib.suppress(Exception):
@@ -508,8 +511,8 @@ class Shell:
             if isinstance(frame, Misdirected):  # another service's request: NOT_FOUND, not fatal
                 raise frame.error
             await self._send(ch, frame, await self._handle(frame, rid, fds, ctx))
-        except ProtocolError:
-            raise  # the peer's: a fatal ERROR and close; ours (LocalProtocolError): logged as a bug
+        except (RemoteProtocolError, LocalProtocolError):
+            raise  # the peer's: a fatal ERROR and close; ours: logged as a bug, a fatal INTERNAL
         except WCacheError as exc:
             self.log.info("request refused %s pid=%d code=%s error=%s", self.tag, ctx.pid, exc.code.name, exc.message)
             self.metrics.errors[exc.code.name] += 1
@@ -518,13 +521,19 @@ class Shell:
     async def _handle(self, frame: Frame, rid: int, fds: list[int], ctx: Context) -> Reply:
         try:
             out = await self.handler.handle(frame, fds, ctx)
-        except WCacheError:
-            raise
-        except Exception as exc:  # a bug or an unexpected failure inside the handler: this request's INTERNAL
-            self.log.exception("request failed %s pid=%d", self.tag, ctx.pid)
-            self.metrics.errors["INTERNAL"] += 1
-            return Reply(ErrorFrame.from_exception(InternalError(f"{type(exc).__name__}: {exc}"), rid))
-        return out if isinstance(out, Reply) else Reply(out)
+        except (RemoteProtocolError, LocalProtocolError):
+            raise  # this peer's break, or ours: fatal (``_serve``)
+        except WCacheError as exc:
+            if not isinstance(exc, ProtocolError):
+                raise  # a refusal: this request's ERROR (``_answer``)
+            failure: Exception = exc  # another party's verdict on what the handler sent it: not this peer's doing
+        except Exception as exc:  # a bug or an unexpected failure inside the handler
+            failure = exc
+        else:
+            return out if isinstance(out, Reply) else Reply(out)
+        self.log.exception("request failed %s pid=%d", self.tag, ctx.pid)
+        self.metrics.errors["INTERNAL"] += 1
+        return Reply(ErrorFrame.from_exception(InternalError(f"{type(failure).__name__}: {failure}"), rid))
 
     async def _send(self, ch: Channel, request: Frame, reply: Reply) -> None:
         try:
