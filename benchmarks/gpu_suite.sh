@@ -4,11 +4,13 @@
 #
 # PARTS picks steps, or one of three sets, each made to fit one 10-minute device call (expected minutes on the
 # H200, setup and the 16 GB checkpoint's ~25 s generation included; a fresh machine per call):
-#   restart  tests fresh keeper imports fresh_moe      ~8    the restart path: GPU tests (FP8 ones included: their
+#   restart  tests fresh keeper imports                ~8    the restart path: GPU tests (FP8 ones included: their
 #                                                            JSON too), fresh engines, keeper restart, imports
+#   moe      fresh_moe                                 ~2.5  the 50,000-tensor MoE restart path (a call of its own, or
+#                                                            beside another set with room)
 #   loads    cold sweep first_token tier               ~8.5  cold/warm loads, first token, host tier
 #   more     bench kills handoff fp8_writeback         ~8    the all-in-one bench, kills, takeover, FP8 write-back
-# so the whole suite is three calls: PARTS=restart, PARTS=loads, PARTS=more. Default: all three sets (more than
+# so the whole suite is four calls: PARTS=restart, moe, loads, more. Default: all four sets (more than
 # one call's time: what does not fit SUITE_SECONDS is skipped and says so). Extra steps, in no set: disk
 # (the disk's read patterns, ~3 min), driver_order (start-up order vs copy speed, ~1 min), and fleet (the
 # fleet fill over NIXL, docs/fleet.md "What is measured": ~7 min with the checkpoint's generation, so a call
@@ -32,11 +34,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
 OUT="${OUT:-${1:-benchmarks/results/gpu-$(date +%F)}}"
-PARTS="${PARTS:-restart loads more}"
+PARTS="${PARTS:-restart moe loads more}"
 PACK="${PACK:-1}"
 SUITE_SECONDS="${SUITE_SECONDS:-570}"
 declare -A SETS=(
-  [restart]="tests fresh keeper imports fresh_moe"
+  [restart]="tests fresh keeper imports"
+  [moe]="fresh_moe"
   [loads]="cold sweep first_token tier"
   [more]="bench kills handoff fp8_writeback"
 )
@@ -105,8 +108,9 @@ sys.exit(0 if out["ok"] else 1)
 PY
 }
 FP8_TESTS="test_fp8|test_deposit_cuda"
-if want tests; then  # 34 tests, 109 s with bytecode; the FP8 ones' JSON from the same run
-  step gpu_tests "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra \
+if want tests; then  # 37 tests: 99 s on a warm machine, over 240 s first thing on a fresh VM (2026-12-02: every
+  # daemon process then reads torch from a cold disk); the FP8 ones' JSON from the same run
+  step gpu_tests "${TESTS_TIMEOUT:-330}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra \
     -W default --junitxml="$RAW/gpu_tests.xml"
   [ -f "$RAW/gpu_tests.xml" ] && junit_json "$RAW/gpu_tests.xml" "$RAW/fp8_checkpoint.json" "$FP8_TESTS"
 fi
