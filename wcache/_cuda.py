@@ -12,9 +12,9 @@ the holder object unmaps when torch frees the last view. The daemon side needs `
 the client maps through ``wcache.client.driver`` (ctypes over libcuda.so.1, no import cost).
 
 Importing this module imports no torch. Where torch is not imported (a daemon serving only what its
-keeper or a takeover handed it, issue 20), device UUIDs, the context and memory figures come from the
-driver (the primary context: the one torch's runtime uses once it is imported); where torch is, they
-come from torch as before.
+keeper or a takeover handed it: docs/performance.md, "Daemon restart"), device UUIDs, the context and memory
+figures come from the driver (the primary context: the one torch's runtime uses once it is imported); where
+torch is, they come from torch as before.
 """
 
 from __future__ import annotations

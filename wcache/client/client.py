@@ -552,7 +552,7 @@ class WCacheClient:
         """Blocking fetch() for engines without an event loop (not from inside a running loop).
 
         The same requests through the same sans-I/O connection on a blocking socket: no event loop is
-        started (a restart's first fetch, issue 20). A daemon that is coming back (``wait_for_daemon``)
+        started (a restart's first fetch, docs/performance.md). A daemon that is coming back (``wait_for_daemon``)
         is waited for as by fetch()."""
         try:
             asyncio.get_running_loop()

@@ -1,7 +1,7 @@
 """Client side of the CUDA backend: pick the GPU by UUID, map the daemon's slab.
 
 The driver calls go through ``wcache.client.driver`` (ctypes over the libcuda.so.1 torch has
-loaded), not cuda-bindings: importing those cost a restarting engine 69-130 ms (issue 20).
+loaded), not cuda-bindings: importing those cost a restarting engine 69-130 ms (docs/performance.md).
 """
 
 from __future__ import annotations

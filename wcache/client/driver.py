@@ -1,7 +1,7 @@
 """The handful of CUDA driver calls the client maps slabs with, through ctypes over libcuda.so.1.
 
 The engine has torch, and torch has already loaded the driver library; importing
-``cuda.bindings`` for a dozen calls cost a restarting engine 69-130 ms on the H200 (issue 20),
+``cuda.bindings`` for a dozen calls cost a restarting engine 69-130 ms on the H200 (docs/performance.md),
 more than the whole fetch. Here each entry point is one ``ctypes`` function looked up once
 (``dlopen`` of an already loaded library is a table look-up). The daemon keeps cuda-bindings
 (``wcache._cuda``) for what it does once per load.
