@@ -44,7 +44,8 @@ async def test_restart_reloads_from_the_tier(
     d = daemon_factory(ckpt, *_tier_args(tier))
     assert await _origins(d) == ["disk"]
     assert await _identical(d, ckpt)
-    (meta,) = tier.glob("*.meta")  # saved to the tier
+    await _wait_entries(tier, 1)  # saved to the tier, in the background
+    (meta,) = tier.glob("*.meta")
     assert len(list(tier.glob("*.slab"))) == 1
     assert os.stat(tier).st_mode & 0o777 == 0o700 and meta.stat().st_mode & 0o777 == 0o600
     d2 = _restart(d, daemon_factory, ckpt, *_tier_args(tier))
@@ -59,6 +60,7 @@ async def test_corrupted_entry_is_rejected_and_the_checkpoint_loaded(
 ) -> None:
     tier = tmp_path / "tier"
     d = daemon_factory(ckpt, *_tier_args(tier))
+    await _wait_entries(tier, 1)  # the load's save runs in the background
     (slab,) = tier.glob("*.slab")
     good = slab.read_bytes()
     data = bytearray(good)  # the first 4 KiB block is always among the sampled ones
@@ -67,6 +69,7 @@ async def test_corrupted_entry_is_rejected_and_the_checkpoint_loaded(
     d2 = _restart(d, daemon_factory, ckpt, *_tier_args(tier))
     assert await _origins(d2) == ["disk"]  # the entry was rejected: loaded from the checkpoint
     assert await _identical(d2, ckpt)
+    await _wait_entries(tier, 1)  # the bad entry was removed at start; the fresh one is saved in the background
     (fresh,) = tier.glob("*.slab")
     assert fresh.read_bytes() == good  # a fresh entry replaces the bad one
 
