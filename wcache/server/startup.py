@@ -410,15 +410,24 @@ def peer_fill(args: argparse.Namespace, backend: Backend) -> PeerFill:
 
 
 def fill_from_peers(
-    args: argparse.Namespace, rp: RankPlan, filler: PeerFill, outcomes: list[tuple[str, int, float]]
+    args: argparse.Namespace,
+    rp: RankPlan,
+    filler: PeerFill,
+    tier: HostTier | None,
+    outcomes: list[tuple[str, int, float]],
 ) -> ServedModel | None:
-    """--fill-from at start: the rank's slab from the peers, or None — after one log line naming the reason —
-    for the disk path. A directory of stubs whose key is not --fill-fingerprint is refused."""
+    """--fill-from at start: the rank's slab from the peers, or None for the loader — this node's host tier
+    holds the key (refilled from there, the peers not asked), or after one log line naming the reason, the disk
+    path. A directory of stubs whose key is not --fill-fingerprint is refused."""
+    from wcache.server.tier import tier_holds
+
     if args.fill_fingerprint and rp.key.fingerprint != args.fill_fingerprint:
         raise CheckpointError(
             f"{rp.spec.checkpoint}: its key's fingerprint is {rp.key.fingerprint}, not --fill-fingerprint "
             f"{args.fill_fingerprint}: refusing to serve another checkpoint"
         )
+    if tier_holds(tier, rp.key):
+        return None
     filled = filler.rank(rp, "loading from disk")
     outcomes.append(filled.outcome)
     return filled.model
@@ -530,8 +539,7 @@ def run(args: argparse.Namespace) -> int:
                         )
                     else:
                         drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        local = tier is not None and tier.lookup(rp.key) is not None  # the host tier before the peers
-                        filled = None if filler is None or local else fill_from_peers(args, rp, filler, fill_outcomes)
+                        filled = fill_from_peers(args, rp, filler, tier, fill_outcomes) if filler is not None else None
                         store.add(filled if filled is not None else loader(rp))
             if link is not None:
                 import asyncio
