@@ -3,6 +3,7 @@ and importing the frames compiles nothing per class (the import-time regression 
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import subprocess
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 import pytest
 
 from wcache.proto import ErrorFrame, HelloOk, SlabDescriptor, State, TensorTable
-from wcache.proto._record import record
+from wcache.proto._record import named_tuple, record
 
 
 @record
@@ -176,3 +177,57 @@ def test_hello_ok_roundtrip_through_wire() -> None:
         }
     )
     assert HelloOk.from_wire(h.to_wire()) == h
+
+
+# ------------------------------------------------------------------------------------------- named_tuple
+
+NT: Any = named_tuple("NT", ("a", "b", "c"), "A doc.", __name__)
+Ref = collections.namedtuple("Ref", ("a", "b", "c"))  # the reference behaviour
+
+
+def test_named_tuple_behaves_like_namedtuple() -> None:
+    t, r = NT(1, "x", (2, 3)), Ref(1, "x", (2, 3))
+    assert issubclass(NT, tuple) and tuple(t) == tuple(r) and tuple.__eq__(t, (1, "x", (2, 3)))
+    assert (t.a, t.b, t.c) == (r.a, r.b, r.c) and t[1] == "x"
+    assert hash(t) == hash(r) and NT._fields == Ref._fields and NT.__doc__ == "A doc."
+    assert repr(t) == repr(r).replace("Ref(", "NT(")
+    assert NT(c=(2, 3), b="x", a=1) == t and NT(1, c=(2, 3), b="x") == t
+    assert NT._make([1, "x", (2, 3)]) == t and type(NT._make([1, 2, 3])) is NT
+    assert t._replace(b="y") == NT(1, "y", (2, 3)) and t._asdict() == r._asdict()
+    assert copy.copy(t) == t and copy.deepcopy(t) == t
+    match t:
+        case NT(a, b, c):
+            assert (a, b, c) == (1, "x", (2, 3))
+    with pytest.raises(AttributeError):
+        t.a = 2
+    with pytest.raises(AttributeError):
+        t.d = 2  # no __dict__: slotted, as namedtuple
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((1, 2), {}), ((1, 2, 3, 4), {}), ((1, 2), {"d": 3}), ((1, 2, 3), {"a": 1}), ((), {"a": 1, "b": 2})],
+)
+def test_named_tuple_refuses_what_namedtuple_refuses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    with pytest.raises(TypeError):
+        Ref(*args, **kwargs)
+    with pytest.raises(TypeError):
+        NT(*args, **kwargs)
+
+
+def test_named_tuple_make_and_replace_check_the_fields() -> None:
+    with pytest.raises(TypeError):
+        NT._make([1, 2])
+    with pytest.raises(ValueError, match="unexpected field names"):
+        NT(1, 2, 3)._replace(d=4)
+
+
+def test_the_tables_tuples_are_named_tuples() -> None:
+    """TensorEntry, TensorGroup and GroupView are ``named_tuple``'s: fields in their declared order."""
+    from wcache.client.mapping import GroupView
+    from wcache.proto.table import TensorEntry, TensorGroup
+
+    assert TensorEntry._fields == ("name", "dtype", "shape", "stride", "slab", "offset")
+    assert TensorGroup._fields == ("dtype", "shape", "stride", "slab", "offset", "step", "length")
+    assert GroupView._fields == ("names", "tensor")
+    assert TensorGroup._make(["bfloat16", (2,), (1,), 0, 0, 0, 1]).length == 1

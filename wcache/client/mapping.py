@@ -24,6 +24,7 @@ import torch
 
 from wcache.channel import close_fds
 from wcache.errors import RemoteProtocolError
+from wcache.proto._record import named_tuple
 from wcache.proto.codec import gc_paused
 from wcache.proto.daemon_frames import SlabDescriptor, State
 from wcache.proto.table import DTYPE_SIZES, TensorTable
@@ -102,11 +103,20 @@ def map_slabs(
     return slabs
 
 
-GroupView = NamedTuple(  # noqa: UP014  (the class form compiles its string annotations: 4x the import cost)
-    "GroupView", [("names", tuple[str, ...]), ("tensor", torch.Tensor)]
-)
-GroupView.__doc__ = """One STATE group as a stacked view: ``tensor[j]`` is the tensor named ``names[j]`` (``tensor``: shape
-``(len(names), *shape)``, the group's tensors stacked in place)."""
+if TYPE_CHECKING:  # a typing.NamedTuple for type checkers, ``named_tuple``'s at run time (as TensorEntry's)
+
+    class GroupView(NamedTuple):
+        names: tuple[str, ...]
+        tensor: torch.Tensor
+
+else:
+    GroupView = named_tuple(
+        "GroupView",
+        ("names", "tensor"),
+        """One STATE group as a stacked view: ``tensor[j]`` is the tensor named ``names[j]`` (``tensor``: shape
+``(len(names), *shape)``, the group's tensors stacked in place).""",
+        __name__,
+    )
 
 
 class TensorViews(Mapping[str, torch.Tensor]):

@@ -14,9 +14,9 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import field
 from itertools import accumulate, chain, repeat
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from wcache.proto._record import record
+from wcache.proto._record import named_tuple, record
 from wcache.proto.codec import Preencoded
 from wcache.proto.fields import MAX_NAME, Kind, StrMap, fail
 
@@ -50,21 +50,25 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
-# The tuples below are declared in NamedTuple's functional form, with the types as objects: the class form's
-# annotations are strings here (``from __future__ import annotations``), and typing compiles each one into a
-# ForwardRef when the class is made (0.12 ms a class, on an engine's import).
-TensorEntry = NamedTuple(  # noqa: UP014  (the class form costs 4x at import: see above)
-    "TensorEntry",
-    [
-        ("name", str),
-        ("dtype", str),
-        ("shape", tuple[int, ...]),
-        ("stride", tuple[int, ...]),
-        ("slab", int),
-        ("offset", int),
-    ],
-)
-TensorEntry.__doc__ = """One tensor of a STATE frame: a strided view into slab ``slab`` at byte ``offset``."""
+# The tuples below are typing.NamedTuple classes for type checkers and ``named_tuple``'s at run time (the same
+# behaviour without namedtuple's eval of a ``__new__``: tests/proto/test_record.py pins it).
+if TYPE_CHECKING:
+
+    class TensorEntry(NamedTuple):
+        name: str
+        dtype: str
+        shape: tuple[int, ...]
+        stride: tuple[int, ...]
+        slab: int
+        offset: int
+
+else:
+    TensorEntry = named_tuple(
+        "TensorEntry",
+        ("name", "dtype", "shape", "stride", "slab", "offset"),
+        """One tensor of a STATE frame: a strided view into slab ``slab`` at byte ``offset``.""",
+        __name__,
+    )
 
 
 def tensor_extent(dtype: str, shape: Sequence[int], stride: Sequence[int]) -> int:
@@ -97,24 +101,29 @@ def _from_le(code: str, data: bytes, what: str) -> array[int]:
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-TensorGroup = NamedTuple(  # noqa: UP014  (see TensorEntry)
-    "TensorGroup",
-    [
-        ("dtype", str),
-        ("shape", tuple[int, ...]),
-        ("stride", tuple[int, ...]),
-        ("slab", int),
-        ("offset", int),
-        ("step", int),
-        ("length", int),
-    ],
-)
-TensorGroup.__doc__ = """``length`` tensors of one dtype, shape and stride, ``step`` bytes apart in one slab.
+if TYPE_CHECKING:
+
+    class TensorGroup(NamedTuple):
+        dtype: str
+        shape: tuple[int, ...]
+        stride: tuple[int, ...]
+        slab: int
+        offset: int
+        step: int
+        length: int
+
+else:
+    TensorGroup = named_tuple(
+        "TensorGroup",
+        ("dtype", "shape", "stride", "slab", "offset", "step", "length"),
+        """``length`` tensors of one dtype, shape and stride, ``step`` bytes apart in one slab.
 
 Tensor ``j`` of the group (0-based) starts at byte ``offset + j * step``. MoE experts and
 layer stacks form long groups, so a client builds them with one stacked view instead of
 one view per tensor; ``step`` is 0 when ``length`` is 1. On the wire: ``counts``.
-"""
+""",
+        __name__,
+    )
 
 
 def _spans(
