@@ -29,7 +29,7 @@ from wcache.errors import (
 )
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_HANDSHAKE_FRAME
 from wcache.proto.connection import PROTOCOL_VERSION, Connection, Misdirected, Role, Service
-from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk
+from wcache.proto.daemon_frames import MAX_FRAME_FDS, ErrorFrame, Hello, HelloOk
 
 if TYPE_CHECKING:  # the unions of every frame: an engine's restart imports only its own frames' module
     from wcache.proto.connection import Event
@@ -48,7 +48,8 @@ __all__ = [
 ]
 
 RECV_SIZE = 1 << 18
-MAX_FDS_PER_RECV = 16
+#: room for descriptors in every read: what one frame may carry (docs/protocol.md §2.2)
+MAX_FDS_PER_RECV = MAX_FRAME_FDS
 #: Default bound on the bytes all server-side channels of a process may hold in unfinished frames
 #: (docs/protocol.md §7); a daemon passes its own.
 DEFAULT_READ_BUDGET = 256 * 1024 * 1024

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from wcache.errors import RemoteProtocolError
-from wcache.proto import Deposit, DepositTensor
+from wcache.proto import Deposit, DepositTensor, SlabDescriptor, State
+from wcache.proto.daemon_frames import MAX_FRAME_FDS
+from wcache.proto.examples import EXAMPLES
+from wcache.proto.frames import as_received
 
 KEY: dict[str, str | int] = {
     "fingerprint": "f",
@@ -40,3 +45,26 @@ def test_a_deposit_is_checked_in_linear_time() -> None:
     with pytest.raises(RemoteProtocolError, match="listed twice"):
         deposit._validate()
     assert _Counted.comparisons <= 4 * n, _Counted.comparisons
+
+
+def _state(slabs: int, with_fds: int) -> State:
+    """The example STATE over ``slabs`` memfd slabs, the first ``with_fds`` of them with descriptors."""
+    base = EXAMPLES["STATE"]
+    assert isinstance(base, State)
+    descs = tuple(
+        SlabDescriptor(size=1280, kind="memfd", fd=i)
+        if i < with_fds
+        else SlabDescriptor(size=1280, kind="cuda_ipc", fd=-1, handle=b"h" * 64)
+        for i in range(slabs)
+    )
+    return dataclasses.replace(base, slabs=descs)
+
+
+def test_a_state_carries_at_most_one_frames_descriptors() -> None:
+    """Descriptors ride one SCM_RIGHTS message and every receiver reads with room for MAX_FRAME_FDS (§2.2): a STATE
+    announcing more would reach it truncated, so the decoder refuses it by name; slabs without descriptors (up to
+    MAX_STATE_SLABS) do not count."""
+    assert as_received(_state(MAX_FRAME_FDS, MAX_FRAME_FDS)).fd_count == MAX_FRAME_FDS
+    assert as_received(_state(MAX_FRAME_FDS + 4, MAX_FRAME_FDS)).fd_count == MAX_FRAME_FDS
+    with pytest.raises(RemoteProtocolError, match=r"slabs.*n <= 16"):
+        as_received(_state(MAX_FRAME_FDS + 1, MAX_FRAME_FDS + 1))

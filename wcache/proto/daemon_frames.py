@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "MAX_DEPOSIT_TENSORS",
+    "MAX_FRAME_FDS",
     "MAX_PROOF_FILES",
     "MAX_STATE_SLABS",
     "MAX_VERSIONS",
@@ -68,6 +69,10 @@ MODES = ("zero_copy", "copy")
 SLAB_KINDS = ("memfd", "cuda_ipc", "cuda_vmm")
 MAX_VERSIONS = 16
 MAX_STATE_SLABS = 1024
+#: Descriptors one frame may carry: they ride one SCM_RIGHTS message on its first byte, and every receiver reads
+#: with room for this many (docs/protocol.md §2.2) — more would arrive truncated. STATE, TAKEOVER_STATE, KEEP and
+#: RECLAIMED are bounded by it; DEPOSIT_SLAB carries one.
+MAX_FRAME_FDS = 16
 #: Files one GET_STATE proof may list (docs/protocol.md §4.3.1), and the length of one file name (a directory
 #: entry: 255 bytes on Linux filesystems, so 255 characters at most).
 MAX_PROOF_FILES = 1024
@@ -224,7 +229,7 @@ class State(Frame):
     buffers: tuple[str, ...] = wire(Array(Str(), max_items=MAX_DEPOSIT_TENSORS), default=(), omit_default=True)
 
     def _validate(self) -> None:
-        fd_positions("STATE", "slabs", [s.fd for s in self.slabs if s.fd >= 0], MAX_STATE_SLABS)
+        fd_positions("STATE", "slabs", [s.fd for s in self.slabs if s.fd >= 0], MAX_FRAME_FDS)
 
     @property
     def fd_count(self) -> int:

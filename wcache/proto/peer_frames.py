@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_REPRESENTABLE
-from wcache.proto.daemon_frames import BACKENDS, SlabDescriptor, fd_positions
+from wcache.proto.daemon_frames import BACKENDS, MAX_FRAME_FDS, SlabDescriptor, fd_positions
 from wcache.proto.fields import (
     MAX_PATH,
     Array,
@@ -43,10 +43,10 @@ __all__ = [
     "Unkeep",
 ]
 
-#: File descriptors one TAKEOVER_STATE may carry (slabs + the listening socket): one recvmsg's worth.
-MAX_HANDOFF_FDS = 16
-#: Slabs one KEEP or RECLAIMED may carry: one recvmsg's worth of descriptors.
-MAX_KEPT_FDS = 16
+#: File descriptors one TAKEOVER_STATE may carry (slabs + the listening socket): one frame's (MAX_FRAME_FDS).
+MAX_HANDOFF_FDS = MAX_FRAME_FDS
+#: Slabs one KEEP or RECLAIMED may carry: one frame's descriptors (MAX_FRAME_FDS).
+MAX_KEPT_FDS = MAX_FRAME_FDS
 _ID = Int(lo=1)
 
 
