@@ -6,7 +6,10 @@ import dataclasses
 import os
 import socket
 
+import pytest
+
 from wcache.channel import Channel, close_fds
+from wcache.errors import RemoteProtocolError
 from wcache.proto import PROTOCOL_VERSION, Connection, DeviceInfo, GetState, Hello, HelloOk, Role, Service, State
 from wcache.proto.daemon_frames import MAX_FRAME_FDS, SlabDescriptor
 from wcache.proto.examples import EXAMPLES
@@ -51,6 +54,30 @@ def test_a_frame_with_the_most_descriptors_a_frame_may_carry_arrives_whole() -> 
             assert [os.fstat(fd).st_ino for fd in got] == inodes
         finally:
             close_fds(got)
+    finally:
+        ch.close()
+        a.close()
+        close_fds(fds)
+
+
+def test_descriptors_past_a_reads_room_are_refused_and_none_leak() -> None:
+    """17 descriptors on one frame (one more than a frame may carry): the read finds them truncated, the channel
+    raises RemoteProtocolError and closes the 16 that did arrive (none stays open in this process)."""
+    server, client = Connection(Role.SERVER, service=Service.DAEMON), Connection(Role.CLIENT)
+    _open(server, client)
+    base = EXAMPLES["STATE"]
+    assert isinstance(base, State)
+    n = MAX_FRAME_FDS + 1
+    state = dataclasses.replace(base, slabs=tuple(SlabDescriptor(size=1280, kind="memfd", fd=i) for i in range(n)))
+    fds = [os.memfd_create(f"wcache-test-{i}") for i in range(n)]
+    a, b = socket.socketpair()
+    ch = Channel(b, client)
+    try:
+        open_before = len(os.listdir("/proc/self/fd"))
+        socket.send_fds(a, [server.send(state)], fds)
+        with pytest.raises(RemoteProtocolError, match="truncated"):
+            ch.receive_blocking(5.0)
+        assert len(os.listdir("/proc/self/fd")) == open_before
     finally:
         ch.close()
         a.close()

@@ -218,8 +218,26 @@ def test_named_tuple_refuses_what_namedtuple_refuses(args: tuple[Any, ...], kwar
 def test_named_tuple_make_and_replace_check_the_fields() -> None:
     with pytest.raises(TypeError):
         NT._make([1, 2])
-    with pytest.raises(ValueError, match="unexpected field names"):
+    with pytest.raises((TypeError, ValueError), match="unexpected field names") as ours:
         NT(1, 2, 3)._replace(d=4)
+    with pytest.raises((TypeError, ValueError)) as theirs:
+        Ref(1, 2, 3)._replace(d=4)  # type: ignore[call-arg]
+    assert type(ours.value) is type(theirs.value)  # ValueError before Python 3.13, TypeError since
+
+
+@pytest.mark.skipif(sys.version_info < (3, 13), reason="copy.replace is Python 3.13's")
+def test_named_tuple_supports_copy_replace() -> None:
+    assert copy.replace(NT(1, 2, 3), b=5) == NT(1, 5, 3)  # type: ignore[attr-defined,unused-ignore]
+
+
+def test_named_tuple_takes_namedtuples_field_names_only() -> None:
+    for bad in (("a", "a"), ("_a",), ("class",), ("a-b",)):
+        with pytest.raises(ValueError):
+            collections.namedtuple("Ref", bad)
+        with pytest.raises(ValueError):
+            named_tuple("X", bad, "", __name__)
+    X: Any = named_tuple("X", ("cls", "self"), "", __name__)  # the class and instance are positional-only
+    assert X(cls=1, self=2) == (1, 2) and X(1, 2)._replace(self=3) == (1, 3)
 
 
 def test_the_tables_tuples_are_named_tuples() -> None:

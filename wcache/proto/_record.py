@@ -35,8 +35,10 @@ equality and hashing as tuples, pickling and copying), built without ``collectio
 from __future__ import annotations
 
 import dataclasses
+import keyword
+import sys
 import typing
-from _collections import _tuplegetter  # namedtuple's field getters
+from collections import _tuplegetter  # type: ignore[attr-defined]  # namedtuple's field getters (or its fallback)
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, dataclass_transform, overload
 
@@ -357,7 +359,7 @@ def record(cls: type[T] | None = None, /, *, weakref_slot: bool = False) -> type
 # ---------------------------------------------------------------------------------------------- named_tuple
 
 
-def _nt_new(cls: Any, *args: Any, **kwargs: Any) -> Any:
+def _nt_new(cls: Any, /, *args: Any, **kwargs: Any) -> Any:
     if kwargs or len(args) != len(cls._fields):
         args = _nt_arguments(cls, args, kwargs)
     return tuple.__new__(cls, args)
@@ -387,10 +389,14 @@ def _nt_make(cls: Any, iterable: Iterable[Any]) -> Any:
     return out
 
 
-def _nt_replace(self: Any, **changes: Any) -> Any:
+#: what namedtuple's ``_replace`` raises for a name that is no field (ValueError before Python 3.13)
+_REPLACE_ERROR: type[Exception] = TypeError if sys.version_info >= (3, 13) else ValueError
+
+
+def _nt_replace(self: Any, /, **changes: Any) -> Any:
     out = self._make(map(changes.pop, self._fields, self))
     if changes:
-        raise ValueError(f"got unexpected field names: {list(changes)!r}")
+        raise _REPLACE_ERROR(f"got unexpected field names: {list(changes)!r}")
     return out
 
 
@@ -409,7 +415,13 @@ def _nt_getnewargs(self: Any) -> tuple[Any, ...]:
 
 def named_tuple(name: str, fields: tuple[str, ...], doc: str, module: str) -> type[tuple[Any, ...]]:
     """A ``typing.NamedTuple`` class named ``name`` with ``fields`` (no defaults), for the runtime: declare the
-    class for type checkers with ``typing.NamedTuple`` under ``TYPE_CHECKING`` and bind this at run time."""
+    class for type checkers with ``typing.NamedTuple`` under ``TYPE_CHECKING`` and bind this at run time.
+    Field names follow namedtuple's rules: identifiers, not keywords, unique, none starting with an underscore."""
+    for f in fields:
+        if not f.isidentifier() or keyword.iskeyword(f) or f.startswith("_"):
+            raise ValueError(f"{name}: {f!r} cannot be a field name")
+    if len(set(fields)) != len(fields):
+        raise ValueError(f"{name}: a field name repeats in {fields!r}")
     ns: dict[str, Any] = {
         "__slots__": (),
         "__doc__": doc,
@@ -420,6 +432,7 @@ def named_tuple(name: str, fields: tuple[str, ...], doc: str, module: str) -> ty
         "__new__": _nt_new,
         "_make": classmethod(_nt_make),
         "_replace": _nt_replace,
+        "__replace__": _nt_replace,  # copy.replace (Python 3.13)
         "_asdict": _nt_asdict,
         "__repr__": _nt_repr,
         "__getnewargs__": _nt_getnewargs,
