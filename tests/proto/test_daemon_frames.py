@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from wcache.errors import RemoteProtocolError
-from wcache.proto import Deposit, DepositTensor, SlabDescriptor, State
+from wcache.proto import Deposit, DepositTensor, SlabDescriptor, State, TakeoverState
 from wcache.proto.daemon_frames import MAX_FRAME_FDS
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.frames import as_received
@@ -68,3 +68,18 @@ def test_a_state_carries_at_most_one_frames_descriptors() -> None:
     assert as_received(_state(MAX_FRAME_FDS + 4, MAX_FRAME_FDS)).fd_count == MAX_FRAME_FDS
     with pytest.raises(RemoteProtocolError, match=r"slabs.*n <= 16"):
         as_received(_state(MAX_FRAME_FDS + 1, MAX_FRAME_FDS + 1))
+
+
+def test_a_hand_off_over_one_frames_descriptors_names_the_models() -> None:
+    """TAKEOVER_STATE's descriptors are its slabs' and the listening socket's: 16 slabs leave no room for the socket,
+    and the refusal names the models, where the excess is."""
+    base = EXAMPLES["TAKEOVER_STATE"]
+    assert isinstance(base, TakeoverState)
+    model = base.models[0]
+    many = tuple(
+        dataclasses.replace(model, slabs=(dataclasses.replace(model.slabs[0], fd=i),)) for i in range(MAX_FRAME_FDS)
+    )
+    with pytest.raises(RemoteProtocolError, match=r"TAKEOVER_STATE\.models"):
+        as_received(dataclasses.replace(base, models=many, listener_fd=MAX_FRAME_FDS - 1))
+    with pytest.raises(RemoteProtocolError, match=r"TAKEOVER_STATE\.listener_fd"):
+        as_received(dataclasses.replace(base, models=many[:1], listener_fd=0))  # the socket on a slab's position

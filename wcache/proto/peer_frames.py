@@ -96,8 +96,10 @@ class TakeoverState(Frame):
     pid: int = wire(Int(), default=0)
 
     def _validate(self) -> None:
-        fds = [s.fd for x in self.models for s in x.slabs if s.fd >= 0] + [self.listener_fd]
-        fd_positions("TAKEOVER_STATE", "listener_fd", fds, MAX_HANDOFF_FDS)
+        slabs = [s.fd for x in self.models for s in x.slabs if s.fd >= 0]
+        # the field named is the one past the bound: the models' slabs alone, else the socket beside them
+        where = "models" if len(slabs) >= MAX_HANDOFF_FDS else "listener_fd"
+        fd_positions("TAKEOVER_STATE", where, [*slabs, self.listener_fd], MAX_HANDOFF_FDS)
 
     @property
     def fd_count(self) -> int:
