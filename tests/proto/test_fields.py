@@ -35,7 +35,10 @@ from wcache.proto.fields import (
     Plain,
     Str,
     StrMap,
+    message,
+    wire,
 )
+from wcache.proto.frames import load_frames
 from wcache.proto.table import Table
 
 _MISSING: Any = dataclasses.MISSING
@@ -231,3 +234,40 @@ def test_an_omit_default_field_keeps_old_bytes_and_travels_when_set() -> None:
     new = dataclasses.replace(old, origin="deposit")
     assert new.to_wire()["origin"] == "deposit"
     assert ModelInfo.from_wire(new.to_wire()) == new
+
+
+@message()
+class _Cached(Message):
+    """A part with a field that is not on the wire (a cache, as the tensor table keeps its encoding)."""
+
+    a: int = wire(Int())
+    memo: list[int] = dataclasses.field(default_factory=list, compare=False)
+    b: str = wire(Str(), default="x")
+
+
+@message()
+class _Plain(Message):
+    a: int = wire(Int())
+    b: str = wire(Str(), default="x")
+
+
+def test_the_decoder_builds_records_positionally_where_every_field_travels() -> None:
+    """A part or frame whose fields are all on the wire is built by position (the record's fast ``__init__``);
+    one with a field off the wire by keyword, that field taking its default. Every frame of the protocol, and
+    every part nested in one, is of the first kind (a DEPOSIT's thousands of tensors decode that way)."""
+    assert _Plain._POSITIONAL and not _Cached._POSITIONAL
+    assert _Plain.from_wire({"a": 1}) == _Plain(1, "x") and _Plain.from_wire({"a": 1, "b": "y"}).b == "y"
+    c = _Cached.from_wire({"a": 1, "b": "y"})
+    assert (c.a, c.b, c.memo) == (1, "y", [])
+    seen: set[type[Message]] = set()
+    todo: list[type[Message]] = list(load_frames().values())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            for _, declared_kind, _, _ in cls._SPEC:
+                kind = getattr(declared_kind, "item", declared_kind)  # an array's items
+                if isinstance(kind, Nested):
+                    todo.append(kind.cls)
+    assert len(seen) > len(REGISTRY)  # the parts (slab descriptors, deposit tensors, file stats...) are in
+    assert sorted(c.__name__ for c in seen if not c._POSITIONAL) == []
