@@ -26,7 +26,8 @@ the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in 
 mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, while the STATE is
 in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
 ``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
-(the rest of the wait for STATE, and its decode), ``import_handle`` (cuMemImportFromShareableHandle),
+(the rest of the wait for STATE, and its decode), ``wait`` (the fetch's reads blocked on the socket, within
+``hello`` and ``state``: the daemon's answer not in yet), ``import_handle`` (cuMemImportFromShareableHandle),
 ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess: ``reserve``, ``map_range``,
 ``set_access``, ``set_access_refused`` for a read-only attempt the driver refused), ``map`` (every slab, the two
 above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),
@@ -119,9 +120,11 @@ w.release_sync()
 #                then the ENGINE's touch
 #   other        a device-to-host read of memory that is not wcache's (a fresh one-element torch allocation) first,
 #                then the ENGINE's touch
+#   pinned       a one-element pinned host tensor allocated first (torch's caching host allocator: the buffer a
+#                CUDA tensor's item() copies into), then the ENGINE's touch
 # so the JSON shows whether the first touch pays for the mapping (driver and item alike, and other no help) or for
 # the process's first device-to-host copy (other takes it, the touch after is short) or for torch's path (driver
-# short, item long).
+# short, item long), and whether torch's path is its first pinned host allocation (pinned takes it).
 TOUCH_PROBE = r"""
 import ctypes, json, sys, time
 sock, model, device, variant = sys.argv[1:5]
@@ -159,6 +162,11 @@ elif variant == "other":
     float(x[0])
     t1 = time.perf_counter()
     out.update(other_first=(t1 - t0) * 1e3, touch=touch())
+elif variant == "pinned":
+    t0 = time.perf_counter()
+    torch.empty(1, pin_memory=True)
+    t1 = time.perf_counter()
+    out.update(pinned_first=(t1 - t0) * 1e3, touch=touch())
 out["timings"] = w.timings
 print(json.dumps(out))
 w.release_sync()
@@ -310,7 +318,7 @@ def phase_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(statistics.median(r["phases_ms"][k] for r in runs if k in r["phases_ms"]), 3) for k in keys}
 
 
-TOUCH_VARIANTS = ("item", "driver", "other")
+TOUCH_VARIANTS = ("item", "driver", "other", "pinned")
 #: (cuMemAddressReserve alignment, access): the client's way first (0, read-only tried first)
 MAP_VARIANTS = (("0", "ro"), ("0", "rw"), ("gran", "ro"), (str(1 << 30), "ro"))
 

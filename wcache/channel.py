@@ -159,6 +159,8 @@ class Channel:
         #: for frames whose descriptors the peer may not have read yet
         self._sent = 0
         self._unread: collections.deque[tuple[int, int]] = collections.deque()
+        #: seconds spent waiting for the peer's bytes (a blocking read, or the wait for the socket to be readable)
+        self.waited = 0.0
 
     @property
     def closed(self) -> bool:
@@ -306,7 +308,9 @@ class Channel:
                 self._recv_once()
                 return
             except (BlockingIOError, InterruptedError):
+                t0 = time.perf_counter()
                 await self._wait(writable=False)
+                self.waited += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- blocking (no event loop)
     def receive_blocking(self, timeout: float) -> tuple[Event, list[int]]:
@@ -317,7 +321,9 @@ class Channel:
             while not self._frames:
                 if self.conn.eof:
                     raise EOFError("peer closed the connection")
+                t0 = time.perf_counter()
                 self._recv_once()
+                self.waited += time.perf_counter() - t0
                 self._frames.extend(self.conn.received())
                 if self.budget is not None:
                     self._claimed = self.budget.claim(self._claimed, self.conn.demand)

@@ -41,7 +41,9 @@ def test_zero_copy_without_an_event_loop(daemon: DaemonProc, ckpt: Path, no_even
     assert set(w) == set(ref) and not w.released
     for name, t in ref.items():
         assert torch.equal(w[name].view(torch.int16), t.view(torch.int16)), name
-    assert set(w.timings) >= {"connect", "state", "map", "views"}
+    assert set(w.timings) >= {"connect", "state", "wait", "map", "views"}
+    # the reads' blocked time lies within the handshake's and the STATE's
+    assert 0 < w.timings["wait"] <= w.timings["connect"] + w.timings["state"]
     w.release_sync()
     assert w.released
 

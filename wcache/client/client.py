@@ -104,8 +104,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.key_proven = False
         #: where the fetch spent its time, in ms: connect (socket: connected and the peer checked; hello: HELLO
         #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
-        #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest of the wait for STATE and
-        #: its decode), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
+        #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest
+        #: of the wait for STATE and its decode), wait (of connect and state, the time its reads waited for the
+        #: daemon's bytes), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
         #: as_tensor), views (the name -> view mapping set up; per-name views are cut from their group's stacked
         #: view on first look-up), copy (copy mode only)
         self.timings: dict[str, float] = {}
@@ -345,7 +346,7 @@ class WCacheClient:
                 await ch.send(request.scanned(ch.conn))  # the daemon does not know these files: the full key
                 frame, fds = await expect(ch)
             state = request.state(frame, fds)
-            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3)
+            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3, wait=ch.waited * 1e3)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
             if mode == "copy":
@@ -596,7 +597,7 @@ class WCacheClient:
                 ch.send_blocking(request.scanned(ch.conn), _left(deadline))  # the full key, same connection
                 frame, fds = expect_blocking(ch, _left(deadline))
             state = request.state(frame, fds)
-            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3)
+            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3, wait=ch.waited * 1e3)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
         except TimeoutError as exc:
