@@ -42,6 +42,7 @@ NOT_ON_THE_RESTART_PATH = (
     "wcache.proto.deposit_frames",
     "wcache.proto.peer_frames",
     "wcache.proto.fleet_frames",  # the peer channel's frames: ~2.4 ms of class building an engine never uses
+    "wcache.proto.frames",  # the registry module: the engine's frames decode through their declarations
 )
 #: every wcache module ``from wcache import WCacheClient, WeightCacheKey`` loads: what a fetch needs before its
 #: HELLO and GET_STATE are out, and no other
@@ -61,9 +62,10 @@ RESTART_PATH = {
     "wcache.proto.fields",
     "wcache.proto.table",
 }
-#: what a host fetch adds (computing the key adds nothing): the frame registry and the mapping's module, loaded
-#: while the daemon answers (the CUDA mapping's modules too where CUDA is up)
-FETCH_ADDS = {"wcache.proto.frames", "wcache.client.mapping"}
+#: what a host fetch adds (computing the key adds nothing): the mapping's module, loaded while the daemon answers
+#: (the CUDA mapping's modules too where CUDA is up); the frames it decodes are the engine's, declared with
+#: ``daemon_frames``: the registry module (``frames``) is never loaded
+FETCH_ADDS = {"wcache.client.mapping"}
 
 
 def _loaded(code: str, *args: str) -> list[str]:

@@ -670,15 +670,13 @@ class _Request:
 
 def _ahead(timings: dict[str, float] | None) -> Meanwhile:
     """What a fetch does while the daemon answers its HELLO and GET_STATE (``channel.Meanwhile``): load the
-    modules that decode the answer and map the STATE — the frame registry, the views', and the CUDA mapping's
-    where CUDA is up in this process (a CUDA daemon is then likely; they load on first use otherwise) — instead
+    modules that map the STATE — the views', and the CUDA mapping's where CUDA is up in this process (a CUDA daemon is then likely; they load on first use otherwise) — instead
     of at ``import wcache`` or after the STATE is in. ``timings`` gets ``ahead`` (ms; within ``hello``)."""
 
     def ahead() -> None:
         t0 = time.perf_counter()
         with gc_paused():  # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile
             import wcache.client.mapping
-            import wcache.proto.frames
 
             if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 import wcache.client.cuda  # noqa: F401  (the import is the work)

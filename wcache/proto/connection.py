@@ -29,7 +29,7 @@ from ``events()`` the connection should send ``fatal_error()`` and close.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from functools import reduce
 from operator import or_
 from typing import TYPE_CHECKING, Any, cast
@@ -203,13 +203,17 @@ def _accepts_fds(service: Service) -> bool:
     return accepts
 
 
-def _decode_frame() -> Callable[[Any], Frame]:
-    """``frames.decode_frame``: the registry is imported with the first frame received, not with this module (a
-    client's first frame is the HELLO_OK: an engine loads the registry while the daemon answers, not before its
-    HELLO is out)."""
+def _decode_frame(m: Any) -> Frame:
+    """``frames.decode_frame``, without importing that module for a frame whose class is declared already (an
+    engine's are, with ``daemon_frames``: its restart never loads the registry module); any other type goes
+    through it, which loads the other frame modules. The same decoder either way: the class's ``from_wire``."""
+    t = m.get("type")
+    cls = REGISTRY.get(t) if type(t) is str else None
+    if cls is not None:
+        return cls.from_wire(m)
     from wcache.proto.frames import decode_frame
 
-    return decode_frame
+    return decode_frame(m)
 
 
 class Connection:
@@ -359,7 +363,7 @@ class Connection:
                         )
                 return
             with gc_paused(len(body)):
-                frame = _decode_frame()(decode_body(body))
+                frame = _decode_frame(decode_body(body))
             want = frame.fd_count if with_fds else 0  # 0 but for the frames that carry descriptors
             if want > len(self._fds):
                 raise RemoteProtocolError(f"{frame.TYPE} announces {want} file descriptor(s), {len(self._fds)} arrived")
