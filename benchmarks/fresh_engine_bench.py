@@ -22,7 +22,7 @@ starts its CUDA context (not timed: an engine has both before it asks for weight
 ``phases_ms`` breaks the median restart sample down and ``phases_ms_median`` gives each phase's median over
 the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the client): ``import``, ``key``
 (the directory listed and its files stated: docs/protocol.md §4.3.1), ``socket`` (connect, peer check),
-``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back; ``ahead`` within it: the frame registry and the
+``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back; ``ahead`` within it: the
 mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, while the STATE is
 in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
 ``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``

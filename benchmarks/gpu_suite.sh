@@ -130,7 +130,7 @@ fi
 if want imports; then
   # what the restart path imports, and what each module costs on this machine: the least of 8 python -X importtime
   # runs per module (one run moves with the machine), the engine's import, then what a fetch loads while the daemon
-  # answers: the frame registry and the mapping's modules (CUDA ones: CUDA is up here)
+  # answers: the mapping's modules (CUDA ones: CUDA is up here)
   step importtime "${IMPORTS_TIMEOUT:-90}" python3 benchmarks/import_bench.py --device cuda:0 --runs 8 \
     --out "$RAW/importtime.json"
 fi

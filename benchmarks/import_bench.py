@@ -4,7 +4,7 @@
 Each run is a fresh interpreter that imports torch (and starts the CUDA context with ``--device cuda:N``: an engine
 has both before it asks for weights), then what a fetch loads, in its order: ``import wcache``, ``WCacheClient`` and
 ``WeightCacheKey`` (the engine's import; computing the key imports nothing more), then what the fetch adds (the
-frame registry, the views' module and, with CUDA, the CUDA mapping's modules: loaded while the daemon answers).
+views' module and, with CUDA, the CUDA mapping's modules: loaded while the daemon answers).
 For every module imported after torch, the JSON keeps the least self and cumulative microseconds over the runs
 (one run's figure moves with whatever else the machine does); ``import_us`` sums the least self times of the
 engine's import, ``fetch_adds_us`` those of what the fetch adds. Bytecode is compiled first (``compileall``), as an
@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 ENGINE = "from wcache import WCacheClient, WeightCacheKey"
-FETCH = "import wcache.proto.frames, wcache.client.mapping"
+FETCH = "import wcache.client.mapping"
 
 
 def code(device: str, *, fetch: bool = True) -> str:
