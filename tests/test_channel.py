@@ -60,3 +60,16 @@ def test_descriptors_past_a_reads_room_are_refused_and_none_leak() -> None:
         with pytest.raises(RemoteProtocolError, match="truncated"):
             ch.receive_blocking(5.0)
         assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_a_blocking_read_counts_only_the_wait_for_bytes_not_in_yet() -> None:
+    """``waited`` is the time the socket was waited on: none for a frame already in it, the whole timeout for a
+    peer that sends nothing (then TimeoutError); the socket stays non-blocking for the asyncio methods."""
+    with _state_sent_with(1) as (ch, _):
+        frame, got = ch.receive_blocking(5.0)
+        close_fds(got)
+        assert isinstance(frame, State) and ch.waited == 0.0
+        with pytest.raises(TimeoutError):
+            ch.receive_blocking(0.05)
+        assert 0.05 <= ch.waited < 5.0
+        assert ch.sock.getblocking() is False

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import fcntl
 import os
+import select
 import socket
 import struct
 import time
@@ -159,7 +160,8 @@ class Channel:
         #: for frames whose descriptors the peer may not have read yet
         self._sent = 0
         self._unread: collections.deque[tuple[int, int]] = collections.deque()
-        #: seconds spent waiting for the peer's bytes (a blocking read, or the wait for the socket to be readable)
+        #: seconds spent waiting for the socket to be readable (a client's figure: its wait for the daemon's answer;
+        #: in a task on a busy event loop, until the task resumed)
         self.waited = 0.0
 
     @property
@@ -314,23 +316,33 @@ class Channel:
 
     # ---------------------------------------------------------------- blocking (no event loop)
     def receive_blocking(self, timeout: float) -> tuple[Event, list[int]]:
-        """``receive()`` for callers without an event loop: blocks for at most ``timeout`` seconds per read
-        (TimeoutError). The socket is left non-blocking, as the asyncio methods expect it."""
-        try:
-            self.sock.settimeout(timeout)
-            while not self._frames:
-                if self.conn.eof:
-                    raise EOFError("peer closed the connection")
-                t0 = time.perf_counter()
+        """``receive()`` for callers without an event loop: waits at most ``timeout`` seconds for each read
+        (TimeoutError). The socket stays non-blocking, as the asyncio methods expect it; ``waited`` gets the time
+        spent waiting for it to be readable (a read that finds bytes waits for none)."""
+        self.sock.setblocking(False)
+        while not self._frames:
+            if self.conn.eof:
+                raise EOFError("peer closed the connection")
+            try:
                 self._recv_once()
-                self.waited += time.perf_counter() - t0
-                self._frames.extend(self.conn.received())
-                if self.budget is not None:
-                    self._claimed = self.budget.claim(self._claimed, self.conn.demand)
-        finally:
-            if not self._closed:
-                self.sock.setblocking(False)
+            except (BlockingIOError, InterruptedError):
+                self._poll(timeout)
+                continue
+            self._frames.extend(self.conn.received())
+            if self.budget is not None:
+                self._claimed = self.budget.claim(self._claimed, self.conn.demand)
         return self._frames.popleft()
+
+    def _poll(self, timeout: float) -> None:
+        """Wait until the socket is readable (poll: no descriptor-number limit), at most ``timeout`` seconds."""
+        t0 = time.perf_counter()
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        ms = timeout * 1000
+        ready = poller.poll(_POLL_MAX_MS if ms >= _POLL_MAX_MS else int(ms) + 1)  # rounded up: never shorter
+        self.waited += time.perf_counter() - t0
+        if not ready:
+            raise TimeoutError(f"nothing to read within {timeout} s")
 
     def send_blocking(self, frame: Frame, timeout: float) -> None:
         """``send()`` without descriptors for callers without an event loop (TimeoutError after ``timeout``)."""
@@ -378,6 +390,10 @@ class Channel:
             if self.budget is not None:
                 self._claimed = self.budget.claim(self._claimed, self.conn.demand)
         return self._frames.popleft()
+
+
+#: the longest wait poll(2) takes in one call (ms; an int): longer timeouts wait this long
+_POLL_MAX_MS = 2**31 - 1
 
 
 def _socket() -> socket.socket:

@@ -42,8 +42,8 @@ def test_zero_copy_without_an_event_loop(daemon: DaemonProc, ckpt: Path, no_even
     for name, t in ref.items():
         assert torch.equal(w[name].view(torch.int16), t.view(torch.int16)), name
     assert set(w.timings) >= {"connect", "state", "wait", "map", "views"}
-    # the reads' blocked time lies within the handshake's and the STATE's
-    assert 0 < w.timings["wait"] <= w.timings["connect"] + w.timings["state"]
+    # the time the reads waited for the daemon lies within the handshake's and the STATE's
+    assert 0 <= w.timings["wait"] <= w.timings["connect"] + w.timings["state"]
     w.release_sync()
     assert w.released
 

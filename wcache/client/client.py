@@ -106,7 +106,7 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
         #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest
         #: of the wait for STATE and its decode), wait (of connect and state, the time its reads waited for the
-        #: daemon's bytes), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
+        #: daemon's bytes; with other tasks on the event loop, until this one resumed), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
         #: as_tensor), views (the name -> view mapping set up; per-name views are cut from their group's stacked
         #: view on first look-up), copy (copy mode only)
         self.timings: dict[str, float] = {}
@@ -670,8 +670,9 @@ class _Request:
 
 def _ahead(timings: dict[str, float] | None) -> Meanwhile:
     """What a fetch does while the daemon answers its HELLO and GET_STATE (``channel.Meanwhile``): load the
-    modules that map the STATE — the views', and the CUDA mapping's where CUDA is up in this process (a CUDA daemon is then likely; they load on first use otherwise) — instead
-    of at ``import wcache`` or after the STATE is in. ``timings`` gets ``ahead`` (ms; within ``hello``)."""
+    modules that map the STATE — the views', and the CUDA mapping's where CUDA is up in this process (a CUDA
+    daemon is then likely; they load on first use otherwise) — instead of at ``import wcache`` or after the STATE
+    is in. ``timings`` gets ``ahead`` (ms; within ``hello``)."""
 
     def ahead() -> None:
         t0 = time.perf_counter()
