@@ -106,9 +106,10 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
         #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest
         #: of the wait for STATE and its decode), wait (of connect and state, the time its reads waited for the
-        #: daemon's bytes; with other tasks on the event loop, until this one resumed), map (slab mappings; CUDA: import_handle and reserve_map_access, the driver's calls, and
-        #: as_tensor), views (the name -> view mapping set up; per-name views are cut from their group's stacked
-        #: view on first look-up), copy (copy mode only)
+        #: daemon's bytes; with other tasks on the event loop, until this one resumed), map (slab mappings; CUDA:
+        #: import_handle and reserve_map_access, the driver's calls, and as_tensor), views (the name -> view
+        #: mapping set up; per-name views are cut from their group's stacked view on first look-up), copy (copy
+        #: mode only)
         self.timings: dict[str, float] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
