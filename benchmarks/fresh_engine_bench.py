@@ -48,6 +48,13 @@ first-time costs go. Neither changes the measured figures above (other processes
     python benchmarks/fresh_engine_bench.py --device cuda:0 --moe --out r.json      # 50,000 tensors
     python benchmarks/fresh_engine_bench.py --device cpu --out r.json               # host backend
     python benchmarks/fresh_engine_bench.py --device cpu --moe --out r.json         # 50,000 tensors, host
+
+AGAINST: ``--against TREE`` (a directory holding another wcache/, e.g. ``git archive main wcache benchmarks``
+unpacked) starts a second daemon from that tree on the same checkpoint and runs its fresh engines one for one
+with this tree's, the order alternating: ``against`` in the JSON has its figures and, per figure, the median of
+the pairs' differences (``*_paired_diff_median``, this tree less that one; below zero, this tree is faster). Run
+for run on one VM the same code moved by 30 % within one call (docs/performance.md, "runs 3 to 5"); interleaved
+sample by sample, the drift falls on both trees alike.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -290,11 +298,13 @@ print(json.dumps({"ms": (t2 - t0) * 1e3, "rebuild_ms": (t1 - t0) * 1e3, "touch_m
 """
 
 
-def child_env() -> dict[str, str]:
-    """Children import from compiled bytecode, as from an installed package: the warm-up child writes
-    wcache's (the repo's ``__pycache__``, git-ignored) even where PYTHONDONTWRITEBYTECODE is set."""
+def child_env(tree: Path = REPO) -> dict[str, str]:
+    """Children import ``tree``'s wcache (this repo's unless ``--against``) from compiled bytecode, as from an
+    installed package: the warm-up child writes it (the tree's ``__pycache__``, git-ignored) even where
+    PYTHONDONTWRITEBYTECODE is set."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
-    env["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = f"{tree}:{os.environ.get('PYTHONPATH', '')}"
+    env["PYTHONSAFEPATH"] = "1"  # a daemon's `python -m` would put the working directory's wcache first
     return env
 
 
@@ -343,6 +353,40 @@ def probe_medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             elif all(isinstance(v, int | float) for v in vals):
                 summary[k] = round(statistics.median(vals), 4)
         out[variant] = summary
+    return out
+
+
+def interleaved(
+    ours: Callable[[], dict[str, Any]], theirs: Callable[[], dict[str, Any]], samples: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``samples`` fresh engines of each tree, one for one, the pair's order alternating (ours first, then theirs
+    first): a machine that speeds up or slows down over the run moves both trees' figures alike."""
+    mine: list[dict[str, Any]] = []
+    other: list[dict[str, Any]] = []
+    for i in range(samples):
+        if i % 2 == 0:
+            mine.append(ours())
+            other.append(theirs())
+        else:
+            other.append(theirs())
+            mine.append(ours())
+    return mine, other
+
+
+def against_results(tree: Path, ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The other tree's figures from its interleaved engines, and the median of the pairs' differences (this tree's
+    sample less the other's, ms: below zero, this tree is faster)."""
+    out: dict[str, Any] = {"tree": str(tree)}
+    for key, field in (
+        ("restart_weight_path_ms", "restart_weight_path_ms"),
+        ("first_fetch_fresh_engine_ms", "fetch_ms"),
+    ):
+        out[key] = stats([r[field] for r in theirs])
+        out[f"{key}_paired_diff_median"] = round(
+            statistics.median(a[field] - b[field] for a, b in zip(ours, theirs, strict=True)), 3
+        )
+    out["cpu_ms_median"] = {k: round(statistics.median(r["cpu_ms"][k] for r in theirs), 3) for k in theirs[0]["cpu_ms"]}
+    out["phases_ms_median"] = phase_medians(theirs)
     return out
 
 
@@ -432,7 +476,15 @@ def main() -> None:
         default=5,
         help="CUDA, dense: fresh engines per touch variant and per mapping variant (TOUCH_PROBE, MAP_PROBE; 0: none)",
     )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        help="another tree (a directory holding wcache/, e.g. main's `git archive`): its own daemon, and its fresh "
+        "engines interleaved one for one with this tree's, so that a VM's drift falls on both (AGAINST)",
+    )
     args = ap.parse_args()
+    if args.against is not None and not (args.against / "wcache" / "__init__.py").is_file():
+        ap.error(f"--against {args.against}: no wcache/ package there")
     if args.samples < 1:
         ap.error("--samples must be >= 1")
     copy_samples = args.samples if args.copy_samples is None else args.copy_samples
@@ -461,14 +513,28 @@ def main() -> None:
     }
     extra = ["--device", args.device] + (["--cuda-export", args.cuda_export] if cuda else [])
     settle(model)
-    d = gb.Daemon(model, work / "sock" / "fresh", *extra, name="fresh")
+    d = gb.Daemon(model, work / "sock" / "fresh", *extra, name="fresh", env=env)
+    other = None
+    if args.against is not None:
+        other_env = child_env(args.against.resolve())
+        other = gb.Daemon(model, work / "sock" / "against", *extra, name="against", env=other_env)
     try:
         sock = d.wait(900)
         results["daemon_load_s"] = d.load_seconds()
         views = "groups" if args.moe else "names"
         engine = [str(sock), str(model), args.device]
         run_child(ENGINE, *engine, "zero_copy", views, env=env, timeout=900)  # writes bytecode
-        runs = [run_child(ENGINE, *engine, "zero_copy", views, env=env) for _ in range(args.samples)]
+        if other is not None:
+            against = [str(other.wait(900)), str(model), args.device]
+            run_child(ENGINE, *against, "zero_copy", views, env=other_env, timeout=900)
+            runs, theirs = interleaved(
+                lambda: run_child(ENGINE, *engine, "zero_copy", views, env=env),
+                lambda: run_child(ENGINE, *against, "zero_copy", views, env=other_env),
+                args.samples,
+            )
+            results["against"] = against_results(args.against, runs, theirs)
+        else:
+            runs = [run_child(ENGINE, *engine, "zero_copy", views, env=env) for _ in range(args.samples)]
         copies = [run_child(ENGINE, *engine, "copy", views, env=env) for _ in range(copy_samples)]
         named = (
             [run_child(ENGINE, *engine, "zero_copy", "names", env=env) for _ in range(named_samples)]
@@ -488,6 +554,8 @@ def main() -> None:
                 )
     finally:
         d.stop()
+        if other is not None:
+            other.stop()
     first = stats([r["fetch_ms"] for r in runs])
     results["definition"] = {
         "first_fetch_fresh_engine_ms": (
