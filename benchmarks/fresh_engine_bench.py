@@ -26,8 +26,8 @@ the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in 
 mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, while the STATE is
 in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
 ``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
-(the rest of the wait for STATE, and its decode), ``wait`` (the fetch's reads blocked on the socket, within
-``hello`` and ``state``: the daemon's answer not in yet), ``import_handle`` (cuMemImportFromShareableHandle),
+(the rest of the wait for STATE, and its decode), ``wait`` (the time the fetch's reads waited for the socket to
+be readable, within ``hello`` and ``state``: the daemon's answer not in yet), ``import_handle`` (cuMemImportFromShareableHandle),
 ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess: ``reserve``, ``map_range``,
 ``set_access``, ``set_access_refused`` for a read-only attempt the driver refused), ``map`` (every slab, the two
 above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),
@@ -50,8 +50,9 @@ first-time costs go. Neither changes the measured figures above (other processes
     python benchmarks/fresh_engine_bench.py --device cpu --moe --out r.json         # 50,000 tensors, host
 
 AGAINST: ``--against TREE`` (a directory holding another wcache/, e.g. ``git archive main wcache benchmarks``
-unpacked) starts a second daemon from that tree on the same checkpoint and runs its fresh engines one for one
-with this tree's, the order alternating: ``against`` in the JSON has its figures and, per figure, the median of
+unpacked) starts a second daemon from that tree on the same checkpoint and runs its zero_copy fresh engines (the
+restart and first-fetch figures; copy mode, the probes and the anchors stay this tree's alone) one for one with
+this tree's, the order alternating: ``against`` in the JSON has its figures and, per figure, the median of
 the pairs' differences (``*_paired_diff_median``, this tree less that one; below zero, this tree is faster). Run
 for run on one VM the same code moved by 30 % within one call (docs/performance.md, "runs 3 to 5"); interleaved
 sample by sample, the drift falls on both trees alike.
