@@ -1,4 +1,5 @@
-"""CUDA plumbing of the daemon's CUDA backend (export) and shared helpers (device UUIDs, DeviceBuffer).
+"""CUDA plumbing of the daemon's CUDA backend (export) and shared helpers (device UUIDs; ``DeviceBuffer``, the
+mapped range's owner, is the client driver's: ``wcache.client.driver``).
 
 Two ways to share one slab between processes (docs/protocol.md §4.5):
 
@@ -23,13 +24,10 @@ import importlib
 import os
 import sys
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from wcache.client.driver import DeviceBuffer
 from wcache.errors import UnsupportedPlatformError
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "DeviceBuffer",
@@ -181,37 +179,6 @@ def memcpy_dtoh(ptr: int, n: int, index: int) -> bytes:
     _check(driver.cuMemcpyDtoH(ctypes.addressof(host), ptr, n), "cuMemcpyDtoH")
     del host
     return bytes(buf)
-
-
-class DeviceBuffer:
-    """Owns one mapped device range; exposes it for ``torch.as_tensor`` (no copy)."""
-
-    def __init__(self, ptr: int, size: int, index: int, release: Callable[[], None] | None) -> None:
-        self.ptr, self.size, self.index = ptr, size, index
-        self._release = release
-        self.__cuda_array_interface__ = {
-            "shape": (size,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-    def tensor(self) -> torch.Tensor:
-        import torch
-
-        return torch.as_tensor(self, device=f"cuda:{self.index}")
-
-    def close(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the driver frees it anyway
-            pass
 
 
 # ---------------------------------------------------------------- legacy IPC

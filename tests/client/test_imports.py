@@ -142,6 +142,19 @@ def test_computing_a_key_imports_no_loader_module(tmp_path: Path) -> None:
     assert {m for m in loaded if m.startswith("wcache")} == RESTART_PATH  # the key's request is the key's module
 
 
+def test_the_cuda_mapping_loads_neither_the_daemons_cuda_module_nor_the_client() -> None:
+    """What a CUDA fetch adds while the daemon answers is the client's ctypes driver and its CUDA mapping: not
+    ``wcache._cuda`` (the daemon's export, cuda-bindings) — the mapped range's owner is the driver's — and the
+    driver module alone imports neither torch nor the client, as the daemon's ``wcache._cuda`` takes it."""
+    cuda = _loaded("import wcache.client.cuda")
+    assert {"wcache.client.cuda", "wcache.client.driver"} <= set(cuda)
+    assert "wcache._cuda" not in cuda
+    bare = _loaded("import sys, wcache.client.driver; assert 'torch' not in sys.modules")
+    assert "wcache.client.client" not in bare
+    daemon_side = _loaded("import sys, wcache._cuda; assert 'torch' not in sys.modules")
+    assert "wcache.client.client" not in daemon_side
+
+
 @pytest.fixture(scope="module")
 def settled(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint whose files the daemon can prove (none changed within RACY_NS of its read)."""

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 
-from wcache import _cuda
 from wcache.client import driver
 from wcache.errors import DeviceMismatchError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto.daemon_frames import SlabDescriptor
@@ -37,6 +36,8 @@ def visible_uuids() -> list[str]:
     except UnsupportedPlatformError:
         uuids = None
     if uuids is None:
+        from wcache import _cuda  # the daemon's module (cuda-bindings): only where the driver's context is not up
+
         uuids = [_cuda.device_uuid(i) for i in range(torch.cuda.device_count())]
     return uuids
 
@@ -102,23 +103,23 @@ def _make_current(index: int) -> None:
         torch.empty(1, device=f"cuda:{index}")
 
 
-def ipc_open(handle: bytes, offset: int, size: int, index: int) -> _cuda.DeviceBuffer:
+def ipc_open(handle: bytes, offset: int, size: int, index: int) -> driver.DeviceBuffer:
     """Open a legacy IPC handle on device ``index``; the buffer closes the handle."""
     _make_current(index)
     base = driver.ipc_open(handle)
-    return _cuda.DeviceBuffer(base + offset, size, index, lambda: driver.ipc_close(base))
+    return driver.DeviceBuffer(base + offset, size, index, lambda: driver.ipc_close(base))
 
 
 def vmm_import(
     fd: int, offset: int, size: int, index: int, *, read_only: bool, timings: dict[str, float] | None = None
-) -> tuple[_cuda.DeviceBuffer, bool]:
+) -> tuple[driver.DeviceBuffer, bool]:
     """Import a VMM fd (the caller closes it), map it; returns the buffer and whether it is read-only
     (``timings``: the driver calls' ms, ``driver.vmm_import_map``)."""
     _make_current(index)
     gran = driver.granularity(index)
     total = max(gran, -(-(offset + size) // gran) * gran)
     ptr, ro = driver.vmm_import_map(fd, total, index, read_only=read_only, timings=timings)
-    return _cuda.DeviceBuffer(ptr + offset, size, index, lambda: driver.vmm_unmap(ptr, total)), ro
+    return driver.DeviceBuffer(ptr + offset, size, index, lambda: driver.vmm_unmap(ptr, total)), ro
 
 
 def _slab_device(desc: SlabDescriptor) -> int:
@@ -130,7 +131,7 @@ def _slab_device(desc: SlabDescriptor) -> int:
 
 def map_slab(
     desc: SlabDescriptor, fd: int, device: torch.device | None, timings: dict[str, float] | None = None
-) -> _cuda.DeviceBuffer:
+) -> driver.DeviceBuffer:
     """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle; ``timings``: see
     ``vmm_import``)."""
     index = _slab_device(desc)

@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import ctypes
 import time
-from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
-from typing import Any
+from collections.abc import Callable
+from ctypes import Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+from typing import TYPE_CHECKING, Any
 
 from wcache.errors import UnsupportedPlatformError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SIGNATURES",
     "CudaDriverError",
+    "DeviceBuffer",
     "check",
     "current_device",
     "device_uuids",
@@ -88,36 +93,38 @@ class CUuuid(Structure):
     _fields_ = [("bytes", c_char * 16)]
 
 
-#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins.
+#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins. A pointer argument is
+#: a ``c_void_p`` (the callers pass ``byref`` of the cuda.h type): a ``POINTER`` type per argument cost the first
+#: fetch its creation (~15 us each in a fresh process) for no check the callers need.
 SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[Any, ...]]] = {
-    "cuGetErrorName": (("cuGetErrorName",), (CUresult, POINTER(c_char_p))),
-    "cuGetErrorString": (("cuGetErrorString",), (CUresult, POINTER(c_char_p))),
-    "cuCtxGetDevice": (("cuCtxGetDevice",), (POINTER(c_int),)),
-    "cuDeviceGetCount": (("cuDeviceGetCount",), (POINTER(c_int),)),
-    "cuDeviceGet": (("cuDeviceGet",), (POINTER(c_int), c_int)),
+    "cuGetErrorName": (("cuGetErrorName",), (CUresult, c_void_p)),
+    "cuGetErrorString": (("cuGetErrorString",), (CUresult, c_void_p)),
+    "cuCtxGetDevice": (("cuCtxGetDevice",), (c_void_p,)),
+    "cuDeviceGetCount": (("cuDeviceGetCount",), (c_void_p,)),
+    "cuDeviceGet": (("cuDeviceGet",), (c_void_p, c_int)),
     # MIG instances have their own UUID through _v2 (CUDA >= 11.4), as the runtime reports them
-    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (POINTER(CUuuid), c_int)),
+    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (c_void_p, c_int)),
     "cuMemGetAllocationGranularity": (
         ("cuMemGetAllocationGranularity",),
-        (POINTER(c_size_t), POINTER(CUmemAllocationProp), c_int),
+        (c_void_p, c_void_p, c_int),
     ),
     "cuMemImportFromShareableHandle": (
         ("cuMemImportFromShareableHandle",),
-        (POINTER(CUmemGenericAllocationHandle), c_void_p, c_int),
+        (c_void_p, c_void_p, c_int),
     ),
     "cuMemAddressReserve": (
         ("cuMemAddressReserve",),
-        (POINTER(CUdeviceptr), c_size_t, c_size_t, CUdeviceptr, c_ulonglong),
+        (c_void_p, c_size_t, c_size_t, CUdeviceptr, c_ulonglong),
     ),
     "cuMemMap": (("cuMemMap",), (CUdeviceptr, c_size_t, c_size_t, CUmemGenericAllocationHandle, c_ulonglong)),
-    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, POINTER(CUmemAccessDesc), c_size_t)),
+    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, c_void_p, c_size_t)),
     "cuMemUnmap": (("cuMemUnmap",), (CUdeviceptr, c_size_t)),
     "cuMemAddressFree": (("cuMemAddressFree",), (CUdeviceptr, c_size_t)),
     "cuMemRelease": (("cuMemRelease",), (CUmemGenericAllocationHandle,)),
     # cuda.h: #define cuIpcOpenMemHandle cuIpcOpenMemHandle_v2 (CUDA >= 11.0)
     "cuIpcOpenMemHandle": (
         ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-        (POINTER(CUdeviceptr), CUipcMemHandle, c_uint),
+        (c_void_p, CUipcMemHandle, c_uint),
     ),
     "cuIpcCloseMemHandle": (("cuIpcCloseMemHandle",), (CUdeviceptr,)),
 }
@@ -331,3 +338,36 @@ def ipc_open(handle: bytes) -> int:
 
 def ipc_close(base: int) -> None:
     driver().cuIpcCloseMemHandle(base)
+
+
+class DeviceBuffer:
+    """Owns one mapped device range; exposes it for ``torch.as_tensor`` (no copy). The client's mappings and the
+    daemon's allocations (``wcache._cuda``) alike: ``release`` (None: nothing) runs once, on ``close`` or when the
+    last reference goes."""
+
+    def __init__(self, ptr: int, size: int, index: int, release: Callable[[], None] | None) -> None:
+        self.ptr, self.size, self.index = ptr, size, index
+        self._release = release
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    def tensor(self) -> torch.Tensor:
+        import torch  # the daemon's backend imports this module without torch (wcache._cuda)
+
+        return torch.as_tensor(self, device=f"cuda:{self.index}")
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the driver frees it anyway
+            pass
