@@ -19,8 +19,9 @@ starts its CUDA context (not timed: an engine has both before it asks for weight
   pickled; the fresh engine unpickles, rebuilds every tensor and touches it the same way
   (CUDA only). ``first_fetch_over_per_tensor_ipc`` is the ratio of the medians, same run.
 
-``phases_ms`` breaks the median restart sample down and ``phases_ms_median`` gives each phase's median over
-the samples, from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the client): ``import``, ``key``
+``phases_ms`` breaks the median restart sample down, ``phases_ms_median`` gives each phase's median over
+the samples and ``phases_ms_samples`` each phase per sample (in the samples' order: where a slow sample's time
+went), from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the client): ``import``, ``key``
 (the directory listed and its files stated: docs/protocol.md §4.3.1), ``socket`` (connect, peer check),
 ``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back; ``ahead`` within it: the
 mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, while the STATE is
@@ -329,6 +330,13 @@ def phase_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(statistics.median(r["phases_ms"][k] for r in runs if k in r["phases_ms"]), 3) for k in keys}
 
 
+def phase_samples(runs: list[dict[str, Any]]) -> dict[str, list[float | None]]:
+    """Each phase's figure per sample, in the samples' order (that of ``restart_weight_path_ms``'s samples): which
+    phase a slow sample's time went to."""
+    keys = list(dict.fromkeys(k for r in runs for k in r["phases_ms"]))
+    return {k: [round(r["phases_ms"][k], 3) if k in r["phases_ms"] else None for r in runs] for k in keys}
+
+
 TOUCH_VARIANTS = ("item", "driver", "other", "pinned")
 #: (cuMemAddressReserve alignment, access): the client's way first (0, read-only tried first)
 MAP_VARIANTS = (("0", "ro"), ("0", "rw"), ("gran", "ro"), (str(1 << 30), "ro"))
@@ -388,6 +396,7 @@ def against_results(tree: Path, ours: list[dict[str, Any]], theirs: list[dict[st
         )
     out["cpu_ms_median"] = {k: round(statistics.median(r["cpu_ms"][k] for r in theirs), 3) for k in theirs[0]["cpu_ms"]}
     out["phases_ms_median"] = phase_medians(theirs)
+    out["phases_ms_samples"] = phase_samples(theirs)
     return out
 
 
@@ -603,6 +612,7 @@ def main() -> None:
     median_run = by_path[len(by_path) // 2]
     results["phases_ms"] = {k: round(v, 3) for k, v in median_run["phases_ms"].items()}
     results["phases_ms_median"] = phase_medians(runs)
+    results["phases_ms_samples"] = phase_samples(runs)
     results["copy_phases_ms_median"] = phase_medians(copies)
     results["key_proven_samples"] = sum(bool(r.get("key_proven")) for r in runs)
     results["key_scanned_samples"] = sum(bool(r.get("key_scanned")) for r in runs)
