@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -86,6 +87,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(home), name)
     finally:
         if collecting:
+            codec = sys.modules.get("wcache.proto.codec")  # loaded by every home but wcache.errors
+            if codec is not None:
+                codec.keep_young()  # the modules stay: no collection passes over them afterwards either
             gc.enable()
     globals()[name] = value  # later look-ups skip this hook
     return value

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import struct
+from collections.abc import Iterator
 
 import msgpack
 import pytest
 
 from wcache.errors import FrameTooLargeError, RemoteProtocolError
 from wcache.proto import FrameBuffer, decode_body, pack_frame
-from wcache.proto.codec import DIRECT_BODY
+from wcache.proto.codec import DIRECT_BODY, gc_paused
 
 
 def test_length_checked_before_body() -> None:
@@ -124,3 +126,64 @@ def test_direct_body_refuses_more_than_its_space() -> None:
     assert space is not None
     with pytest.raises(ValueError, match="do not fit"):
         buf.filled(len(space) + 1)
+
+
+class _Node:
+    """A container the cyclic GC tracks."""
+
+
+def _generation_of(obj: object) -> int:
+    return next(g for g in range(3) if any(o is obj for o in gc.get_objects(generation=g)))
+
+
+@pytest.fixture
+def collecting() -> Iterator[None]:
+    """The collector enabled, nothing frozen, for the test; the process's state as it was afterwards."""
+    was = gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    gc.enable()
+    yield
+    gc.unfreeze()
+    if not was:
+        gc.disable()
+
+
+def test_a_kept_pause_moves_what_it_made_to_the_oldest_generation(collecting: None) -> None:
+    """``gc_paused(keep=True)``: what the pause made is in the oldest generation when it ends, and no collection ran;
+    without ``keep`` it stays young, for the next collection to traverse."""
+    runs: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        with gc_paused(keep=True):
+            kept = [_Node() for _ in range(5000)]
+        assert runs == [] and gc.isenabled()
+        assert _generation_of(kept[0]) > 0 and _generation_of(kept[-1]) > 0  # old: no young collection sees them
+        with gc_paused():
+            young = [_Node() for _ in range(10)]
+        assert runs == [] and _generation_of(young[0]) == 0
+    finally:
+        gc.callbacks.remove(count)
+
+
+def test_a_kept_pause_leaves_frozen_objects_frozen(collecting: None) -> None:
+    """Something frozen (a pre-fork server's ``gc.freeze``) stays frozen: the move is skipped, the pause still ends."""
+    frozen = _Node()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    with gc_paused(keep=True):
+        made = _Node()
+    assert gc.get_freeze_count() == n and gc.isenabled()
+    assert not any(o is frozen for g in range(3) for o in gc.get_objects(generation=g))
+    assert _generation_of(made) == 0
+
+
+def test_a_pause_inside_a_pause_leaves_the_collector_to_the_outer_one(collecting: None) -> None:
+    gc.disable()
+    with gc_paused(keep=True):
+        made = _Node()
+    assert not gc.isenabled() and _generation_of(made) == 0

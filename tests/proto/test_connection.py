@@ -574,9 +574,11 @@ def test_the_type_checkers_request_unions_name_what_the_frames_declare() -> None
     the servers' match statements are checked against) name the requests each service declares it answers."""
     tree = ast.parse(inspect.getsource(connection))
     spelled = {
-        ast.unparse(n.targets[0]): {x.id for x in ast.walk(n.value) if isinstance(x, ast.Name)}
+        ast.unparse(n.target): {x.id for x in ast.walk(n.value) if isinstance(x, ast.Name)}
         for n in ast.walk(tree)
-        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) in ("DaemonRequest", "KeeperRequest")
+        if isinstance(n, ast.AnnAssign)
+        and n.value is not None
+        and ast.unparse(n.target) in ("DaemonRequest", "KeeperRequest")
     }
     assert spelled == {
         "DaemonRequest": {cls.__name__ for cls in get_args(connection.DaemonRequest)},

@@ -397,7 +397,7 @@ class WCacheClient:
         (and ``copy``) and becomes the weights' ``timings``."""
         from wcache.client.mapping import build_views, map_slabs
 
-        with gc_paused():  # slabs and views: tensor objects, none in a cycle (see ``_ahead``)
+        with gc_paused(keep=True):  # slabs and views: tensor objects, none in a cycle, kept (see ``_ahead``)
             t0 = time.perf_counter()
             slabs = map_slabs(state, fds, self.device, timings)
             timings["map"] = (time.perf_counter() - t0) * 1e3
@@ -677,7 +677,9 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
 
     def ahead() -> None:
         t0 = time.perf_counter()
-        with gc_paused():  # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile
+        with gc_paused(
+            keep=True
+        ):  # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile
             import wcache.client.mapping
 
             if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]

@@ -168,7 +168,7 @@ class TensorViews(Mapping[str, torch.Tensor]):
     def _group_views(self, i: int) -> tuple[torch.Tensor, ...]:
         views = self._views[i]
         if views is None:
-            with gc_paused(self._groups[i].length * 64):  # 10^4+ tensor objects: no GC passes meanwhile
+            with gc_paused(self._groups[i].length * 64, keep=True):  # 10^4+ tensor objects: no GC passes meanwhile
                 views = self._cut(i)
         return views
 
@@ -188,7 +188,7 @@ class TensorViews(Mapping[str, torch.Tensor]):
 
     def groups(self) -> list[GroupView]:
         """Every group as a stacked view, in table order (one view per group, no per-name tensors)."""
-        with gc_paused():  # a tensor object per group, no cycle: no collection passes over torch's heap meanwhile
+        with gc_paused(keep=True):  # a tensor object per group, no cycle: no collection passes over torch's heap
             return [
                 GroupView(self._names[start : start + g.length], self.stacked(i))
                 for i, (start, g) in enumerate(zip(self._starts, self._groups, strict=True))
@@ -196,7 +196,7 @@ class TensorViews(Mapping[str, torch.Tensor]):
 
     def materialize(self) -> None:
         """Build every per-name tensor now (what the first look-up of each group would do)."""
-        with gc_paused():
+        with gc_paused(keep=True):
             views = self._views
             for i in range(len(self._groups)):
                 if views[i] is None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from functools import reduce
 from operator import or_
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from wcache.errors import (
     LocalProtocolError,
@@ -72,8 +72,10 @@ if TYPE_CHECKING:  # the tables and request unions, derived from every frame whe
 
     # the type checker's copy of ``requests(service)`` (match statements check against it; test_connection
     # checks it names what the frames declare)
-    DaemonRequest = GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
-    KeeperRequest = Keep | Unkeep | Reclaim | Status
+    DaemonRequest: TypeAlias = (
+        GetState | Release | Status | Preload | Evict | Takeover | TakeoverAdopted | Deposit | Commit
+    )
+    KeeperRequest: TypeAlias = Keep | Unkeep | Reclaim | Status
     #: (role, phase, direction, frame type) -> next phase, for every frame; absent = not allowed
     TRANSITIONS: dict[tuple[Role, Phase, str, str], Phase]
     #: the requests each service answers, by frame type; a server answers the others' with NOT_FOUND
@@ -362,7 +364,7 @@ class Connection:
                             f"stream ended inside a frame ({self._buffer.buffered} bytes pending)"
                         )
                 return
-            with gc_paused(len(body)):
+            with gc_paused(len(body), keep=self.role is Role.CLIENT):  # a client keeps its STATE's table
                 frame = _decode_frame(decode_body(body))
             want = frame.fd_count if with_fds else 0  # 0 but for the frames that carry descriptors
             if want > len(self._fds):
