@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable
-from ctypes import Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import TYPE_CHECKING, Any
 
 from wcache.errors import UnsupportedPlatformError
@@ -93,38 +93,36 @@ class CUuuid(Structure):
     _fields_ = [("bytes", c_char * 16)]
 
 
-#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins. A pointer argument is
-#: a ``c_void_p`` (the callers pass ``byref`` of the cuda.h type): a ``POINTER`` type per argument cost the first
-#: fetch its creation (~15 us each in a fresh process) for no check the callers need.
+#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins.
 SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[Any, ...]]] = {
-    "cuGetErrorName": (("cuGetErrorName",), (CUresult, c_void_p)),
-    "cuGetErrorString": (("cuGetErrorString",), (CUresult, c_void_p)),
-    "cuCtxGetDevice": (("cuCtxGetDevice",), (c_void_p,)),
-    "cuDeviceGetCount": (("cuDeviceGetCount",), (c_void_p,)),
-    "cuDeviceGet": (("cuDeviceGet",), (c_void_p, c_int)),
+    "cuGetErrorName": (("cuGetErrorName",), (CUresult, POINTER(c_char_p))),
+    "cuGetErrorString": (("cuGetErrorString",), (CUresult, POINTER(c_char_p))),
+    "cuCtxGetDevice": (("cuCtxGetDevice",), (POINTER(c_int),)),
+    "cuDeviceGetCount": (("cuDeviceGetCount",), (POINTER(c_int),)),
+    "cuDeviceGet": (("cuDeviceGet",), (POINTER(c_int), c_int)),
     # MIG instances have their own UUID through _v2 (CUDA >= 11.4), as the runtime reports them
-    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (c_void_p, c_int)),
+    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (POINTER(CUuuid), c_int)),
     "cuMemGetAllocationGranularity": (
         ("cuMemGetAllocationGranularity",),
-        (c_void_p, c_void_p, c_int),
+        (POINTER(c_size_t), POINTER(CUmemAllocationProp), c_int),
     ),
     "cuMemImportFromShareableHandle": (
         ("cuMemImportFromShareableHandle",),
-        (c_void_p, c_void_p, c_int),
+        (POINTER(CUmemGenericAllocationHandle), c_void_p, c_int),
     ),
     "cuMemAddressReserve": (
         ("cuMemAddressReserve",),
-        (c_void_p, c_size_t, c_size_t, CUdeviceptr, c_ulonglong),
+        (POINTER(CUdeviceptr), c_size_t, c_size_t, CUdeviceptr, c_ulonglong),
     ),
     "cuMemMap": (("cuMemMap",), (CUdeviceptr, c_size_t, c_size_t, CUmemGenericAllocationHandle, c_ulonglong)),
-    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, c_void_p, c_size_t)),
+    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, POINTER(CUmemAccessDesc), c_size_t)),
     "cuMemUnmap": (("cuMemUnmap",), (CUdeviceptr, c_size_t)),
     "cuMemAddressFree": (("cuMemAddressFree",), (CUdeviceptr, c_size_t)),
     "cuMemRelease": (("cuMemRelease",), (CUmemGenericAllocationHandle,)),
     # cuda.h: #define cuIpcOpenMemHandle cuIpcOpenMemHandle_v2 (CUDA >= 11.0)
     "cuIpcOpenMemHandle": (
         ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-        (c_void_p, CUipcMemHandle, c_uint),
+        (POINTER(CUdeviceptr), CUipcMemHandle, c_uint),
     ),
     "cuIpcCloseMemHandle": (("cuIpcCloseMemHandle",), (CUdeviceptr,)),
 }
