@@ -444,6 +444,7 @@ async def connect(
     meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    keep_decoded: bool = False,
 ) -> tuple[Channel, HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
@@ -451,7 +452,7 @@ async def connect(
     back (its reply is the next frame after HELLO_OK); ``meanwhile``: called once that is written, before
     HELLO_OK is read (``Meanwhile``). ``max_frame_size``: the largest frame body taken from the peer.
     ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK in, ``meanwhile``
-    included), in ms."""
+    included), in ms. ``keep_decoded``: the connection's (an engine's fetch keeps what it decodes)."""
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     sock = _socket()
@@ -463,7 +464,9 @@ async def connect(
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
     t1 = time.perf_counter()
-    ch = Channel(sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size))
+    ch = Channel(
+        sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size, keep_decoded=keep_decoded)
+    )
     try:
         await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
         if meanwhile is not None:
@@ -487,6 +490,7 @@ def connect_blocking(
     pipeline: Pipeline | None = None,
     meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
+    keep_decoded: bool = False,
 ) -> tuple[Channel, HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
     TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
@@ -503,7 +507,7 @@ def connect_blocking(
         raise _unavailable(path, exc) from exc
     _check_peer(sock, path)
     t1 = time.perf_counter()
-    ch = Channel(sock, Connection(Role.CLIENT, service=service))
+    ch = Channel(sock, Connection(Role.CLIENT, service=service, keep_decoded=keep_decoded))
     try:
         ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
         if meanwhile is not None:

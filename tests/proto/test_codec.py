@@ -10,8 +10,10 @@ import msgpack
 import pytest
 
 from wcache.errors import FrameTooLargeError, RemoteProtocolError
-from wcache.proto import FrameBuffer, decode_body, pack_frame
+from wcache.proto import FrameBuffer, codec, decode_body, pack_frame
 from wcache.proto.codec import DIRECT_BODY, gc_paused
+from wcache.proto.connection import PROTOCOL_VERSION, Connection, Role
+from wcache.proto.daemon_frames import DeviceInfo, Hello, HelloOk
 
 
 def test_length_checked_before_body() -> None:
@@ -136,18 +138,25 @@ def _generation_of(obj: object) -> int:
     return next(g for g in range(3) if any(o is obj for o in gc.get_objects(generation=g)))
 
 
+keeps = pytest.mark.skipif(not codec.KEEPS_YOUNG, reason="keep_young does nothing on this interpreter")
+
+
 @pytest.fixture
-def collecting() -> Iterator[None]:
+def collecting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The collector enabled, nothing frozen, for the test; the process's state as it was afterwards."""
     was = gc.isenabled()
     assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(codec, "_frozen_seen", False)
     gc.enable()
     yield
     gc.unfreeze()
-    if not was:
+    if was:
+        gc.enable()
+    else:
         gc.disable()
 
 
+@keeps
 def test_a_kept_pause_moves_what_it_made_to_the_oldest_generation(collecting: None) -> None:
     """``gc_paused(keep=True)``: what the pause made is in the oldest generation when it ends, and no collection ran;
     without ``keep`` it stays young, for the next collection to traverse."""
@@ -170,8 +179,10 @@ def test_a_kept_pause_moves_what_it_made_to_the_oldest_generation(collecting: No
         gc.callbacks.remove(count)
 
 
-def test_a_kept_pause_leaves_frozen_objects_frozen(collecting: None) -> None:
-    """Something frozen (a pre-fork server's ``gc.freeze``) stays frozen: the move is skipped, the pause still ends."""
+@keeps
+def test_a_kept_pause_leaves_frozen_objects_frozen_and_stops_looking(collecting: None) -> None:
+    """Something frozen (a pre-fork server's ``gc.freeze``) stays frozen: the move is skipped, the pause still ends,
+    and later pauses do not count the frozen heap again."""
     frozen = _Node()
     gc.freeze()
     n = gc.get_freeze_count()
@@ -180,6 +191,10 @@ def test_a_kept_pause_leaves_frozen_objects_frozen(collecting: None) -> None:
     assert gc.get_freeze_count() == n and gc.isenabled()
     assert not any(o is frozen for g in range(3) for o in gc.get_objects(generation=g))
     assert _generation_of(made) == 0
+    gc.unfreeze()  # nothing frozen now: the move stays off, the first sight of a frozen heap is remembered
+    with gc_paused(keep=True):
+        later = _Node()
+    assert _generation_of(later) == 0
 
 
 def test_a_pause_inside_a_pause_leaves_the_collector_to_the_outer_one(collecting: None) -> None:
@@ -187,3 +202,22 @@ def test_a_pause_inside_a_pause_leaves_the_collector_to_the_outer_one(collecting
     with gc_paused(keep=True):
         made = _Node()
     assert not gc.isenabled() and _generation_of(made) == 0
+
+
+@keeps
+def test_only_a_connection_that_keeps_what_it_decodes_moves_it(
+    collecting: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's connection (``keep_decoded``, the client's) ends a large frame's decode with the frame in the
+    oldest generation; a daemon's connections (the default) leave what they decode young, as before."""
+    monkeypatch.setattr(codec, "GC_PAUSE_BYTES", 0)  # every frame is "large"
+    for keep in (True, False):
+        client, server = Connection(Role.CLIENT, keep_decoded=keep), Connection(Role.SERVER)
+        server.receive_data(client.send(Hello(versions=(PROTOCOL_VERSION,))))
+        (hello,) = server.events()
+        assert isinstance(hello, Hello) and _generation_of(hello) == 0  # the daemon's decode left it young
+        reply = server.hello_reply(hello, software="t", backend="host", device=DeviceInfo("cpu"))
+        client.receive_data(server.send(reply))
+        (ok,) = client.events()
+        assert isinstance(ok, HelloOk)
+        assert (_generation_of(ok) > 0) is keep

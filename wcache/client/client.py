@@ -267,6 +267,7 @@ class WCacheClient:
                 pipeline=pipeline,
                 meanwhile=_ahead(timings) if pipeline is not None else None,
                 timings=timings,
+                keep_decoded=True,  # a STATE's table stays with the weights
             )
 
         try:
@@ -581,6 +582,7 @@ class WCacheClient:
                     pipeline=request.build,
                     meanwhile=_ahead(timings),
                     timings=timings,
+                    keep_decoded=True,  # a STATE's table stays with the weights
                 )
             except CacheUnavailableError as exc:
                 from wcache.client import wait  # the failure path only

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import struct
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "FrameBuffer",
     "decode_body",
     "encode_body",
+    "KEEPS_YOUNG",
     "gc_paused",
     "keep_young",
     "pack_frame",
@@ -122,19 +124,37 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return obj
 
 
+#: whether :func:`keep_young` does anything here: CPython 3.11-3.13 with the GIL, whose ``gc.freeze`` and
+#: ``gc.unfreeze`` splice the generations' lists (O(1)). The free-threaded build's walk the whole heap with every
+#: thread stopped and have no generations to spare; 3.14's incremental collector's ``freeze`` walks an old space.
+KEEPS_YOUNG = sys.version_info < (3, 14) and "t" not in getattr(sys, "abiflags", "")
+_frozen_seen = False
+
+
 def keep_young() -> None:
     """Move every object the cyclic GC tracks into its oldest generation, without a collection.
 
-    For the end of a pause (``gc_paused(keep=True)``, and ``wcache``'s lazy imports) over work whose objects the
-    process keeps: an import's modules and classes, a fetch's table and views. Left young, all of them are
+    For the end of a pause (``gc_paused(keep=True)``, and ``wcache``'s lazy imports) over work whose objects an
+    engine keeps: an import's modules and classes, a fetch's STATE and views. Left young, all of them are
     traversed by the next collection (one pass of ~0.6 ms after an engine's import on the CPU VM) and again when
-    they move up, to find nothing. ``gc.freeze()`` then ``gc.unfreeze()`` does the move (the permanent generation goes back to
-    the oldest); it is skipped while anything is frozen (a pre-fork server's ``gc.freeze``), which the unfreeze
-    would release. The process's other young objects move with them: a cycle among those is collected by the
-    next full collection instead of a young one."""
-    if not gc.get_freeze_count():
-        gc.freeze()
-        gc.unfreeze()
+    they move up, to find nothing. ``gc.freeze()`` then ``gc.unfreeze()`` does the move (the permanent
+    generation goes back to the oldest).
+
+    What it trades: the process's other young objects move with them, so a cycle among those (garbage already,
+    or soon) waits for the next full collection instead of a young one — in a process whose heap is torch's, that
+    may be many allocations away. An engine's fetch is a few such moves per process start; a daemon never asks
+    for them. Skipped where :data:`KEEPS_YOUNG` is false, and for good once anything was found frozen (a pre-fork
+    server's ``gc.freeze``, which the unfreeze would release; counting a frozen heap walks it). Not atomic against
+    another thread: its ``gc.freeze()`` between the count and the unfreeze is undone, and a ``fork()`` between
+    the two calls starts the child with everything frozen."""
+    global _frozen_seen
+    if not KEEPS_YOUNG or _frozen_seen:
+        return
+    if gc.get_freeze_count():
+        _frozen_seen = True
+        return
+    gc.freeze()
+    gc.unfreeze()
 
 
 @contextmanager
@@ -146,7 +166,8 @@ def gc_paused(size: int | None = None, *, keep: bool = False) -> Iterator[None]:
     objects can form cycles, so collecting meanwhile is pure waste. The same holds for an
     engine's fetch as a whole (modules, views: tensors created in a process whose heap is torch's).
     ``keep``: what is made meanwhile stays (an engine's modules, its STATE, its views): it goes to the oldest
-    generation as the pause ends (:func:`keep_young`) instead of being traversed by the next collection.
+    generation as the pause ends (:func:`keep_young`, and what that trades) instead of being traversed by the
+    next collection.
     """
     if (size is not None and size < GC_PAUSE_BYTES) or not gc.isenabled():
         yield

@@ -239,16 +239,20 @@ class Connection:
         max_handshake_frame: int = MAX_HANDSHAKE_FRAME,
         supported_versions: tuple[int, ...] = SUPPORTED_VERSIONS,
         auth: bool = False,
+        keep_decoded: bool = False,
     ) -> None:
         """``max_frame_size``: the largest frame body accepted once the handshake is done;
         ``max_handshake_frame``: before it (HELLO / HELLO_OK), so that a peer that has not even said HELLO
         cannot make this side buffer a big body (docs/protocol.md §7). ``auth``: a peer channel in the
-        shared-secret mode: AUTH follows the handshake (§10.2)."""
+        shared-secret mode: AUTH follows the handshake (§10.2). ``keep_decoded``: what a large frame's decode makes
+        is kept by the process (an engine's STATE: its table stays with the weights), so the decode's GC pause ends
+        with it in the oldest generation (``codec.gc_paused(keep=True)``); a daemon's connections leave it young."""
         if auth and service not in (None, Service.PEER):
             raise ValueError("only the peer channel authenticates in the protocol")
         self.role = role
         self.service = service
         self.auth = auth
+        self.keep_decoded = keep_decoded
         self.phase = Phase.START
         self.version: int | None = None
         self.supported_versions = supported_versions
@@ -364,7 +368,7 @@ class Connection:
                             f"stream ended inside a frame ({self._buffer.buffered} bytes pending)"
                         )
                 return
-            with gc_paused(len(body), keep=self.role is Role.CLIENT):  # a client keeps its STATE's table
+            with gc_paused(len(body), keep=self.keep_decoded):
                 frame = _decode_frame(decode_body(body))
             want = frame.fd_count if with_fds else 0  # 0 but for the frames that carry descriptors
             if want > len(self._fds):
