@@ -679,9 +679,8 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
 
     def ahead() -> None:
         t0 = time.perf_counter()
-        with gc_paused(
-            keep=True
-        ):  # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile
+        # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile, the modules kept
+        with gc_paused(keep=True):
             import wcache.client.mapping
 
             if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
