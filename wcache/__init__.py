@@ -19,7 +19,6 @@ implementable without either).
 from __future__ import annotations
 
 import gc
-import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +83,9 @@ def __getattr__(name: str) -> Any:
     collecting = gc.isenabled()
     gc.disable()  # the import builds ~100 objects per class: collections meanwhile sweep torch's heap, find nothing
     try:
-        value = getattr(importlib.import_module(home), name)
+        # the import statement's own path: python -X importtime reports the home (importlib.import_module's does not)
+        __import__(home)
+        value = getattr(sys.modules[home], name)
     finally:
         if collecting:
             codec = sys.modules.get("wcache.proto.codec")  # loaded by every home but wcache.errors

@@ -89,6 +89,18 @@ def test_the_client_and_key_import_only_the_restart_path() -> None:
     assert extra == [], f"the restart path imports {extra}"
 
 
+def test_python_importtime_reports_every_module_of_the_restart_path() -> None:
+    """benchmarks/import_bench.py prices the engine's import from ``python -X importtime``, which reports only
+    what the import statement's path loads (``importlib.import_module``'s module is left out, its own time
+    falling to nobody): every wcache module the engine's import loads must be in the report."""
+    code = "from wcache import WCacheClient, WeightCacheKey"
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    reported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert {m for m in _loaded(code) if m.startswith("wcache")} - reported == set()
+
+
 def test_the_wire_modules_import_nothing_until_a_name_is_read() -> None:
     """``import wcache.proto`` loads nothing; one frame name loads its own module, the registry every one."""
     assert _loaded("import wcache.proto") == ["wcache", "wcache.proto"]

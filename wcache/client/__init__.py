@@ -7,7 +7,7 @@ import without the client and torch.
 
 from __future__ import annotations
 
-import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -19,7 +19,8 @@ __all__ = ["CachedWeights", "WCacheClient"]
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'wcache.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module("wcache.client.client"), name)
+    __import__("wcache.client.client")  # as wcache's own names: python -X importtime reports it
+    value = getattr(sys.modules["wcache.client.client"], name)
     globals()[name] = value  # later look-ups skip this hook
     return value
 
