@@ -41,7 +41,8 @@ files are left to settle for 2 s first, as the daemon records no file changed ju
 
 CUDA, dense (``--probes N``, default 5 fresh engines per variant): ``touch_probe`` times the first touch by
 variant (TOUCH_PROBE: the ENGINE's touch and a second one; the two elements read first through cuMemcpyDtoH; a
-device-to-host read of other memory first) and ``map_probe`` the first mapping's driver calls by reservation
+device-to-host read of other memory first; a pinned host tensor first; the window's modules imported before the
+fetch, so that its ``wait`` is the daemon's answer as the engine sees it) and ``map_probe`` the first mapping's driver calls by reservation
 alignment and access (MAP_PROBE, with the same range mapped again in the process): where the first fetch's
 first-time costs go. Neither changes the measured figures above (other processes).
 
@@ -132,6 +133,10 @@ w.release_sync()
 #                then the ENGINE's touch
 #   pinned       a one-element pinned host tensor allocated first (torch's caching host allocator: the buffer a
 #                CUDA tensor's item() copies into), then the ENGINE's touch
+#   window       the fetch's window modules (the views' and the CUDA mapping's, which a fetch imports while the
+#                daemon answers) imported before the fetch, then the ENGINE's touch: with nothing to do meanwhile the
+#                fetch waits for the daemon, so its timings' ``wait`` is the daemon's answer as the engine sees it
+#                (and ``fetch`` against the item variant's is what the window's imports add)
 # so the JSON shows whether the first touch pays for the mapping (driver and item alike, and other no help) or for
 # the process's first device-to-host copy (other takes it, the touch after is short) or for torch's path (driver
 # short, item long), and whether torch's path is its first pinned host allocation (pinned takes it).
@@ -141,7 +146,12 @@ sock, model, device, variant = sys.argv[1:5]
 import torch
 torch.empty(1, device=device); torch.cuda.synchronize()
 from wcache import WCacheClient, WeightCacheKey
-w = WCacheClient(sock, timeout=120).fetch_sync(WeightCacheKey.from_checkpoint(model))
+key = WeightCacheKey.from_checkpoint(model)
+if variant == "window":
+    import wcache.client.mapping, wcache.client.cuda, wcache.client.driver
+t0 = time.perf_counter()
+w = WCacheClient(sock, timeout=120).fetch_sync(key)
+fetched = (time.perf_counter() - t0) * 1e3
 w.materialize()
 names = list(w)
 first, last = w[names[0]], w[names[-1]]
@@ -150,8 +160,10 @@ def touch():
     float(first.view(-1)[0]) + float(last.view(-1)[-1])
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
-out = {"variant": variant}
-if variant == "item":
+out = {"variant": variant, "fetch": fetched}
+if variant == "window":
+    out["touch"] = touch()
+elif variant == "item":
     out["touch"] = touch()
     out["touch_again"] = touch()
 elif variant == "driver":
@@ -337,7 +349,7 @@ def phase_samples(runs: list[dict[str, Any]]) -> dict[str, list[float | None]]:
     return {k: [round(r["phases_ms"][k], 3) if k in r["phases_ms"] else None for r in runs] for k in keys}
 
 
-TOUCH_VARIANTS = ("item", "driver", "other", "pinned")
+TOUCH_VARIANTS = ("item", "driver", "other", "pinned", "window")
 #: (cuMemAddressReserve alignment, access): the client's way first (0, read-only tried first)
 MAP_VARIANTS = (("0", "ro"), ("0", "rw"), ("gran", "ro"), (str(1 << 30), "ro"))
 
