@@ -41,10 +41,12 @@ files are left to settle for 2 s first, as the daemon records no file changed ju
 
 CUDA, dense (``--probes N``, default 5 fresh engines per variant): ``touch_probe`` times the first touch by
 variant (TOUCH_PROBE: the ENGINE's touch and a second one; the two elements read first through cuMemcpyDtoH; a
-device-to-host read of other memory first; a pinned host tensor first; the window's modules imported before the
-fetch, so that its ``wait`` is the daemon's answer as the engine sees it) and ``map_probe`` the first mapping's driver calls by reservation
-alignment and access (MAP_PROBE, with the same range mapped again in the process): where the first fetch's
-first-time costs go. Neither changes the measured figures above (other processes).
+device-to-host read of other memory first; a pinned host tensor first; the window's modules imported before
+the fetch, so that its ``wait`` is the daemon's answer as the engine sees it, less what the context's preparation
+overlaps) and ``map_probe`` the first mapping's driver calls by reservation alignment and access (MAP_PROBE, with
+the same range mapped again in the process): where the first fetch's first-time costs go, the variants taken
+round-robin (one of each per round, the order rotating: a VM's drift falls on every variant alike). Neither
+changes the measured figures above (other processes).
 
     python benchmarks/fresh_engine_bench.py --device cuda:0 --model /tmp/wcache-bench/llama3-8b --out r.json
     python benchmarks/fresh_engine_bench.py --device cuda:0 --moe --out r.json      # 50,000 tensors
@@ -72,6 +74,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +150,10 @@ import torch
 torch.empty(1, device=device); torch.cuda.synchronize()
 from wcache import WCacheClient, WeightCacheKey
 key = WeightCacheKey.from_checkpoint(model)
-if variant == "window":
-    import wcache.client.mapping, wcache.client.cuda, wcache.client.driver
+if variant == "window":  # as the fetch's window imports them (client._ahead), before the fetch
+    from wcache.proto.codec import gc_paused
+    with gc_paused(keep=True):
+        import wcache.client.mapping, wcache.client.cuda, wcache.client.driver
 t0 = time.perf_counter()
 w = WCacheClient(sock, timeout=120).fetch_sync(key)
 fetched = (time.perf_counter() - t0) * 1e3
@@ -352,6 +357,16 @@ def phase_samples(runs: list[dict[str, Any]]) -> dict[str, list[float | None]]:
 TOUCH_VARIANTS = ("item", "driver", "other", "pinned", "window")
 #: (cuMemAddressReserve alignment, access): the client's way first (0, read-only tried first)
 MAP_VARIANTS = (("0", "ro"), ("0", "rw"), ("gran", "ro"), (str(1 << 30), "ro"))
+
+
+def round_robin(variants: dict[str, Callable[[], dict[str, Any]]], rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """``rounds`` runs of every variant, one of each per round, the order rotating by one each round."""
+    names = list(variants)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            runs[n].append(variants[n]())
+    return runs
 
 
 def probe_medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -565,14 +580,19 @@ def main() -> None:
         )
         if cuda and not args.moe and args.probes > 0:
             results["touch_probe"] = probe_medians(
-                {v: [run_child(TOUCH_PROBE, *engine, v, env=env) for _ in range(args.probes)] for v in TOUCH_VARIANTS}
+                round_robin(
+                    {v: partial(run_child, TOUCH_PROBE, *engine, v, env=env) for v in TOUCH_VARIANTS}, args.probes
+                )
             )
             if args.cuda_export == "vmm":
                 results["map_probe"] = probe_medians(
-                    {
-                        f"align={a},{acc}": [run_child(MAP_PROBE, *engine, a, acc, env=env) for _ in range(args.probes)]
-                        for a, acc in MAP_VARIANTS
-                    }
+                    round_robin(
+                        {
+                            f"align={a},{acc}": partial(run_child, MAP_PROBE, *engine, a, acc, env=env)
+                            for a, acc in MAP_VARIANTS
+                        },
+                        args.probes,
+                    )
                 )
     finally:
         d.stop()
