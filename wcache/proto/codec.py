@@ -164,7 +164,7 @@ def gc_paused(size: int | None = None, *, keep: bool = False) -> Iterator[None]:
     A frame of many small containers (arrays of maps, as a per-entry tensor table was) triggers
     collections that sweep the whole heap while nothing it decodes can form a cycle. STATE's columnar
     table decodes to a few tracked objects (its 50,000 names are strs, which the collector does not
-    track): with or without the pause its decode takes the same time (4.5 ms, CPU VM, 2026-12-04).
+    track): its msgpack decode takes the same time with or without the pause (4.5 ms, CPU VM, 2026-12-04).
     What pays is the rest of an engine's fetch (modules, views: tensors created in a process whose
     heap is torch's).
     ``keep``: what is made meanwhile stays (an engine's modules, its STATE, its views): it goes to the oldest
