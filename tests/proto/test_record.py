@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import enum
 import subprocess
 import sys
 from typing import Any, ClassVar
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 import pytest
 
 from wcache.proto import ErrorFrame, HelloOk, SlabDescriptor, State, TensorTable
-from wcache.proto._record import named_tuple, record
+from wcache.proto._record import Symbols, named_tuple, record
 
 
 @record
@@ -249,3 +250,70 @@ def test_the_tables_tuples_are_named_tuples() -> None:
     assert TensorGroup._fields == ("dtype", "shape", "stride", "slab", "offset", "step", "length")
     assert GroupView._fields == ("names", "tensor")
     assert TensorGroup._make(["bfloat16", (2,), (1,), 0, 0, 0, 1]).length == 1
+
+
+# ---------------------------------------------------------------------------------------------- Symbols
+
+
+class Colour(Symbols):
+    """A Symbols class, and its twin on enum.Enum below: what wcache uses of one behaves as the other's."""
+
+    RED = "red"
+    GREEN = "green"
+
+    def shout(self) -> str:  # a method is no member
+        return self.value.upper()
+
+
+class EnumColour(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+    def shout(self) -> str:
+        return str(self.value).upper()
+
+
+@pytest.mark.parametrize("cls", [Colour, EnumColour])
+def test_symbols_behave_as_an_enum_of_strings(cls: Any) -> None:
+    red, green = cls.RED, cls.GREEN
+    assert [m.name for m in cls] == ["RED", "GREEN"] and [m.value for m in cls] == ["red", "green"]
+    assert len(cls) == 2 and list(cls.__members__) == ["RED", "GREEN"]
+    assert cls("red") is red and red in cls and isinstance(red, cls)
+    assert red != green
+    assert red != "red"  # a member is not its value (no StrEnum)
+    assert hash(red) == hash(cls("red"))
+    assert {red: 1}[cls.RED] == 1
+    assert red.shout() == "RED"
+    assert repr(red) == f"<{cls.__name__}.RED: 'red'>" and str(red) == f"{cls.__name__}.RED"
+    assert copy.copy(red) is red and copy.deepcopy(red) is red
+    with pytest.raises(ValueError, match="not a valid"):
+        cls("blue")
+    with pytest.raises(ValueError):
+        cls(["unhashable"])
+    with pytest.raises(AttributeError):
+        red.value = "blue"
+    with pytest.raises(AttributeError):
+        cls.RED = "blue"
+    assert cls.RED is red and red.value == "red"
+
+
+def test_symbols_refuse_what_a_string_enum_would_not_have() -> None:
+    with pytest.raises(TypeError, match="a string"):
+
+        class Numbered(Symbols):
+            ONE = 1
+
+    with pytest.raises(ValueError, match="RED's already"):
+
+        class Twice(Symbols):
+            RED = "red"
+            ROUGE = "red"
+
+
+def test_the_protocols_enumerations_are_symbols() -> None:
+    """Role, Service and Phase: Symbols at run time (no enum class creation on an engine's import)."""
+    from wcache.proto.fields import Phase, Role, Service
+
+    for cls in (Role, Service, Phase):
+        assert issubclass(cls, Symbols) and not issubclass(cls, enum.Enum)
+    assert Phase("hello_sent") is Phase.HELLO_SENT and [r.value for r in Role] == ["client", "server"]

@@ -27,13 +27,17 @@ pipelined are the frame's declaration (:func:`message`), and whether it brings d
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Self, TypeVar, dataclass_transform
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, dataclass_transform
 
 from wcache.errors import RemoteProtocolError
 from wcache.proto._record import declared, field, namespace
+
+if TYPE_CHECKING:  # Enums to the type checker; at run time without enum's class creation (``_record.Symbols``)
+    from enum import Enum as Symbols
+else:
+    from wcache.proto._record import Symbols
 
 __all__ = [
     "MAX_KEY_CHARS",
@@ -382,14 +386,14 @@ class Message(metaclass=_Record):
 # --------------------------------------------------------------------------- a frame's place in the protocol
 
 
-class Role(enum.Enum):
+class Role(Symbols):
     """An end of a connection: the client sends requests, the server answers them."""
 
     CLIENT = "client"
     SERVER = "server"
 
 
-class Service(enum.Enum):
+class Service(Symbols):
     """What a server speaks for: a daemon serves weights, a keeper holds slabs for daemons (§4.11), a peer
     channel offers a daemon's slabs to other daemons of a fleet over TCP (§10)."""
 
@@ -398,7 +402,7 @@ class Service(enum.Enum):
     PEER = "peer"
 
 
-class Phase(enum.Enum):
+class Phase(Symbols):
     """Where a connection stands (docs/protocol.md §5.1); the values travel in UNEXPECTED_FRAME's details."""
 
     START = "start"  # nothing exchanged yet
