@@ -33,7 +33,8 @@ be readable, within ``hello`` and ``state``: the daemon's answer not in yet), ``
 ``set_access``, ``set_access_refused`` for a read-only attempt the driver refused), ``map`` (every slab, the two
 above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),
 ``materialize`` (or ``groups``), ``touch`` (two elements read back, synchronised). ``key_proven_samples``:
-how many samples the daemon answered on the files' proof (the engine read no header). ``cpu_ms_median``: the
+how many samples the daemon answered on the files' proof (the engine read no header). ``collections_on_path``: the
+cyclic GC's collections in each sample, from ``import wcache`` to the touch (how many; their ms). ``cpu_ms_median``: the
 engine process's CPU time (``time.process_time``) over the restart path, the import, the key and the first fetch:
 on a machine shared with other work, the figure it disturbs least (the daemon's answer is not in it). Children run from
 compiled bytecode (a warm-up child writes wcache's first), as an installed wcache would; the checkpoint's
@@ -95,6 +96,14 @@ if device.startswith("cuda"):
     torch.empty(1, device=device); torch.cuda.synchronize()   # the engine's CUDA context: not timed
 sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 cpu = time.process_time
+import gc
+collections = []   # the cyclic GC's collections on the path: [generation, ms]
+def on_gc(phase, info, started=[0.0]):
+    if phase == "start":
+        started[0] = time.perf_counter()
+    else:
+        collections.append([info["generation"], round((time.perf_counter() - started[0]) * 1e3, 3)])
+gc.callbacks.append(on_gc)
 t0 = time.perf_counter(); c0 = cpu()
 import wcache
 from wcache import WCacheClient, WeightCacheKey
@@ -115,6 +124,7 @@ else:
     touched = float(w[names[0]].view(-1)[0]) + float(w[names[-1]].view(-1)[-1])   # device reads: the mapping is real
 sync()
 t5 = time.perf_counter(); c5 = cpu()
+gc.callbacks.remove(on_gc)
 ms = lambda a, b: (b - a) * 1e3
 print(json.dumps({
     "restart_weight_path_ms": ms(t0, t5), "fetch_ms": ms(t2, t5),
@@ -122,7 +132,7 @@ print(json.dumps({
     "phases_ms": {"import": ms(t0, t1), "key": ms(t1, t2), **w.timings, "fetch_total": ms(t2, t3),
                   ("groups" if views == "groups" else "materialize"): ms(t3, t4), "touch": ms(t4, t5)},
     "tensors": len(w), "cuda_bindings_imported": "cuda.bindings" in sys.modules, "touched": touched,
-    "key_proven": w.key_proven, "key_scanned": key.scanned,
+    "key_proven": w.key_proven, "key_scanned": key.scanned, "collections": collections,
 }))
 w.release_sync()
 """
@@ -422,9 +432,20 @@ def against_results(tree: Path, ours: list[dict[str, Any]], theirs: list[dict[st
             statistics.median(a[field] - b[field] for a, b in zip(ours, theirs, strict=True)), 3
         )
     out["cpu_ms_median"] = {k: round(statistics.median(r["cpu_ms"][k] for r in theirs), 3) for k in theirs[0]["cpu_ms"]}
+    out["collections_on_path"] = collections_on_path(theirs)
     out["phases_ms_median"] = phase_medians(theirs)
     out["phases_ms_samples"] = phase_samples(theirs)
     return out
+
+
+def collections_on_path(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cyclic GC's collections from ``import wcache`` to the touch, per sample (a tree that predates the
+    record has none to give: ``None``): how many, and their ms together."""
+    seen = [r.get("collections") for r in runs]
+    return {
+        "count_samples": [None if c is None else len(c) for c in seen],
+        "ms_samples": [None if c is None else round(sum(ms for _, ms in c), 3) for c in seen],
+    }
 
 
 def stats(xs: list[float]) -> dict[str, Any]:
@@ -646,6 +667,7 @@ def main() -> None:
     results["phases_ms_median"] = phase_medians(runs)
     results["phases_ms_samples"] = phase_samples(runs)
     results["copy_phases_ms_median"] = phase_medians(copies)
+    results["collections_on_path"] = collections_on_path(runs)
     results["key_proven_samples"] = sum(bool(r.get("key_proven")) for r in runs)
     results["key_scanned_samples"] = sum(bool(r.get("key_scanned")) for r in runs)
     results["tensors"] = runs[0]["tensors"]

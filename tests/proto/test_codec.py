@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import struct
+import sys
 from collections.abc import Iterator
 
 import msgpack
@@ -143,9 +144,10 @@ keeps = pytest.mark.skipif(not codec.KEEPS_YOUNG, reason="keep_young does nothin
 
 @pytest.fixture
 def collecting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The collector enabled, nothing frozen, for the test; the process's state as it was afterwards."""
+    """The collector enabled, nothing frozen but the interpreter's own, for the test; the process's state as it was
+    afterwards."""
     was = gc.isenabled()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() <= codec.STARTUP_FROZEN
     monkeypatch.setattr(codec, "_frozen_seen", False)
     gc.enable()
     yield
@@ -195,6 +197,30 @@ def test_a_kept_pause_leaves_frozen_objects_frozen_and_stops_looking(collecting:
     with gc_paused(keep=True):
         later = _Node()
     assert _generation_of(later) == 0
+
+
+@keeps
+def test_the_interpreters_own_frozen_objects_do_not_keep_the_move_off(
+    collecting: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.12 starts with a few hundred objects frozen (its startup tuples): a permanent generation of at most
+    STARTUP_FROZEN objects is the interpreter's, released by the first move, and the move works from then on. (The
+    frozen set here is the test process's, taken for the interpreter's by raising the bound.)"""
+    frozen = _Node()
+    gc.freeze()
+    monkeypatch.setattr(codec, "STARTUP_FROZEN", gc.get_freeze_count())
+    with gc_paused(keep=True):
+        made = _Node()
+    assert gc.get_freeze_count() == 0 and not codec._frozen_seen
+    assert _generation_of(frozen) == 2 and _generation_of(made) == 2
+    with gc_paused(keep=True):
+        later = _Node()
+    assert _generation_of(later) == 2
+
+
+def test_startup_frozen_is_python_312s_alone() -> None:
+    """Only 3.12 starts with objects frozen; any frozen object elsewhere is a program's (the move stays off)."""
+    assert (codec.STARTUP_FROZEN > 0) == (sys.version_info[:2] == (3, 12))
 
 
 def test_a_pause_inside_a_pause_leaves_the_collector_to_the_outer_one(collecting: None) -> None:

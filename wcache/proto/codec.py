@@ -128,6 +128,11 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
 #: ``gc.unfreeze`` splice the generations' lists (O(1)). The free-threaded build's walk the whole heap with every
 #: thread stopped and have no generations to spare; 3.14's incremental collector's ``freeze`` walks an old space.
 KEEPS_YOUNG = sys.version_info < (3, 14) and "t" not in getattr(sys, "abiflags", "")
+#: the most objects a permanent generation may hold and be taken for the interpreter's own: CPython 3.12 starts
+#: with its deep-frozen startup tuples there (375 on the 3.12.1 and 3.12.3 builds seen, the lent H200's among
+#: them), where a ``gc.freeze()`` of any program's heap holds thousands (4,621 in a bare ``python3.12 -S``). The
+#: others start with none: there any frozen object is a program's.
+STARTUP_FROZEN = 1000 if sys.version_info[:2] == (3, 12) else 0
 _frozen_seen = False
 
 
@@ -144,13 +149,17 @@ def keep_young() -> None:
     or soon) waits for the next full collection instead of a young one — in a process whose heap is torch's, that
     may be many allocations away. An engine's fetch is a few such moves per process start; a daemon never asks
     for them. Skipped where :data:`KEEPS_YOUNG` is false, and for good once anything was found frozen (a pre-fork
-    server's ``gc.freeze``, which the unfreeze would release; counting a frozen heap walks it). Not atomic against
-    another thread: its ``gc.freeze()`` between the count and the unfreeze is undone, and a ``fork()`` between
-    the two calls starts the child with everything frozen."""
+    server's ``gc.freeze``, which the unfreeze would release; counting a frozen heap walks it), except for what the
+    interpreter froze itself (at most :data:`STARTUP_FROZEN` objects: Python 3.12's startup tuples), which the first
+    move releases to the oldest generation — immortal objects, which a collection traverses and never frees; left
+    alone, they would keep the move off in every 3.12 process, and each pause's young objects (~3,000 after an
+    engine's import) for the next collection to traverse (0.46-0.65 ms on the H200's host, in the window of the
+    engine's first fetch). Not atomic against another thread: its ``gc.freeze()`` between the count and the unfreeze
+    is undone, and a ``fork()`` between the two calls starts the child with everything frozen."""
     global _frozen_seen
     if not KEEPS_YOUNG or _frozen_seen:
         return
-    if gc.get_freeze_count():
+    if gc.get_freeze_count() > STARTUP_FROZEN:
         _frozen_seen = True
         return
     gc.freeze()
