@@ -264,6 +264,10 @@ class Colour(Symbols):
     def shout(self) -> str:  # a method is no member
         return self.value.upper()
 
+    @property
+    def loud(self) -> str:  # nor a property
+        return self.shout() + "!"
+
 
 class EnumColour(enum.Enum):
     RED = "red"
@@ -271,6 +275,10 @@ class EnumColour(enum.Enum):
 
     def shout(self) -> str:
         return str(self.value).upper()
+
+    @property
+    def loud(self) -> str:
+        return self.shout() + "!"
 
 
 @pytest.mark.parametrize("cls", [Colour, EnumColour])
@@ -283,7 +291,7 @@ def test_symbols_behave_as_an_enum_of_strings(cls: Any) -> None:
     assert red != "red"  # a member is not its value (no StrEnum)
     assert hash(red) == hash(cls("red"))
     assert {red: 1}[cls.RED] == 1
-    assert red.shout() == "RED"
+    assert red.shout() == "RED" and red.loud == "RED!"
     assert repr(red) == f"<{cls.__name__}.RED: 'red'>" and str(red) == f"{cls.__name__}.RED"
     assert copy.copy(red) is red and copy.deepcopy(red) is red
     with pytest.raises(ValueError, match="not a valid"):

@@ -153,8 +153,8 @@ def keep_young() -> None:
     interpreter froze itself (at most :data:`STARTUP_FROZEN` objects: Python 3.12's startup tuples), which the first
     move releases to the oldest generation — immortal objects, which a collection traverses and never frees; left
     alone, they would keep the move off in every 3.12 process, and each pause's young objects (~3,000 after an
-    engine's import) for the next collection to traverse (0.46-0.65 ms on the H200's host, in the window of the
-    engine's first fetch). Not atomic against another thread: its ``gc.freeze()`` between the count and the unfreeze
+    engine's import) for the next collection to traverse, wherever it fell (0.46-0.65 ms on the H200's host, in the
+    key's phase or the fetch's window). Not atomic against another thread: its ``gc.freeze()`` between the count and the unfreeze
     is undone, and a ``fork()`` between the two calls starts the child with everything frozen."""
     global _frozen_seen
     if not KEEPS_YOUNG or _frozen_seen:
