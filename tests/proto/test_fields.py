@@ -35,11 +35,11 @@ from wcache.proto.fields import (
     Plain,
     Str,
     StrMap,
+    Table,
     message,
     wire,
 )
 from wcache.proto.frames import load_frames
-from wcache.proto.table import Table
 
 _MISSING: Any = dataclasses.MISSING
 

@@ -1,8 +1,8 @@
 """The wcache wire protocol, pure: no asyncio, sockets or torch (docs/protocol.md).
 
-Layers, each importing only those above it (docs/architecture.md): ``codec`` (length prefix +
-msgpack), ``fields`` (field kinds, the one generic encoder/decoder, and each frame's declaration),
-``table`` (the columnar tensor table), ``daemon_frames`` (an engine's frames), ``admin_frames``,
+Layers, each importing only those above it (docs/architecture.md): ``limits`` (the version, vocabularies and
+limits), ``codec`` (length prefix + msgpack), ``table`` (the columnar tensor table), ``fields`` (field kinds, the
+one generic encoder/decoder, and each frame's declaration), ``daemon_frames`` (an engine's frames), ``admin_frames``,
 ``deposit_frames``, ``peer_frames`` and ``fleet_frames`` (the others, by use), ``frames`` (the registry and
 ``decode_frame``), ``connection`` (the per-connection state machine, derived from the frames' declarations:
 which service, which phase, which descriptors). Bytes in, typed frames out.

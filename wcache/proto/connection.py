@@ -53,6 +53,7 @@ from wcache.proto.codec import (
 )
 from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk, Release, Released, State
 from wcache.proto.fields import REGISTRY, Frame, Phase, Role, Service
+from wcache.proto.limits import PROTOCOL_VERSION, SUPPORTED_VERSIONS
 
 if TYPE_CHECKING:  # the tables and request unions, derived from every frame when first read (``__getattr__``)
     from wcache.proto.fleet_frames import PeerOffer  # the peer channel's: never on an engine's path
@@ -101,9 +102,6 @@ __all__ = [
     "transitions",
 ]
 
-#: The protocol version this implementation speaks (docs/protocol.md §3).
-PROTOCOL_VERSION = 2
-SUPPORTED_VERSIONS: tuple[int, ...] = (PROTOCOL_VERSION,)
 SEND, RECV = "send", "recv"
 #: How many requests may wait for a reply on one connection.
 MAX_PENDING = 64

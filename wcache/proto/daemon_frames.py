@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from wcache.errors import WCacheError
 from wcache.proto.fields import (
+    Aliases,
     Array,
     Bin,
     Bool,
@@ -30,11 +31,23 @@ from wcache.proto.fields import (
     Role,
     Service,
     Str,
+    Table,
     fail,
     message,
     wire,
 )
-from wcache.proto.table import Aliases, Table, TensorTable
+from wcache.proto.limits import (
+    BACKENDS,
+    MAX_DEPOSIT_TENSORS,
+    MAX_FILE_NAME,
+    MAX_FRAME_FDS,
+    MAX_PROOF_FILES,
+    MAX_STATE_SLABS,
+    MAX_VERSIONS,
+    MODES,
+    SLAB_KINDS,
+)
+from wcache.proto.table import TensorTable
 
 if TYPE_CHECKING:
     from wcache.error_codes import ErrorCode
@@ -62,26 +75,8 @@ __all__ = [
     "fd_positions",
 ]
 
-#: Where a daemon keeps slabs: host shared memory or GPU memory.
-BACKENDS = ("host", "cuda")
-MODES = ("zero_copy", "copy")
-#: How a slab is exported: a shared-memory fd, a legacy CUDA IPC handle, or a CUDA VMM fd.
-SLAB_KINDS = ("memfd", "cuda_ipc", "cuda_vmm")
-MAX_VERSIONS = 16
-MAX_STATE_SLABS = 1024
-#: Descriptors one frame may carry: they ride one SCM_RIGHTS message on its first byte, and every receiver reads
-#: with room for this many (docs/protocol.md §2.2) — more would arrive truncated. STATE, TAKEOVER_STATE, KEEP and
-#: RECLAIMED are bounded by it; DEPOSIT_SLAB carries one.
-MAX_FRAME_FDS = 16
-#: Files one GET_STATE proof may list (docs/protocol.md §4.3.1), and the length of one file name (a directory
-#: entry: 255 bytes on Linux filesystems, so 255 characters at most).
-MAX_PROOF_FILES = 1024
-MAX_FILE_NAME = 255
 UINT64_MAX = 2**64 - 1
 INT64_MIN = -(2**63)
-#: Tensors in one DEPOSIT (its frame is also capped at the 1 MiB request size, docs/protocol.md §7); STATE's
-#: ``buffers`` name deposited tensors.
-MAX_DEPOSIT_TENSORS = 1 << 16
 _ID = Int(lo=1)  # a request id
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from wcache.proto.daemon_frames import MAX_DEPOSIT_TENSORS, SlabDescriptor, fd_positions
 from wcache.proto.fields import (
+    Aliases,
     Array,
     Bool,
     Choice,
@@ -18,11 +19,12 @@ from wcache.proto.fields import (
     Service,
     Str,
     StrMap,
+    Table,
     fail,
     message,
     wire,
 )
-from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, Aliases, Table, TensorTable
+from wcache.proto.table import DTYPE_SIZES, MAX_DIMS, TensorTable
 
 __all__ = [
     "MAX_DEPOSIT_BYTES",

@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, dataclass_transf
 
 from wcache.errors import RemoteProtocolError
 from wcache.proto._record import declared, field, namespace
+from wcache.proto.codec import fail
+from wcache.proto.limits import MAX_KEY_CHARS, MAX_KEY_FIELDS, MAX_NAME, MAX_PATH
+from wcache.proto.table import TensorTable
 
 if TYPE_CHECKING:  # Enums to the type checker; at run time without enum's class creation (``_record.Symbols``)
     from enum import Enum as Symbols
@@ -45,6 +48,7 @@ __all__ = [
     "MAX_NAME",
     "MAX_PATH",
     "REGISTRY",
+    "Aliases",
     "Array",
     "Bin",
     "Bool",
@@ -63,29 +67,18 @@ __all__ = [
     "Service",
     "Str",
     "StrMap",
+    "Table",
     "fail",
     "message",
     "wire",
 ]
 
-MAX_NAME = 1024  # characters of a tensor name or key string
-MAX_PATH = 4096  # characters of a file system path
-#: fields of one key (a checkpoint key has 9; a recipe adds its engine's, vLLM's about 8: docs/protocol.md §7)
-MAX_KEY_FIELDS = 64
-#: characters of one key's field names and string values together (each is also at most MAX_NAME)
-MAX_KEY_CHARS = 16384
 INT64_MAX = 2**63 - 1
 KeyMap = dict[str, str | int]
 
 _MISSING: Any = dataclasses.MISSING
 #: dataclasses.Field.metadata key of a field's declaration
 _DECL = "wcache.wire"
-
-
-def fail(frame: str, fld: str, what: str) -> RemoteProtocolError:
-    """The one decode error, the peer's (what it sent breaks docs/protocol.md): names the frame (or part) and the
-    field."""
-    return RemoteProtocolError(f"{frame}.{fld}: {what}", details={"frame": frame, "field": fld})
 
 
 # --------------------------------------------------------------------------- kinds
@@ -300,6 +293,43 @@ class Array(Kind):
     def encode(self, v: Any) -> Any:
         enc = self.item.encode
         return [enc(x) for x in v]
+
+
+class Table(Kind):
+    """A TensorTable field whose tensors lie in the slabs of the field ``slabs`` (decoded before it)."""
+
+    __slots__ = ("preencoded", "slabs")
+
+    def __init__(self, slabs: str = "slabs", *, preencoded: bool = False) -> None:
+        """``preencoded``: encode as the table's cached bytes (STATE: the daemon sends one table to many)."""
+        self.slabs, self.preencoded = slabs, preencoded
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> TensorTable:
+        if type(v) is not dict:
+            raise fail(frame, fld, "expected a map")
+        return TensorTable.from_wire(v, [s.size for s in ctx.get(self.slabs, ())])
+
+    def encode(self, v: Any) -> Any:
+        return v.encoded() if self.preencoded else v.to_wire()
+
+
+class Aliases(StrMap):
+    """Extra names for tensors of the field ``tensors`` (decoded before it): each a new name (no tensor's)
+    for an existing tensor."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: str = "tensors") -> None:
+        self.tensors = tensors
+
+    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> dict[str, str]:
+        aliases = super().decode(frame, fld, v, ctx)
+        table = ctx.get(self.tensors)
+        known = set(table.names) if aliases and table is not None else set()
+        for a, t in aliases.items():
+            if a in known or t not in known:
+                raise fail(frame, fld, f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
+        return aliases
 
 
 # --------------------------------------------------------------------------- declarations

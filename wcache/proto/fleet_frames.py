@@ -12,6 +12,7 @@ from typing import Any
 
 from wcache.errors import ProtocolError
 from wcache.proto.fields import (
+    Aliases,
     Array,
     Bin,
     Choice,
@@ -25,11 +26,12 @@ from wcache.proto.fields import (
     Phase,
     Service,
     Str,
+    Table,
     fail,
     message,
     wire,
 )
-from wcache.proto.table import Aliases, Table, TensorTable
+from wcache.proto.table import TensorTable
 
 __all__ = [
     "MAX_AGENT_METADATA",

@@ -12,6 +12,7 @@ from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_REPRESENTABLE
 from wcache.proto.daemon_frames import BACKENDS, MAX_FRAME_FDS, SlabDescriptor, fd_positions
 from wcache.proto.fields import (
     MAX_PATH,
+    Aliases,
     Array,
     Choice,
     Float,
@@ -23,10 +24,11 @@ from wcache.proto.fields import (
     Nested,
     Service,
     Str,
+    Table,
     message,
     wire,
 )
-from wcache.proto.table import Aliases, Table, TensorTable
+from wcache.proto.table import TensorTable
 
 __all__ = [
     "MAX_HANDOFF_FDS",

@@ -3,7 +3,8 @@
 Tensors of one (slab, dtype, shape, stride) at a constant spacing form a :class:`TensorGroup`;
 the numeric columns travel as little-endian integer arrays in msgpack bin fields, so a
 50,000-tensor table encodes once and decodes and validates with C-level builtins in a few ms.
-:class:`Table` and :class:`Aliases` are the field kinds (``fields.py``) of frames that carry one.
+The field kinds of frames that carry one, ``Table`` and ``Aliases``, are ``fields.py``'s: this module imports no
+declarations, and an engine's own frames (``engine``) decode their table here too.
 """
 
 from __future__ import annotations
@@ -17,21 +18,17 @@ from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from wcache.proto._record import named_tuple, record
-from wcache.proto.codec import Preencoded
-from wcache.proto.fields import MAX_NAME, Kind, StrMap, fail
+from wcache.proto.codec import Preencoded, fail
+from wcache.proto.limits import MAX_DIMS, MAX_NAME
 
 __all__ = [
     "DTYPE_SIZES",
     "MAX_DIMS",
-    "Aliases",
-    "Table",
     "TensorEntry",
     "TensorGroup",
     "TensorTable",
     "tensor_extent",
 ]
-
-MAX_DIMS = 16
 
 #: dtype name -> bytes per element. Names are torch's (``str(torch.bfloat16)[6:]``).
 DTYPE_SIZES: dict[str, int] = {
@@ -368,40 +365,3 @@ def _array(m: dict[str, Any], name: str) -> Sequence[Any]:
     if type(v) is not tuple and type(v) is not list:
         raise fail("TensorTable", name, "expected an array")
     return v
-
-
-class Table(Kind):
-    """A TensorTable field whose tensors lie in the slabs of the field ``slabs`` (decoded before it)."""
-
-    __slots__ = ("preencoded", "slabs")
-
-    def __init__(self, slabs: str = "slabs", *, preencoded: bool = False) -> None:
-        """``preencoded``: encode as the table's cached bytes (STATE: the daemon sends one table to many)."""
-        self.slabs, self.preencoded = slabs, preencoded
-
-    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> TensorTable:
-        if type(v) is not dict:
-            raise fail(frame, fld, "expected a map")
-        return TensorTable.from_wire(v, [s.size for s in ctx.get(self.slabs, ())])
-
-    def encode(self, v: Any) -> Any:
-        return v.encoded() if self.preencoded else v.to_wire()
-
-
-class Aliases(StrMap):
-    """Extra names for tensors of the field ``tensors`` (decoded before it): each a new name (no tensor's)
-    for an existing tensor."""
-
-    __slots__ = ("tensors",)
-
-    def __init__(self, tensors: str = "tensors") -> None:
-        self.tensors = tensors
-
-    def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> dict[str, str]:
-        aliases = super().decode(frame, fld, v, ctx)
-        table = ctx.get(self.tensors)
-        known = set(table.names) if aliases and table is not None else set()
-        for a, t in aliases.items():
-            if a in known or t not in known:
-                raise fail(frame, fld, f"alias {a[:64]!r} -> {t[:64]!r} is not a new name for a tensor")
-        return aliases
