@@ -92,7 +92,7 @@ async def one_deposit(sock: Path, base: WeightCacheKey, n: int, duplicate: bool)
     return {"tensors": n + 1, "answered_s": answered, "status_max_ms": max(status) * 1e3, "status_count": len(status)}
 
 
-async def _round_trips(ch: Channel, key: dict[str, str | int], rounds: int) -> float:
+async def _round_trips(ch: Channel[Any], key: dict[str, str | int], rounds: int) -> float:
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()

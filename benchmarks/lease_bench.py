@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from wcache.channel import Channel, close_fds, connect, expect
 from wcache.plan.key import WeightCacheKey
@@ -25,7 +26,7 @@ from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 
-async def _lease(ch: Channel, key: dict[str, str | int]) -> int:
+async def _lease(ch: Channel[Any], key: dict[str, str | int]) -> int:
     rid = ch.conn.next_request_id()
     await ch.send(GetState(id=rid, key=key))
     frame, fds = await expect(ch)
@@ -35,7 +36,7 @@ async def _lease(ch: Channel, key: dict[str, str | int]) -> int:
 
 
 async def measure(sock: Path, key: dict[str, str | int], counts: list[int], rounds: int) -> None:
-    holders: list[Channel] = []
+    holders: list[Channel[Any]] = []
     held = 0
     probe, _ = await connect(sock, software="lease_bench", name="probe")
     try:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache import CacheUnavailableError, WCacheClient, WCacheError, WeightCacheKey
+from wcache.channel import connect
 from wcache.proto import PROTOCOL_VERSION, GetState, Hello, Release, Status, pack_frame
 from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.synthetic import TINY, make_llama_checkpoint
@@ -189,8 +190,7 @@ async def hostile(sock: Path, key: WeightCacheKey, total: int, workers: int = 16
 
     async def nonfatal_worker(seed: int) -> None:
         rnd = random.Random(seed)
-        c = WCacheClient(sock)
-        ch, _ = await c._connect(sock)
+        ch, _ = await connect(sock, software="reliability", name=f"nonfatal-{seed}")
         held: list[int] = []
         try:
             while n := await take(64):
@@ -213,7 +213,7 @@ async def hostile(sock: Path, key: WeightCacheKey, total: int, workers: int = 16
                     for fd in fds:
                         os.close(fd)
                     if got.TYPE == "STATE":
-                        held.append(got.lease)  # type: ignore[union-attr]
+                        held.append(got.lease)
                         if len(held) > 32:  # keep the flood near the 64-lease limit, both sides of it
                             ch.conn.leases.add(held[0])
                             await ch.send(Release(id=ch.conn.next_request_id(), lease=held.pop(0)))

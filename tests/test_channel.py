@@ -18,7 +18,7 @@ from wcache.proto.examples import EXAMPLES
 
 
 @contextmanager
-def _state_sent_with(n: int) -> Iterator[tuple[Channel, list[int]]]:
+def _state_sent_with(n: int) -> Iterator[tuple[Channel[Connection], list[int]]]:
     """A client's Channel whose next frame is a STATE over ``n`` memfd slabs, sent as a daemon sends it (the ``n``
     descriptors on its first byte), with the sender's descriptors; all closed afterwards."""
     client, server = Connection(Role.CLIENT), Connection(Role.SERVER, service=Service.DAEMON)

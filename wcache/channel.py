@@ -1,10 +1,13 @@
-"""Moving bytes and file descriptors between a Unix socket and a sans-I/O Connection.
+"""Moving bytes and file descriptors between a Unix socket and a sans-I/O connection.
 
 Used by the daemon, the keeper and the client. No parsing happens here: bytes and the
-descriptors that came with them go into :class:`~wcache.proto.Connection`, typed frames with
-their descriptors come out (which frame takes how many, and who may send any, is the
-connection's business: docs/protocol.md §2.2). Every recv uses ``recvmsg`` with room for
-descriptors, since they ride on the first byte of the frame that announces them.
+descriptors that came with them go into :class:`~wcache.proto.Connection` (or an engine's
+``wcache.proto.engine.EngineConnection``), typed frames with their descriptors come out (which frame takes how
+many, and who may send any, is the connection's business: docs/protocol.md §2.2). Every recv uses ``recvmsg``
+with room for descriptors, since they ride on the first byte of the frame that announces them.
+
+An engine's restart imports this module (``connect_engine``): it imports the reference connection, the frame
+declarations and the error tree where they are used, not at import.
 """
 
 from __future__ import annotations
@@ -18,32 +21,67 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from wcache.errors import (
-    CacheUnavailableError,
-    FrameTooLargeError,
-    RemoteProtocolError,
-    error_from_frame,
-)
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE, MAX_HANDSHAKE_FRAME
-from wcache.proto.connection import PROTOCOL_VERSION, Connection, Misdirected, Role, Service
-from wcache.proto.daemon_frames import MAX_FRAME_FDS, ErrorFrame, Hello, HelloOk
+from wcache.proto.engine import EngineConnection, HelloOk, Released, State
+from wcache.proto.limits import MAX_FRAME_FDS, PROTOCOL_VERSION
 
-if TYPE_CHECKING:  # the unions of every frame: an engine's restart imports only its own frames' module
-    from wcache.proto.connection import Event
+if TYPE_CHECKING:  # the reference connection, the frames and the errors: imported where used (module docstring)
+    from collections.abc import Callable, Iterable, Iterator
+    from typing import Generic, Protocol, TypeAlias, TypeVar
+
+    from wcache.errors import CacheUnavailableError
+    from wcache.proto import daemon_frames
+    from wcache.proto.connection import Connection, Service
+    from wcache.proto.engine import Received
     from wcache.proto.frames import Frame
+
+    class SansIO(Protocol):
+        """What a Channel moves bytes for: ``wcache.proto.Connection``, or an engine's ``EngineConnection``."""
+
+        def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ...) -> None: ...
+        def receive_space(self) -> memoryview | None: ...
+        def received_into(self, n: int, fds: Iterable[int] = ...) -> None: ...
+        def received(self) -> Iterator[tuple[Any, list[int]]]: ...
+        def release_fds(self) -> list[int]: ...
+        @property
+        def buffered(self) -> int: ...
+        @property
+        def demand(self) -> int: ...
+        @property
+        def frame_limit(self) -> int: ...
+        @property
+        def eof(self) -> bool: ...
+
+    C = TypeVar("C", bound=SansIO)
+
+    #: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
+    Pipeline: TypeAlias = Callable[[Connection], Frame]
+    #: builds an engine's GET_STATE map, sent right behind HELLO, from its new connection (``wcache.proto.engine``)
+    EnginePipeline: TypeAlias = Callable[[EngineConnection], dict[str, Any]]
+    #: work that needs no reply, done once the opening is written and before HELLO_OK is read: it overlaps the
+    #: daemon's answer instead of adding to it (an engine's fetch loads its mapping's modules there)
+    Meanwhile: TypeAlias = Callable[[], None]
+else:  # generic to the type checker only (``_record.Subscriptable``: typing's classes cost an engine's import)
+    from wcache.proto._record import Subscriptable as Generic
+
+    C = None
 
 __all__ = [
     "Channel",
-    "Meanwhile",
     "PeerCredentials",
     "ReadBudget",
     "connect",
     "connect_blocking",
+    "connect_engine",
+    "connect_engine_blocking",
+    "dial",
+    "dial_blocking",
     "expect",
+    "expect_engine",
+    "expect_engine_blocking",
     "expect_blocking",
     "peer_credentials",
 ]
@@ -81,6 +119,8 @@ class ReadBudget:
         """Move one channel's claim from ``old`` to ``new`` bytes; returns the claim now held.
         Raises FrameTooLargeError (leaving ``old`` claimed) when a larger claim does not fit."""
         if new > old and new > MAX_HANDSHAKE_FRAME and self.held - old + new > self.limit:
+            from wcache.errors import FrameTooLargeError
+
             raise FrameTooLargeError(
                 f"a frame needing {new} bytes does not fit: {self.held} of the {self.limit} bytes this process "
                 f"buffers for unfinished frames are held by {self.peers} connection(s); retry later",
@@ -91,7 +131,8 @@ class ReadBudget:
         return new
 
 
-#: The budget server-side channels share unless given one (a keeper; a daemon passes its own).
+#: The budget server-side channels share unless given one (a keeper's: the server shell passes it; a daemon passes
+#: its own).
 SERVER_READ_BUDGET = ReadBudget()
 
 
@@ -122,8 +163,8 @@ def close_fds(fds: list[int]) -> None:
     fds.clear()
 
 
-class Channel:
-    """A non-blocking Unix stream socket bound to one Connection.
+class Channel(Generic[C]):
+    """A non-blocking Unix stream socket bound to one sans-I/O connection (``conn``).
 
     ``receive()`` returns the next frame with the file descriptors that came with it;
     ``send()`` writes a frame, optionally with file descriptors. Cancelling either
@@ -133,14 +174,14 @@ class Channel:
     def __init__(
         self,
         sock: socket.socket,
-        conn: Connection,
+        conn: C,
         *,
         budget: ReadBudget | None = None,
         send_timeout: float | None = None,
         max_unread_fds: int | None = None,
     ) -> None:
-        """``budget``: shared bound on unfinished-frame bytes (server-side channels share
-        SERVER_READ_BUDGET unless given one). ``send_timeout``: a frame must be taken by the peer within
+        """``budget``: shared bound on unfinished-frame bytes (None: none; server-side channels share one:
+        SERVER_READ_BUDGET unless the server gives its own). ``send_timeout``: a frame must be taken by the peer within
         this many seconds (TimeoutError otherwise: the peer does not read). ``max_unread_fds``: at most this
         many descriptors sent and not yet read by the peer; a send that would pass it waits (within
         ``send_timeout``) for the peer to read (descriptors queued in an unread socket count against the
@@ -148,13 +189,11 @@ class Channel:
         sock.setblocking(False)
         self.sock = sock
         self.conn = conn
-        if budget is None and conn.role is Role.SERVER:
-            budget = SERVER_READ_BUDGET
         self.budget = budget
         self.send_timeout = send_timeout
         self.max_unread_fds = max_unread_fds
         self._claimed = 0
-        self._frames: collections.deque[tuple[Event, list[int]]] = collections.deque()
+        self._frames: collections.deque[tuple[Any, list[int]]] = collections.deque()
         self._closed = False
         #: bytes handed to the kernel so far, and (stream offset of a frame's first byte, its descriptors)
         #: for frames whose descriptors the peer may not have read yet
@@ -189,6 +228,8 @@ class Channel:
         fut: asyncio.Future[None] = loop.create_future()
         fd = self.sock.fileno()
         if fd < 0:
+            from wcache.errors import CacheUnavailableError
+
             raise CacheUnavailableError("socket is closed")
 
         def ready() -> None:
@@ -208,7 +249,7 @@ class Channel:
                 loop.remove_reader(fd)
 
     # ---------------------------------------------------------------- send
-    async def send(self, frame: Frame, fds: list[int] | tuple[int, ...] = ()) -> None:
+    async def send(self: Channel[Connection], frame: Frame, fds: list[int] | tuple[int, ...] = ()) -> None:
         await self.send_bytes(self.conn.send(frame), fds)
 
     async def send_bytes(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
@@ -295,6 +336,8 @@ class Channel:
                 fds.extend(arr)
         if flags & socket.MSG_CTRUNC:
             close_fds(fds)
+            from wcache.errors import RemoteProtocolError
+
             raise RemoteProtocolError("file descriptors were truncated in transit")
         if target is None:
             self.conn.receive_data(data, fds)
@@ -315,7 +358,7 @@ class Channel:
                 self.waited += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- blocking (no event loop)
-    def receive_blocking(self, timeout: float) -> tuple[Event, list[int]]:
+    def receive_blocking(self, timeout: float) -> tuple[Any, list[int]]:
         """``receive()`` for callers without an event loop: waits at most ``timeout`` seconds for each read
         (TimeoutError). The socket stays non-blocking, as the asyncio methods expect it; ``waited`` gets the time
         spent waiting for it to be readable (a read that finds bytes waits for none)."""
@@ -344,7 +387,7 @@ class Channel:
         if not ready:
             raise TimeoutError(f"nothing to read within {timeout} s")
 
-    def send_blocking(self, frame: Frame, timeout: float) -> None:
+    def send_blocking(self: Channel[Connection], frame: Frame, timeout: float) -> None:
         """``send()`` without descriptors for callers without an event loop (TimeoutError after ``timeout``)."""
         self.send_bytes_blocking(self.conn.send(frame), timeout)
 
@@ -358,7 +401,7 @@ class Channel:
             if not self._closed:
                 self.sock.setblocking(False)
 
-    async def receive(self, *, frame_timeout: float | None = None) -> tuple[Event, list[int]]:
+    async def receive(self, *, frame_timeout: float | None = None) -> tuple[Any, list[int]]:
         """The next frame (or, on a server, a request for another service: ``Misdirected``) and its file
         descriptors (the caller owns and must close them).
 
@@ -401,6 +444,8 @@ def _socket() -> socket.socket:
 
 
 def _unavailable(path: Path, exc: OSError) -> CacheUnavailableError:
+    from wcache.errors import CacheUnavailableError
+
     return CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}")
 
 
@@ -408,16 +453,47 @@ def _check_peer(sock: socket.socket, path: Path) -> None:
     creds = peer_credentials(sock)
     if creds.uid not in (os.geteuid(), 0):
         sock.close()
+        from wcache.errors import CacheUnavailableError
+
         raise CacheUnavailableError(f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it")
 
 
-def _hello(software: str, name: str) -> Hello:
-    return Hello(versions=(PROTOCOL_VERSION,), software=software, name=name)
+async def dial(path: Path) -> socket.socket:
+    """A non-blocking socket connected to the wcache socket at ``path`` whose process runs as this user (or root).
+    CacheUnavailableError when nothing answers there, or another user's process does."""
+    loop = asyncio.get_running_loop()
+    sock = _socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, str(path))
+    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+        sock.close()
+        raise _unavailable(path, exc) from exc
+    _check_peer(sock, path)
+    return sock
+
+
+def dial_blocking(path: Path, timeout: float) -> socket.socket:
+    """``dial()`` for callers without an event loop (TimeoutError after ``timeout`` seconds)."""
+    sock = _socket()
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+    except TimeoutError:
+        sock.close()
+        raise
+    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+        sock.close()
+        raise _unavailable(path, exc) from exc
+    _check_peer(sock, path)
+    return sock
 
 
 def _opening(conn: Connection, software: str, name: str, pipeline: Pipeline | None) -> bytes:
     """HELLO's bytes, and those of the pipelined request behind it (one write, one round trip)."""
-    data = conn.send(_hello(software, name))
+    from wcache.proto.daemon_frames import Hello
+
+    data = conn.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
     return data + conn.send(pipeline(conn)) if pipeline is not None else data
 
 
@@ -425,13 +501,6 @@ def _timed(timings: dict[str, float] | None, t0: float, t1: float) -> None:
     """A connect's ``socket`` (``t0`` to ``t1``: connected, peer checked) and ``hello`` (to now) phases, in ms."""
     if timings is not None:
         timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
-
-
-#: builds the request sent right behind HELLO (pipelining, docs/protocol.md §5.1) from the new connection
-Pipeline = Callable[[Connection], "Frame"]
-#: work that needs no reply, done once the opening is written and before HELLO_OK is read: it overlaps the
-#: daemon's answer instead of adding to it (an engine's fetch loads its mapping's modules there)
-Meanwhile = Callable[[], None]
 
 
 async def connect(
@@ -445,7 +514,7 @@ async def connect(
     timings: dict[str, float] | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     keep_decoded: bool = False,
-) -> tuple[Channel, HelloOk]:
+) -> tuple[Channel[Connection], daemon_frames.HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
     answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
@@ -453,16 +522,11 @@ async def connect(
     HELLO_OK is read (``Meanwhile``). ``max_frame_size``: the largest frame body taken from the peer.
     ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK in, ``meanwhile``
     included), in ms. ``keep_decoded``: the connection's (an engine's fetch keeps what it decodes)."""
+    from wcache.proto.connection import Connection, Role
+    from wcache.proto.daemon_frames import HelloOk
+
     t0 = time.perf_counter()
-    loop = asyncio.get_running_loop()
-    sock = _socket()
-    sock.setblocking(False)
-    try:
-        await loop.sock_connect(sock, str(path))
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
-        sock.close()
-        raise _unavailable(path, exc) from exc
-    _check_peer(sock, path)
+    sock = await dial(path)
     t1 = time.perf_counter()
     ch = Channel(
         sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size, keep_decoded=keep_decoded)
@@ -491,21 +555,14 @@ def connect_blocking(
     meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
     keep_decoded: bool = False,
-) -> tuple[Channel, HelloOk]:
+) -> tuple[Channel[Connection], daemon_frames.HelloOk]:
     """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
     TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
+    from wcache.proto.connection import Connection, Role
+    from wcache.proto.daemon_frames import HelloOk
+
     t0 = time.perf_counter()
-    sock = _socket()
-    try:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-    except TimeoutError:
-        sock.close()
-        raise
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
-        sock.close()
-        raise _unavailable(path, exc) from exc
-    _check_peer(sock, path)
+    sock = dial_blocking(path, timeout)
     t1 = time.perf_counter()
     ch = Channel(sock, Connection(Role.CLIENT, service=service, keep_decoded=keep_decoded))
     try:
@@ -521,19 +578,104 @@ def connect_blocking(
     return ch, frame
 
 
-def expect_blocking(ch: Channel, timeout: float) -> tuple[Frame, list[int]]:
+async def connect_engine(
+    path: Path,
+    *,
+    software: str,
+    name: str,
+    pipeline: EnginePipeline,
+    meanwhile: Meanwhile | None = None,
+    timings: dict[str, float] | None = None,
+) -> tuple[Channel[EngineConnection], HelloOk]:
+    """``connect()`` for an engine's fetch, through its own connection (``wcache.proto.engine``: the frames an
+    engine speaks, without the declarations' import): HELLO and the GET_STATE ``pipeline`` builds in one write,
+    ``meanwhile`` while the daemon answers, then HELLO_OK (``timings``: as connect's)."""
+    t0 = time.perf_counter()
+    sock = await dial(path)
+    t1 = time.perf_counter()
+    ch = Channel(sock, EngineConnection())
+    try:
+        await ch.send_bytes(ch.conn.opening(software, name, pipeline(ch.conn)))
+        if meanwhile is not None:
+            meanwhile()
+        frame, _ = await expect_engine(ch)
+        assert isinstance(frame, HelloOk)
+    except BaseException:
+        ch.close()
+        raise
+    _timed(timings, t0, t1)
+    return ch, frame
+
+
+def connect_engine_blocking(
+    path: Path,
+    *,
+    software: str,
+    name: str,
+    timeout: float,
+    pipeline: EnginePipeline,
+    meanwhile: Meanwhile | None = None,
+    timings: dict[str, float] | None = None,
+) -> tuple[Channel[EngineConnection], HelloOk]:
+    """``connect_engine()`` for callers without an event loop (each blocking step within ``timeout`` seconds)."""
+    t0 = time.perf_counter()
+    sock = dial_blocking(path, timeout)
+    t1 = time.perf_counter()
+    ch = Channel(sock, EngineConnection())
+    try:
+        ch.send_bytes_blocking(ch.conn.opening(software, name, pipeline(ch.conn)), timeout)
+        if meanwhile is not None:
+            meanwhile()
+        frame, _ = expect_engine_blocking(ch, timeout)
+        assert isinstance(frame, HelloOk)
+    except BaseException:
+        ch.close()
+        raise
+    _timed(timings, t0, t1)
+    return ch, frame
+
+
+def expect_blocking(ch: Channel[Connection], timeout: float) -> tuple[Frame, list[int]]:
     """``expect()`` for callers without an event loop."""
     return _expected(*ch.receive_blocking(timeout))
 
 
-async def expect(ch: Channel) -> tuple[Frame, list[int]]:
+async def expect(ch: Channel[Connection]) -> tuple[Frame, list[int]]:
     """The next frame (of a client's channel); an ERROR frame becomes its exception class."""
     return _expected(*await ch.receive())
 
 
-def _expected(frame: Event, fds: list[int]) -> tuple[Frame, list[int]]:
+def _expected(frame: Any, fds: list[int]) -> tuple[Frame, list[int]]:
+    from wcache.proto.connection import Misdirected
+    from wcache.proto.daemon_frames import ErrorFrame
+
     assert not isinstance(frame, Misdirected)  # only a server's connection yields those
     if isinstance(frame, ErrorFrame):
         close_fds(fds)
+        from wcache.errors import error_from_frame
+
         raise error_from_frame(frame.code, frame.message, frame.details)
-    return frame, fds
+    out: Frame = frame
+    return out, fds
+
+
+def expect_engine_blocking(
+    ch: Channel[EngineConnection], timeout: float
+) -> tuple[HelloOk | State | Released, list[int]]:
+    """``expect_engine()`` for callers without an event loop."""
+    return _expected_engine(*ch.receive_blocking(timeout))
+
+
+async def expect_engine(ch: Channel[EngineConnection]) -> tuple[HelloOk | State | Released, list[int]]:
+    """The next frame of an engine's channel (HELLO_OK, STATE or RELEASED: its connection yields nothing else
+    but an ERROR, which becomes its exception class)."""
+    return _expected_engine(*await ch.receive())
+
+
+def _expected_engine(frame: Received, fds: list[int]) -> tuple[HelloOk | State | Released, list[int]]:
+    if isinstance(frame, (HelloOk, State, Released)):
+        return frame, fds
+    close_fds(fds)
+    from wcache.errors import error_from_frame
+
+    raise error_from_frame(frame.code, frame.message, frame.details)  # type: ignore[attr-defined]  # an ERROR

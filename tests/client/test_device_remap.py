@@ -9,7 +9,7 @@ import torch
 
 from wcache import DeviceMismatchError, WCacheClient, _cuda
 from wcache.client import cuda, driver
-from wcache.proto import DeviceInfo, HelloOk, SlabDescriptor
+from wcache.proto.engine import DeviceInfo, HelloOk, SlabDescriptor
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"  # physical GPU 0: the daemon's (started with CUDA_VISIBLE_DEVICES=0)
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"  # physical GPU 1
@@ -30,7 +30,12 @@ def permuted(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _hello(uuid: str) -> HelloOk:
     return HelloOk(
-        version=2, software="t", backend="cuda", device=DeviceInfo("cuda", uuid=uuid), max_frame_size=1 << 20
+        version=2,
+        software="t",
+        backend="cuda",
+        device=DeviceInfo("cuda", 0, uuid, ""),
+        max_frame_size=1 << 20,
+        server_pid=0,
     )
 
 
@@ -64,11 +69,11 @@ def test_a_slab_maps_on_the_local_index_of_its_uuid(permuted: None, monkeypatch:
         return object(), True
 
     monkeypatch.setattr(cuda, "vmm_import", fake_import)
-    desc = SlabDescriptor(kind="cuda_vmm", size=1 << 20, fd=0, device_uuid=A)
+    desc = SlabDescriptor(size=1 << 20, kind="cuda_vmm", fd=0, handle=b"", offset=0, device_uuid=A)
     cuda.map_slab(desc, 7, None)
     cuda.map_slab(desc, 7, torch.device("cuda", 1))
     assert seen == [1, 1]
     with pytest.raises(DeviceMismatchError, match="cuda:0"):
         cuda.map_slab(desc, 7, torch.device("cuda", 0))
     with pytest.raises(DeviceMismatchError, match="cannot see"):
-        cuda.map_slab(SlabDescriptor(kind="cuda_vmm", size=1 << 20, fd=0, device_uuid=C), 7, None)
+        cuda.map_slab(SlabDescriptor(size=1 << 20, kind="cuda_vmm", fd=0, handle=b"", offset=0, device_uuid=C), 7, None)

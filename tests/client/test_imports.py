@@ -1,8 +1,10 @@
 """An engine's restart imports only what its weight path uses (docs/performance.md, "The restart weight path"):
-``import wcache`` loads nothing; the client and the key load exactly the modules of the fetch — the engine's
-frames, never the other services' (STATUS/PRELOAD/EVICT, write-back, takeover and keeper), never the header
-scan (checkpoint, files) when the daemon proves the key from the files' identity (docs/protocol.md §4.3.1),
-never the loader's modules (layout, sharding, recipes, the daemon)."""
+``import wcache`` loads nothing; the client and the key load exactly the modules of the fetch — the engine's own
+frames and connection (``wcache.proto.engine``), never the frame declarations, the reference connection, msgpack or
+the error tree (a fetch that raises nothing needs none of them), never the other services' frames
+(STATUS/PRELOAD/EVICT, write-back, takeover and keeper), never the header scan (checkpoint, files) when the daemon
+proves the key from the files' identity (docs/protocol.md §4.3.1), never the loader's modules (layout, sharding,
+recipes, the daemon)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,15 @@ NOT_ON_THE_RESTART_PATH = (
     "wcache.proto.deposit_frames",
     "wcache.proto.peer_frames",
     "wcache.proto.fleet_frames",  # the peer channel's frames: ~2.4 ms of class building an engine never uses
-    "wcache.proto.frames",  # the registry module: the engine's frames decode through their declarations
+    "wcache.proto.frames",  # the registry module
+    # the declarations, the reference connection and the error tree: an engine's fetch speaks through its own
+    # (wcache.proto.engine), and imports these only when something is refused or raised
+    "wcache.proto.fields",
+    "wcache.proto.daemon_frames",
+    "wcache.proto.connection",
+    "wcache.errors",
+    "wcache.error_codes",
+    "msgpack",  # pymsgpack decodes the engine's small frames; msgpack's C decoder is loaded for a big STATE only
 )
 #: every wcache module ``from wcache import WCacheClient, WeightCacheKey`` loads: what a fetch needs before its
 #: HELLO and GET_STATE are out, and no other
@@ -51,29 +61,27 @@ RESTART_PATH = {
     "wcache.channel",
     "wcache.client",
     "wcache.client.client",
-    "wcache.errors",
     "wcache.plan",  # the domain package's __init__: a docstring
     "wcache.plan.key",  # the key and its request, RankSpec
     "wcache.proto",
     "wcache.proto._record",
     "wcache.proto.codec",
-    "wcache.proto.connection",
-    "wcache.proto.daemon_frames",
-    "wcache.proto.fields",
+    "wcache.proto.engine",  # the engine's frames and its connection
     "wcache.proto.limits",
+    "wcache.proto.pymsgpack",  # msgpack in Python, for the engine's small frames
     "wcache.proto.table",
 }
 #: what a host fetch adds (computing the key adds nothing): the mapping's module, loaded while the daemon answers
-#: (the CUDA mapping's modules too where CUDA is up); the frames it decodes are the engine's, declared with
-#: ``daemon_frames``: the registry module (``frames``) is never loaded
+#: (the CUDA mapping's modules too where CUDA is up)
 FETCH_ADDS = {"wcache.client.mapping"}
 
 
 def _loaded(code: str, *args: str) -> list[str]:
-    """The wcache modules (and dataclasses) loaded by ``code`` run in a fresh interpreter."""
+    """The wcache modules (and dataclasses, msgpack) loaded by ``code`` run in a fresh interpreter."""
     probe = (
         code
-        + "\nimport sys, json\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith(('wcache', 'dataclasses')))))"
+        + "\nimport sys, json\n"
+        + "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('wcache', 'dataclasses', 'msgpack')))))"
     )
     out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, check=True, timeout=120)
     return list(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -112,12 +112,11 @@ async def test_daemon_killed(gpu_daemon: DaemonProc, ckpt: Path) -> None:
 
 
 async def test_device_mismatch_by_uuid(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> None:
-    from wcache.channel import expect
+    from wcache.channel import connect, expect
     from wcache.proto import GetState
 
     d = daemon_factory(ckpt, "--device", "cuda:0")
-    client = WCacheClient(d.socket)
-    ch, hello = await client._connect(d.socket)
+    ch, hello = await connect(d.socket, software="test", name="test")
     try:
         assert hello.device.uuid.startswith("GPU-")
         key = WeightCacheKey.from_checkpoint(ckpt)

@@ -17,6 +17,7 @@ from wcache.errors import CheckpointError, RemoteProtocolError, ShardingError
 from wcache.plan.checkpoint import Checkpoint
 from wcache.plan.key import RACY_NS, KeyFacts, RankSpec, WeightCacheKey, checkpoint_files
 from wcache.plan.rank import plan_rank
+from wcache.proto.daemon_frames import FileStat
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 
@@ -85,10 +86,10 @@ def test_recorded_facts_complete_the_scanned_key(settled: Path, tp_size: int, dt
         deferred = WeightCacheKey.from_checkpoint(settled, tp_rank=tp_size - 1, tp_size=tp_size, dtype=dtype)
         proof = deferred.proof()
         assert proof is not None
-        partial, sent = proof
-        assert sent.files == rp.facts.files and sent.dtype == dtype
+        partial, files, sent_dtype = proof
+        assert tuple(FileStat(*f) for f in files) == rp.facts.files and sent_dtype == dtype
         assert (
-            rp.facts.complete(partial, sent.dtype)
+            rp.facts.complete(partial, sent_dtype)
             == _scanned(settled, tp_rank=tp_size - 1, tp_size=tp_size, dtype=dtype).to_wire()
         )
 

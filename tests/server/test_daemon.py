@@ -79,12 +79,12 @@ async def serving(store: Store, socket_dir: Path, **kw: Any) -> AsyncIterator[Da
     assert not d.socket_path.exists()
 
 
-async def _open(d: Daemon) -> Channel:
+async def _open(d: Daemon) -> Channel[Any]:
     ch, _ = await connect(d.socket_path, software="test", name="test")
     return ch
 
 
-async def _ask(ch: Channel, frame: Any) -> Any:
+async def _ask(ch: Channel[Any], frame: Any) -> Any:
     await ch.send(frame)
     reply, fds = await expect(ch)
     close_fds(fds)
@@ -177,7 +177,7 @@ async def test_refusals_are_answered_and_the_connection_serves_on(store: Store, 
         assert (errors["KEY_MISMATCH"], errors["UNKNOWN_LEASE"], errors["NOT_FOUND"]) == (1, 2, 1)
 
 
-async def _begin_deposit(ch: Channel, key: Any) -> DepositSlab:
+async def _begin_deposit(ch: Channel[Any], key: Any) -> DepositSlab:
     """DEPOSIT of one float32[4] on ``ch`` (request id 1): its DEPOSIT_SLAB (the descriptor closed here)."""
     slab = await _ask(ch, Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
     assert isinstance(slab, DepositSlab)
@@ -304,7 +304,7 @@ def refused_fds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     refusals: list[int] = []
     send = Channel._send_bytes
 
-    async def refusing(self: Channel, data: bytes, fds: list[int] | tuple[int, ...]) -> None:
+    async def refusing(self: Channel[Any], data: bytes, fds: list[int] | tuple[int, ...]) -> None:
         if fds and self.conn.role is Role.SERVER and refusals:
             refusals.pop()
             raise OSError(errno.ETOOMANYREFS, os.strerror(errno.ETOOMANYREFS))

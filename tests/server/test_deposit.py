@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -141,7 +141,7 @@ async def test_concurrent_second_deposit_of_a_key_is_refused(daemon: DaemonProc,
         assert torch.equal(w["w"], torch.zeros(4))  # the first deposit's bytes (never written: zeros)
 
 
-async def _four_floats(ch: Channel, key: RecipeKey) -> tuple[DepositSlab, list[int]]:
+async def _four_floats(ch: Channel[Any], key: RecipeKey) -> tuple[DepositSlab, list[int]]:
     """DEPOSIT of one float32[4] on ``ch`` (request id 1): its DEPOSIT_SLAB and writable descriptor."""
     await ch.send(Deposit(id=1, key=key.to_wire(), tensors=(DepositTensor("w", "float32", (4,)),)))
     slab, fds = await expect(ch)
@@ -439,7 +439,7 @@ def _budget_for_one(daemon_factory: Callable[..., DaemonProc], ckpt: Path) -> tu
     return daemon_factory(ckpt, "--memory-budget", str(size + (1 << 20))), size
 
 
-async def _open_deposit(ch: Channel, key: RecipeKey, nbytes: int) -> DepositSlab:
+async def _open_deposit(ch: Channel[Any], key: RecipeKey, nbytes: int) -> DepositSlab:
     """DEPOSIT one uint8 tensor of ``nbytes`` on ``ch``; its writable slab's fd is closed at once."""
     await ch.send(
         Deposit(id=ch.conn.next_request_id(), key=key.to_wire(), tensors=(DepositTensor("w", "uint8", (nbytes,)),))

@@ -312,11 +312,10 @@ async def test_memfd_slab_cannot_be_written_by_a_client(daemon: DaemonProc, ckpt
     """The host slab is a sealed memfd: a client holding the fd cannot change the weights."""
     import mmap
 
-    from wcache.channel import expect
+    from wcache.channel import connect, expect
     from wcache.proto import GetState
 
-    client = WCacheClient(daemon.socket)
-    ch, _ = await client._connect(daemon.socket)
+    ch, _ = await connect(daemon.socket, software="test", name="test")
     try:
         await ch.send(GetState(id=1, key=WeightCacheKey.from_checkpoint(ckpt).to_wire()))
         state, fds = await expect(ch)

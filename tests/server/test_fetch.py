@@ -170,12 +170,12 @@ async def test_cancel_mid_fetch_then_next_works(daemon: DaemonProc, ckpt: Path) 
 
 async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
     """Another connection's lease, or a made-up one: the same UNKNOWN_LEASE answer."""
-    from wcache.channel import expect
+    from wcache.channel import connect, expect
     from wcache.proto import Release
 
     client = WCacheClient(daemon.socket)
     w = await client.fetch(WeightCacheKey.from_checkpoint(ckpt))
-    ch, _ = await client._connect(daemon.socket)
+    ch, _ = await connect(daemon.socket, software="test", name="test")
     try:
         for lease in (w.lease, 12345):
             ch.conn.leases.add(lease)  # convince our own connection object, to reach the daemon's check

@@ -116,24 +116,36 @@ def test_get_state_goes_out_in_the_same_write_as_hello(
     """Pipelining (docs/protocol.md §5.1): the client's first write holds HELLO and GET_STATE, and nothing
     more is sent before STATE comes back — one round trip fewer for a restart's first fetch."""
     from wcache import channel
+    from wcache.proto.codec import decode_body
 
-    writes: list[list[str]] = []
-    real = channel._opening
+    writes: list[list[str]] = []  # each write's frames, by type
 
-    def spy(conn: Any, software: str, name: str, pipeline: Any) -> bytes:
-        data = real(conn, software, name, pipeline)
-        writes.append(sorted(conn.pending.values()))
-        return data
+    def frames(data: bytes) -> list[str]:
+        out, at = [], 0
+        while at < len(data):
+            n = int.from_bytes(data[at : at + 4], "big")
+            out.append(decode_body(data[at + 4 : at + 4 + n])["type"])
+            at += 4 + n
+        return out
 
-    monkeypatch.setattr(channel, "_opening", spy)
-    sent: list[str] = []
-    monkeypatch.setattr(channel.Channel, "send_blocking", lambda self, frame, timeout: sent.append(frame.TYPE))
+    real_blocking, real_async = channel.Channel.send_bytes_blocking, channel.Channel.send_bytes
+
+    def spy_blocking(self: Any, data: bytes, timeout: float) -> None:
+        writes.append(frames(data))
+        real_blocking(self, data, timeout)
+
+    async def spy_async(self: Any, data: bytes, fds: Any = ()) -> None:
+        writes.append(frames(data))
+        await real_async(self, data, fds)
+
+    monkeypatch.setattr(channel.Channel, "send_bytes_blocking", spy_blocking)
+    monkeypatch.setattr(channel.Channel, "send_bytes", spy_async)
     key = WeightCacheKey.from_checkpoint(ckpt).resolve()  # whole: no proof a daemon may refuse (§4.3.1)
     c = WCacheClient(daemon.socket)
     w = c.fetch_sync(key) if blocking else asyncio.run(c.fetch(key))
     ref = reference(ckpt)
     assert all(torch.equal(w[k], v) for k, v in ref.items())
-    assert writes == [["GET_STATE"]] and sent == []
+    assert writes == [["HELLO", "GET_STATE"]]
     assert _leases(daemon) == 1
     monkeypatch.undo()
     w.release_sync() if blocking else asyncio.run(w.release())
@@ -144,11 +156,9 @@ def test_the_engine_checks_the_daemons_gpu_itself(daemon: DaemonProc, monkeypatc
     CUDA daemon the client checks it is the GPU the engine chose, DEVICE_MISMATCH otherwise."""
     from wcache import DeviceMismatchError
     from wcache.client import cuda
-    from wcache.proto import DeviceInfo, HelloOk
+    from wcache.proto.engine import DeviceInfo, HelloOk
 
-    hello = HelloOk(
-        version=2, software="t", backend="cuda", device=DeviceInfo("cuda", uuid="GPU-daemon"), max_frame_size=1 << 20
-    )
+    hello = HelloOk(2, "t", "cuda", DeviceInfo("cuda", 0, "GPU-daemon", ""), 1 << 20, 0)
     monkeypatch.setattr(cuda, "local_uuid", lambda device, daemon_uuid: "GPU-engine")
     with pytest.raises(DeviceMismatchError, match="GPU-engine"):
         WCacheClient(daemon.socket)._check_device(hello)

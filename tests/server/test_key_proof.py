@@ -22,6 +22,8 @@ from tests.server.test_fetch import reference
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
 from wcache.errors import KeyUnprovenError
 from wcache.plan.key import RACY_NS, RankSpec
+from wcache.proto.daemon_frames import CheckpointProof, FileStat
+from wcache.proto.engine import FileId
 from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
 
@@ -213,7 +215,7 @@ def test_the_store_completes_only_a_proof_of_files_it_read(copies: Callable[[], 
     key = WeightCacheKey.from_checkpoint(model)
     proof = key.proof()
     assert proof is not None
-    req = GetState(id=1, key=proof[0], proof=proof[1])
+    req = GetState(id=1, key=proof[0], proof=_as_frame(proof))
     done = store.completed(req)
     assert done.key == WeightCacheKey.from_checkpoint(model).resolve().to_wire() and store.completed(done) == done
     plain = GetState(id=2, key=done.key)
@@ -222,7 +224,7 @@ def test_the_store_completes_only_a_proof_of_files_it_read(copies: Callable[[], 
     moved = WeightCacheKey.from_checkpoint(model).proof()
     assert moved is not None
     with pytest.raises(KeyUnprovenError) as info:  # not a mismatch of the key: its own code (KEY_UNPROVEN)
-        store.completed(GetState(id=3, key=moved[0], proof=moved[1]))
+        store.completed(GetState(id=3, key=moved[0], proof=_as_frame(moved)))
     assert "no checkpoint whose files" in info.value.details["proof"] and "key" not in info.value.details
 
 
@@ -241,3 +243,9 @@ def test_a_daemon_restarted_on_its_keeper_proves_the_files_it_checked(
     key = WeightCacheKey.from_checkpoint(model)
     proven, tensors = _fetch(second, key)
     assert proven and not key.scanned and _same(tensors, reference(model))
+
+
+def _as_frame(proof: tuple[dict[str, str | int], tuple[FileId, ...], str]) -> CheckpointProof:
+    """A key's proof (``WeightCacheKey.proof``) as GET_STATE's field declares it."""
+    _, files, dtype = proof
+    return CheckpointProof(files=tuple(FileStat(*f) for f in files), dtype=dtype)

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,12 +126,12 @@ async def serving(
         close_fds(handler.kept)
 
 
-async def _open(path: Path, name: str = "test") -> Channel:
+async def _open(path: Path, name: str = "test") -> Channel[Any]:
     ch, _ = await connect(path, software="test", name=name)
     return ch
 
 
-async def _status(ch: Channel) -> StatusReply:
+async def _status(ch: Channel[Any]) -> StatusReply:
     await ch.send(Status(id=ch.conn.next_request_id()))
     frame, _ = await expect(ch)
     assert isinstance(frame, StatusReply)
@@ -261,7 +262,7 @@ class _Principal:
     def __init__(self, name: str, allowed: bool) -> None:
         self.name, self.allowed = name, allowed
 
-    async def identify(self, ch: Channel) -> PeerIdentity:
+    async def identify(self, ch: Channel[Any]) -> PeerIdentity:
         return PeerIdentity(principal=self.name)
 
     def refusal(self, peer: PeerIdentity) -> Refusal | None:

@@ -73,16 +73,20 @@ def hold_lock(socket_dir: Path) -> Iterator[Callable[[], subprocess.Popen[str]]]
 def attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every failed connection attempt of the client, by its error message (a state the tests wait on)."""
     failed: list[str] = []
-    real = channel.connect
 
-    async def counting(path: Path, **kw: Any) -> Any:
-        try:
-            return await real(path, **kw)
-        except CacheUnavailableError as exc:
-            failed.append(exc.message)
-            raise
+    def counted(real: Callable[..., Any]) -> Callable[..., Any]:
+        async def counting(path: Path, **kw: Any) -> Any:
+            try:
+                return await real(path, **kw)
+            except CacheUnavailableError as exc:
+                failed.append(exc.message)
+                raise
 
-    monkeypatch.setattr(client_mod, "connect", counting)
+        return counting
+
+    # a fetch's connect (an engine's connection) and the other requests' (the reference connection)
+    monkeypatch.setattr(client_mod, "connect_engine", counted(channel.connect_engine))
+    monkeypatch.setattr(client_mod, "connect", counted(channel.connect))
     return failed
 
 

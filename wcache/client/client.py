@@ -11,6 +11,10 @@ model for its rank — is first waited on for up to ``wait_for_daemon`` seconds,
 the daemon's errors as their ``ServerError`` subclasses (``KeyMismatchError`` ...),
 ``RemoteProtocolError`` for bytes that break docs/protocol.md. A fetch cancelled at any point
 closes its connection, so the daemon frees its lease, and the client stays usable.
+
+A fetch speaks through an engine's own connection (``wcache.proto.engine``: its frames without the declarations,
+msgpack or the error tree imported, ~3 ms of an engine's restart: docs/performance.md); STATUS, PRELOAD, EVICT
+and DEPOSIT through the reference ``Connection``, whose modules they import when first called.
 """
 
 from __future__ import annotations
@@ -19,43 +23,46 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from wcache import __version__
-from wcache.channel import Channel, Meanwhile, Pipeline, close_fds, connect, connect_blocking, expect, expect_blocking
-from wcache.errors import (
-    CacheUnavailableError,
-    DeviceMismatchError,
-    KeyMismatchError,
-    KeyUnprovenError,
-    NotFoundError,
-    RemoteProtocolError,
-    error_from_frame,
+from wcache.channel import (
+    Channel,
+    close_fds,
+    connect,
+    connect_engine,
+    connect_engine_blocking,
+    expect,
+    expect_engine,
+    expect_engine_blocking,
 )
-from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.proto.codec import gc_paused
-from wcache.proto.daemon_frames import ErrorFrame, GetState, HelloOk, Release, State
+from wcache.proto.engine import EngineConnection, HelloOk, Released, State, get_state, release
 
 if TYPE_CHECKING:  # imported where used (tests/client/test_imports.py): the mapping by a fetch while the daemon
-    # answers (_ahead), the others by the methods that need them
+    # answers (_ahead), the errors where raised, the others by the methods that need them
+    from wcache.channel import Meanwhile
     from wcache.client.mapping import GroupView, TensorViews
+    from wcache.plan.key import RankSpec, WeightCacheKey
     from wcache.plan.recipe import RecipeKey
     from wcache.proto import (
         Connection,
         Deposited,
         Evicted,
-        Frame,
         Preloaded,
         StatusReply,
+        daemon_frames,
     )
 
 __all__ = ["CachedWeights", "WCacheClient"]
 
+if TYPE_CHECKING:
+    T = TypeVar("T")
 MODES = ("zero_copy", "copy")
 
 
@@ -82,7 +89,7 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         lease: int,
         mode: str,
         aliases: dict[str, str],
-        channel: Channel | None,
+        channel: Channel[EngineConnection] | None,
         hello: HelloOk,
         socket_path: Path,
         keepalive: list[Any],
@@ -95,6 +102,8 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.lease = lease
         self.mode = mode
         self.aliases = dict(aliases)
+        #: the daemon's HELLO_OK (``wcache.proto.engine.HelloOk``: version, software, backend, device, max_frame_size,
+        #: server_pid)
         self.server = hello
         self.socket_path = socket_path
         self._channel = channel
@@ -152,11 +161,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
             return
         try:
             async with asyncio.timeout(timeout):
-                await ch.send(Release(id=ch.conn.next_request_id(), lease=self.lease))
-                frame, fds = await ch.receive()
+                await ch.send_bytes(ch.conn.send(release(ch.conn.next_request_id(), self.lease)))
+                _, fds = await expect_engine(ch)  # RELEASED; an ERROR raises as its class
                 close_fds(fds)
-                if isinstance(frame, ErrorFrame):
-                    raise error_from_frame(frame.code, frame.message, frame.details)
         except (EOFError, ConnectionError, TimeoutError):
             pass
         finally:
@@ -168,18 +175,10 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         if ch is None or ch.closed:
             return
         try:
-            ch.sock.setblocking(True)
-            ch.sock.settimeout(timeout)
-            ch.sock.sendall(ch.conn.send(Release(id=ch.conn.next_request_id(), lease=self.lease)))
-            while ch.conn.pending:
-                data = ch.sock.recv(1 << 16)
-                ch.conn.receive_data(data)
-                for frame in ch.conn.events():
-                    if isinstance(frame, ErrorFrame):
-                        raise error_from_frame(frame.code, frame.message, frame.details)
-                if not data:
-                    break
-        except (OSError, EOFError):
+            ch.send_bytes_blocking(ch.conn.send(release(ch.conn.next_request_id(), self.lease)), timeout)
+            _, fds = expect_engine_blocking(ch, timeout)  # RELEASED; an ERROR raises as its class
+            close_fds(fds)
+        except (OSError, EOFError):  # TimeoutError among them
             pass
         finally:
             ch.close()
@@ -247,46 +246,37 @@ class WCacheClient:
 
     # ------------------------------------------------------------------ connection
     async def _connect(
-        self,
-        path: Path,
-        session: _Session | None = None,
-        rank: int | None = None,
-        pipeline: Pipeline | None = None,
-        timings: dict[str, float] | None = None,
-    ) -> tuple[Channel, HelloOk]:
-        """Connect and shake hands; a socket missing or refused while a daemon is coming back is waited on
-        (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any). ``pipeline``:
-        the request sent behind HELLO (GET_STATE, docs/protocol.md §5.1), and then the fetch's modules loaded
-        (``_ahead``); ``timings``: ``channel.connect``'s."""
-
-        async def attempt() -> tuple[Channel, HelloOk]:
-            return await connect(
-                path,
-                software=f"wcache/{__version__}",
-                name=self.name,
-                pipeline=pipeline,
-                meanwhile=_ahead(timings) if pipeline is not None else None,
-                timings=timings,
-                keep_decoded=True,  # a STATE's table stays with the weights
-            )
-
+        self, path: Path, attempt: Callable[[], Awaitable[T]], session: _Session | None = None, rank: int | None = None
+    ) -> T:
+        """``attempt()`` (a connect and its handshake); a socket missing or refused while a daemon is coming back is
+        waited on (``wait_for_daemon``; ``rank``: the tp_rank whose kept models count, None for any)."""
         try:
             return await attempt()
-        except CacheUnavailableError as exc:
+        except Exception as exc:
+            if self.wait_for_daemon <= 0 or not _absent(exc):
+                raise
             from wcache.client import wait  # the failure path only: nothing more to import for a fetch
             from wcache.paths import KEEPER_SOCKET
 
-            if self.wait_for_daemon <= 0 or not wait.is_absent(exc):
-                raise
             return await wait.wait_for_daemon(
                 attempt,
                 path,
-                exc,
+                exc,  # type: ignore[arg-type]  # a CacheUnavailableError (_absent)
                 wait=self.wait_for_daemon,
                 keeper_path=self.keeper_socket or path.parent / KEEPER_SOCKET,
                 rank=rank,
                 on_wait=session.waiting_for if session is not None else None,
             )
+
+    async def _admin(self, path: Path, session: _Session, rank: int | None) -> Channel[Connection]:
+        """A reference connection for STATUS, PRELOAD, EVICT or DEPOSIT (``session.ch``, whose handshake it is)."""
+
+        async def attempt() -> tuple[Channel[Connection], daemon_frames.HelloOk]:
+            return await connect(path, software=f"wcache/{__version__}", name=self.name)
+
+        ch, _ = await self._connect(path, attempt, session, rank)
+        session.ch = ch
+        return ch
 
     def _check_device(self, hello: HelloOk) -> None:
         """The GET_STATE went out behind HELLO, before the daemon's GPU was known, so the engine checks what
@@ -296,6 +286,8 @@ class WCacheClient:
 
         mine = cuda.local_uuid(self.device, hello.device.uuid)
         if mine != hello.device.uuid:
+            from wcache.errors import DeviceMismatchError
+
             raise DeviceMismatchError(
                 f"engine is on GPU {mine}, the daemon serves GPU {hello.device.uuid}",
                 details={"client": mine, "daemon": hello.device.uuid},
@@ -335,18 +327,30 @@ class WCacheClient:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
             request = _Request(key, mode)
-            ch, hello = session.ch, session.hello = await self._connect(
-                path, session, key.tp_rank, request.build, timings
-            )
+
+            async def attempt() -> tuple[Channel[EngineConnection], HelloOk]:
+                return await connect_engine(
+                    path,
+                    software=f"wcache/{__version__}",
+                    name=self.name,
+                    pipeline=request.build,
+                    meanwhile=_ahead(timings),
+                    timings=timings,
+                )
+
+            ch, hello = await self._connect(path, attempt, session, key.tp_rank)
+            session.ch = ch
             t1 = time.perf_counter()
             self._on_hello(hello, timings)
             t_state = time.perf_counter()
             try:
-                frame, fds = await expect(ch)
-            except (KeyUnprovenError, KeyMismatchError, NotFoundError) as exc:
-                request.refused(exc)
-                await ch.send(request.scanned(ch.conn))  # the daemon does not know these files: the full key
-                frame, fds = await expect(ch)
+                frame, fds = await expect_engine(ch)
+            except Exception as exc:
+                if not request.refused(exc):
+                    raise
+                # the daemon does not know these files: the full key, on the same connection
+                await ch.send_bytes(ch.conn.send(request.scanned(ch.conn)))
+                frame, fds = await expect_engine(ch)
             state = request.state(frame, fds)
             timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3, wait=ch.waited * 1e3)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
@@ -360,6 +364,8 @@ class WCacheClient:
         """One connection's request under a deadline: timeouts, EOF and resets become
         CacheUnavailableError; the connection is closed on any failure (and on success unless
         ``keep_open``: a zero_copy lease lives as long as its connection)."""
+        from wcache.errors import CacheUnavailableError  # what every failure below becomes
+
         limit = self.timeout if timeout is None else timeout
         session = _Session()
         try:
@@ -385,7 +391,7 @@ class WCacheClient:
 
     def _materialise(
         self,
-        ch: Channel,
+        ch: Channel[EngineConnection],
         hello: HelloOk,
         state: State,
         fds: list[int],
@@ -437,9 +443,9 @@ class WCacheClient:
 
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path, session, self._rank(key))
-            await session.ch.send(Status(id=session.ch.conn.next_request_id()))
-            frame, _ = await expect(session.ch)
+            ch = await self._admin(path, session, self._rank(key))
+            await ch.send(Status(id=ch.conn.next_request_id()))
+            frame, _ = await expect(ch)
             assert isinstance(frame, StatusReply)
             return frame
 
@@ -454,9 +460,9 @@ class WCacheClient:
 
         path = self._socket(spec.tp_rank)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path, session, spec.tp_rank)
-            await session.ch.send(spec.to_preload(session.ch.conn.next_request_id()))
-            frame, _ = await expect(session.ch)
+            ch = await self._admin(path, session, spec.tp_rank)
+            await ch.send(spec.to_preload(ch.conn.next_request_id()))
+            frame, _ = await expect(ch)
             assert isinstance(frame, Preloaded)
             return frame
 
@@ -466,9 +472,9 @@ class WCacheClient:
 
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path, session, key.tp_rank)
-            await session.ch.send(Evict(id=session.ch.conn.next_request_id(), key=key.to_wire()))
-            frame, _ = await expect(session.ch)
+            ch = await self._admin(path, session, key.tp_rank)
+            await ch.send(Evict(id=ch.conn.next_request_id(), key=key.to_wire()))
+            frame, _ = await expect(ch)
             assert isinstance(frame, Evicted)
             return frame
 
@@ -529,14 +535,15 @@ class WCacheClient:
                 raise ValueError(f"alias {a!r} -> {target!r} must name a deposited tensor under a new name")
         path = self.socket_for(key)
         async with self._session(path, timeout, keep_open=False) as session:
-            session.ch, session.hello = await self._connect(path, session, key.tp_rank)
-            ch = session.ch
+            ch = await self._admin(path, session, key.tp_rank)
             await ch.send(
                 Deposit(id=ch.conn.next_request_id(), key=key.to_wire(), tensors=tuple(entries), aliases=links)
             )
             frame, fds = await expect(ch)
             if not isinstance(frame, DepositSlab) or len(fds) != 1:
                 close_fds(fds)
+                from wcache.errors import RemoteProtocolError
+
                 raise RemoteProtocolError(f"expected DEPOSIT_SLAB with one descriptor, got {frame.TYPE}")
             from wcache.client.mapping import write_deposit
 
@@ -568,13 +575,13 @@ class WCacheClient:
         path = self.socket_for(key)
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        ch: Channel | None = None
+        ch: Channel[EngineConnection] | None = None
         try:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
             request = _Request(key, mode)
             try:
-                ch, hello = connect_blocking(
+                ch, hello = connect_engine_blocking(
                     path,
                     software=f"wcache/{__version__}",
                     name=self.name,
@@ -582,23 +589,22 @@ class WCacheClient:
                     pipeline=request.build,
                     meanwhile=_ahead(timings),
                     timings=timings,
-                    keep_decoded=True,  # a STATE's table stays with the weights
                 )
-            except CacheUnavailableError as exc:
-                from wcache.client import wait  # the failure path only
-
-                if self.wait_for_daemon <= 0 or not wait.is_absent(exc):
+            except Exception as exc:
+                if self.wait_for_daemon <= 0 or not _absent(exc):
                     raise
                 return asyncio.run(self.fetch(key, mode, timeout=timeout))  # wait.py's wait is asyncio's
             t1 = time.perf_counter()
             self._on_hello(hello, timings)
             t_state = time.perf_counter()
             try:
-                frame, fds = expect_blocking(ch, _left(deadline))
-            except (KeyUnprovenError, KeyMismatchError, NotFoundError) as exc:
-                request.refused(exc)
-                ch.send_blocking(request.scanned(ch.conn), _left(deadline))  # the full key, same connection
-                frame, fds = expect_blocking(ch, _left(deadline))
+                frame, fds = expect_engine_blocking(ch, _left(deadline))
+            except Exception as exc:
+                if not request.refused(exc):
+                    raise
+                # the full key, same connection
+                ch.send_bytes_blocking(ch.conn.send(request.scanned(ch.conn)), _left(deadline))
+                frame, fds = expect_engine_blocking(ch, _left(deadline))
             state = request.state(frame, fds)
             timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3, wait=ch.waited * 1e3)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
@@ -606,10 +612,14 @@ class WCacheClient:
         except TimeoutError as exc:
             if ch is not None:
                 ch.close()
+            from wcache.errors import CacheUnavailableError
+
             raise CacheUnavailableError(f"wcache daemon at {path} did not answer within {limit} s") from exc
         except (EOFError, ConnectionError) as exc:
             if ch is not None:
                 ch.close()
+            from wcache.errors import CacheUnavailableError
+
             raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
         except BaseException:
             if ch is not None:
@@ -633,35 +643,40 @@ class _Request:
         #: the GET_STATE in flight carries a proof (the daemon completes the key)
         self.proven = self._proof is not None
 
-    def build(self, conn: Connection) -> GetState:
+    def build(self, conn: EngineConnection) -> dict[str, Any]:
         rid = conn.next_request_id()
         if self._proof is not None:
-            partial, proof = self._proof
-            return GetState(id=rid, key=partial, mode=self.mode, proof=proof)
-        return GetState(id=rid, key=self.key.to_wire(), mode=self.mode)
+            partial, files, dtype = self._proof
+            return get_state(rid, partial, self.mode, proof=(files, dtype))
+        return get_state(rid, self.key.to_wire(), self.mode)
 
-    def refused(self, exc: KeyUnprovenError | KeyMismatchError | NotFoundError) -> None:
-        """The GET_STATE was refused: re-raise ``exc`` unless it refused the proof itself (then the caller sends
-        :meth:`scanned`): KEY_UNPROVEN, or from a daemon older than proofs KEY_MISMATCH / NOT_FOUND without
-        ``details.key``. A daemon that completed the key from the proof names it (``details.key``): the refusal
-        is that key's, final, and the key takes its fields without a scan."""
-        if not self.proven:
-            raise exc
+    def refused(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised for the GET_STATE, refused its proof itself — KEY_UNPROVEN, or from a daemon older
+        than proofs KEY_MISMATCH / NOT_FOUND without ``details.key`` — so that the caller sends :meth:`scanned`;
+        False for any other error, to raise. A daemon that completed the key from the proof names it
+        (``details.key``): the refusal is that key's, final, and the key takes its fields without a scan."""
+        from wcache.errors import KeyMismatchError, KeyUnprovenError, NotFoundError  # raised: loaded already
+
+        if not self.proven or not isinstance(exc, (KeyUnprovenError, KeyMismatchError, NotFoundError)):
+            return False
         completed = exc.details.get("key")
         if isinstance(completed, dict) and not isinstance(exc, KeyUnprovenError):
             self.key.adopt(completed)
-            raise exc
+            return False
+        return True
 
-    def scanned(self, conn: Connection) -> GetState:
+    def scanned(self, conn: EngineConnection) -> dict[str, Any]:
         """The retry after a refused proof: the header scan runs here (raising what it raises)."""
         self._proof, self.proven = None, False
         return self.build(conn)
 
-    def state(self, frame: Frame, fds: list[int]) -> State:
+    def state(self, frame: HelloOk | State | Released, fds: list[int]) -> State:
         """``frame`` as the STATE answering this request; a proven key takes its file-derived fields from it."""
         if not isinstance(frame, State):
             close_fds(fds)
-            raise RemoteProtocolError(f"expected STATE, got {frame.TYPE}")
+            from wcache.errors import RemoteProtocolError
+
+            raise RemoteProtocolError(f"expected STATE, got {type(frame).__name__}")
         if self.proven:
             try:
                 self.key.adopt(frame.key)
@@ -669,6 +684,14 @@ class _Request:
                 close_fds(fds)
                 raise
         return frame
+
+
+def _absent(exc: BaseException) -> bool:
+    """A connect that found no socket file, or a socket nobody listens on (a daemon may be coming back)."""
+    from wcache.client import wait
+    from wcache.errors import CacheUnavailableError
+
+    return isinstance(exc, CacheUnavailableError) and wait.is_absent(exc)
 
 
 def _ahead(timings: dict[str, float] | None) -> Meanwhile:
@@ -702,8 +725,7 @@ def _left(deadline: float) -> float:
 class _Session:
     """The connection of one in-flight request (set once connected)."""
 
-    ch: Channel | None = None
-    hello: HelloOk | None = None
+    ch: Channel[Any] | None = None
     #: what a wait for the daemon to come back is waiting on (set when one starts)
     waited: str | None = None
 

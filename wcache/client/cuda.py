@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from wcache.client import driver
-from wcache.errors import DeviceMismatchError, RemoteProtocolError, UnsupportedPlatformError
-from wcache.proto.daemon_frames import SlabDescriptor
+
+if TYPE_CHECKING:  # the error tree is imported where an error is raised: this module loads in a fetch's window
+    from wcache.proto import daemon_frames, engine
 
 __all__ = ["ipc_open", "local_uuid", "map_slab", "prepare", "visible_uuids", "vmm_import", "write_vmm_deposit"]
 
 
 def _require_cuda() -> None:
     if not torch.cuda.is_available():
+        from wcache.errors import UnsupportedPlatformError
+
         raise UnsupportedPlatformError(
             "the daemon serves GPU memory but this process sees no CUDA device; "
             "run the engine on that GPU, use a --device cpu daemon, or load from disk"
@@ -33,7 +37,11 @@ def visible_uuids() -> list[str]:
     _require_cuda()
     try:
         uuids = driver.device_uuids()
-    except UnsupportedPlatformError:
+    except Exception as exc:
+        from wcache.errors import UnsupportedPlatformError
+
+        if not isinstance(exc, UnsupportedPlatformError):
+            raise
         uuids = None
     if uuids is None:
         from wcache import _cuda  # the daemon's module (cuda-bindings): only where the driver's context is not up
@@ -48,6 +56,8 @@ def local_uuid(device: torch.device | None, daemon_uuid: str) -> str:
     if device is not None and device.type == "cuda":
         return visible[device.index if device.index is not None else torch.cuda.current_device()]
     if daemon_uuid not in visible:
+        from wcache.errors import DeviceMismatchError
+
         raise DeviceMismatchError(
             f"the daemon's GPU {daemon_uuid} is not visible to this process (visible: {visible}); "
             "check CUDA_VISIBLE_DEVICES",
@@ -122,38 +132,48 @@ def vmm_import(
     return driver.DeviceBuffer(ptr + offset, size, index, lambda: driver.vmm_unmap(ptr, total)), ro
 
 
-def _slab_device(desc: SlabDescriptor) -> int:
+def _slab_device(desc: engine.SlabDescriptor | daemon_frames.SlabDescriptor) -> int:
     visible = visible_uuids()
     if desc.device_uuid not in visible:
+        from wcache.errors import DeviceMismatchError
+
         raise DeviceMismatchError(f"slab lives on GPU {desc.device_uuid}, which this process cannot see")
     return visible.index(desc.device_uuid)
 
 
 def map_slab(
-    desc: SlabDescriptor, fd: int, device: torch.device | None, timings: dict[str, float] | None = None
+    desc: engine.SlabDescriptor, fd: int, device: torch.device | None, timings: dict[str, float] | None = None
 ) -> driver.DeviceBuffer:
     """Map one CUDA slab of a STATE frame (``fd``: its descriptor, -1 for an IPC handle; ``timings``: see
     ``vmm_import``)."""
     index = _slab_device(desc)
     if device is not None and device.type == "cuda" and device.index not in (None, index):
+        from wcache.errors import DeviceMismatchError
+
         raise DeviceMismatchError(f"asked for cuda:{device.index}, but the slab lives on cuda:{index}")
     if desc.kind == "cuda_ipc":
         if len(desc.handle) != 64:
+            from wcache.errors import RemoteProtocolError
+
             raise RemoteProtocolError(f"cuda_ipc handle must be 64 bytes, got {len(desc.handle)}")
         return ipc_open(desc.handle, desc.offset, desc.size, index)
     if fd < 0:
+        from wcache.errors import RemoteProtocolError
+
         raise RemoteProtocolError("cuda_vmm slab without a file descriptor")
     buf, _read_only = vmm_import(fd, desc.offset, desc.size, index, read_only=True, timings=timings)
     return buf
 
 
-def write_vmm_deposit(desc: SlabDescriptor, fd: int, sources: Iterable[tuple[int, torch.Tensor]]) -> None:
+def write_vmm_deposit(desc: daemon_frames.SlabDescriptor, fd: int, sources: Iterable[tuple[int, torch.Tensor]]) -> None:
     """Write-back into a CUDA daemon's deposit slab (docs/protocol.md §4.13): import the VMM fd (the caller
     closes it), map it read-write, copy each ``(offset, flat uint8 tensor)`` into it — device to device
     for tensors on the slab's GPU, host to device or across GPUs otherwise —, wait for the copies, then
     unmap. After this returns the process holds no mapping of, and no handle to, the allocation: the
     daemon's COMMIT guarantee rests on that (docs/security.md, "Write-back")."""
     if fd < 0:
+        from wcache.errors import RemoteProtocolError
+
         raise RemoteProtocolError("cuda_vmm deposit slab without a file descriptor")
     index = _slab_device(desc)
     buf, _ = vmm_import(fd, desc.offset, desc.size, index, read_only=False)

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import TYPE_CHECKING, Any
 
-from wcache.errors import UnsupportedPlatformError
-
 if TYPE_CHECKING:
     import torch
 
@@ -157,7 +155,7 @@ class _Driver:
             except AttributeError:
                 continue
         if fn is None:
-            raise UnsupportedPlatformError(
+            raise _unsupported(
                 f"the CUDA driver ({LIBRARY}) has no {symbols[0]}; update the NVIDIA driver "
                 "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
                 details={"missing": symbols[0]},
@@ -176,6 +174,14 @@ class _Driver:
 _DRIVER: _Driver | None = None
 
 
+def _unsupported(message: str, details: dict[str, Any]) -> Exception:
+    """UnsupportedPlatformError (the error tree is imported when one is raised: the driver loads in a fetch's
+    window, docs/performance.md)."""
+    from wcache.errors import UnsupportedPlatformError
+
+    return UnsupportedPlatformError(message, details=details)
+
+
 def driver() -> _Driver:
     """The driver entry points, resolved on first use (torch has normally loaded the library)."""
     global _DRIVER
@@ -183,7 +189,7 @@ def driver() -> _Driver:
         try:
             lib = ctypes.CDLL(LIBRARY)
         except OSError as exc:
-            raise UnsupportedPlatformError(
+            raise _unsupported(
                 f"cannot load the CUDA driver library {LIBRARY} ({exc}); install the NVIDIA driver, "
                 "or use a --device cpu daemon",
                 details={"missing": LIBRARY},

@@ -23,20 +23,28 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from wcache.channel import close_fds
-from wcache.errors import RemoteProtocolError
 from wcache.proto._record import named_tuple
 from wcache.proto.codec import gc_paused
-from wcache.proto.daemon_frames import SlabDescriptor, State
 from wcache.proto.table import DTYPE_SIZES, TensorTable
 
-if TYPE_CHECKING:  # write-back's frame: not imported on the fetch path
+if TYPE_CHECKING:  # write-back's frames and the error tree: not imported on the fetch path (it raises none)
+    from wcache.errors import RemoteProtocolError
+    from wcache.proto.daemon_frames import SlabDescriptor
     from wcache.proto.deposit_frames import DepositSlab
+    from wcache.proto.engine import SlabDescriptor as MappedDescriptor
+    from wcache.proto.engine import State
 
 __all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs", "write_deposit"]
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
 }
+
+
+def _protocol_error(message: str) -> RemoteProtocolError:
+    from wcache.errors import RemoteProtocolError
+
+    return RemoteProtocolError(message)
 
 
 class MappedSlab:
@@ -53,10 +61,10 @@ class MappedSlab:
             self._close = None
 
 
-def _map_memfd(desc: SlabDescriptor, fd: int) -> MappedSlab:
+def _map_memfd(desc: MappedDescriptor, fd: int) -> MappedSlab:
     st = os.fstat(fd)
     if st.st_size < desc.size + desc.offset:
-        raise RemoteProtocolError(f"shared memory of {st.st_size} bytes is smaller than the slab ({desc.size})")
+        raise _protocol_error(f"shared memory of {st.st_size} bytes is smaller than the slab ({desc.size})")
     if desc.size == 0:
         return MappedSlab(torch.empty(0, dtype=torch.uint8), None)
     # no MAP_POPULATE, even for copy mode: setting up every page table entry first made a copy slower
@@ -82,7 +90,7 @@ def map_slabs(
             fd = fds[desc.fd] if desc.fd >= 0 else -1
             if desc.kind == "memfd":
                 if fd < 0:
-                    raise RemoteProtocolError("memfd slab without a file descriptor")
+                    raise _protocol_error("memfd slab without a file descriptor")
                 slabs.append(_map_memfd(desc, fd))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
                 from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
@@ -93,7 +101,7 @@ def map_slabs(
                 if timings is not None:
                     timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
             else:  # pragma: no cover - the decoder admits only known kinds
-                raise RemoteProtocolError(f"unknown slab kind {desc.kind!r}")
+                raise _protocol_error(f"unknown slab kind {desc.kind!r}")
     except BaseException:
         for s in slabs:
             s.close()
@@ -245,10 +253,10 @@ def deposit_sources(slab: DepositSlab, tensors: Mapping[str, torch.Tensor]) -> I
     for e in slab.tensors:
         t = tensors.get(e.name)
         if t is None:
-            raise RemoteProtocolError(f"DEPOSIT_SLAB names {e.name!r}, which this deposit did not list")
+            raise _protocol_error(f"DEPOSIT_SLAB names {e.name!r}, which this deposit did not list")
         have = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
         if have != (e.dtype, e.shape):
-            raise RemoteProtocolError(
+            raise _protocol_error(
                 f"DEPOSIT_SLAB lays out {e.name!r} as {e.dtype}{list(e.shape)}, the tensor is {have[0]}{list(have[1])}"
             )
         if t.numel():
@@ -280,6 +288,6 @@ def write_deposit(slab: DepositSlab, fd: int, tensors: Mapping[str, torch.Tensor
 
         cuda.write_vmm_deposit(desc, fd, deposit_sources(slab, tensors))
     else:
-        raise RemoteProtocolError(
+        raise _protocol_error(
             f"a deposit slab of kind {desc.kind!r} cannot be written (docs/protocol.md §4.13: memfd or cuda_vmm)"
         )

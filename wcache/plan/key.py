@@ -21,7 +21,9 @@ key from what it recorded (:class:`KeyFacts`) when those files, unchanged since,
 runs only when a file-derived field is read first (:meth:`WeightCacheKey.resolve`), or when the daemon does
 not recognise the files — then fetch retries with the full key on the same connection. So this module imports
 the domain modules below it (checkpoint, quant, sharding) inside the functions that scan headers: an engine whose
-key the daemon proves never loads them (tests/client/test_imports.py).
+key the daemon proves never loads them (tests/client/test_imports.py). Likewise the error tree and the frame
+declarations (the daemon's side of the proof, and every error) load where they are used: an engine's restart
+imports neither for its key.
 """
 
 from __future__ import annotations
@@ -29,28 +31,19 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wcache.errors import (
-    CheckpointError,
-    KeyMismatchError,
-    NotFoundError,
-    RemoteProtocolError,
-    ShardingError,
-    TransformError,
-    WCacheError,
-    describe_fields,
-)
-from wcache.proto._record import record
-from wcache.proto.daemon_frames import MAX_PROOF_FILES, CheckpointProof, FileStat
-from wcache.proto.fields import MAX_NAME
+from wcache.proto._record import field_defaults, record
+from wcache.proto.engine import FileId
+from wcache.proto.limits import MAX_NAME, MAX_PROOF_FILES
 
-if TYPE_CHECKING:  # imported where the header scan runs (module docstring)
+if TYPE_CHECKING:  # imported where the header scan runs, and where the daemon's side and the errors are used
+    from wcache.errors import NotFoundError, WCacheError
     from wcache.plan.checkpoint import Checkpoint, DtypeBytes
     from wcache.plan.sharding import ShardPlan
     from wcache.proto.admin_frames import Preload
+    from wcache.proto.daemon_frames import FileStat
 
 #: Bump when placement rules change (wcache.plan.layout): a cached slab of another layout is another key. Defined
 #: here, with the key that carries it, and nowhere else: the layout sits below the key and an engine's restart
@@ -63,6 +56,7 @@ __all__ = [
     "WeightCacheKey",
     "check_tp",
     "checkpoint_files",
+    "stated_files",
     "closest",
     "key_mismatch",
     "not_served",
@@ -97,6 +91,8 @@ def check_tp(tp_rank: object, tp_size: object) -> None:
     """Raise ShardingError (INVALID_PLAN on the wire) for a rank outside ``[0, tp_size)`` or a size below 1."""
     problem = tp_problem(tp_rank, tp_size)
     if problem is not None:
+        from wcache.errors import ShardingError
+
         raise ShardingError(problem, details={"tp_rank": repr(tp_rank), "tp_size": repr(tp_size)})
 
 
@@ -163,11 +159,12 @@ class _Unset:
 _UNSET = _Unset()
 
 
-#: a key field over the protocol's string limit -> whose input it came from, and what to do
-_TOO_LONG: dict[str, tuple[type[WCacheError], str]] = {
-    "architecture": (CheckpointError, "shorten config.json's architectures[0]"),
-    "plan": (ShardingError, "use a shorter plan id"),
-    "transform": (TransformError, "use a shorter module:function path for the transform"),
+#: a key field over the protocol's string limit -> the error class (of ``wcache.errors``) of the input it came from,
+#: and what to do
+_TOO_LONG: dict[str, tuple[str, str]] = {
+    "architecture": ("CheckpointError", "shorten config.json's architectures[0]"),
+    "plan": ("ShardingError", "use a shorter plan id"),
+    "transform": ("TransformError", "use a shorter module:function path for the transform"),
 }
 
 
@@ -224,7 +221,7 @@ class WeightCacheKey:
         Raises CheckpointError / ShardingError, and for a key string the protocol cannot carry (over
         1024 characters, docs/protocol.md §7) the class of whatever it came from (``_TOO_LONG``)."""
         if checkpoint is None and isinstance(plan, _Unset) and spec.plan_file is None and not spec.verify_content:
-            files = checkpoint_files(spec.checkpoint)
+            files = stated_files(spec.checkpoint)
             if files is not None:
                 return _DeferredKey.of(spec, files)
         return cls._scanned(spec, checkpoint, plan)
@@ -262,7 +259,10 @@ class WeightCacheKey:
         )
         for name, value in key.to_wire().items():
             if isinstance(value, str) and len(value) > MAX_NAME:
-                err, fix = _TOO_LONG.get(name, (CheckpointError, "check the checkpoint's config.json"))
+                import wcache.errors
+
+                err_name, fix = _TOO_LONG.get(name, ("CheckpointError", "check the checkpoint's config.json"))
+                err: type[WCacheError] = getattr(wcache.errors, err_name)
                 raise err(
                     f"key field {name!r} is {len(value)} characters; the protocol carries at most {MAX_NAME} "
                     f"(docs/protocol.md §7): {fix}"
@@ -280,15 +280,18 @@ class WeightCacheKey:
         fields the daemon supplied: docs/protocol.md §4.3.1)."""
         return True
 
-    def proof(self) -> tuple[dict[str, KeyValue], CheckpointProof] | None:
-        """For a deferred key: (the key map less the file-derived fields, the files' proof) to send in GET_STATE;
-        None for a key whose fields are all known (send ``to_wire()``)."""
+    def proof(self) -> tuple[dict[str, KeyValue], tuple[FileId, ...], str] | None:
+        """For a deferred key: (the key map less the file-derived fields, the files, the dtype asked for): a
+        GET_STATE's key and its CheckpointProof (docs/protocol.md §4.3.1); None for a key whose fields are all known
+        (send ``to_wire()``)."""
         return None
 
     def adopt(self, served: dict[str, Any]) -> None:
         """Take the file-derived fields from the key a daemon served for :meth:`proof` (the rest must be this
         key's: ProtocolError otherwise). A known key only checks that ``served`` equals it."""
         if self.diff_wire(served):
+            from wcache.errors import RemoteProtocolError
+
             raise RemoteProtocolError(
                 f"the daemon served key {served} for the request {self.to_wire()}", details={"served": served}
             )
@@ -326,8 +329,10 @@ class WeightCacheKey:
         return f"{self.architecture or 'model'}@{self.fingerprint[:12]}/tp{self.tp_rank}of{self.tp_size}/{self.dtype}"
 
 
-_FIELDS = tuple(f.name for f in fields(WeightCacheKey))
-_DEFAULTS = {f.name: f.default for f in fields(WeightCacheKey)}
+#: the key's fields and their defaults (``field_defaults``: without the ``dataclasses.Field`` objects
+#: ``dataclasses.fields`` makes on first use, ~25 us of an engine's import)
+_DEFAULTS = field_defaults(WeightCacheKey)
+_FIELDS = tuple(_DEFAULTS)
 
 
 def closest(
@@ -352,6 +357,8 @@ def _served(keys: list[WeightCacheKey]) -> str:
 def key_mismatch(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> WCacheError:
     """The error a GET_STATE of a key none of ``keys`` equals gets: KEY_MISMATCH naming, per field, the
     requested and the served value of the closest model (NOT_FOUND when nothing is served)."""
+    from wcache.errors import KeyMismatchError, NotFoundError, describe_fields
+
     held = list(keys)
     near = closest(requested, held)
     if near is None:
@@ -367,6 +374,8 @@ def key_mismatch(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> W
 def not_served(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> NotFoundError:
     """The NOT_FOUND of an EVICT of a key not held: what was asked for, and how it differs from the closest
     served model, per field (``describe_fields``)."""
+    from wcache.errors import NotFoundError, describe_fields
+
     held = list(keys)
     near = closest(requested, held)
     asked = f"{requested.get('architecture', '?')}@{str(requested.get('fingerprint', '?'))[:12]}"
@@ -398,12 +407,13 @@ PROOF_BUDGET = 48 << 10
 RACY_NS = 2_000_000_000
 
 
-def checkpoint_files(path: str | os.PathLike[str]) -> tuple[FileStat, ...] | None:
+def stated_files(path: str | os.PathLike[str]) -> tuple[FileId, ...] | None:
     """The identity of every file a key of ``path`` reads, without reading any: the directory's entries named
     ``config.json``, ``model.safetensors.index.json`` or ``*.safetensors``, each ``os.stat``ed (symlinks
     followed), sorted by name. None when that cannot prove a key: no such file, one that is not a regular file
     (or vanished meanwhile), a name that is not UTF-8, more files than a proof carries. The same function on
-    both sides: the daemon records it before it reads (:meth:`KeyFacts.recorded`), an engine sends it.
+    both sides: the daemon records it before it reads (:func:`checkpoint_files`, :meth:`KeyFacts.recorded`), an
+    engine sends it.
 
     Raises CheckpointError when ``path`` is not a directory (as the scan would)."""
     root = os.fspath(path)
@@ -411,6 +421,8 @@ def checkpoint_files(path: str | os.PathLike[str]) -> tuple[FileStat, ...] | Non
         with os.scandir(root) as it:
             names = sorted(e.name for e in it if e.name.endswith(".safetensors") or e.name in PROOF_NAMES)
     except (NotADirectoryError, FileNotFoundError) as exc:
+        from wcache.errors import CheckpointError
+
         raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory") from exc
     except OSError:
         return None
@@ -425,8 +437,17 @@ def checkpoint_files(path: str | os.PathLike[str]) -> tuple[FileStat, ...] | Non
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
-        out.append(FileStat(name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        out.append(FileId(name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(out)
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> tuple[FileStat, ...] | None:
+    """:func:`stated_files` as the frames carry them (``FileStat``, the proof's unit as a GET_STATE's decoder makes
+    it): what the daemon records and compares a request's proof with."""
+    from wcache.proto.daemon_frames import FileStat
+
+    files = stated_files(path)
+    return None if files is None else tuple(FileStat(*f) for f in files)
 
 
 def same_file(a: FileStat, st: os.stat_result) -> bool:
@@ -483,8 +504,14 @@ class KeyFacts:
             try:
                 if not same_file(stated, os.fstat(ckpt.fd(path))):
                     return None
-            except (OSError, CheckpointError):
+            except OSError:
                 return None
+            except Exception as exc:
+                from wcache.errors import CheckpointError
+
+                if isinstance(exc, CheckpointError):
+                    return None
+                raise
         return cls(files, key.fingerprint, key.fingerprint_kind, key.architecture, ckpt.dtype_bytes(), ckpt.config)
 
     def complete(self, partial: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -524,12 +551,12 @@ class _DeferredKey(WeightCacheKey):
 
     __slots__ = ("_files", "_scanned_here", "_spec")
 
-    _files: tuple[FileStat, ...]
+    _files: tuple[FileId, ...]
     _spec: RankSpec
     _scanned_here: bool
 
     @classmethod
-    def of(cls, spec: RankSpec, files: tuple[FileStat, ...]) -> _DeferredKey:
+    def of(cls, spec: RankSpec, files: tuple[FileId, ...]) -> _DeferredKey:
         key = object.__new__(cls)
         put = object.__setattr__
         for name, value in (
@@ -570,11 +597,11 @@ class _DeferredKey(WeightCacheKey):
     def scanned(self) -> bool:
         return getattr(self, "_scanned_here", True)
 
-    def proof(self) -> tuple[dict[str, KeyValue], CheckpointProof] | None:
+    def proof(self) -> tuple[dict[str, KeyValue], tuple[FileId, ...], str] | None:
         if not self._pending():
             return None
         partial: dict[str, KeyValue] = {n: getattr(self, n) for n in _FIELDS if n not in FROM_FILES}
-        return partial, CheckpointProof(files=self._files, dtype=self._spec.dtype or "auto")
+        return partial, self._files, self._spec.dtype or "auto"
 
     def adopt(self, served: dict[str, Any]) -> None:
         if not self._pending():
@@ -584,6 +611,8 @@ class _DeferredKey(WeightCacheKey):
             want = _TYPES[name]
             v = served.get(name, _DEFAULTS[name])
             if type(v) is not want or (name not in FROM_FILES and v != getattr(self, name)):
+                from wcache.errors import RemoteProtocolError
+
                 raise RemoteProtocolError(
                     f"the daemon served key {served} for a proof of {self._spec.checkpoint} "
                     f"({', '.join(f'{n}={getattr(self, n)!r}' for n in _FIELDS if n not in FROM_FILES)})",

@@ -373,7 +373,7 @@ class PeerTls:
     def __init__(self, security: PeerSecurity) -> None:
         self.security = security
 
-    async def identify(self, ch: Channel) -> PeerIdentity:
+    async def identify(self, ch: Channel[Connection]) -> PeerIdentity:
         addr = _address(ch.sock)
         assert isinstance(ch, StreamChannel)
         try:

@@ -32,7 +32,7 @@ RECV_SIZE = 1 << 18
 GRANT_SECONDS = 0.01
 
 
-class StreamChannel(Channel):
+class StreamChannel(Channel[Connection]):
     """A Channel over a TCP socket, through TLS when ``context`` is given (``handshake()`` first)."""
 
     def __init__(

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
-from wcache.channel import Channel, ReadBudget, close_fds, peer_credentials
+from wcache.channel import SERVER_READ_BUDGET, Channel, ReadBudget, close_fds, peer_credentials
 from wcache.errors import (
     InternalError,
     LimitExceededError,
@@ -118,7 +118,7 @@ class Refusal(NamedTuple):
 class PeerCheck(Protocol):
     """Admits a connection's peer before the shell reads a frame of it, within the handshake deadline."""
 
-    async def identify(self, ch: Channel) -> PeerIdentity:
+    async def identify(self, ch: Channel[Connection]) -> PeerIdentity:
         """Who the peer is (a TLS or shared-secret check runs its exchange here, on the channel)."""
         ...
 
@@ -135,7 +135,7 @@ class SameUid:
         self.owner = owner
         self.uid = os.geteuid() if uid is None else uid
 
-    async def identify(self, ch: Channel) -> PeerIdentity:
+    async def identify(self, ch: Channel[Connection]) -> PeerIdentity:
         creds = peer_credentials(ch.sock)
         return PeerIdentity(pid=creds.pid, uid=creds.uid)
 
@@ -161,7 +161,7 @@ class ChannelFactory(Protocol):
         budget: ReadBudget | None,
         send_timeout: float | None,
         max_unread_fds: int | None,
-    ) -> Channel: ...
+    ) -> Channel[Connection]: ...
 
 
 @dataclass(eq=False)
@@ -421,9 +421,8 @@ class Shell:
         conn = Connection(
             Role.SERVER, service=self.handler.service, max_frame_size=lim.max_frame_size, auth=self.handler.auth
         )
-        ch = self.channel(
-            sock, conn, budget=self.budget, send_timeout=lim.send_timeout, max_unread_fds=self.max_unread_fds
-        )
+        budget = self.budget if self.budget is not None else SERVER_READ_BUDGET
+        ch = self.channel(sock, conn, budget=budget, send_timeout=lim.send_timeout, max_unread_fds=self.max_unread_fds)
         try:
             async with asyncio.timeout(lim.handshake_timeout):
                 if not await self._admit(ch, ctx, refuse=refuse):
@@ -483,7 +482,7 @@ class Shell:
             finally:
                 ch.close()
 
-    async def _admit(self, ch: Channel, ctx: Context, *, refuse: bool) -> bool:
+    async def _admit(self, ch: Channel[Connection], ctx: Context, *, refuse: bool) -> bool:
         """Who the peer is, and whether it may speak: else a fatal ERROR (False). ``refuse``: at the cap, no
         connection could give way to this one."""
         lim, conn = self.limits, ch.conn
@@ -504,7 +503,7 @@ class Shell:
             return False
         return True
 
-    async def _answer(self, ch: Channel, frame: Event, fds: list[int], ctx: Context) -> None:
+    async def _answer(self, ch: Channel[Connection], frame: Event, fds: list[int], ctx: Context) -> None:
         """One request: the handler's reply, or the ERROR its failure maps to."""
         rid = getattr(frame, "id", 0)
         try:
@@ -535,7 +534,7 @@ class Shell:
         self.metrics.errors["INTERNAL"] += 1
         return Reply(ErrorFrame.from_exception(InternalError(f"{type(failure).__name__}: {failure}"), rid))
 
-    async def _send(self, ch: Channel, request: Frame, reply: Reply) -> None:
+    async def _send(self, ch: Channel[Connection], request: Frame, reply: Reply) -> None:
         try:
             await ch.send(reply.frame, reply.fds)
         except OSError as exc:
