@@ -127,8 +127,10 @@ else:
     )
 
 
-class TensorViews(Mapping[str, torch.Tensor]):
-    """Name -> view of the mapped slabs (aliases included), cut one group at a time on first use.
+class TensorViews:
+    """Name -> view of the mapped slabs (aliases included), cut one group at a time on first use: what
+    ``CachedWeights`` (the engine's ``Mapping``) reads, a plain class (an ABC's class creation costs the fetch's
+    window ~60 us).
 
     A STATE group (MoE experts, layer stacks) is one stacked ``as_strided`` view; its per-name
     tensors come from one ``unbind`` when a name of the group is first looked up. Building 50,000
