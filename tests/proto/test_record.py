@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import pytest
 
 from wcache.proto import ErrorFrame, HelloOk, SlabDescriptor, State, TensorTable
-from wcache.proto._record import Symbols, named_tuple, record
+from wcache.proto._record import named_tuple, record
+from wcache.proto._symbols import Symbols
 
 
 @record

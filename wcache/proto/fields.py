@@ -37,10 +37,10 @@ from wcache.proto.codec import fail
 from wcache.proto.limits import MAX_KEY_CHARS, MAX_KEY_FIELDS, MAX_NAME, MAX_PATH
 from wcache.proto.table import TensorTable
 
-if TYPE_CHECKING:  # Enums to the type checker; at run time without enum's class creation (``_record.Symbols``)
+if TYPE_CHECKING:  # Enums to the type checker; at run time without enum's class creation (``_symbols.Symbols``)
     from enum import Enum as Symbols
 else:
-    from wcache.proto._record import Symbols
+    from wcache.proto._symbols import Symbols
 
 __all__ = [
     "MAX_KEY_CHARS",
