@@ -466,10 +466,13 @@ async def dial(path: Path) -> socket.socket:
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, str(path))
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+        _check_peer(sock, path)
+    except OSError as exc:  # FileNotFoundError, ConnectionRefusedError, PermissionError among them
         sock.close()
         raise _unavailable(path, exc) from exc
-    _check_peer(sock, path)
+    except BaseException:  # cancelled, or the peer refused: the socket is not the caller's
+        sock.close()
+        raise
     return sock
 
 
@@ -479,13 +482,16 @@ def dial_blocking(path: Path, timeout: float) -> socket.socket:
     try:
         sock.settimeout(timeout)
         sock.connect(str(path))
+        _check_peer(sock, path)
     except TimeoutError:
         sock.close()
         raise
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError, OSError) as exc:
+    except OSError as exc:  # FileNotFoundError, ConnectionRefusedError, PermissionError among them
         sock.close()
         raise _unavailable(path, exc) from exc
-    _check_peer(sock, path)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 

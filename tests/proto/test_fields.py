@@ -18,7 +18,6 @@ from wcache.errors import RemoteProtocolError
 from wcache.proto import decode_body, decode_frame, pack_frame
 from wcache.proto.examples import EXAMPLES
 from wcache.proto.fields import (
-    INT64_MAX,
     MAX_KEY_CHARS,
     MAX_KEY_FIELDS,
     REGISTRY,
@@ -40,6 +39,7 @@ from wcache.proto.fields import (
     wire,
 )
 from wcache.proto.frames import load_frames
+from wcache.proto.limits import INT64_MAX
 
 _MISSING: Any = dataclasses.MISSING
 

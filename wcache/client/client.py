@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -102,9 +102,7 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         self.lease = lease
         self.mode = mode
         self.aliases = dict(aliases)
-        #: the daemon's HELLO_OK (``wcache.proto.engine.HelloOk``: version, software, backend, device, max_frame_size,
-        #: server_pid)
-        self.server = hello
+        self._hello = hello
         self.socket_path = socket_path
         self._channel = channel
         self._keepalive = keepalive
@@ -146,6 +144,14 @@ class CachedWeights(Mapping[str, torch.Tensor]):
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"<CachedWeights {self.key.short()} tensors={len(self)} mode={self.mode} lease={self.lease} {state}>"
+
+    @property
+    def server(self) -> daemon_frames.HelloOk:
+        """The daemon's HELLO_OK (docs/protocol.md §4.2): version, software, backend, device, max_frame_size and
+        server_pid, as the frame declarations make it (``wcache.proto.HelloOk``; they are imported on first read)."""
+        from wcache.proto.engine import as_reference
+
+        return cast("daemon_frames.HelloOk", as_reference(self._hello))
 
     @property
     def released(self) -> bool:

@@ -53,7 +53,7 @@ from wcache.proto.codec import (
 )
 from wcache.proto.daemon_frames import ErrorFrame, Hello, HelloOk, Release, Released, State
 from wcache.proto.fields import REGISTRY, Frame, Phase, Role, Service
-from wcache.proto.limits import PROTOCOL_VERSION, SUPPORTED_VERSIONS
+from wcache.proto.limits import MAX_PENDING, PROTOCOL_VERSION, SUPPORTED_VERSIONS
 
 if TYPE_CHECKING:  # the tables and request unions, derived from every frame when first read (``__getattr__``)
     from wcache.proto.fleet_frames import PeerOffer  # the peer channel's: never on an engine's path
@@ -103,8 +103,6 @@ __all__ = [
 ]
 
 SEND, RECV = "send", "recv"
-#: How many requests may wait for a reply on one connection.
-MAX_PENDING = 64
 #: The one phase that is named differently at the two ends: HELLO travelled, HELLO_OK not yet.
 _MIRROR = {Phase.HELLO_SENT: Phase.HELLO_RECEIVED}
 #: frame class -> its rows, (role, phase, direction) -> next phase (``transitions``, derived on first use)

@@ -38,12 +38,16 @@ from wcache.proto.fields import (
 )
 from wcache.proto.limits import (
     BACKENDS,
+    INT32_MAX,
     MAX_DEPOSIT_TENSORS,
+    MAX_DEVICE_INDEX,
+    MAX_FD_POSITION,
     MAX_FILE_NAME,
     MAX_FRAME_FDS,
     MAX_PROOF_FILES,
     MAX_STATE_SLABS,
     MAX_VERSIONS,
+    MAX_WIRE_FRAME_SIZE,
     MODES,
     SLAB_KINDS,
 )
@@ -94,7 +98,7 @@ class DeviceInfo(Message):
     """Where the daemon's slabs live. ``uuid`` identifies a GPU across CUDA_VISIBLE_DEVICES."""
 
     kind: str = wire(Choice(("cpu", "cuda")))
-    index: int = wire(Int(hi=1 << 16), default=0)
+    index: int = wire(Int(hi=MAX_DEVICE_INDEX), default=0)
     uuid: str = wire(Str(), default="")
     name: str = wire(Str(), default="")
 
@@ -110,7 +114,7 @@ class SlabDescriptor(Message):
 
     size: int = wire(Int())
     kind: str = wire(Choice(SLAB_KINDS))
-    fd: int = wire(Int(lo=-1, hi=253), default=-1)
+    fd: int = wire(Int(lo=-1, hi=MAX_FD_POSITION), default=-1)
     handle: bytes = wire(Bin(), default=b"")
     offset: int = wire(Int(), default=0)
     device_uuid: str = wire(Str(), default="")
@@ -123,7 +127,7 @@ class SlabDescriptor(Message):
 class Hello(Frame):
     """Client -> daemon, first frame: the protocol versions the client speaks."""
 
-    versions: tuple[int, ...] = wire(Array(Int(lo=1, hi=2**31 - 1), min_items=1, max_items=MAX_VERSIONS))
+    versions: tuple[int, ...] = wire(Array(Int(lo=1, hi=INT32_MAX), min_items=1, max_items=MAX_VERSIONS))
     software: str = wire(Str(), default="")
     name: str = wire(Str(), default="")
 
@@ -132,11 +136,11 @@ class Hello(Frame):
 class HelloOk(Frame):
     """Daemon -> client: the chosen version and what the daemon serves from where."""
 
-    version: int = wire(Int(lo=1, hi=2**31 - 1))
+    version: int = wire(Int(lo=1, hi=INT32_MAX))
     software: str = wire(Str(), missing="")
     backend: str = wire(Choice(BACKENDS))
     device: DeviceInfo = wire(Nested(DeviceInfo))
-    max_frame_size: int = wire(Int(lo=1, hi=2**32 - 1))
+    max_frame_size: int = wire(Int(lo=1, hi=MAX_WIRE_FRAME_SIZE))
     server_pid: int = wire(Int(), default=0)
 
 
@@ -148,7 +152,7 @@ class ErrorFrame(Frame):
     """
 
     id: int = wire(Int(), missing=0)
-    code: int = wire(Int(hi=2**31 - 1))
+    code: int = wire(Int(hi=INT32_MAX))
     message: str = wire(Str(max_len=65536), missing="")
     details: dict[str, Any] = wire(Plain(max_depth=8), default_factory=dict)
     fatal: bool = wire(Bool(), default=False)

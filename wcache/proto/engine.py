@@ -34,12 +34,19 @@ from wcache.proto.codec import (
 )
 from wcache.proto.limits import (
     BACKENDS,
+    INT32_MAX,
+    INT64_MAX,
+    MAX_BIN,
     MAX_DEPOSIT_TENSORS,
+    MAX_DEVICE_INDEX,
+    MAX_FD_POSITION,
     MAX_FRAME_FDS,
     MAX_KEY_CHARS,
     MAX_KEY_FIELDS,
     MAX_NAME,
+    MAX_PENDING,
     MAX_STATE_SLABS,
+    MAX_WIRE_FRAME_SIZE,
     MODES,
     PROTOCOL_VERSION,
     SLAB_KINDS,
@@ -63,10 +70,6 @@ __all__ = [
     "State",
 ]
 
-INT64_MAX = 2**63 - 1
-INT32_MAX = 2**31 - 1
-#: How many requests may wait for a reply on one connection (the reference connection's MAX_PENDING).
-MAX_PENDING = 64
 _GET_STATE, _RELEASE = "GET_STATE", "RELEASE"
 #: the phases of docs/protocol.md §5.1 a client passes through (the values of ``fields.Phase``)
 START, HELLO_SENT, OPEN, CLOSED = "start", "hello_sent", "open", "closed"
@@ -278,14 +281,17 @@ def _map(v: Any) -> dict[str, Any]:
 def _hello_ok(m: dict[str, Any]) -> HelloOk:
     d = _map(m.get("device"))
     device = DeviceInfo(
-        _choice(d, "kind", ("cpu", "cuda")), _int(d, "index", 0, 1 << 16, 0), _str(d, "uuid", ""), _str(d, "name", "")
+        _choice(d, "kind", ("cpu", "cuda")),
+        _int(d, "index", 0, MAX_DEVICE_INDEX, 0),
+        _str(d, "uuid", ""),
+        _str(d, "name", ""),
     )
     return HelloOk(
         _int(m, "version", 1, INT32_MAX),
         _str(m, "software", ""),
         _choice(m, "backend", BACKENDS),
         device,
-        _int(m, "max_frame_size", 1, 2**32 - 1),
+        _int(m, "max_frame_size", 1, MAX_WIRE_FRAME_SIZE),
         _int(m, "server_pid", 0, INT64_MAX, 0),
     )
 
@@ -313,12 +319,12 @@ def _key(v: Any) -> dict[str, str | int]:
 def _slab(v: Any) -> SlabDescriptor:
     m = _map(v)
     handle = m.get("handle", b"")
-    if type(handle) is not bytes or len(handle) > 4096:
+    if type(handle) is not bytes or len(handle) > MAX_BIN:
         raise _Refused
     return SlabDescriptor(
         _int(m, "size", 0, INT64_MAX),
         _choice(m, "kind", SLAB_KINDS),
-        _int(m, "fd", -1, 253, -1),
+        _int(m, "fd", -1, MAX_FD_POSITION, -1),
         handle,
         _int(m, "offset", 0, INT64_MAX, 0),
         _str(m, "device_uuid", ""),
@@ -562,13 +568,15 @@ class EngineConnection:
             request = _GET_STATE if isinstance(frame, State) else _RELEASE
             if phase != OPEN or self.pending.get(frame.id) != request:
                 raise self._refused(frame)
+            if isinstance(frame, State) and frame.lease in self.leases:
+                error = self._refused(frame)
+                del self.pending[frame.id]  # as the reference: the reply is taken, then its lease refused
+                raise error
+            del self.pending[frame.id]
             if isinstance(frame, State):
-                if frame.lease in self.leases:
-                    raise self._refused(frame)
                 self.leases.add(frame.lease)
             else:
                 self.leases.discard(frame.lease)
-            del self.pending[frame.id]
         else:
             self._on_other(frame)
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, dataclass_transf
 from wcache.errors import RemoteProtocolError
 from wcache.proto._record import declared, field, namespace
 from wcache.proto.codec import fail
-from wcache.proto.limits import MAX_KEY_CHARS, MAX_KEY_FIELDS, MAX_NAME, MAX_PATH
+from wcache.proto.limits import INT64_MAX, MAX_BIN, MAX_KEY_CHARS, MAX_KEY_FIELDS, MAX_NAME, MAX_PATH
 from wcache.proto.table import TensorTable
 
 if TYPE_CHECKING:  # Enums to the type checker; at run time without enum's class creation (``_symbols.Symbols``)
@@ -73,7 +73,6 @@ __all__ = [
     "wire",
 ]
 
-INT64_MAX = 2**63 - 1
 KeyMap = dict[str, str | int]
 
 _MISSING: Any = dataclasses.MISSING
@@ -167,7 +166,7 @@ class Bin(Kind):
 
     __slots__ = ("max_len",)
 
-    def __init__(self, max_len: int = 4096) -> None:
+    def __init__(self, max_len: int = MAX_BIN) -> None:
         self.max_len = max_len
 
     def decode(self, frame: str, fld: str, v: Any, ctx: dict[str, Any]) -> bytes:

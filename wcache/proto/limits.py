@@ -9,17 +9,24 @@ from __future__ import annotations
 
 __all__ = [
     "BACKENDS",
+    "INT32_MAX",
+    "INT64_MAX",
+    "MAX_BIN",
     "MAX_DEPOSIT_TENSORS",
+    "MAX_DEVICE_INDEX",
     "MAX_DIMS",
+    "MAX_FD_POSITION",
     "MAX_FILE_NAME",
     "MAX_FRAME_FDS",
     "MAX_KEY_CHARS",
     "MAX_KEY_FIELDS",
     "MAX_NAME",
     "MAX_PATH",
+    "MAX_PENDING",
     "MAX_PROOF_FILES",
     "MAX_STATE_SLABS",
     "MAX_VERSIONS",
+    "MAX_WIRE_FRAME_SIZE",
     "MODES",
     "PROTOCOL_VERSION",
     "SLAB_KINDS",
@@ -55,3 +62,15 @@ MAX_KEY_FIELDS = 64
 MAX_KEY_CHARS = 16384
 #: dimensions of one tensor (docs/protocol.md §4.6)
 MAX_DIMS = 16
+INT32_MAX = 2**31 - 1  # a protocol version's, an ERROR code's bound
+INT64_MAX = 2**63 - 1  # an integer field's bound unless its declaration says otherwise
+#: bytes of a bin field unless its declaration says otherwise (a slab's legacy IPC handle)
+MAX_BIN = 4096
+#: a CUDA device ordinal (HELLO_OK's DeviceInfo.index)
+MAX_DEVICE_INDEX = 1 << 16
+#: the last position a slab's descriptor may have among a frame's (SCM_RIGHTS carries at most 253)
+MAX_FD_POSITION = 253
+#: HELLO_OK's max_frame_size: what the 4-byte length prefix can announce
+MAX_WIRE_FRAME_SIZE = 2**32 - 1
+#: How many requests may wait for a reply on one connection.
+MAX_PENDING = 64
