@@ -15,7 +15,8 @@ import pytest
 
 from wcache.errors import CheckpointError, RemoteProtocolError, ShardingError
 from wcache.plan.checkpoint import Checkpoint
-from wcache.plan.key import RACY_NS, KeyFacts, RankSpec, WeightCacheKey, checkpoint_files
+from wcache.plan.facts import KeyFacts, checkpoint_files
+from wcache.plan.key import RACY_NS, RankSpec, WeightCacheKey
 from wcache.plan.rank import plan_rank
 from wcache.proto.daemon_frames import FileStat
 from wcache.synthetic import TINY, make_llama_checkpoint

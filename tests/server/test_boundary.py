@@ -156,7 +156,7 @@ async def test_a_daemon_restarted_on_its_keeper_serves_without_torch_and_imports
 
 # ------------------------------------------------------------------ who imports whom
 #: the domain package's modules (wcache/plan/__init__.py), each importing only those before it
-PLAN_ORDER = ("checkpoint", "quant", "sharding", "layout", "reshard", "key", "recipe", "rank")
+PLAN_ORDER = ("checkpoint", "quant", "sharding", "layout", "reshard", "key", "facts", "recipe", "rank")
 #: all the domain package may import of the rest of wcache: the errors, the bounded file reads, the protocol's
 #: records, limits and frames (a key is a wire object)
 PLAN_BELOW = ("wcache.errors", "wcache.files", "wcache.proto")

@@ -10,7 +10,8 @@ order they import each other, each importing only those before it (tests/server/
 4. ``layout`` — where each (sharded, cast) tensor lives in the rank's slab; ``reshard`` — which bytes of which
    source slabs fill a slab of another layout (the fleet fill), from two layouts;
 5. ``key`` — the request (``RankSpec``) and the identity of its bytes (``WeightCacheKey``), and the proof of
-   its files; ``recipe`` — the key of deposited (post-processed) weights;
+   its files; ``facts`` — the daemon's side of that proof (what it recorded of the files it read) and the
+   mismatch errors; ``recipe`` — the key of deposited (post-processed) weights;
 6. ``rank`` — the planner, the one module that composes the others: ``plan_rank(spec)`` makes one ``RankPlan``
    (checkpoint, key, plan, layout), which also lays out the checkpoint's other ranks (a fleet fill's sources).
 

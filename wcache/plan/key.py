@@ -16,13 +16,14 @@ Four fields come from the checkpoint's files (``fingerprint``, ``architecture``,
 computing them means reading every header (4 ms for a dense 16 GB checkpoint, 120 ms for a 50,000-tensor
 MoE). A daemon has computed them already, from the very files, when it read them. So an engine proves the
 files instead (docs/protocol.md §4.3.1): ``from_checkpoint`` lists the directory and ``stat``s the files a key
-covers (:func:`checkpoint_files`), and ``fetch`` sends that identity with GET_STATE; the daemon completes the
-key from what it recorded (:class:`KeyFacts`) when those files, unchanged since, were read. The header scan
+covers (:func:`stated_files`), and ``fetch`` sends that identity with GET_STATE; the daemon completes the
+key from what it recorded (``wcache.plan.facts``, the daemon's side) when those files, unchanged since, were
+read. The header scan
 runs only when a file-derived field is read first (:meth:`WeightCacheKey.resolve`), or when the daemon does
 not recognise the files — then fetch retries with the full key on the same connection. So this module imports
 the domain modules below it (checkpoint, quant, sharding) inside the functions that scan headers: an engine whose
 key the daemon proves never loads them (tests/client/test_imports.py). Likewise the error tree and the frame
-declarations (the daemon's side of the proof, and every error) load where they are used: an engine's restart
+declarations (every error, and the proof as the frames carry it) load where they are used: an engine's restart
 imports neither for its key.
 """
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +39,10 @@ from wcache.proto.engine import FileId
 from wcache.proto.limits import MAX_NAME, MAX_PROOF_FILES
 
 if TYPE_CHECKING:  # imported where the header scan runs, and where the daemon's side and the errors are used
-    from wcache.errors import NotFoundError, WCacheError
-    from wcache.plan.checkpoint import Checkpoint, DtypeBytes
+    from wcache.errors import WCacheError
+    from wcache.plan.checkpoint import Checkpoint
     from wcache.plan.sharding import ShardPlan
     from wcache.proto.admin_frames import Preload
-    from wcache.proto.daemon_frames import FileStat
 
 #: Bump when placement rules change (wcache.plan.layout): a cached slab of another layout is another key. Defined
 #: here, with the key that carries it, and nowhere else: the layout sits below the key and an engine's restart
@@ -51,15 +50,10 @@ if TYPE_CHECKING:  # imported where the header scan runs, and where the daemon's
 LAYOUT_VERSION = 2  # 2: quantized checkpoints keep their stored dtypes (docs/protocol.md §4.4)
 
 __all__ = [
-    "KeyFacts",
     "RankSpec",
     "WeightCacheKey",
     "check_tp",
-    "checkpoint_files",
     "stated_files",
-    "closest",
-    "key_mismatch",
-    "not_served",
     "tp_problem",
 ]
 
@@ -335,61 +329,6 @@ _DEFAULTS = field_defaults(WeightCacheKey)
 _FIELDS = tuple(_DEFAULTS)
 
 
-def closest(
-    requested: dict[str, Any], keys: Iterable[WeightCacheKey]
-) -> tuple[WeightCacheKey, dict[str, list[Any]]] | None:
-    """The served key nearest ``requested`` and its ``diff_wire``: the same checkpoint (fingerprint) first, then
-    the fewest differing fields, then the last in ``keys`` (a store lists the most recently used last)."""
-    best: tuple[tuple[bool, int], WeightCacheKey, dict[str, list[Any]]] | None = None
-    for k in keys:
-        d = k.diff_wire(requested)
-        score = ("fingerprint" in d, len(d))
-        if best is None or score <= best[0]:
-            best = (score, k, d)
-    return None if best is None else (best[1], best[2])
-
-
-def _served(keys: list[WeightCacheKey]) -> str:
-    shown = ", ".join(k.short() for k in keys[:8])
-    return shown + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-
-
-def key_mismatch(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> WCacheError:
-    """The error a GET_STATE of a key none of ``keys`` equals gets: KEY_MISMATCH naming, per field, the
-    requested and the served value of the closest model (NOT_FOUND when nothing is served)."""
-    from wcache.errors import KeyMismatchError, NotFoundError, describe_fields
-
-    held = list(keys)
-    near = closest(requested, held)
-    if near is None:
-        return NotFoundError("the daemon holds no weights; PRELOAD a model first")
-    key, diff = near
-    many = f" (closest of {len(held)} served: {_served(held)})" if len(held) > 1 else ""
-    return KeyMismatchError(
-        f"requested key differs from the served {key.short()}: {describe_fields(diff)}{many}",
-        details={"fields": diff, "served": [k.short() for k in held], "closest": key.short()},
-    )
-
-
-def not_served(requested: dict[str, Any], keys: Iterable[WeightCacheKey]) -> NotFoundError:
-    """The NOT_FOUND of an EVICT of a key not held: what was asked for, and how it differs from the closest
-    served model, per field (``describe_fields``)."""
-    from wcache.errors import NotFoundError, describe_fields
-
-    held = list(keys)
-    near = closest(requested, held)
-    asked = f"{requested.get('architecture', '?')}@{str(requested.get('fingerprint', '?'))[:12]}"
-    asked += f"/tp{requested.get('tp_rank', '?')}of{requested.get('tp_size', '?')}/{requested.get('dtype', '?')}"
-    if near is None:
-        return NotFoundError(f"no model is served under the requested key {asked}: this daemon serves none")
-    key, diff = near
-    return NotFoundError(
-        f"no model is served under the requested key {asked}; the closest served, {key.short()}, differs in "
-        f"{describe_fields(diff)}" + (f" (served: {_served(held)})" if len(held) > 1 else ""),
-        details={"fields": diff, "served": [k.short() for k in held], "closest": key.short()},
-    )
-
-
 _TYPES: dict[str, type] = {"tp_size": int, "tp_rank": int, "layout": int}
 _TYPES.update((n, str) for n in _FIELDS if n not in _TYPES)
 
@@ -439,109 +378,6 @@ def stated_files(path: str | os.PathLike[str]) -> tuple[FileId, ...] | None:
             return None
         out.append(FileId(name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(out)
-
-
-def checkpoint_files(path: str | os.PathLike[str]) -> tuple[FileStat, ...] | None:
-    """:func:`stated_files` as the frames carry them (``FileStat``, the proof's unit as a GET_STATE's decoder makes
-    it): what the daemon records and compares a request's proof with."""
-    from wcache.proto.daemon_frames import FileStat
-
-    files = stated_files(path)
-    return None if files is None else tuple(FileStat(*f) for f in files)
-
-
-def same_file(a: FileStat, st: os.stat_result) -> bool:
-    """``st`` (an fstat) is the file ``a`` stated, unchanged."""
-    return (a.dev, a.ino, a.size, a.mtime_ns, a.ctime_ns) == (
-        st.st_dev,
-        st.st_ino,
-        st.st_size,
-        st.st_mtime_ns,
-        st.st_ctime_ns,
-    )
-
-
-class KeyFacts:
-    """What a key takes from a checkpoint's files, as the daemon found them when it read them, and the files'
-    identity before that read (docs/protocol.md §4.3.1): with a request's rank and dtype it completes a key
-    (:meth:`complete`) exactly as a header scan of those files would. (A plain class: an engine imports this
-    module, and only daemons make these.)"""
-
-    __slots__ = ("architecture", "config", "counted", "files", "fingerprint", "fingerprint_kind")
-
-    def __init__(
-        self,
-        files: tuple[FileStat, ...],
-        fingerprint: str,
-        fingerprint_kind: str,
-        architecture: str,
-        counted: DtypeBytes,
-        config: dict[str, Any],
-    ) -> None:
-        self.files, self.fingerprint, self.fingerprint_kind = files, fingerprint, fingerprint_kind
-        self.architecture, self.counted, self.config = architecture, counted, config
-
-    def __repr__(self) -> str:
-        return f"KeyFacts({len(self.files)} files, {self.architecture or 'model'}@{self.fingerprint[:12]})"
-
-    @classmethod
-    def recorded(
-        cls, files: tuple[FileStat, ...] | None, read_ns: int, ckpt: Checkpoint, key: WeightCacheKey
-    ) -> KeyFacts | None:
-        """The facts of ``key``, planned from ``ckpt``, if ``files`` (:func:`checkpoint_files`, taken before
-        ``ckpt`` read anything; ``read_ns``: ``time.time_ns()`` after it) prove them. None when they do not:
-        no files; a file changed less than RACY_NS before ``read_ns`` (or dated after it); a file the key read
-        that the files do not name, or whose descriptor is not the file stated (replaced in between)."""
-        if files is None:
-            return None
-        by_name = {f.name: f for f in files}
-        if any(f.ctime_ns > read_ns - RACY_NS for f in files):
-            return None
-        for path in ckpt.files:
-            stated = by_name.get(path.name)
-            if stated is None or path.parent != ckpt.path:
-                return None
-            try:
-                if not same_file(stated, os.fstat(ckpt.fd(path))):
-                    return None
-            except OSError:
-                return None
-            except Exception as exc:
-                from wcache.errors import CheckpointError
-
-                if isinstance(exc, CheckpointError):
-                    return None
-                raise
-        return cls(files, key.fingerprint, key.fingerprint_kind, key.architecture, ckpt.dtype_bytes(), ckpt.config)
-
-    def complete(self, partial: dict[str, Any], dtype: str) -> dict[str, Any]:
-        """The key map a header scan of these files would give for the request ``partial`` (a GET_STATE key
-        without the file-derived fields) and ``dtype`` ("auto" or a dtype name): ``partial`` with
-        ``fingerprint``, ``architecture``, ``dtype`` and ``plan`` set as :meth:`WeightCacheKey.from_spec` sets
-        them. Raises CheckpointError (a dtype this checkpoint is not served in), ShardingError (a
-        ``tp_size`` without a built-in plan for the architecture), or KeyMismatchError-worthy ValueError for
-        a ``tp_size`` that is not a positive integer or a ``fingerprint_kind`` other than the recorded one."""
-        tp_size = partial.get("tp_size")
-        if type(tp_size) is not int or tp_size < 1:
-            raise ValueError(f"tp_size {tp_size!r} is not a positive integer")
-        kind = partial.get("fingerprint_kind", _DEFAULTS["fingerprint_kind"])
-        if kind != self.fingerprint_kind:
-            raise ValueError(f"fingerprint_kind {kind!r}: the daemon read these files for {self.fingerprint_kind!r}")
-        plan = "none"
-        # a daemon's call (it has both loaded already): imported here so that an engine's key does not load them
-        from wcache.plan.quant import resolve_dtype
-
-        if tp_size != 1:
-            from wcache.plan.sharding import resolve_plan
-
-            resolved = resolve_plan(self.architecture, tp_size, None)
-            plan = resolved.id if resolved is not None else "none"
-        out = dict(partial)
-        out["fingerprint"] = self.fingerprint
-        out["architecture"] = self.architecture
-        out["dtype"] = resolve_dtype(self.counted, self.config, None if dtype == "auto" else dtype)
-        out["plan"] = plan
-        return out
 
 
 class _DeferredKey(WeightCacheKey):

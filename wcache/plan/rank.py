@@ -11,7 +11,8 @@ import time
 
 from wcache.errors import ShardingError
 from wcache.plan.checkpoint import Checkpoint
-from wcache.plan.key import KeyFacts, RankSpec, WeightCacheKey, checkpoint_files
+from wcache.plan.facts import KeyFacts, checkpoint_files
+from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.plan.layout import Layout, plan_layout
 from wcache.plan.sharding import VOCAB_PADDED_TRANSFORMS, ShardPlan, resolve_plan
 from wcache.proto._record import record

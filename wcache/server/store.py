@@ -32,7 +32,8 @@ from wcache.errors import (
     UnsupportedPlatformError,
     WCacheError,
 )
-from wcache.plan.key import RACY_NS, KeyFacts, WeightCacheKey, key_mismatch, not_served
+from wcache.plan.facts import KeyFacts, key_mismatch, not_served
+from wcache.plan.key import RACY_NS, WeightCacheKey
 from wcache.plan.layout import ALIGN, align_up, contiguous_strides
 from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.proto import (
