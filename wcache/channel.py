@@ -64,6 +64,8 @@ if TYPE_CHECKING:  # the reference connection, the frames and the errors: import
     #: work that needs no reply, done once the opening is written and before HELLO_OK is read: it overlaps the
     #: daemon's answer instead of adding to it (an engine's fetch loads its mapping's modules there)
     Meanwhile: TypeAlias = Callable[[], None]
+    #: a received frame and its descriptors, as its caller takes them (an ERROR raised as its class)
+    Expected: TypeAlias = Callable[[Any, list[int]], tuple[Any, list[int]]]
 else:  # generic to the type checker only (``_record.Subscriptable``: typing's classes cost an engine's import)
     from wcache.proto._record import Subscriptable as Generic
 
@@ -509,6 +511,35 @@ def _timed(timings: dict[str, float] | None, t0: float, t1: float) -> None:
         timings.update(socket=(t1 - t0) * 1e3, hello=(time.perf_counter() - t1) * 1e3)
 
 
+async def _handshake(ch: Channel[C], opening: bytes, meanwhile: Meanwhile | None, expected: Expected) -> Any:
+    """Send the opening, run ``meanwhile`` while the peer answers, and return its first frame (``expected``: the
+    ERROR, if that is what it is, raised as its class); the channel is closed on any failure."""
+    try:
+        await ch.send_bytes(opening)
+        if meanwhile is not None:
+            meanwhile()
+        frame, _ = expected(*await ch.receive())
+    except BaseException:
+        ch.close()
+        raise
+    return frame
+
+
+def _handshake_blocking(
+    ch: Channel[C], opening: bytes, meanwhile: Meanwhile | None, expected: Expected, timeout: float
+) -> Any:
+    """``_handshake()`` without an event loop (each blocking step within ``timeout`` seconds)."""
+    try:
+        ch.send_bytes_blocking(opening, timeout)
+        if meanwhile is not None:
+            meanwhile()
+        frame, _ = expected(*ch.receive_blocking(timeout))
+    except BaseException:
+        ch.close()
+        raise
+    return frame
+
+
 async def connect(
     path: Path,
     *,
@@ -534,18 +565,10 @@ async def connect(
     t0 = time.perf_counter()
     sock = await dial(path)
     t1 = time.perf_counter()
-    ch = Channel(
-        sock, Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size, keep_decoded=keep_decoded)
-    )
-    try:
-        await ch.send_bytes(_opening(ch.conn, software, name, pipeline))
-        if meanwhile is not None:
-            meanwhile()
-        frame, _ = await expect(ch)
-        assert isinstance(frame, HelloOk)
-    except BaseException:
-        ch.close()
-        raise
+    conn = Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size, keep_decoded=keep_decoded)
+    ch = Channel(sock, conn)
+    frame = await _handshake(ch, _opening(conn, software, name, pipeline), meanwhile, _expected)
+    assert isinstance(frame, HelloOk)
     _timed(timings, t0, t1)
     return ch, frame
 
@@ -570,16 +593,10 @@ def connect_blocking(
     t0 = time.perf_counter()
     sock = dial_blocking(path, timeout)
     t1 = time.perf_counter()
-    ch = Channel(sock, Connection(Role.CLIENT, service=service, keep_decoded=keep_decoded))
-    try:
-        ch.send_bytes_blocking(_opening(ch.conn, software, name, pipeline), timeout)
-        if meanwhile is not None:
-            meanwhile()
-        frame, _ = expect_blocking(ch, timeout)
-        assert isinstance(frame, HelloOk)
-    except BaseException:
-        ch.close()
-        raise
+    conn = Connection(Role.CLIENT, service=service, keep_decoded=keep_decoded)
+    ch = Channel(sock, conn)
+    frame = _handshake_blocking(ch, _opening(conn, software, name, pipeline), meanwhile, _expected, timeout)
+    assert isinstance(frame, HelloOk)
     _timed(timings, t0, t1)
     return ch, frame
 
@@ -599,16 +616,10 @@ async def connect_engine(
     t0 = time.perf_counter()
     sock = await dial(path)
     t1 = time.perf_counter()
-    ch = Channel(sock, EngineConnection())
-    try:
-        await ch.send_bytes(ch.conn.opening(software, name, pipeline(ch.conn)))
-        if meanwhile is not None:
-            meanwhile()
-        frame, _ = await expect_engine(ch)
-        assert isinstance(frame, HelloOk)
-    except BaseException:
-        ch.close()
-        raise
+    conn = EngineConnection()
+    ch = Channel(sock, conn)
+    frame = await _handshake(ch, conn.opening(software, name, pipeline(conn)), meanwhile, _expected_engine)
+    assert isinstance(frame, HelloOk)
     _timed(timings, t0, t1)
     return ch, frame
 
@@ -627,16 +638,11 @@ def connect_engine_blocking(
     t0 = time.perf_counter()
     sock = dial_blocking(path, timeout)
     t1 = time.perf_counter()
-    ch = Channel(sock, EngineConnection())
-    try:
-        ch.send_bytes_blocking(ch.conn.opening(software, name, pipeline(ch.conn)), timeout)
-        if meanwhile is not None:
-            meanwhile()
-        frame, _ = expect_engine_blocking(ch, timeout)
-        assert isinstance(frame, HelloOk)
-    except BaseException:
-        ch.close()
-        raise
+    conn = EngineConnection()
+    ch = Channel(sock, conn)
+    opening = conn.opening(software, name, pipeline(conn))
+    frame = _handshake_blocking(ch, opening, meanwhile, _expected_engine, timeout)
+    assert isinstance(frame, HelloOk)
     _timed(timings, t0, t1)
     return ch, frame
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "MAX_REQUEST_SIZE",
     "Preencoded",
     "FrameBuffer",
+    "Inbound",
     "decode_body",
     "encode_body",
     "fail",
@@ -339,6 +340,66 @@ class FrameBuffer:
             return None
         self._body, self._filled, self._need = None, 0, -1
         return body
+
+
+class Inbound:
+    """The receiving end of a connection, sans I/O: what a channel (``wcache.channel.Channel``) feeds — bytes and the
+    descriptors that came with them — and what it asks of the frame in progress. The reference ``Connection`` and an
+    engine's ``EngineConnection`` take their frames' bodies from ``_buffer`` and their descriptors from ``_fds``.
+
+    The descriptors are the connection's once received: each goes out with the frame that announces it, and
+    :meth:`release_fds` returns the rest for closing. ``_admit_fds`` is where a connection refuses descriptors its
+    peer may not send (a daemon's clients send none)."""
+
+    def __init__(self, max_frame_size: int, *, direct: bool) -> None:
+        self._buffer = FrameBuffer(max_frame_size, direct=direct)
+        self._eof = False
+        #: descriptors received and not yet handed out with a frame (this connection's until released)
+        self._fds: list[int] = []
+
+    def _admit_fds(self, fds: Iterable[int]) -> None:
+        self._fds.extend(fds)
+
+    def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ()) -> None:
+        """Feed bytes from the peer, with the descriptors that came with them (SCM_RIGHTS); ``b""`` marks the end of
+        the stream."""
+        if fds:
+            self._admit_fds(fds)
+        if not data:
+            self._eof = True
+            return
+        self._buffer.feed(data)
+
+    def receive_space(self) -> memoryview | None:
+        """Where the rest of the frame in progress goes, when this side assembles it in place (a client's big
+        frames, ``FrameBuffer.direct``): receive into it, then :meth:`received_into`. None: use receive_data."""
+        return self._buffer.space()
+
+    def received_into(self, n: int, fds: Iterable[int] = ()) -> None:
+        """``n`` bytes (> 0) arrived in :meth:`receive_space`, with these descriptors (as receive_data's)."""
+        if fds:
+            self._admit_fds(fds)
+        self._buffer.filled(n)
+
+    def release_fds(self) -> list[int]:
+        """Every descriptor received and not handed out with a frame (for the owner to close: on close, or after an
+        error)."""
+        out, self._fds = self._fds, []
+        return out
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as a frame (for partial-frame timeouts)."""
+        return self._buffer.buffered
+
+    @property
+    def demand(self) -> int:
+        """Bytes held once the frame in progress is complete (its announced length, checked first)."""
+        return self._buffer.demand
+
+    @property
+    def eof(self) -> bool:
+        return self._eof
 
 
 #: Bodies a ``direct`` FrameBuffer assembles in place (smaller ones go through its buffer: a HELLO_OK, a dense

@@ -46,7 +46,7 @@ from wcache.proto.codec import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_HANDSHAKE_FRAME,
     MAX_REPRESENTABLE,
-    FrameBuffer,
+    Inbound,
     decode_body,
     gc_paused,
     pack_frame,
@@ -214,7 +214,7 @@ def _decode_frame(m: Any) -> Frame:
     return decode_frame(m)
 
 
-class Connection:
+class Connection(Inbound):
     """Protocol state of one connection, for either role.
 
     >>> conn = Connection(Role.CLIENT)
@@ -263,11 +263,8 @@ class Connection:
         self.leases: set[int] = set()
         self.max_handshake_frame = min(max_handshake_frame, max_frame_size)
         # a client assembles a big frame (a STATE) where its reader receives it: codec.FrameBuffer's ``direct``
-        self._buffer = FrameBuffer(max_frame_size, direct=role is Role.CLIENT)
-        self._eof = False
+        super().__init__(max_frame_size, direct=role is Role.CLIENT)
         self._next_id = 1
-        #: descriptors received and not yet handed out with a frame (this connection's until released)
-        self._fds: list[int] = []
 
     # ------------------------------------------------------------------ inbound
     @property
@@ -277,47 +274,12 @@ class Connection:
             return True
         return _accepts_fds(self.service)
 
-    def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ()) -> None:
-        """Feed bytes from the peer, with the descriptors that came with them (SCM_RIGHTS); ``b""`` marks
-        the end of the stream. The descriptors are the connection's from here on: each goes out with the
-        frame that announces it, and :meth:`release_fds` returns the rest for closing. RemoteProtocolError
-        when this peer may not send descriptors at all."""
-        if fds:
-            self._fds.extend(fds)
-            if not self.accepts_fds:
-                raise RemoteProtocolError("this peer may not send file descriptors")
-        if not data:
-            self._eof = True
-            return
-        self._buffer.feed(data)
-
-    def receive_space(self) -> memoryview | None:
-        """Where the rest of the frame in progress goes, when this side assembles it in place (a client's big
-        frames, ``FrameBuffer.direct``): receive into it, then :meth:`received_into`. None: use receive_data."""
-        return self._buffer.space()
-
-    def received_into(self, n: int, fds: Iterable[int] = ()) -> None:
-        """``n`` bytes (> 0) arrived in :meth:`receive_space`, with these descriptors (as receive_data's)."""
-        if fds:
-            self._fds.extend(fds)
-            if not self.accepts_fds:
-                raise RemoteProtocolError("this peer may not send file descriptors")
-        self._buffer.filled(n)
-
-    def release_fds(self) -> list[int]:
-        """Every descriptor received and not handed out with a frame through :meth:`received` (for the
-        owner to close: on close, or after an error)."""
-        out, self._fds = self._fds, []
-        return out
-
-    @property
-    def buffered(self) -> int:
-        return self._buffer.buffered
-
-    @property
-    def demand(self) -> int:
-        """Bytes held once the frame in progress is complete (its announced length, checked first)."""
-        return self._buffer.demand
+    def _admit_fds(self, fds: Iterable[int]) -> None:
+        """The descriptors are this connection's (``Inbound``); RemoteProtocolError when this peer may not send
+        any."""
+        self._fds.extend(fds)
+        if not self.accepts_fds:
+            raise RemoteProtocolError("this peer may not send file descriptors")
 
     @property
     def frame_limit(self) -> int:
@@ -328,10 +290,6 @@ class Connection:
         buf = self._buffer
         buf.max_frame_size = self.frame_limit
         buf.limit_reason = "" if self.phase is Phase.OPEN else "before the handshake (HELLO / HELLO_OK are small)"
-
-    @property
-    def eof(self) -> bool:
-        return self._eof
 
     def events(self) -> Iterator[Event]:
         """Like :meth:`received`, for callers that move no descriptors (pure tests, fuzzers): frames only,

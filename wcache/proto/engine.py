@@ -21,7 +21,7 @@ through them, and this module is held to them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from wcache.proto._record import named_tuple
@@ -29,7 +29,7 @@ from wcache.proto.codec import (
     DEFAULT_MAX_FRAME_SIZE,
     HEADER,
     MAX_HANDSHAKE_FRAME,
-    FrameBuffer,
+    Inbound,
     gc_paused,
 )
 from wcache.proto.limits import (
@@ -416,7 +416,7 @@ def _local(message: str, **details: Any) -> Exception:
     return LocalProtocolError(message, details=details or None)
 
 
-class EngineConnection:
+class EngineConnection(Inbound):
     """The client end of an engine's connection to a daemon, sans I/O: the opening (HELLO and the pipelined
     GET_STATE, docs/protocol.md §5.1), a GET_STATE again on the same connection, RELEASE; the frames received,
     checked as the reference ``Connection`` checks a client's (the phase, the request each reply answers, the
@@ -439,10 +439,8 @@ class EngineConnection:
         self.pending: dict[int, str] = {}
         #: leases the daemon granted this connection (STATE) and has not ended (RELEASED)
         self.leases: set[int] = set()
-        self._buffer = FrameBuffer(max_frame_size, direct=True)  # a big STATE lands where it is decoded
-        self._eof = False
+        super().__init__(max_frame_size, direct=True)  # a big STATE lands where it is decoded
         self._next_id = 1
-        self._fds: list[int] = []
 
     # ------------------------------------------------------------------ outbound
     def next_request_id(self) -> int:
@@ -484,44 +482,11 @@ class EngineConnection:
         self.pending[rid] = t
         return data
 
-    # ------------------------------------------------------------------ inbound (a Channel's interface)
-    def receive_data(self, data: bytes | bytearray | memoryview, fds: Iterable[int] = ()) -> None:
-        """Bytes from the daemon, with the descriptors that came with them; ``b""`` marks the end of the stream."""
-        self._fds.extend(fds)
-        if not data:
-            self._eof = True
-            return
-        self._buffer.feed(data)
-
-    def receive_space(self) -> memoryview | None:
-        """Where the rest of a big frame goes (``FrameBuffer.direct``), or None: use receive_data."""
-        return self._buffer.space()
-
-    def received_into(self, n: int, fds: Iterable[int] = ()) -> None:
-        self._fds.extend(fds)
-        self._buffer.filled(n)
-
-    def release_fds(self) -> list[int]:
-        """Every descriptor received and not handed out with a frame (for the owner to close)."""
-        out, self._fds = self._fds, []
-        return out
-
-    @property
-    def buffered(self) -> int:
-        return self._buffer.buffered
-
-    @property
-    def demand(self) -> int:
-        return self._buffer.demand
-
+    # ------------------------------------------------------------------ inbound (a Channel's interface: Inbound's)
     @property
     def frame_limit(self) -> int:
         """The largest frame body accepted now: small until the handshake is done."""
         return self.max_frame_size if self.phase == OPEN else self.max_handshake_frame
-
-    @property
-    def eof(self) -> bool:
-        return self._eof
 
     def received(self) -> Iterator[tuple[Received, list[int]]]:
         """Each complete frame received so far, checked, with the descriptors it brings (the caller owns them).
