@@ -20,6 +20,8 @@ fi
 echo "vllm job: environment ready in $((SECONDS - started)) s"
 # vLLM's import raises warnings of its own (torch.jit.script_method deprecation, torch.distributed.reduce_op);
 # ignored in this job only. WCACHE_REQUIRE_VLLM turns a missing vLLM into a failure instead of a skip.
+# tests/integrations/vllm/site: vLLM's AMX kernels off in every process of the job (its sitecustomize says why)
+PYTHONPATH="$PWD/tests/integrations/vllm/site${PYTHONPATH:+:$PYTHONPATH}" \
 WCACHE_REQUIRE_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/integrations \
   -W "ignore::DeprecationWarning" -W "ignore::FutureWarning" -W "ignore::UserWarning"
 echo "vllm job: done in $((SECONDS - started)) s"

@@ -28,12 +28,17 @@ def require_vllm(module: str = "vllm") -> Any:
     return pytest.importorskip(module)
 
 
+#: the job's ``sitecustomize`` (vLLM's AMX kernels off: site/sitecustomize.py says why)
+SITE = Path(__file__).with_name("site")
+
+
 def engine_env(**extra: str) -> dict[str, str]:
-    """The environment of an engine process: vLLM's CPU KV cache at 1 GiB, the repository importable."""
+    """The environment of an engine process: vLLM's CPU KV cache at 1 GiB, the repository importable, the job's
+    ``sitecustomize`` (``SITE``) first."""
     return {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
         **extra,
     }
 
