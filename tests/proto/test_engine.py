@@ -4,9 +4,13 @@ a daemon sends, the same frames yielded and the same error raised where the refe
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -234,6 +238,33 @@ def test_a_big_state_goes_to_msgpack_and_decodes_alike() -> None:
     body = encode_body(state.to_wire())
     assert len(body) > 64 * 1024
     assert _plain(engine.decode(body)) == _plain(state)
+
+
+def test_a_big_state_is_decoded_without_the_declarations_or_the_error_tree(tmp_path: Path) -> None:
+    """A STATE over 64 KiB imports msgpack (its C decoder) and nothing else an engine's import left out: not the
+    frame declarations, not the error tree (a fetch that raises nothing needs neither; the error tree's import was
+    ~0.6 ms of a MoE engine's first fetch on the H200)."""
+    base = EXAMPLES["STATE"]
+    assert isinstance(base, State)
+    n = 3000
+    entries = [
+        TensorEntry(f"model.layers.{i}.mlp.experts.{i}.weight", "bfloat16", (4,), (1,), 0, 8 * i) for i in range(n)
+    ]
+    slabs = (SlabDescriptor(size=8 * n, kind="memfd", fd=0),)
+    state = dataclasses.replace(base, slabs=slabs, tensors=TensorTable.from_entries(entries), aliases={}, buffers=())
+    body = tmp_path / "state.bin"
+    body.write_bytes(encode_body(state.to_wire()))
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom wcache.proto import engine\n"
+        "frame = engine.decode(Path(sys.argv[1]).read_bytes())\nassert isinstance(frame, engine.State), frame\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('wcache', 'msgpack'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(body)], capture_output=True, text=True, check=True, timeout=60
+    )
+    loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+    assert "msgpack" in loaded
+    assert not loaded & {"wcache.errors", "wcache.proto.fields", "wcache.proto.daemon_frames", "wcache.proto.frames"}
 
 
 # --------------------------------------------------------------------------- a connection, frame after frame

@@ -121,11 +121,9 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Decode one frame body into a map with string keys, or raise ProtocolError."""
     import msgpack
 
-    from wcache.errors import RemoteProtocolError  # an import from sys.modules once loaded: ~0.2 us a frame
-
     n = len(body)
     if n == 0:
-        raise RemoteProtocolError("empty frame body")
+        raise _malformed("empty frame body")
     try:
         obj = msgpack.unpackb(
             body,
@@ -140,15 +138,23 @@ def decode_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
             max_map_len=n // 2,
         )
     except msgpack.ExtraData as exc:
-        raise RemoteProtocolError("trailing bytes after the msgpack map in a frame") from exc
+        raise _malformed("trailing bytes after the msgpack map in a frame") from exc
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as exc:
-        raise RemoteProtocolError(f"malformed msgpack in frame body: {exc}") from exc
+        raise _malformed(f"malformed msgpack in frame body: {exc}") from exc
     if not isinstance(obj, dict):
-        raise RemoteProtocolError(f"frame body must be a msgpack map, got {type(obj).__name__}")
+        raise _malformed(f"frame body must be a msgpack map, got {type(obj).__name__}")
     for k in obj:
         if type(k) is not str:
-            raise RemoteProtocolError("frame map keys must be strings")
+            raise _malformed("frame map keys must be strings")
     return obj
+
+
+def _malformed(message: str) -> RemoteProtocolError:
+    """The error of a body that is not one strict msgpack map (the error tree is imported on this path only: an
+    engine decoding a big STATE raises nothing, and imports nothing more than msgpack for it)."""
+    from wcache.errors import RemoteProtocolError
+
+    return RemoteProtocolError(message)
 
 
 #: whether :func:`keep_young` does anything here: CPython 3.11-3.13 with the GIL, whose ``gc.freeze`` and
