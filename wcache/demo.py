@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print("            every engine shares the daemon's one copy.")
         print(why_copy_costs(last, args.device))
         print("On a GPU (--device cuda:0) the disk load goes to the GPU too; a fresh engine's first fetch of 16 GB")
-        print("took 4.9-7.4 ms on an H200 (the driver's import and first touch included); see README's Measured table.")
+        print("took 3.6-4.0 ms on an H200 (the driver's import and first touch included); see README's Measured table.")
         return 0
     finally:
         if daemon is not None:
