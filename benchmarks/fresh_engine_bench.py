@@ -251,17 +251,14 @@ def mapped(handle):
     addr = int(ptr.value)
     driver.check(d.cuMemMap(addr, total, 0, handle, 0), "cuMemMap")
     t2 = time.perf_counter()
-    acc = driver.CUmemAccessDesc()
-    acc.location.type = driver.CU_MEM_LOCATION_TYPE_DEVICE
-    acc.location.id = index
     ro = False
     if access == "ro":
-        acc.flags = driver.CU_MEM_ACCESS_FLAGS_PROT_READ
-        ro = d.cuMemSetAccess(addr, total, ctypes.byref(acc), 1) == 0
+        acc = driver.access_desc(index, driver.CU_MEM_ACCESS_FLAGS_PROT_READ)
+        ro = d.cuMemSetAccess(addr, total, acc, 1) == 0
     t3 = time.perf_counter()
     if not ro:
-        acc.flags = driver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        driver.check(d.cuMemSetAccess(addr, total, ctypes.byref(acc), 1), "cuMemSetAccess")
+        acc = driver.access_desc(index, driver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        driver.check(d.cuMemSetAccess(addr, total, acc, 1), "cuMemSetAccess")
     t4 = time.perf_counter()
     buf = ctypes.create_string_buffer(2)
     assert copy(buf, addr + desc.offset, 2) == 0

@@ -1,5 +1,5 @@
 """The client's ctypes CUDA driver binding, checked without a GPU: every entry point the client
-calls is declared with argtypes, the structs have cuda.h's sizes, errors carry the driver's name
+calls is declared with argtypes, the structs it packs have cuda.h's layouts, errors carry the driver's name
 for the CUresult, and failed mappings are undone (a fake libcuda records the calls)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import ctypes
 import inspect
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,19 +39,70 @@ def test_every_called_entry_point_is_declared() -> None:
 
 @pytest.mark.parametrize("name", sorted(driver.SIGNATURES))
 def test_signatures_are_valid_ctypes_prototypes(name: str) -> None:
-    symbols, argtypes = driver.SIGNATURES[name]
+    symbols, _ = driver.SIGNATURES[name]
     assert symbols and all(s.startswith(name) for s in symbols)
-    assert argtypes
+    argtypes = driver.argtypes(name)
+    assert argtypes and driver.IPC_HANDLE not in argtypes
     ctypes.CFUNCTYPE(driver.CUresult, *argtypes)  # raises TypeError for anything ctypes cannot pass
 
 
-def test_struct_layouts_match_cuda_h() -> None:
-    assert ctypes.sizeof(driver.CUmemLocation) == 8
-    assert ctypes.sizeof(driver.CUmemAllocationProp) == 32
-    assert driver.CUmemAllocationProp.win32HandleMetaData.offset == 16
-    assert ctypes.sizeof(driver.CUmemAccessDesc) == 12
-    assert ctypes.sizeof(driver.CUipcMemHandle) == 64
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class CUmemAllocationProp(ctypes.Structure):
+    """cuda.h's struct, as ctypes lays it out: the bytes the driver module packs must match it."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", CUmemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", AllocFlags),
+    ]
+
+
+class CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
+
+
+def test_packed_structs_are_laid_out_as_cuda_h() -> None:
+    prop = CUmemAllocationProp()
+    prop.type = driver.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = driver.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.location.type = driver.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 3
+    assert ctypes.sizeof(prop) == 32 and CUmemAllocationProp.win32HandleMetaData.offset == 16
+    assert driver.allocation_prop(3) == bytes(prop)
+    acc = CUmemAccessDesc()
+    acc.location.type = driver.CU_MEM_LOCATION_TYPE_DEVICE
+    acc.location.id = 5
+    acc.flags = driver.CU_MEM_ACCESS_FLAGS_PROT_READ
+    assert driver.access_desc(5, driver.CU_MEM_ACCESS_FLAGS_PROT_READ) == bytes(acc)
+    assert ctypes.sizeof(driver.ipc_handle_type()) == driver.IPC_HANDLE_SIZE == 64
     assert ctypes.sizeof(driver.CUdeviceptr) == 8
+
+
+def test_the_driver_module_makes_no_ctypes_struct_when_imported() -> None:
+    """A ctypes Structure class or POINTER type costs ~40 us to make, and the module loads in a fetch's window:
+    the IPC handle's (the legacy export's) is made on first use only."""
+    code = (
+        "import ctypes\n"
+        "import wcache.client.driver as d\n"
+        "made = [v for v in vars(d).values() if isinstance(v, type) and issubclass(v, (ctypes.Structure, ctypes._Pointer))]\n"
+        "assert not made, made\n"
+        "assert not d._IPC_HANDLE\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 class FakeLib:

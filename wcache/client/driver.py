@@ -11,15 +11,20 @@ naming the call and the driver's name and text for the code, e.g.
 ``cuMemMap failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument``. No driver library:
 :class:`~wcache.errors.UnsupportedPlatformError`.
 
-Types and constants follow cuda.h (CUDA >= 11.0 for the VMM calls).
+Constants follow cuda.h (CUDA >= 11.0 for the VMM calls). The structs the mapping passes (an allocation's
+properties, an access descriptor, a UUID) are bytes laid out as cuda.h lays them out (``struct``, x86-64 and
+aarch64 alike) and every pointer argument is a ``c_void_p``: a ctypes ``Structure`` class and its ``POINTER`` type
+cost ~40 us each to create, and this module loads in a fetch's window (docs/performance.md). The one struct
+passed by value, the legacy IPC handle, is a ``Structure`` made on its first use (the legacy export only).
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 import time
 from collections.abc import Callable
-from ctypes import POINTER, Structure, byref, c_char, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+from ctypes import byref, c_char_p, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,11 +34,14 @@ __all__ = [
     "SIGNATURES",
     "CudaDriverError",
     "DeviceBuffer",
+    "access_desc",
+    "allocation_prop",
     "check",
     "current_device",
     "device_uuids",
     "granularity",
     "ipc_close",
+    "ipc_handle_type",
     "ipc_open",
     "vmm_import_map",
     "vmm_unmap",
@@ -55,75 +63,72 @@ CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CUDA_SUCCESS = 0
 
-
-class CUmemLocation(Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class _AllocFlags(Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
+#: CUmemAllocationProp (32 bytes): type, requestedHandleTypes, location {type, id}, win32HandleMetaData (a
+#: pointer, at offset 16), allocFlags {compressionType, gpuDirectRDMACapable (uint8), usage (uint16), reserved[4]}
+_ALLOCATION_PROP = struct.Struct("=iiiiQBBH4x")
+#: CUmemAccessDesc (12 bytes): location {type, id}, flags
+_ACCESS_DESC = struct.Struct("=iii")
+#: sizeof(CUuuid), sizeof(CUipcMemHandle)
+UUID_SIZE, IPC_HANDLE_SIZE = 16, 64
 
 
-class CUmemAllocationProp(Structure):
-    _fields_ = [
-        ("type", c_int),
-        ("requestedHandleTypes", c_int),
-        ("location", CUmemLocation),
-        ("win32HandleMetaData", c_void_p),
-        ("allocFlags", _AllocFlags),
-    ]
+def allocation_prop(index: int) -> bytes:
+    """A CUmemAllocationProp: pinned device memory on device ``index``, exportable as a POSIX fd."""
+    return _ALLOCATION_PROP.pack(
+        CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_LOCATION_TYPE_DEVICE, index,
+        0, 0, 0, 0,
+    )  # fmt: skip
 
 
-class CUmemAccessDesc(Structure):
-    _fields_ = [("location", CUmemLocation), ("flags", c_int)]
+def access_desc(index: int, flags: int) -> bytes:
+    """A CUmemAccessDesc: ``flags`` (CU_MEM_ACCESS_FLAGS_PROT_*) for device ``index``."""
+    return _ACCESS_DESC.pack(CU_MEM_LOCATION_TYPE_DEVICE, index, flags)
 
 
-class CUipcMemHandle(Structure):
-    _fields_ = [("reserved", c_char * 64)]
+_IPC_HANDLE: list[type[ctypes.Structure]] = []
 
 
-class CUuuid(Structure):
-    _fields_ = [("bytes", c_char * 16)]
+def ipc_handle_type() -> type[ctypes.Structure]:
+    """CUipcMemHandle (64 bytes, passed by value: a ctypes Structure, made once on first use)."""
+    if not _IPC_HANDLE:
+
+        class CUipcMemHandle(ctypes.Structure):
+            _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_SIZE)]
+
+        _IPC_HANDLE.append(CUipcMemHandle)
+    return _IPC_HANDLE[0]
 
 
-#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins.
+#: stands for CUipcMemHandle in an argtypes tuple (its Structure is made when the entry point is first looked up)
+IPC_HANDLE = "CUipcMemHandle"
+
+#: name in libcuda -> (argtypes); every function returns CUresult. The first name found wins. Pointer arguments
+#: (out-parameters, structs) are ``c_void_p``: callers pass ``byref(...)`` or bytes.
 SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[Any, ...]]] = {
-    "cuGetErrorName": (("cuGetErrorName",), (CUresult, POINTER(c_char_p))),
-    "cuGetErrorString": (("cuGetErrorString",), (CUresult, POINTER(c_char_p))),
-    "cuCtxGetDevice": (("cuCtxGetDevice",), (POINTER(c_int),)),
-    "cuDeviceGetCount": (("cuDeviceGetCount",), (POINTER(c_int),)),
-    "cuDeviceGet": (("cuDeviceGet",), (POINTER(c_int), c_int)),
+    "cuGetErrorName": (("cuGetErrorName",), (CUresult, c_void_p)),
+    "cuGetErrorString": (("cuGetErrorString",), (CUresult, c_void_p)),
+    "cuCtxGetDevice": (("cuCtxGetDevice",), (c_void_p,)),
+    "cuDeviceGetCount": (("cuDeviceGetCount",), (c_void_p,)),
+    "cuDeviceGet": (("cuDeviceGet",), (c_void_p, c_int)),
     # MIG instances have their own UUID through _v2 (CUDA >= 11.4), as the runtime reports them
-    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (POINTER(CUuuid), c_int)),
-    "cuMemGetAllocationGranularity": (
-        ("cuMemGetAllocationGranularity",),
-        (POINTER(c_size_t), POINTER(CUmemAllocationProp), c_int),
-    ),
-    "cuMemImportFromShareableHandle": (
-        ("cuMemImportFromShareableHandle",),
-        (POINTER(CUmemGenericAllocationHandle), c_void_p, c_int),
-    ),
-    "cuMemAddressReserve": (
-        ("cuMemAddressReserve",),
-        (POINTER(CUdeviceptr), c_size_t, c_size_t, CUdeviceptr, c_ulonglong),
-    ),
+    "cuDeviceGetUuid": (("cuDeviceGetUuid_v2", "cuDeviceGetUuid"), (c_void_p, c_int)),
+    "cuMemGetAllocationGranularity": (("cuMemGetAllocationGranularity",), (c_void_p, c_void_p, c_int)),
+    "cuMemImportFromShareableHandle": (("cuMemImportFromShareableHandle",), (c_void_p, c_void_p, c_int)),
+    "cuMemAddressReserve": (("cuMemAddressReserve",), (c_void_p, c_size_t, c_size_t, CUdeviceptr, c_ulonglong)),
     "cuMemMap": (("cuMemMap",), (CUdeviceptr, c_size_t, c_size_t, CUmemGenericAllocationHandle, c_ulonglong)),
-    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, POINTER(CUmemAccessDesc), c_size_t)),
+    "cuMemSetAccess": (("cuMemSetAccess",), (CUdeviceptr, c_size_t, c_void_p, c_size_t)),
     "cuMemUnmap": (("cuMemUnmap",), (CUdeviceptr, c_size_t)),
     "cuMemAddressFree": (("cuMemAddressFree",), (CUdeviceptr, c_size_t)),
     "cuMemRelease": (("cuMemRelease",), (CUmemGenericAllocationHandle,)),
     # cuda.h: #define cuIpcOpenMemHandle cuIpcOpenMemHandle_v2 (CUDA >= 11.0)
-    "cuIpcOpenMemHandle": (
-        ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-        (POINTER(CUdeviceptr), CUipcMemHandle, c_uint),
-    ),
+    "cuIpcOpenMemHandle": (("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), (c_void_p, IPC_HANDLE, c_uint)),
     "cuIpcCloseMemHandle": (("cuIpcCloseMemHandle",), (CUdeviceptr,)),
 }
+
+
+def argtypes(name: str) -> list[Any]:
+    """The ctypes argtypes of entry point ``name`` (SIGNATURES', the IPC handle's Structure made)."""
+    return [ipc_handle_type() if t is IPC_HANDLE else t for t in SIGNATURES[name][1]]
 
 
 class CudaDriverError(RuntimeError):
@@ -146,7 +151,7 @@ class _Driver:
         entry = SIGNATURES.get(name)
         if entry is None:
             raise AttributeError(name)
-        symbols, argtypes = entry
+        symbols = entry[0]
         fn = None
         for symbol in symbols:
             try:
@@ -160,7 +165,7 @@ class _Driver:
                 "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
                 details={"missing": symbols[0]},
             )
-        fn.argtypes = list(argtypes)
+        fn.argtypes = argtypes(name)
         fn.restype = CUresult
         setattr(self, name, fn)  # later look-ups find the attribute: no __getattr__
         return fn
@@ -230,21 +235,12 @@ def device_uuids() -> list[str] | None:
         return None
     out = []
     for i in range(n.value):
-        dev, uuid = c_int(), CUuuid()
+        dev, uuid = c_int(), ctypes.create_string_buffer(UUID_SIZE)
         if d.cuDeviceGet(byref(dev), i) != CUDA_SUCCESS or d.cuDeviceGetUuid(byref(uuid), dev) != CUDA_SUCCESS:
             return None
-        h = bytes(uuid).hex()
+        h = uuid.raw.hex()
         out.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}")
     return out
-
-
-def _device_prop(index: int) -> CUmemAllocationProp:
-    prop = CUmemAllocationProp()
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = index
-    return prop
 
 
 _GRANULARITY: dict[int, int] = {}
@@ -257,7 +253,7 @@ def granularity(index: int) -> int:
         out = c_size_t()
         check(
             driver().cuMemGetAllocationGranularity(
-                byref(out), byref(_device_prop(index)), CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                byref(out), allocation_prop(index), CU_MEM_ALLOC_GRANULARITY_MINIMUM
             ),
             "cuMemGetAllocationGranularity",
         )
@@ -291,19 +287,15 @@ def vmm_import_map(
             t2 = time.perf_counter()
             check(d.cuMemMap(addr, size, 0, handle, 0), "cuMemMap")
             t3 = time.perf_counter()
-            acc = CUmemAccessDesc()
-            acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
-            acc.location.id = index
             ro = False
             refused = 0.0
             if read_only:
-                acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READ
-                ro = d.cuMemSetAccess(addr, size, byref(acc), 1) == CUDA_SUCCESS
+                ro = d.cuMemSetAccess(addr, size, access_desc(index, CU_MEM_ACCESS_FLAGS_PROT_READ), 1) == CUDA_SUCCESS
                 if not ro:
                     refused = time.perf_counter() - t3
             if not ro:
-                acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                check(d.cuMemSetAccess(addr, size, byref(acc), 1), "cuMemSetAccess")
+                acc = access_desc(index, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                check(d.cuMemSetAccess(addr, size, acc, 1), "cuMemSetAccess")
             if timings is not None:
                 t4 = time.perf_counter()
                 for name, ms in (
@@ -332,9 +324,9 @@ def vmm_unmap(addr: int, size: int) -> None:
 
 def ipc_open(handle: bytes) -> int:
     """Open a 64-byte legacy IPC handle on the current context; returns the allocation's base."""
-    if len(handle) != 64:
-        raise ValueError(f"a CUipcMemHandle is 64 bytes, got {len(handle)}")
-    h = CUipcMemHandle.from_buffer_copy(handle)
+    if len(handle) != IPC_HANDLE_SIZE:
+        raise ValueError(f"a CUipcMemHandle is {IPC_HANDLE_SIZE} bytes, got {len(handle)}")
+    h = ipc_handle_type().from_buffer_copy(handle)
     ptr = CUdeviceptr()
     check(driver().cuIpcOpenMemHandle(byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
     return int(ptr.value)
