@@ -255,3 +255,17 @@ def test_client_uses_no_cuda_bindings() -> None:
                 assert (node.module or "").split(".")[0] != "cuda", src.name
             elif isinstance(node, ast.Attribute):
                 assert node.attr != "_bindings", f"{src.name} calls wcache._cuda._bindings (cuda-bindings)"
+
+
+def test_look_up_resolves_what_the_library_has_and_leaves_the_rest_to_raise_where_called(
+    fake: Callable[..., FakeLib],
+) -> None:
+    """A fetch looks its entry points up while the daemon answers (cuda.look_up): a driver without one of them must
+    not fail that (a host daemon's fetch needs none), only the call that needs it."""
+    lib = fake(missing=("cuMemImportFromShareableHandle",))
+    cuda.look_up()
+    resolved = set(vars(driver.driver())) - {"_lib"}
+    assert resolved == set(cuda._FETCH_CALLS) - {"cuMemImportFromShareableHandle"}
+    assert lib.calls == []  # looked up, none called
+    with pytest.raises(UnsupportedPlatformError, match="cuMemImportFromShareableHandle"):
+        driver.vmm_import_map(5, 2 << 20, 0, read_only=True)

@@ -17,7 +17,16 @@ from wcache.client import driver
 if TYPE_CHECKING:  # the error tree is imported where an error is raised: this module loads in a fetch's window
     from wcache.proto import daemon_frames, engine
 
-__all__ = ["ipc_open", "local_uuid", "map_slab", "prepare", "visible_uuids", "vmm_import", "write_vmm_deposit"]
+__all__ = [
+    "ipc_open",
+    "local_uuid",
+    "look_up",
+    "map_slab",
+    "prepare",
+    "visible_uuids",
+    "vmm_import",
+    "write_vmm_deposit",
+]
 
 
 def _require_cuda() -> None:
@@ -76,6 +85,24 @@ _VMM_CALLS = (
     "cuMemUnmap",
     "cuMemAddressFree",
 )
+
+
+#: every entry point a fetch calls: the device queries (``prepare``) and a VMM slab's mapping
+_FETCH_CALLS = (
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetUuid",
+    "cuCtxGetDevice",
+    "cuMemGetAllocationGranularity",
+    *_VMM_CALLS,
+)
+
+
+def look_up() -> None:
+    """The driver library loaded and every entry point a fetch calls looked up (~5 us each: a ctypes function made
+    and its argtypes set), needing neither the daemon's GPU nor the slab: done while the daemon answers the HELLO
+    (``client._ahead``). A library without one of them raises where that call is made, not here."""
+    driver.driver().look_up(_FETCH_CALLS)
 
 
 def prepare(uuid: str, timings: dict[str, float] | None = None) -> None:

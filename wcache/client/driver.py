@@ -170,6 +170,15 @@ class _Driver:
         setattr(self, name, fn)  # later look-ups find the attribute: no __getattr__
         return fn
 
+    def look_up(self, names: tuple[str, ...]) -> None:
+        """Look the entry points ``names`` up now where the library has them (one it lacks is left for its first
+        call to raise on): the first fetch does it while the daemon answers."""
+        for name in names:
+            try:
+                getattr(self, name)
+            except Exception:  # UnsupportedPlatformError: the call that needs it raises it again, where it matters
+                continue
+
     def resolve_all(self) -> None:
         """Look every entry point up now (UnsupportedPlatformError naming the first one missing)."""
         for name in SIGNATURES:
