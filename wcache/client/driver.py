@@ -148,36 +148,40 @@ class _Driver:
         self._lib = lib
 
     def __getattr__(self, name: str) -> Any:
+        fn = self._resolve(name)
+        if fn is None:
+            symbol = SIGNATURES[name][0][0]
+            raise _unsupported(
+                f"the CUDA driver ({LIBRARY}) has no {symbol}; update the NVIDIA driver "
+                "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
+                details={"missing": symbol},
+            )
+        return fn
+
+    def _resolve(self, name: str) -> Any:
+        """Entry point ``name`` with its argtypes set, kept as this object's attribute (later look-ups find it: no
+        ``__getattr__``); None where the library has none of its symbols. AttributeError for a name ``SIGNATURES``
+        does not declare."""
         entry = SIGNATURES.get(name)
         if entry is None:
             raise AttributeError(name)
-        symbols = entry[0]
-        fn = None
-        for symbol in symbols:
+        for symbol in entry[0]:
             try:
                 fn = getattr(self._lib, symbol)
-                break
             except AttributeError:
                 continue
-        if fn is None:
-            raise _unsupported(
-                f"the CUDA driver ({LIBRARY}) has no {symbols[0]}; update the NVIDIA driver "
-                "(CUDA >= 11.0 is needed to map wcache's GPU slabs)",
-                details={"missing": symbols[0]},
-            )
-        fn.argtypes = argtypes(name)
-        fn.restype = CUresult
-        setattr(self, name, fn)  # later look-ups find the attribute: no __getattr__
-        return fn
+            fn.argtypes = argtypes(name)
+            fn.restype = CUresult
+            setattr(self, name, fn)
+            return fn
+        return None
 
     def look_up(self, names: tuple[str, ...]) -> None:
         """Look the entry points ``names`` up now where the library has them (one it lacks is left for its first
-        call to raise on): the first fetch does it while the daemon answers."""
+        call to raise on, where it matters): the first fetch does it while the daemon answers."""
         for name in names:
-            try:
-                getattr(self, name)
-            except Exception:  # UnsupportedPlatformError: the call that needs it raises it again, where it matters
-                continue
+            if name not in vars(self):
+                self._resolve(name)
 
     def resolve_all(self) -> None:
         """Look every entry point up now (UnsupportedPlatformError naming the first one missing)."""
