@@ -92,7 +92,10 @@ def _pack(v: Any, out: bytearray, depth: int) -> None:
         _header(out, len(data), 0xA0, 32, b"\xd9\xda\xdb")
         out += data
     elif t is int:
-        _pack_int(v, out)
+        if 0 <= v < 0x80:
+            out.append(v)
+        else:
+            _pack_int(v, out)
     elif v is None:
         out.append(0xC0)
     elif t is bool:
@@ -116,19 +119,40 @@ def _pack(v: Any, out: bytearray, depth: int) -> None:
 
 
 def _pack_int(v: int, out: bytearray) -> None:
-    if 0 <= v < 0x80 or -32 <= v < 0:
+    """The smallest form msgpack gives ``v``: unsigned for v >= 0, signed below (msgpack's own choice)."""
+    if v >= 0:
+        if v < 0x80:
+            out.append(v)
+        elif v < 0x100:
+            out.append(0xCC)
+            out.append(v)
+        elif v < 0x10000:
+            out.append(0xCD)
+            out += v.to_bytes(2, "big")
+        elif v < 0x100000000:
+            out.append(0xCE)
+            out += v.to_bytes(4, "big")
+        elif v < 0x10000000000000000:
+            out.append(0xCF)
+            out += v.to_bytes(8, "big")
+        else:
+            raise Unsupported(f"an integer of {v.bit_length()} bits")
+    elif v >= -32:
         out.append(v & 0xFF)
-        return
-    for first, (size, signed) in _INTS.items():
-        if signed == (v < 0):
-            try:
-                data = v.to_bytes(size, "big", signed=signed)
-            except OverflowError:
-                continue
-            out.append(first)
-            out += data
-            return
-    raise Unsupported(f"an integer of {v.bit_length()} bits")
+    elif v >= -0x80:
+        out.append(0xD0)
+        out += v.to_bytes(1, "big", signed=True)
+    elif v >= -0x8000:
+        out.append(0xD1)
+        out += v.to_bytes(2, "big", signed=True)
+    elif v >= -0x80000000:
+        out.append(0xD2)
+        out += v.to_bytes(4, "big", signed=True)
+    elif v >= -0x8000000000000000:
+        out.append(0xD3)
+        out += v.to_bytes(8, "big", signed=True)
+    else:
+        raise Unsupported(f"an integer of {v.bit_length()} bits")
 
 
 # --------------------------------------------------------------------------- decode
