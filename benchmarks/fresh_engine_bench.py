@@ -28,7 +28,8 @@ mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, whil
 in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
 ``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
 (the rest of the wait for STATE, and its decode), ``wait`` (the time the fetch's reads waited for the socket to
-be readable, within ``hello`` and ``state``: the daemon's answer not in yet), ``import_handle`` (cuMemImportFromShareableHandle),
+be readable, within ``hello`` and ``state``: the daemon's answer not in yet), ``decode`` (the time spent decoding
+HELLO_OK and the STATE, within ``hello`` and ``state``), ``import_handle`` (cuMemImportFromShareableHandle),
 ``reserve_map_access`` (cuMemAddressReserve + cuMemMap + cuMemSetAccess: ``reserve``, ``map_range``,
 ``set_access``, ``set_access_refused`` for a read-only attempt the driver refused), ``map`` (every slab, the two
 above included; mmap on the host), ``views`` (the slab as a tensor, the name -> view mapping),

@@ -204,6 +204,8 @@ class Channel(Generic[C]):
         #: seconds spent waiting for the socket to be readable (a client's figure: its wait for the daemon's answer;
         #: in a task on a busy event loop, until the task resumed)
         self.waited = 0.0
+        #: seconds spent decoding the frames received (``conn.received()``: a client's figure, beside ``waited``)
+        self.decoded = 0.0
 
     @property
     def closed(self) -> bool:
@@ -373,7 +375,9 @@ class Channel(Generic[C]):
             except (BlockingIOError, InterruptedError):
                 self._poll(timeout)
                 continue
+            t0 = time.perf_counter()
             self._frames.extend(self.conn.received())
+            self.decoded += time.perf_counter() - t0
             if self.budget is not None:
                 self._claimed = self.budget.claim(self._claimed, self.conn.demand)
         return self._frames.popleft()
@@ -431,7 +435,9 @@ class Channel(Generic[C]):
                     ) from None
             else:
                 await self._recv_some()
+            t0 = time.perf_counter()
             self._frames.extend(self.conn.received())
+            self.decoded += time.perf_counter() - t0
             if self.budget is not None:
                 self._claimed = self.budget.claim(self._claimed, self.conn.demand)
         return self._frames.popleft()

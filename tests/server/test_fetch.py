@@ -34,6 +34,9 @@ async def test_zero_copy_bit_identical(daemon: DaemonProc, ckpt: Path) -> None:
             assert torch.equal(w[name].view(torch.int16), t.view(torch.int16)), name
         # zero copy: every tensor is a view of the one mapped slab
         assert len({w[n].untyped_storage().data_ptr() for n in w}) == 1
+        # the reads' waits and the frames' decoding, apart, within the handshake's and the STATE's time
+        assert w.timings["wait"] >= 0 and w.timings["decode"] > 0
+        assert w.timings["wait"] + w.timings["decode"] <= w.timings["connect"] + w.timings["state"]
         status = await WCacheClient(daemon.socket).status()
         assert status.models[0].leases == 1 and status.leases[0].lease == w.lease
     assert w.released

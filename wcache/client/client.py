@@ -113,7 +113,8 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         #: and the pipelined GET_STATE out, HELLO_OK back), prepare (CUDA: the GPU checked, its context current,
         #: the driver's entry points, overlapping the daemon's answer; cuda.prepare's parts too), state (the rest
         #: of the wait for STATE and its decode), wait (of connect and state, the time its reads waited for the
-        #: daemon's bytes; with other tasks on the event loop, until this one resumed), map (slab mappings; CUDA:
+        #: daemon's bytes; with other tasks on the event loop, until this one resumed), decode (of connect and
+        #: state, the time spent decoding the frames received: HELLO_OK and the STATE), map (slab mappings; CUDA:
         #: import_handle and reserve_map_access, the driver's calls, and as_tensor), views (the name -> view
         #: mapping set up; per-name views are cut from their group's stacked view on first look-up), copy (copy
         #: mode only)
@@ -358,7 +359,12 @@ class WCacheClient:
                 await ch.send_bytes(ch.conn.send(request.scanned(ch.conn)))
                 frame, fds = await expect_engine(ch)
             state = request.state(frame, fds)
-            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3, wait=ch.waited * 1e3)
+            timings.update(
+                connect=(t1 - t0) * 1e3,
+                state=(time.perf_counter() - t_state) * 1e3,
+                wait=ch.waited * 1e3,
+                decode=ch.decoded * 1e3,
+            )
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
             if mode == "copy":
@@ -612,7 +618,12 @@ class WCacheClient:
                 ch.send_bytes_blocking(ch.conn.send(request.scanned(ch.conn)), _left(deadline))
                 frame, fds = expect_engine_blocking(ch, _left(deadline))
             state = request.state(frame, fds)
-            timings.update(connect=(t1 - t0) * 1e3, state=(time.perf_counter() - t_state) * 1e3, wait=ch.waited * 1e3)
+            timings.update(
+                connect=(t1 - t0) * 1e3,
+                state=(time.perf_counter() - t_state) * 1e3,
+                wait=ch.waited * 1e3,
+                decode=ch.decoded * 1e3,
+            )
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
         except TimeoutError as exc:
