@@ -25,7 +25,7 @@ went), from the fetch's own ``CachedWeights.timings`` (perf_counter_ns in the cl
 (the directory listed and its files stated: docs/protocol.md §4.3.1), ``socket`` (connect, peer check),
 ``hello`` (HELLO and the pipelined GET_STATE out, HELLO_OK back; ``ahead`` within it: the
 mapping's modules loaded while the daemon answers), ``prepare`` (CUDA only, while the STATE is
-in flight: ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
+in flight: ``prepare_check``, the engine's device checked against the daemon's GPU; ``prepare_device``, the GPU found by UUID through the driver, the libcuda handle loaded on first use;
 ``prepare_context``, its context current; ``prepare_driver``, granularity and the entry points), ``state``
 (the rest of the wait for STATE, and its decode), ``wait`` (the time the fetch's reads waited for the socket to
 be readable, within ``hello`` and ``state``: the daemon's answer not in yet), ``decode`` (the time spent decoding

@@ -303,13 +303,15 @@ class WCacheClient:
     def _on_hello(self, hello: HelloOk, timings: dict[str, float]) -> None:
         """Between HELLO_OK and the STATE, while the daemon answers the pipelined GET_STATE: a CUDA daemon's GPU
         checked (``_check_device``) and the first mapping's preparation done (``cuda.prepare``: context,
-        granularity, driver entry points), so that it overlaps the daemon's work (``prepare`` ms)."""
+        granularity, driver entry points), so that it overlaps the daemon's work (``prepare`` ms, of it
+        ``prepare_check`` the GPU's check)."""
         if hello.backend != "cuda":
             return
         t0 = time.perf_counter()
         from wcache.client import cuda
 
         self._check_device(hello)
+        timings["prepare_check"] = (time.perf_counter() - t0) * 1e3
         cuda.prepare(hello.device.uuid, timings)
         timings["prepare"] = (time.perf_counter() - t0) * 1e3
 
