@@ -118,41 +118,30 @@ def _pack(v: Any, out: bytearray, depth: int) -> None:
         raise Unsupported(f"a {t.__name__}")
 
 
+#: msgpack's integer forms past the fixints, smallest first: (bound, first byte, size) — unsigned for v >= 0
+#: (v < bound), signed below (v >= bound)
+_UINT_FORMS = ((0x100, 0xCC, 1), (0x10000, 0xCD, 2), (0x100000000, 0xCE, 4), (0x10000000000000000, 0xCF, 8))
+_INT_FORMS = ((-0x80, 0xD0, 1), (-0x8000, 0xD1, 2), (-0x80000000, 0xD2, 4), (-0x8000000000000000, 0xD3, 8))
+
+
 def _pack_int(v: int, out: bytearray) -> None:
-    """The smallest form msgpack gives ``v``: unsigned for v >= 0, signed below (msgpack's own choice)."""
-    if v >= 0:
-        if v < 0x80:
-            out.append(v)
-        elif v < 0x100:
-            out.append(0xCC)
-            out.append(v)
-        elif v < 0x10000:
-            out.append(0xCD)
-            out += v.to_bytes(2, "big")
-        elif v < 0x100000000:
-            out.append(0xCE)
-            out += v.to_bytes(4, "big")
-        elif v < 0x10000000000000000:
-            out.append(0xCF)
-            out += v.to_bytes(8, "big")
-        else:
-            raise Unsupported(f"an integer of {v.bit_length()} bits")
-    elif v >= -32:
+    """The smallest form msgpack gives ``v`` (its own choice: unsigned for v >= 0, signed below), picked by range."""
+    if -32 <= v < 0x80:
         out.append(v & 0xFF)
-    elif v >= -0x80:
-        out.append(0xD0)
-        out += v.to_bytes(1, "big", signed=True)
-    elif v >= -0x8000:
-        out.append(0xD1)
-        out += v.to_bytes(2, "big", signed=True)
-    elif v >= -0x80000000:
-        out.append(0xD2)
-        out += v.to_bytes(4, "big", signed=True)
-    elif v >= -0x8000000000000000:
-        out.append(0xD3)
-        out += v.to_bytes(8, "big", signed=True)
+        return
+    if v >= 0:
+        for bound, first, size in _UINT_FORMS:
+            if v < bound:
+                out.append(first)
+                out += v.to_bytes(size, "big")
+                return
     else:
-        raise Unsupported(f"an integer of {v.bit_length()} bits")
+        for bound, first, size in _INT_FORMS:
+            if v >= bound:
+                out.append(first)
+                out += v.to_bytes(size, "big", signed=True)
+                return
+    raise Unsupported(f"an integer of {v.bit_length()} bits")
 
 
 # --------------------------------------------------------------------------- decode
