@@ -14,6 +14,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import field
+from functools import partial
 from itertools import accumulate, chain, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -121,6 +122,10 @@ one view per tensor; ``step`` is 0 when ``length`` is 1. On the wire: ``counts``
 """,
         __name__,
     )
+
+#: a TensorGroup from a tuple of its 7 fields in order, made in C (``_make`` is a Python call per group that counts
+#: the fields too): the decoder's zip of its columns gives exactly those
+_new_group = partial(tuple.__new__, TensorGroup)
 
 
 def _spans(
@@ -345,7 +350,7 @@ class TensorTable:
         ends = map(lambda e, s: e + s if s else 0, lasts, spans)
         if not all(map(operator.le, ends, map(slab_sizes.__getitem__, slabs))):
             raise fail("TensorTable", "offsets", "a tensor runs past the end of its slab")
-        groups = tuple(map(TensorGroup._make, zip(dtypes, shapes, strides, slabs, offsets, steps, counts)))
+        groups = tuple(map(_new_group, zip(dtypes, shapes, strides, slabs, offsets, steps, counts)))
         return cls(names, groups)
 
 
