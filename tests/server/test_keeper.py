@@ -812,3 +812,22 @@ def test_status_counts_kept_models_for_the_socket_they_were_kept_for(
         "wcache-rank0.sock",
         "wcache-rank1.sock",
     ]
+
+
+async def test_sighup_leaves_the_daemon_and_the_keeper_serving(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """A terminal closing sends SIGHUP to what was started from it with ``&``: neither process ends (its default
+    action would: leases dropped, the keeper's slabs freed, the socket and its lock left behind)."""
+    key = WeightCacheKey.from_checkpoint(model)
+    daemon = daemon_factory(model, "--keeper")
+    engine = await WCacheClient(daemon.socket).fetch(key)
+    for proc in (daemon, keeper):
+        proc.proc.send_signal(signal.SIGHUP)
+    await asyncio.sleep(0.5)
+    assert daemon.proc.poll() is None and keeper.proc.poll() is None
+    status = await WCacheClient(daemon.socket).status()
+    assert [lease.lease for lease in status.leases] == [engine.lease]  # the engine's lease held on
+    assert [m.key for m in (await WCacheClient(keeper.socket).status()).models] == [key.to_wire()]
+    await engine.release()
+    assert daemon.stop(signal.SIGTERM) == 0  # SIGTERM still stops it, drained

@@ -18,6 +18,7 @@ from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, socket_name
 from wcache.plan.key import tp_problem
+from wcache.server.service import ignore_hangup
 from wcache.server.startup import run
 from wcache.units import size_arg
 
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupted)
+    ignore_hangup()  # from the start: a terminal closing while the checkpoint loads must not end the daemon
     try:
         return run(args)
     except WCacheError as exc:

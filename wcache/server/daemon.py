@@ -179,7 +179,7 @@ class Daemon:
 
     async def serve(self, on_ready: object | None = None, *, signals: bool = True) -> None:
         """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then drain and unlink the socket."""
-        with stop_on_signals(self.stop, signals=signals):
+        with stop_on_signals(self.stop, signals=signals, log=log, tag=self._tag):
             self._fd_limits()
             listener = self._listener if self._listener is not None else bind_private_socket(self.socket_path)
             self._listener = listener

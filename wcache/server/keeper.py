@@ -254,7 +254,7 @@ class Keeper:
     async def serve(self, on_ready: Callable[[], None] | None = None, *, signals: bool = True) -> None:
         """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then close every held descriptor (freeing
         the memory)."""
-        with stop_on_signals(self.stop, signals=signals):
+        with stop_on_signals(self.stop, signals=signals, log=log, tag=self._tag):
             self.shell.start(bind_private_socket(self.socket_path))
             if on_ready is not None:
                 on_ready()

@@ -20,6 +20,7 @@ from wcache.errors import WCacheError
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server.keeper import Keeper, KeeperLimits
 from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir, hold_socket_dir
+from wcache.server.service import ignore_hangup
 
 __all__ = ["fd_budget", "keeper_socket", "main", "parse_args"]
 
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s wcache-keeper[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    ignore_hangup()  # a terminal closing must not end the keeper (and free every slab it holds)
     try:
         path = keeper_socket(args.socket_path, args.socket_dir)
         hold = hold_socket_dir(path.parent)

@@ -263,20 +263,42 @@ def unread_fd_share(connections: int, tag: str, log: logging.Logger) -> int:
     return share
 
 
+def ignore_hangup() -> None:
+    """SIGHUP ignored from now on (a daemon or keeper started from a terminal with ``&`` gets it when the terminal
+    closes; its default action would end the process with no drain, leaving leases dropped, a keeper's slabs freed,
+    the socket and its lock behind). ``stop_on_signals`` logs each one it gets while serving."""
+    with contextlib.suppress(ValueError, OSError):  # not the main thread: the caller's own signals stand
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
-def stop_on_signals(stop: Callable[[], None], *, signals: bool = True) -> Iterator[None]:
-    """SIGTERM and SIGINT call ``stop`` while inside (with ``signals``; off for a service run inside a test)."""
+def stop_on_signals(
+    stop: Callable[[], None], *, signals: bool = True, log: logging.Logger | None = None, tag: str = ""
+) -> Iterator[None]:
+    """SIGTERM and SIGINT call ``stop`` while inside (with ``signals``; off for a service run inside a test); SIGHUP
+    is ignored, with a line in ``log`` (``ignore_hangup``)."""
     loop = asyncio.get_running_loop()
     sigs = (signal.SIGTERM, signal.SIGINT) if signals else ()
     for sig in sigs:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop)
+    hup = signals and log is not None
+
+    def hangup() -> None:
+        assert log is not None
+        log.warning("SIGHUP ignored %s: still serving (stop it with SIGTERM)", tag)
+
+    if hup:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, hangup)
     try:
         yield
     finally:
-        for sig in sigs:
+        for sig in (*sigs, signal.SIGHUP) if hup else sigs:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+        if hup:
+            ignore_hangup()  # remove_signal_handler restored the default action
 
 
 class Shell:
