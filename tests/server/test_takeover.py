@@ -15,9 +15,12 @@ import torch
 
 from tests.conftest import DaemonProc
 from tests.server.deposit_engine import recipe_key
-from wcache import WCacheClient, WeightCacheKey
+from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
+from wcache.channel import connect_blocking, expect_blocking
 from wcache.nn import load_from_disk
+from wcache.plan.key import RankSpec
 from wcache.plan.recipe import RecipeKey
+from wcache.proto import Deposit, DepositTensor
 from wcache.server.process import spawn_daemon
 
 
@@ -187,3 +190,50 @@ async def test_fetches_during_the_hand_off_do_not_spoil_it(
         ch.close()
         engine.close()
     assert old.proc.wait(30) == 0
+
+
+async def test_after_the_hand_off_the_old_daemon_answers_nothing_more(
+    ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """docs/protocol.md §4.10 step 4: once TAKEOVER_DONE is out, the old daemon's models are the new daemon's. A
+    DEPOSIT arriving on a connection it still drains, and a PRELOAD whose load ends after the hand-off, are not
+    answered by it (a DEPOSITED or PRELOADED there would name a model the daemon serving the socket never gets):
+    their connections close, and the new daemon serves only what it was handed."""
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "WCACHE_TEST_SLOW_S": "3",
+    }
+    old = spawn_daemon(ckpt, socket_dir, env=env, log=tmp_path / "old.log")
+    new = None
+    try:
+        key = WeightCacheKey.from_checkpoint(ckpt)
+        # a PRELOAD still loading when the hand-off completes (the old daemon drains it)
+        spec = RankSpec(ckpt, transform="tests.server.slow_transform:slow")
+        loading = asyncio.ensure_future(WCacheClient(old.socket).preload(spec, timeout=60))
+        # an engine's connection, open and idle across the hand-off
+        ch, _ = connect_blocking(old.socket, software="test", name="engine", timeout=10)
+        await asyncio.sleep(0.5)
+        new = await asyncio.to_thread(spawn_daemon, None, socket_dir, takeover=old.socket, timeout=60)
+        deposit = Deposit(
+            id=1,
+            key=recipe_key(key).to_wire(),
+            tensors=(DepositTensor(name="w", dtype="float32", shape=(256,)),),
+        )
+        try:
+            ch.send_blocking(deposit, 10)
+            with pytest.raises((EOFError, ConnectionError)):
+                expect_blocking(ch, 10)  # closed: no DEPOSIT_SLAB from a daemon that handed over
+        finally:
+            ch.close()
+        with pytest.raises(CacheUnavailableError):
+            await loading  # closed: no PRELOADED for a model the new daemon does not hold
+        assert await asyncio.to_thread(old.proc.wait, 30) == 0
+        (served,) = (await WCacheClient(new.socket).status()).models
+        assert served.key == key.to_wire() and served.origin == "takeover"
+    finally:
+        loading.cancel()
+        old.stop()
+        if new is not None:
+            new.stop()

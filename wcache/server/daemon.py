@@ -79,6 +79,10 @@ __all__ = ["Daemon"]
 log = logging.getLogger("wcache.server")
 
 
+class _HandedOver(Exception):
+    """A request this daemon may not answer: it handed its models over (``Daemon.handle``)."""
+
+
 @dataclass(eq=False)
 class _Handoff:
     """A hand-off in progress: TAKEOVER_STATE went to ``conn`` (the new daemon, ``pid``) with ``models``."""
@@ -265,6 +269,21 @@ class Daemon:
     async def handle(self, request: Frame, fds: list[int], ctx: Context) -> Reply | Frame:
         # the connection lets through only requests (the transition table) of this service
         frame = cast("DaemonRequest", request)
+        try:
+            if self._handed_over:
+                raise _HandedOver
+            return await self._handle(frame, ctx)
+        except _HandedOver:
+            # docs/protocol.md §4.10 step 4: once TAKEOVER_DONE is out this daemon's models are the new daemon's and
+            # its connections close; a request still arriving on one while the busy ones drain, or one whose load
+            # ended after it, is not answered here (a DEPOSITED or PRELOADED from this daemon would name a model
+            # the daemon serving the socket never gets): the connection closes, and the engine reconnects to it
+            log.info("closing %s pid=%d: %s after the hand-off (the new daemon serves)", self._tag, ctx.pid, frame.TYPE)
+            ctx.end()
+            await asyncio.sleep(0)  # the cancellation lands here
+            raise AssertionError("a connection ended by ctx.end() went on") from None
+
+    async def _handle(self, frame: DaemonRequest, ctx: Context) -> Reply | Frame:
         conn_id, pid = ctx.id, ctx.pid
         if self._handoff is not None and self._handoff.conn == conn_id and not isinstance(frame, TakeoverAdopted):
             self._hand_over_failed(f"{frame.TYPE} instead of TAKEOVER_ADOPTED")
@@ -656,6 +675,9 @@ class Daemon:
                     model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
                 if model is None:
                     model = await asyncio.to_thread(loader, rp)
+            if self._handed_over:  # loaded after the hand-off: the new daemon does not get it (``handle``)
+                model.close()
+                raise _HandedOver
             self.store.add(model)
             if self.keeper is not None:
                 await self.keeper.keep(model)
