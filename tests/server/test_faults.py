@@ -21,7 +21,9 @@ import pytest
 
 from tests.conftest import DaemonProc, server_cmd
 from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
+from wcache.plan.key import RankSpec
 from wcache.proto import PROTOCOL_VERSION, Hello, pack_frame
+from wcache.server.process import spawn_daemon
 
 
 async def _leases(d: DaemonProc) -> int:
@@ -330,3 +332,34 @@ async def test_memfd_slab_cannot_be_written_by_a_client(daemon: DaemonProc, ckpt
         os.close(fd)
     finally:
         ch.close()
+
+
+async def test_a_stop_does_not_wait_for_a_load_in_a_worker_thread(ckpt: Path, socket_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while a PRELOAD loads (a minute here; a read that never returns, for ever): the daemon stops within
+    its drain's grace and its lock is free at once for the next daemon on the socket — it used to wait for the
+    worker thread, the lock held, so that a replacement refused to start."""
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "WCACHE_TEST_SLOW_S": "60",
+    }
+    old = spawn_daemon(ckpt, socket_dir, env=env, log=tmp_path / "old.log")
+    spec = RankSpec(ckpt, transform="tests.server.slow_transform:slow")
+    loading = asyncio.ensure_future(WCacheClient(old.socket).preload(spec, timeout=90))
+    try:
+        await asyncio.sleep(0.5)
+        assert old.proc.poll() is None and not loading.done()
+        t0 = time.monotonic()
+        assert await asyncio.to_thread(old.stop, signal.SIGTERM, 30) == 0
+        assert time.monotonic() - t0 < 20  # the drain's grace (5 s), not the load's minute
+        with pytest.raises(CacheUnavailableError):
+            await loading
+        new = spawn_daemon(ckpt, socket_dir, timeout=60)  # the lock is free: it starts
+        try:
+            assert (await WCacheClient(new.socket).status()).models
+        finally:
+            new.stop()
+    finally:
+        loading.cancel()
+        old.stop(signal.SIGKILL)

@@ -15,8 +15,9 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wcache import __version__
 from wcache.errors import CheckpointError, WCacheError
@@ -469,6 +470,7 @@ def run(args: argparse.Namespace) -> int:
         sock_path = resolve_socket(args)
     hold = hold_socket_dir(sock_path.parent)
     lock = DaemonLock(sock_path)
+    workers: Workers | None = None
     try:
         backend = make_backend(args.device, args.cuda_export, args.staging_bytes or DEFAULT_STAGING)
         loads = args.takeover is None and not _keeper_holds_some(args, sock_path)
@@ -602,9 +604,17 @@ def run(args: argparse.Namespace) -> int:
                         payload["peer"] = f"{daemon.peers.host}:{daemon.peers.port}"
                     write_ready(args.ready_file, payload)
 
+            import asyncio
+
             import uvloop
 
-            uvloop.run(daemon.serve(ready))
+            workers = Workers()
+
+            async def serve() -> None:
+                asyncio.get_running_loop().set_default_executor(workers)  # asyncio.to_thread's: the loads
+                await daemon.serve(ready)
+
+            uvloop.run(serve())
         finally:
             store.close()
             if tier is not None:
@@ -612,4 +622,33 @@ def run(args: argparse.Namespace) -> int:
     finally:
         lock.release()  # a clean stop leaves neither the lock file nor (the default one, if empty) the directory
         hold.release()
+    if workers is not None and workers.busy:
+        # a stop does not wait for a load in a worker thread (a PRELOAD's, a load on demand: minutes for a big
+        # checkpoint, forever for a read that never returns) while the lock would keep a new daemon out: the lock
+        # is released above, and the process ends without joining the thread (its model was never served)
+        log.warning("stopped with %d load(s) still running in a worker thread: not waiting for them", workers.busy)
+        logging.shutdown()
+        os._exit(0)
     return 0
+
+
+class Workers(ThreadPoolExecutor):
+    """The event loop's default executor (``asyncio.to_thread``), whose shutdown does not wait for its threads:
+    ``busy`` counts the calls still running then (``run`` exits past them)."""
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="wcache-worker")
+        self._running: set[Future[Any]] = set()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future = super().submit(fn, *args, **kwargs)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
