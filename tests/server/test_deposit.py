@@ -878,3 +878,26 @@ async def test_deposits_in_progress_on_the_daemon_are_limited(daemon: DaemonProc
     finally:
         for ch in chans:
             ch.close()
+
+
+def test_the_room_made_for_a_load_is_held_until_it_ends() -> None:
+    """A PRELOAD makes room, then loads in a worker thread while the daemon serves: a DEPOSIT meanwhile saw the room
+    as free and took it, and the daemon ended over its --memory-budget (34 MB resident against 26). The load's
+    bytes now count against the budget until it ends (``Store.loading``), in every room check."""
+    from wcache.server.backends import host
+
+    store = Store(host.HostBackend(), budget=1 << 20)
+    try:
+        big = Deposit(id=1, key=_one_tensor_deposit().key, tensors=(DepositTensor("w", "uint8", (600 << 10,)),))
+        with store.loading(600 << 10) as evicted:
+            assert evicted == [] and store.loading_bytes == 600 << 10
+            with pytest.raises(OutOfMemoryError) as info:
+                store.begin_deposit(1, 1, big)  # the rest of the budget, 424 KiB, does not hold 600 KiB
+            assert info.value.details["loading"] == 600 << 10 and store.deposits == {}
+            with pytest.raises(OutOfMemoryError):
+                store.make_room(600 << 10)  # nor another load
+        assert store.loading_bytes == 0  # the load ended (failed here: nothing added): its room is free again
+        store.begin_deposit(1, 1, big)
+        assert store.pending_bytes == 600 << 10
+    finally:
+        store.close()

@@ -577,8 +577,9 @@ class Daemon:
             if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
                 entry = await asyncio.to_thread(tier.lookup, key, generation=since)
                 if entry is not None:
-                    await self._evicted(self.store.make_room(entry.size), "tier-restore")
-                    model = await asyncio.to_thread(restore, entry, key)
+                    with self.store.loading(entry.size) as evicted:  # held until it is added, below: no await between
+                        await self._evicted(evicted, "tier-restore")
+                        model = await asyncio.to_thread(restore, entry, key)
             if model is None and filler is not None:
                 model = await self._filled(functools.partial(filler.key, key, self._room_from_thread(), "not served"))
                 if model is not None and model.source is None:
@@ -667,18 +668,18 @@ class Daemon:
                 if held is not None:
                     self.store.remember_source(held, spec.checkpoint, rp.facts)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
-                evicted = self.store.make_room(rp.layout.total_bytes)
-                await self._evicted(evicted, "preload")
-                model = None
-                # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
-                if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
-                    model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
-                if model is None:
-                    model = await asyncio.to_thread(loader, rp)
-            if self._handed_over:  # loaded after the hand-off: the new daemon does not get it (``handle``)
-                model.close()
-                raise _HandedOver
-            self.store.add(model)
+                with self.store.loading(rp.layout.total_bytes) as evicted:
+                    await self._evicted(evicted, "preload")
+                    model = None
+                    # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
+                    if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
+                        model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
+                    if model is None:
+                        model = await asyncio.to_thread(loader, rp)
+                    if self._handed_over:  # loaded after the hand-off: the new daemon does not get it (``handle``)
+                        model.close()
+                        raise _HandedOver
+                    self.store.add(model)
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(

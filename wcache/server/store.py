@@ -8,6 +8,7 @@ How a model is loaded into a slab (checkpoint, host tier, transform) is wcache/s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -15,7 +16,7 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -322,6 +323,8 @@ class Store:
         #: recipe key -> generation of the deposit last committed under it in this process: the host tier restores
         #: no other generation of the key, and a restore that a commit overtook is dropped (``add_restored``)
         self.generations: dict[WeightCacheKey, str] = {}
+        #: bytes promised to a load in progress (``loading``): room made for them, not yet served
+        self.loading_bytes = 0
 
     @property
     def resident_bytes(self) -> int:
@@ -387,7 +390,9 @@ class Store:
         budget and ``models`` more models fit ``max_models`` — deposits in progress counting as held in both.
         ``going``: a model that leaves anyway (the one a deposit replaces). Chooses; evicts nothing. Raises
         where evicting every unleased model would not do: OUT_OF_MEMORY (bytes), LIMIT_EXCEEDED (models)."""
-        free = None if self.budget is None else self.budget - self.resident_bytes - self.pending_bytes
+        free = (
+            None if self.budget is None else self.budget - self.resident_bytes - self.pending_bytes - self.loading_bytes
+        )
         count = len(self.models) + len(self.deposits)
         if going is not None:
             count -= 1
@@ -404,12 +409,14 @@ class Store:
         if free is not None and free < nbytes:
             raise OutOfMemoryError(
                 f"{nbytes} bytes do not fit the {self.budget}-byte budget: {self.resident_bytes} bytes resident, "
-                f"{self.pending_bytes} promised to deposits in progress, pinned by leases: {', '.join(pinned) or 'none'}",
+                f"{self.pending_bytes} promised to deposits and {self.loading_bytes} to loads in progress, pinned by "
+                f"leases: {', '.join(pinned) or 'none'}",
                 details={
                     "needed": nbytes,
                     "budget": self.budget,
                     "resident": self.resident_bytes,
                     "pending": self.pending_bytes,
+                    "loading": self.loading_bytes,
                     "pinned": pinned,
                 },
             )
@@ -432,6 +439,19 @@ class Store:
             self.backend.check_room(nbytes, freeing=sum(m.slab_bytes for m in victims))
         self._evict(victims)
         return victims
+
+    @contextlib.contextmanager
+    def loading(self, nbytes: int) -> Iterator[list[ServedModel]]:
+        """``make_room`` for a load that runs while the daemon serves (a PRELOAD's, a load on demand's, a host-tier
+        restore's), its ``nbytes`` held against the budget until the block ends — the model added, or the load
+        failed — so that a deposit or another load meanwhile cannot take the room made for it. Yields the
+        evicted models."""
+        victims = self.make_room(nbytes)
+        self.loading_bytes += nbytes
+        try:
+            yield victims
+        finally:
+            self.loading_bytes -= nbytes
 
     def _evict(self, victims: list[ServedModel]) -> None:
         for m in victims:
