@@ -13,9 +13,11 @@ import torch
 
 from tests.conftest import DaemonProc, run_cli
 from wcache import KeyMismatchError, WCacheClient, WeightCacheKey
+from wcache.channel import connect, expect
 from wcache.errors import InUseError, NotFoundError, OutOfMemoryError
 from wcache.nn import load_from_disk
 from wcache.plan.key import RankSpec
+from wcache.proto import GetState
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
 
 SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
@@ -237,3 +239,36 @@ def test_a_fetch_compares_its_key_with_one_model_not_all(monkeypatch: pytest.Mon
         assert store.lookup({"architecture": "A"}) is None  # a map that names no key at all
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layout": 1},  # a field the variant does not set
+        {"architecture": "OtherForCausalLM"},
+        {"zzz": "x"},  # a field this daemon does not know
+        {"tp_rank": 5, "tp_size": 2},  # no such rank: INVALID_PLAN before
+        {"dtype": "int8"},  # no such dtype: INVALID_CHECKPOINT before
+        {"transform": "no_such_module:fn"},  # INVALID_TRANSFORM before
+    ],
+    ids=["layout", "architecture", "unknown-field", "rank", "dtype", "transform"],
+)
+async def test_load_on_demand_of_a_key_it_cannot_serve_loads_nothing(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, change: dict[str, str | int]
+) -> None:
+    """--load-on-demand: a GET_STATE whose key no load of the checkpoint gives is answered KEY_MISMATCH, having
+    loaded and evicted nothing. It was loaded first (a variant of the fingerprint, evicting the unleased model under
+    a budget) and then refused, each time: requests that alternated thrashed the daemon; a variant the planner
+    refuses was answered with the PRELOAD's codes."""
+    d = daemon_factory(ckpt, "--load-on-demand")
+    client = WCacheClient(d.socket)
+    before = (await client.status()).models
+    key = {**WeightCacheKey.from_checkpoint(ckpt, dtype="float16").to_wire(), **change}
+    ch, _ = await connect(d.socket, software="test", name="engine")
+    try:
+        await ch.send(GetState(id=1, key=key, mode="zero_copy", device_uuid=""))
+        with pytest.raises(KeyMismatchError):
+            await expect(ch)
+    finally:
+        ch.close()
+    assert (await client.status()).models == before  # nothing loaded, nothing evicted

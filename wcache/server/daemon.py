@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, assert_never, cast
 
 from wcache.channel import DEFAULT_READ_BUDGET, ReadBudget
 from wcache.errors import (
+    CheckpointError,
     DeviceMismatchError,
     FrameTooLargeError,
     InternalError,
@@ -30,6 +31,8 @@ from wcache.errors import (
     LimitExceededError,
     NotFoundError,
     ProtocolError,
+    ShardingError,
+    TransformError,
     UnexpectedFrameError,
     UnknownLeaseError,
     UnsupportedPlatformError,
@@ -309,7 +312,9 @@ class Daemon:
                 return self.status_reply(frame.id)
             case Preload():
                 spec = RankSpec.from_preload(frame, verify_content=self.verify_content)
-                return await self._preload(spec, frame.id, pid)
+                preloaded = await self._preload(spec, frame.id, pid)
+                assert preloaded is not None  # None only for a load on demand's ``wanted``
+                return preloaded
             case Takeover():
                 return await self._hand_over(frame, ctx)
             case TakeoverAdopted():
@@ -530,24 +535,30 @@ class Daemon:
         if source is None or not isinstance(k.get("tp_rank"), int) or not isinstance(k.get("tp_size"), int):
             return False
         dtype, transform = k.get("dtype", "auto"), k.get("transform", "")
-        spec = RankSpec(
-            source,
-            tp_rank=int(k["tp_rank"]),
-            tp_size=int(k["tp_size"]),
-            dtype=str(dtype),
-            transform=str(transform),
-            verify_content=self.verify_content,
-        )
-        log.info(
-            "load on demand %s pid=%d source=%s tp=%s/%s dtype=%s",
-            self._tag,
-            pid,
-            source,
-            k["tp_rank"],
-            k["tp_size"],
-            dtype,
-        )
-        await self._preload(spec, req.id, pid)
+        try:
+            spec = RankSpec(
+                source,
+                tp_rank=int(k["tp_rank"]),
+                tp_size=int(k["tp_size"]),
+                dtype=str(dtype),
+                transform=str(transform),
+                verify_content=self.verify_content,
+            )
+            log.info(
+                "load on demand %s pid=%d source=%s tp=%s/%s dtype=%s",
+                self._tag,
+                pid,
+                source,
+                k["tp_rank"],
+                k["tp_size"],
+                dtype,
+            )
+            await self._preload(spec, req.id, pid, wanted=req.key)
+        except (CheckpointError, ShardingError, TransformError) as exc:
+            # a variant this checkpoint has no plan, dtype or transform for: the request's answer is KEY_MISMATCH
+            # (docs/protocol.md §4.9), as for any key it cannot be served under, not the PRELOAD's codes
+            log.info("load on demand refused %s pid=%d: %s", self._tag, pid, exc.message)
+            return False
         return any(not m.key.diff_wire(req.key) for m in self.store.models.values())
 
     async def _evicted(self, models: Sequence[ServedModel], reason: str) -> None:
@@ -653,7 +664,9 @@ class Daemon:
         self._tier_saves.add(task)
         task.add_done_callback(self._tier_saves.discard)
 
-    async def _preload(self, spec: RankSpec, rid: int, pid: int) -> Preloaded:
+    async def _preload(
+        self, spec: RankSpec, rid: int, pid: int, *, wanted: dict[str, str | int] | None = None
+    ) -> Preloaded | None:
         """Load a model in a worker thread (the daemon keeps serving), after making room for it. The rank
         is planned once: that plan's key answers "already held", its layout the budget, and it is filled from
         the peers (--fill-from) or loaded. One at a time: a second request for the key finds it held."""
@@ -668,6 +681,18 @@ class Daemon:
                 if held is not None:
                     self.store.remember_source(held, spec.checkpoint, rp.facts)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
+                if wanted is not None and key.diff_wire(wanted):
+                    # a load on demand whose plan gives another key than the request's (a field the variant does
+                    # not set: its layout, architecture, one the daemon does not know): loading it would evict for
+                    # nothing, the request could not be served from it
+                    log.info(
+                        "load on demand skipped %s pid=%d: the plan's key %s is not the one asked for (%s)",
+                        self._tag,
+                        pid,
+                        key.short(),
+                        ", ".join(sorted(key.diff_wire(wanted))),
+                    )
+                    return None
                 with self.store.loading(rp.layout.total_bytes) as evicted:
                     await self._evicted(evicted, "preload")
                     model = None
