@@ -131,3 +131,17 @@ def test_a_held_daemon_lock_is_not_a_security_failure(tmp_path: Path) -> None:
     second = DaemonLock(tmp_path / "wcache.sock")
     second.acquire()  # released: the next daemon takes it
     second.release()
+
+
+def test_a_field_that_differs_only_in_type_says_so() -> None:
+    """KEY_MISMATCH's words for ``"0"`` against ``0`` read ``tp_rank: requested 0, served 0``: the two values look
+    the same unless quoted and named by type."""
+    from wcache.errors import describe_fields
+
+    assert describe_fields({"tp_rank": [0, "0"]}) == "tp_rank: requested '0' (str), served 0 (int)"
+    assert describe_fields({"layout": [1, True]}) == "layout: requested True (bool), served 1 (int)"
+    # alike in type: as before
+    assert describe_fields({"tp_size": [2, 1], "dtype": ["bfloat16", "float16"]}) == (
+        "tp_size: requested 1, served 2; dtype: requested float16, served bfloat16"
+    )
+    assert describe_fields({"zzz": [None, "x"]}) == "zzz: requested x, served nothing"

@@ -229,7 +229,12 @@ def describe_fields(fields: Mapping[str, Any]) -> str:
     parts = []
     for name, pair in fields.items():
         served, requested = pair if isinstance(pair, list | tuple) and len(pair) == 2 else (pair, None)
-        parts.append(f"{name}: requested {_show(requested)}, served {_show(served)}")
+        if None not in (served, requested) and type(served) is not type(requested):
+            # the same text, another type ("0" for 0, True for 1): quoted and named, or the two would read alike
+            show = f"{requested!r} ({type(requested).__name__}), served {served!r} ({type(served).__name__})"
+            parts.append(f"{name}: requested {show}")
+        else:
+            parts.append(f"{name}: requested {_show(requested)}, served {_show(served)}")
     return "; ".join(parts)
 
 
