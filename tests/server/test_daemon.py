@@ -204,6 +204,32 @@ async def test_a_commit_from_another_connection_is_refused_and_the_deposit_stays
         assert sorted(m.origin for m in (await _status(d)).models) == ["deposit", "disk"]
 
 
+async def test_a_deposit_not_committed_in_time_is_abandoned_and_its_slot_freed(
+    store: Store, socket_dir: Path, ckpt: Path
+) -> None:
+    """Deposits in progress are few (``Store.max_deposits``, 16) and their bytes count in every room check: engines
+    that open them and never COMMIT, on connections that stay open, held write-back off for every other engine
+    for ever. One not committed ``deposit_timeout`` after its DEPOSIT_SLAB is abandoned: its key is free again,
+    and its COMMIT is refused as any unknown deposit's."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    async with serving(store, socket_dir, deposit_timeout=0.5) as d:
+        hog, engine = await _open(d), await _open(d)
+        try:
+            slab = await _begin_deposit(hog, key)
+            with pytest.raises(InUseError):
+                await _begin_deposit(engine, key)  # the key's deposit is in progress
+            deadline = time.monotonic() + 20
+            while store.deposits:
+                assert time.monotonic() < deadline, "the deposit was not abandoned"
+                await asyncio.sleep(0.05)
+            assert isinstance(await _begin_deposit(engine, key), DepositSlab)  # the key is free again
+            with pytest.raises(UnknownLeaseError):
+                await _ask(hog, Commit(id=2, deposit=slab.deposit))
+        finally:
+            hog.close()
+            engine.close()
+
+
 async def test_an_idle_connection_with_a_deposit_in_progress_is_closed_and_the_deposit_freed(
     store: Store, socket_dir: Path, ckpt: Path
 ) -> None:

@@ -271,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=0, help="close connections silent this long, in s (0: never; leases live)"
     )
     p.add_argument(
+        "--deposit-timeout",
+        type=float,
+        default=600,
+        metavar="S",
+        help="abandon a write-back deposit not committed this long after its slab was handed out, freeing its slab "
+        "and its slot (0: never; default 600)",
+    )
+    p.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus text metrics on 127.0.0.1:PORT (0: off)"
     )
     p.add_argument("--frame-timeout", type=float, default=10.0, help="max seconds to finish sending a started frame")
@@ -319,6 +327,8 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if not args.idle_timeout >= 0:  # also refuses NaN
         p.error(f"--idle-timeout {args.idle_timeout} must be >= 0 seconds (0: never close idle connections)")
+    if not 0 <= args.deposit_timeout < float("inf"):  # also refuses NaN
+        p.error(f"--deposit-timeout {args.deposit_timeout} must be >= 0 seconds (0: never abandon a deposit)")
     if not args.frame_timeout > 0:
         p.error(f"--frame-timeout {args.frame_timeout} must be a positive number of seconds")
     if args.threads < 1:

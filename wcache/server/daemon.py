@@ -81,6 +81,10 @@ __all__ = ["Daemon"]
 
 log = logging.getLogger("wcache.server")
 
+#: seconds a deposit may stay uncommitted after its DEPOSIT_SLAB (``--deposit-timeout``): writing even a large
+#: model's tensors into the slab takes seconds
+DEFAULT_DEPOSIT_TIMEOUT = 600.0
+
 
 class _HandedOver(Exception):
     """A request this daemon may not answer: it handed its models over (``Daemon.handle``)."""
@@ -127,6 +131,7 @@ class Daemon:
         keeper_check: float = 5.0,
         tier_restore: Callable[[TierEntry, WeightCacheKey], ServedModel | None] | None = None,
         handoff_timeout: float = 10.0,
+        deposit_timeout: float | None = DEFAULT_DEPOSIT_TIMEOUT,
         peers: PeerListener | None = None,
         peer_fill: PeerFill | None = None,
     ) -> None:
@@ -176,6 +181,10 @@ class Daemon:
         #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
         #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
         self.handoff_timeout = handoff_timeout
+        #: a deposit not committed this many seconds after its DEPOSIT_SLAB is abandoned (None: never): the deposits in
+        #: progress are few (``Store.max_deposits``) and their bytes count in every room check, so engines that never
+        #: commit would hold write-back off for every other engine
+        self.deposit_timeout = deposit_timeout
         #: the hand-off in progress (TAKEOVER_STATE sent, TAKEOVER_ADOPTED awaited), if any
         self._handoff: _Handoff | None = None
         self._handed_over = False
@@ -381,7 +390,19 @@ class Daemon:
             dep.slab.size,
             self.store.pending_bytes,
         )
-        return Reply(reply, fds, undo=lambda: self.store.abandon(dep.id, "its DEPOSIT_SLAB could not be sent"))
+
+        def sent() -> None:
+            if self.deposit_timeout is not None:
+                asyncio.get_running_loop().call_later(
+                    self.deposit_timeout,
+                    self.store.abandon,  # a no-op for a deposit committed or abandoned by then (ids are not reused)
+                    dep.id,
+                    f"not committed within {self.deposit_timeout:g} s (--deposit-timeout)",
+                )
+
+        return Reply(
+            reply, fds, undo=lambda: self.store.abandon(dep.id, "its DEPOSIT_SLAB could not be sent"), after=sent
+        )
 
     async def _commit(self, req: Commit, conn_id: int, pid: int) -> Reply:
         """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the host tier (before

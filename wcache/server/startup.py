@@ -560,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
                     frame_timeout=args.frame_timeout,
                 ),
                 metrics_port=args.metrics_port,
+                deposit_timeout=args.deposit_timeout or None,
                 loader=loader,
                 planner=planner,
                 verify_content=args.verify_content,
