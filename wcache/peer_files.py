@@ -4,10 +4,11 @@ fingerprint blocks at their offsets, holes elsewhere — so the key computed fro
 checkpoint's, while no weights are ever downloaded.
 
 A stub reads as zeros outside its header and samples, so it must never be loaded: the marker file
-``wcache-peer-fill.json`` names every stub with its size and inode, and :func:`refuse_stubs` (the daemon's
-loader, wcache's integrations' disk fallback) refuses a checkpoint any of whose safetensors files the marker
-still describes. A file written over a stub (the real weights downloaded) is another inode: the marker no
-longer applies to it. No torch, no NIXL: the standard library and wcache's file rules (wcache/files.py).
+``wcache-peer-fill.json`` names every stub with its size and a few probe windows of the bytes the stub leaves
+unwritten (zeros there), and :func:`refuse_stubs` (the daemon's loader, wcache's integrations' disk fallback)
+refuses a checkpoint any of whose safetensors files the marker names and that still reads as zeros in those
+windows: the stub itself, and any copy of it. A file the real weights were written into (downloaded over the
+stub, in place or not) holds them there: the marker no longer applies to it. No torch, no NIXL: the standard library and wcache's file rules (wcache/files.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from wcache.files import open_regular
 from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.proto.fleet_frames import MAX_FILE_BYTES, PeerBlock, PeerFile
 
-__all__ = ["MARKER", "checkpoint_files", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
+__all__ = ["MARKER", "checkpoint_files", "probes", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
 
 MARKER = "wcache-peer-fill.json"
 
@@ -65,39 +66,71 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
     return out
 
 
+#: a stub's probes: windows of its data region that only the real weights fill (a stub holds zeros there)
+PROBES, PROBE_BYTES = 4, 4096
+
+
+def probes(f: PeerFile) -> list[tuple[int, int]]:
+    """(offset, length) of up to ``PROBES`` windows of ``f``'s stub that it leaves unwritten — outside its header
+    and its sampled blocks —, spread evenly over them. Empty when the stub writes the whole file (no stub then)."""
+    gaps: list[tuple[int, int]] = []
+    at = len(f.data)
+    for b in sorted(f.blocks, key=lambda b: b.offset):
+        if b.offset > at:
+            gaps.append((at, b.offset))
+        at = max(at, b.offset + len(b.data))
+    if f.size > at:
+        gaps.append((at, f.size))
+    total = sum(e - s for s, e in gaps)
+    out: list[tuple[int, int]] = []
+    for i in range(PROBES if total else 0):
+        want = total * (2 * i + 1) // (2 * PROBES)  # the middle of the i-th of PROBES equal parts of the gaps
+        for s, e in gaps:
+            if want < e - s:
+                out.append((s + want, min(PROBE_BYTES, e - s - want)))
+                break
+            want -= e - s
+    return sorted(set(out))
+
+
 def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
     """Write a source's files into ``root`` (created 0755 if missing; a file already there is left alone) and
-    record the stubs in the marker. Returns the names written. Each file is written to a temporary name and
-    renamed, so an interrupted write leaves no half file under a checkpoint name."""
+    record the stubs in the marker — first, before any stub exists, so that a write cut short (a crash, a full
+    disk, a name too long) leaves no stub the marker does not name. Returns the names written. Each file is
+    written to a temporary name and renamed, so an interrupted write leaves no half file under a checkpoint name.
+    OSError when a file cannot be written (its temporary file removed)."""
     root.mkdir(parents=True, exist_ok=True)
+    todo = [f for f in files if not ((root / f.name).exists() or (root / f.name).is_symlink())]
     marker = _read_marker(root)
-    written: list[str] = []
-    for f in files:
-        dest = root / f.name
-        if dest.exists() or dest.is_symlink():
-            continue
-        tmp = root / f".{f.name}.wcache-tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            os.pwrite(fd, f.data, 0)
-            for b in f.blocks:
-                os.pwrite(fd, b.data, b.offset)
-            os.ftruncate(fd, f.size)  # the rest is a hole: a stub's apparent size is the real file's
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, dest)
-        if f.size > len(f.data) + sum(len(b.data) for b in f.blocks):
-            marker[f.name] = {"size": f.size, "inode": st.st_ino, "device": st.st_dev}
-        written.append(f.name)
+    for f in todo:
+        windows = probes(f)
+        if windows:
+            marker[f.name] = {"size": f.size, "probes": [list(w) for w in windows]}
     if marker:
-        tmp = root / f".{MARKER}.wcache-tmp"
+        tmp = root / f".wcache-{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"stubs": marker}, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, root / MARKER)
+    written: list[str] = []
+    for i, f in enumerate(todo):
+        tmp = root / f".wcache-{os.getpid()}-{i}.tmp"  # short: a checkpoint name may be 255 bytes long itself
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                os.pwrite(fd, f.data, 0)
+                for b in f.blocks:
+                    os.pwrite(fd, b.data, b.offset)
+                os.ftruncate(fd, f.size)  # the rest is a hole: a stub's apparent size is the real file's
+            finally:
+                os.close(fd)
+            os.replace(tmp, root / f.name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        written.append(f.name)
     return written
 
 
-def _read_marker(root: Path) -> dict[str, dict[str, int]]:
+def _read_marker(root: Path) -> dict[str, dict[str, object]]:
     try:
         data = json.loads((root / MARKER).read_text())
     except (OSError, ValueError):
@@ -106,17 +139,34 @@ def _read_marker(root: Path) -> dict[str, dict[str, int]]:
     return {k: v for k, v in stubs.items() if isinstance(v, dict)} if isinstance(stubs, dict) else {}
 
 
+def _still_stub(path: Path, rec: dict[str, object]) -> bool:
+    """Whether ``path`` still holds a stub's zeros in every probe window the marker recorded: a file the real
+    weights were written into (in place, or as another file) has them there; a stub — the one written, or a copy
+    of it (``cp -r``, rsync, a restore: another inode, holes or not) — has zeros. A record without probes (an
+    older marker) or a file it cannot read counts as a stub: refused, never served as zeros."""
+    windows = rec.get("probes")
+    try:
+        fd, st = open_regular(path, what="checkpoint file")
+    except (OSError, CheckpointError):
+        return path.exists()
+    try:
+        if st.st_size != rec.get("size"):
+            return False  # another file under the name: not the stub's size
+        if not isinstance(windows, list) or not windows:
+            return True
+        for w in windows:
+            if not (isinstance(w, list) and len(w) == 2 and all(type(x) is int and x >= 0 for x in w)):
+                return True
+            if os.pread(fd, w[1], w[0]).count(0) != w[1]:
+                return False
+        return True
+    finally:
+        os.close(fd)
+
+
 def stub_names(root: Path) -> set[str]:
-    """Files of ``root`` that are still the stubs the marker recorded (same inode, device and size)."""
-    out = set()
-    for name, rec in _read_marker(root).items():
-        try:
-            st = os.stat(root / name)
-        except OSError:
-            continue
-        if (st.st_ino, st.st_dev, st.st_size) == (rec.get("inode"), rec.get("device"), rec.get("size")):
-            out.add(name)
-    return out
+    """Files of ``root`` that the marker names and that still read as its stubs (``_still_stub``)."""
+    return {name for name, rec in _read_marker(root).items() if _still_stub(root / name, rec)}
 
 
 def refuse_stubs(root: Path, files: Sequence[Path]) -> None:

@@ -422,7 +422,13 @@ async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) ->
         if not any(f.name.endswith(".safetensors") for f in reply.files):
             last = FillError(f"peer {src.addr} sent no safetensors headers", details={"reason": "not-found"})
             continue
-        written = await asyncio.to_thread(write_files, root, reply.files)
+        try:
+            written = await asyncio.to_thread(write_files, root, reply.files)
+        except OSError as exc:  # a name too long for this filesystem, a size past its limit, a full disk
+            last = FillError(
+                f"writing the files peer {src.addr} sent into {root} failed: {exc}", details={"reason": "write"}
+            )
+            continue
         log.info("checkpoint files from peer=%s dir=%s files=%d", src.addr, root, len(written))
         return written
     raise FillError(

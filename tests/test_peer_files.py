@@ -1,0 +1,108 @@
+"""A node without the checkpoint (wcache/peer_files.py): what makes a file a stub that is never loaded. A stub holds
+zeros outside its header and sampled blocks; the marker names it with probe windows of those zeros, so the stub
+and every copy of it are refused, and a file the real weights were written into is not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from wcache.errors import CheckpointError
+from wcache.peer_files import MARKER, probes, refuse_stubs, stub_names, write_files
+from wcache.proto.fleet_frames import PeerBlock, PeerFile
+
+SIZE = 1 << 20
+
+
+def _real() -> bytes:
+    """The real file: a header, then weights (no zeros)."""
+    return b"HEADER" + bytes((i * 7 + 1) % 255 + 1 for i in range(SIZE - 6))
+
+
+def _stub_of(real: bytes, name: str = "model.safetensors") -> PeerFile:
+    """What a source sends of ``real``: its first bytes and two sampled blocks."""
+    blocks = tuple(PeerBlock(offset=o, data=real[o : o + 4096]) for o in (100_000, 700_000))
+    return PeerFile(name=name, size=len(real), data=real[:6], blocks=blocks)
+
+
+def test_the_probes_lie_where_the_stub_writes_nothing() -> None:
+    f = _stub_of(_real())
+    windows = probes(f)
+    assert len(windows) == 4
+    written = [(0, 6), *((b.offset, len(b.data)) for b in f.blocks)]
+    for off, n in windows:
+        assert off >= 6 and off + n <= SIZE and n > 0
+        assert all(off + n <= s or e <= off for s, e in ((s, s + m) for s, m in written))
+    whole = PeerFile(name="small", size=6, data=b"HEADER")
+    assert probes(whole) == []  # a file the source sends whole is no stub
+
+
+def test_a_stub_and_its_copies_are_refused_and_the_real_weights_are_not(tmp_path: Path) -> None:
+    real = _real()
+    node = tmp_path / "node"
+    assert write_files(node, [_stub_of(real), PeerFile(name="config.json", size=2, data=b"{}")]) == [
+        "model.safetensors",
+        "config.json",
+    ]
+    stub = node / "model.safetensors"
+    assert stub.stat().st_size == SIZE and stub_names(node) == {"model.safetensors"}
+    with pytest.raises(CheckpointError, match="hold no weights"):
+        refuse_stubs(node, [stub])
+    # a copy of the directory (another inode; sparse or not): still the stub's zeros, still refused
+    for sparse in (True, False):
+        copy = tmp_path / f"copy-{sparse}"
+        if sparse:
+            shutil.copytree(node, copy)
+        else:
+            copy.mkdir()
+            for f in node.iterdir():
+                (copy / f.name).write_bytes(f.read_bytes())  # every byte written: no holes
+        assert stub_names(copy) == {"model.safetensors"}
+    # the real weights written over the stub in place (same inode, as cp, curl -o and wget -O do): served
+    ino = stub.stat().st_ino
+    with open(stub, "r+b") as fh:
+        fh.write(real)
+    assert stub.stat().st_ino == ino and stub_names(node) == set()
+    refuse_stubs(node, [stub])
+    # or downloaded as another file renamed over it
+    other = tmp_path / "other"
+    write_files(other, [_stub_of(real)])
+    (other / "dl.tmp").write_bytes(real)
+    os.replace(other / "dl.tmp", other / "model.safetensors")
+    assert stub_names(other) == set()
+
+
+def test_a_write_cut_short_leaves_every_stub_it_made_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker is written before any stub: a fill that fails half way (a full disk, a size past the filesystem's
+    limit, a name too long) leaves no stub the marker does not name — it used to be written last, and a daemon
+    restarted there computed the real key and served the unnamed stubs' zeros. No temporary file is left."""
+    real = _real()
+    node = tmp_path / "node"
+    ftruncate = os.ftruncate
+    calls = []
+
+    def failing(fd: int, size: int) -> None:
+        calls.append(size)
+        if len(calls) == 2:
+            raise OSError(27, "File too large")
+        ftruncate(fd, size)
+
+    monkeypatch.setattr(os, "ftruncate", failing)
+    files = [_stub_of(real, "model-00001-of-00002.safetensors"), _stub_of(real, "model-00002-of-00002.safetensors")]
+    with pytest.raises(OSError, match="too large"):
+        write_files(node, files)
+    assert sorted(p.name for p in node.iterdir()) == ["model-00001-of-00002.safetensors", MARKER]
+    assert stub_names(node) == {"model-00001-of-00002.safetensors"}
+    with pytest.raises(CheckpointError, match="hold no weights"):
+        refuse_stubs(node, [node / "model-00001-of-00002.safetensors"])
+
+
+def test_a_checkpoint_name_of_255_bytes_is_written(tmp_path: Path) -> None:
+    """The temporary name is short: a file name the filesystem takes is written (a temporary name of the file's
+    own name and a suffix was too long for names over 243 bytes, and the fill failed)."""
+    name = "n" * 250 + ".txt"
+    assert write_files(tmp_path / "node", [PeerFile(name=name, size=3, data=b"abc")]) == [name]
+    assert (tmp_path / "node" / name).read_bytes() == b"abc"
