@@ -34,6 +34,7 @@ from wcache.server.load import load_from_tier, load_model
 from wcache.server.peer import PeerListener, PeerService
 from wcache.server.store import ServedModel, Store
 from wcache.server.tier import HostTier, TierEntry
+from wcache.synthetic import TINY, make_llama_checkpoint
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
 
@@ -166,6 +167,29 @@ async def test_a_recipe_key_asked_for_at_once_is_filled_once(ckpt: Path, socket_
         with pytest.raises(KeyMismatchError):  # as before: what is served under the closest key
             await client.fetch(recipe_key(m.key, postprocess=2), timeout=60)
         assert d.metrics.fills[("filled", "")] == 1 and d.metrics.fills[("failed", "not-found")] == 1
+
+
+async def test_a_recipe_key_is_filled_from_one_peer_not_striped_across_deposits(
+    ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """Two nodes serve deposits under one recipe key that hold other bytes (another generation: the same size and
+    table): the target's slab is one of them byte for byte. It was striped across both — a slab nobody deposited."""
+    m = _load(ckpt)
+    other_ckpt = tmp_path / "other"
+    make_llama_checkpoint(other_ckpt, TINY, seed=1234)  # the same shapes, other bytes
+    other = _load(other_ckpt)
+    recipe = recipe_key(m.key)
+    a = dataclasses.replace(m, key=recipe, origin="deposit")
+    b = dataclasses.replace(other, key=recipe, origin="deposit")
+    assert a.slab_bytes == b.slab_bytes and _bytes(a) != _bytes(b)
+    async with peer(a) as (_, port_a), peer(b) as (_, port_b):
+        cfg = _cfg([port_a, port_b], chunk=64 << 10)  # stripes of 64 KiB: both peers would serve some
+        async with target(socket_dir, cfg) as d:
+            async with await WCacheClient(d.socket_path).fetch(recipe, timeout=60):
+                pass
+            got = _bytes(d.store.models[recipe])
+            assert got in (_bytes(a), _bytes(b))
+    other.close()
 
 
 @contextlib.asynccontextmanager

@@ -227,8 +227,13 @@ async def fill(
                 details={"reason": why},
             )
         if layout is None:
-            total = usable[0][1].size
-            usable = [u for u in usable if u[1].size == total]
+            first = usable[0][1]
+            total = first.size
+            # a deposit's recipe key: another node's deposit under it may be another generation (other bytes, the
+            # same size and table), so the slab is one peer's, not stripes of several; a transformed layout: the same
+            # bytes wherever the same key and table are served
+            deposit = "engine" in want
+            usable = usable[:1] if deposit else [u for u in usable if _same_slab(u[1], first)]
             plan = plan_same(total, len(usable), chunk=cfg.chunk)
         else:
             total = layout.total_bytes
@@ -433,6 +438,17 @@ async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) ->
         return written
     raise FillError(
         f"no peer sent the checkpoint's files: {last}", details={"reason": _reason(last) if last else "no-peer"}
+    )
+
+
+def _same_slab(m: PeerModel, first: PeerModel) -> bool:
+    """Whether ``m`` lays out its slab as ``first`` does (size, table, aliases, buffers): striped together only then."""
+    return (m.size, m.tensors, m.aliases, m.buffers, m.payload) == (
+        first.size,
+        first.tensors,
+        first.aliases,
+        first.buffers,
+        first.payload,
     )
 
 
