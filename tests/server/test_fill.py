@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.plan.test_rank import plan_file
-from wcache.errors import CheckpointError, FillError
+from wcache.errors import CheckpointError, FillError, LimitExceededError
 from wcache.peer_files import MARKER, refuse_stubs, write_files
 from wcache.plan.key import RankSpec
 from wcache.plan.rank import RankPlan, plan_rank
@@ -275,6 +275,41 @@ async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) 
     assert sum(n for _, n in posts) == size
     worst = max(sum(n for t, n in posts if t0 <= t < t0 + window) for t0, _ in posts)
     assert worst <= rate * (window + GRANT_SECONDS) + 2 * grant, (worst, rate * window)
+
+
+async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: Agent) -> None:
+    """One PEER_READ of 2**50 bytes from a peer of a capped source booked the cap's clock for years: no other peer
+    got a grant again. A read asks for at most its slab's size, twice that in all; more is LIMIT_EXCEEDED, and the
+    next peer's grant comes at the cap's pace."""
+    from wcache.channel import expect
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery, PeerRead, PeerReadOk
+    from wcache.server.peer_channel import connect_peer
+
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    async with sources(m, max_rate=size * 4) as ports:
+        ch, _ = await connect_peer("127.0.0.1", ports[0], NONE, timeout=5, software="t")
+        try:
+            await ch.send(PeerQuery(id=1, key=m.key.to_wire()))
+            offer, _ = await expect(ch)
+            assert isinstance(offer, PeerOffer)
+            lease = offer.models[0].lease
+            for i, n in enumerate((2**50, size + 1)):
+                await ch.send(PeerRead(id=2 + i, lease=lease, bytes=n))
+                with pytest.raises(LimitExceededError):
+                    await asyncio.wait_for(expect(ch), 5)
+            for i in range(2):  # twice the slab in all: granted
+                await ch.send(PeerRead(id=4 + i, lease=lease, bytes=size))
+                assert isinstance((await asyncio.wait_for(expect(ch), 5))[0], PeerReadOk)
+            await ch.send(PeerRead(id=6, lease=lease, bytes=1))
+            with pytest.raises(LimitExceededError):
+                await asyncio.wait_for(expect(ch), 5)
+        finally:
+            ch.close()
+        with plan_rank(RankSpec(ckpt)) as rp:  # another peer fills at the cap's pace
+            got = await asyncio.wait_for(_fill(rp, agent, _cfg(ports)), 20)
+            assert _bytes(got) == _bytes(m)
+            got.close()
 
 
 def test_grants_follow_the_cap_and_cost_nothing_uncapped() -> None:

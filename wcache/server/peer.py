@@ -55,6 +55,8 @@ log = logging.getLogger("wcache.fleet")
 
 #: key fields a slab of another tensor-parallel layout must share with the target's key to fill it by resharding
 RESHARD_FIELDS = ("fingerprint", "fingerprint_kind", "architecture", "dtype", "layout", "transform")
+#: a fill's PEER_READs may ask for at most this many times its slab's size in all (each at most the size)
+READS_PER_FILL = 2
 
 
 class _Ctx(Protocol):
@@ -311,6 +313,15 @@ class PeerService:
 
     async def _grant(self, req: PeerRead, ctx: _Ctx) -> PeerReadOk:
         f = self._mine(req.lease, ctx)
+        size = f.model.slab_bytes
+        if req.bytes > size or f.granted + req.bytes > READS_PER_FILL * size:
+            # a fill reads its slab once (a stripe read again after a failure at most): more would book the rate
+            # cap's clock for everyone — one PEER_READ of 2**50 bytes held every other peer's grants for years
+            raise LimitExceededError(
+                f"PEER_READ of {req.bytes} bytes: lease {req.lease}'s slab is {size} bytes, {f.granted} granted "
+                f"already (at most the slab's size per read, {READS_PER_FILL}x it in all)",
+                details={"bytes": req.bytes, "size": size, "granted": f.granted},
+            )
         wait = self.cap.delay(req.bytes)
         if wait > 0:
             await asyncio.sleep(wait)
