@@ -312,6 +312,27 @@ async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt
             got.close()
 
 
+async def test_a_peer_connection_holds_at_most_64_fill_leases(ckpt: Path) -> None:
+    """A local connection holds at most 64 leases (docs/protocol.md §7); a peer connection repeating PEER_QUERY
+    got a lease (a hold on the slab) per query without bound, and every frame then walked them all."""
+    from wcache.channel import expect
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery
+    from wcache.server.peer_channel import connect_peer
+
+    m = _load(ckpt)
+    async with sources(m) as ports:
+        ch, _ = await connect_peer("127.0.0.1", ports[0], NONE, timeout=5, software="t")
+        try:
+            for i in range(64):
+                await ch.send(PeerQuery(id=1 + i, key=m.key.to_wire()))
+                assert isinstance((await expect(ch))[0], PeerOffer)
+            await ch.send(PeerQuery(id=100, key=m.key.to_wire()))
+            with pytest.raises(LimitExceededError, match="64 fill leases"):
+                await expect(ch)
+        finally:
+            ch.close()
+
+
 def test_grants_follow_the_cap_and_cost_nothing_uncapped() -> None:
     assert grant_bytes(0, DEFAULT_CHUNK) == DEFAULT_CHUNK  # uncapped: a 64 MiB batch per PEER_READ, as before
     assert grant_bytes(10 << 30, DEFAULT_CHUNK) == DEFAULT_CHUNK  # a hundredth of 10 GiB/s is more than a batch

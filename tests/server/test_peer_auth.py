@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from wcache.error_codes import ErrorCode
 from wcache.errors import PermissionDeniedError
 from wcache.proto import Connection, DeviceInfo, ErrorFrame, Hello, PeerAuthOk, PeerChallenge, Phase, Role, Service
 from wcache.proto.fleet_frames import PeerAuth, PeerProof
@@ -341,3 +342,28 @@ def test_secret_files_must_be_private_and_long_enough(tmp_path: Path) -> None:
         PeerSecurity.configure(cert=p, key=None, ca=None, secret_file=p)
     with pytest.raises(ValueError, match="all of"):
         PeerSecurity.configure(cert=p, key=None, ca=None, secret_file=None)
+
+
+async def test_a_second_peer_auth_ends_the_connection(tmp_path: Path) -> None:
+    """One challenge per connection; the source's refusal of a second PEER_AUTH is fatal, as a wrong proof's is
+    (docs/protocol.md §10.2): it was not, and a peer without the secret that sent PEER_AUTH every 20 s held its
+    connection past the idle deadline of one that says nothing."""
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.peer import PeerService
+    from wcache.server.service import Context
+    from wcache.server.store import Store
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"the fleet's secret, 32 bytes ok!")
+    secret.chmod(0o600)
+    sec = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=secret)
+    store = Store(HostBackend())
+    svc = PeerService(store, sec, software="wcache/test")
+    try:
+        ctx = Context(1)
+        assert isinstance(await svc.handle(PeerAuth(id=1, nonce=bytes(32)), [], ctx), PeerChallenge)
+        again = await svc.handle(PeerAuth(id=2, nonce=bytes(32)), [], ctx)
+        assert isinstance(again, ErrorFrame) and again.fatal and again.code == ErrorCode.PERMISSION_DENIED
+    finally:
+        svc.close()
+        store.close()

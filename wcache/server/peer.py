@@ -229,7 +229,11 @@ class PeerService:
     async def handle(self, request: Frame, fds: list[int], ctx: _Ctx) -> Frame:
         match request:
             case PeerAuth():
-                return self._auth(ctx).challenge(request)
+                try:
+                    return self._auth(ctx).challenge(request)
+                except PermissionDeniedError as exc:  # fatal, as PEER_PROOF's refusal (docs/protocol.md §10.2)
+                    log.warning("peer refused conn=%d reason=secret", ctx.id)
+                    return ErrorFrame.from_exception(exc, request.id, fatal=True)
             case PeerProof():
                 server = self._secret.get(ctx.id)
                 try:
@@ -263,6 +267,14 @@ class PeerService:
                 details={"served": [k.short() for k in self.store.models]},
             )
         busy = {f.conn for f in self.fills.values()}
+        mine = sum(1 for f in self.fills.values() if f.conn == ctx.id)
+        limit = self.store.max_leases_per_connection
+        if mine + len(held) > limit:
+            raise LimitExceededError(
+                f"this connection holds {mine} fill leases (at most {limit}, as a local connection's leases, "
+                "docs/protocol.md §7): RELEASE some first",
+                details={"leases": mine, "limit": limit},
+            )
         if ctx.id not in busy and len(busy) >= self.max_fills:
             raise LimitExceededError(
                 f"this daemon serves {len(busy)} fills already (--peer-max-fills {self.max_fills}): ask another peer",
