@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -331,6 +332,46 @@ async def test_a_peer_connection_holds_at_most_64_fill_leases(ckpt: Path) -> Non
                 await expect(ch)
         finally:
             ch.close()
+
+
+async def test_peer_files_are_read_off_the_event_loop(ckpt: Path) -> None:
+    """PEER_FILES reads up to 48 MiB of the checkpoint's files: on the event loop, a peer asking again and again
+    held the daemon's other requests (a local engine's STATUS: 9 -> 352 ms). Read in a worker thread, the loop
+    answers meanwhile."""
+    from wcache.channel import expect
+    from wcache.peer_files import checkpoint_files
+    from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
+    from wcache.server.peer_channel import connect_peer
+
+    def slow(root: Path) -> list[Any]:
+        time.sleep(0.5)  # a slow disk
+        return checkpoint_files(root)
+
+    m = _load(ckpt)
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", files=slow)
+    lags: list[float] = []
+
+    async def ticking() -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - t0)
+
+    try:
+        async with _listening(svc) as port:
+            ch, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+            ticker = asyncio.ensure_future(ticking())
+            try:
+                await ch.send(PeerFiles(id=1, key={}))
+                reply, _ = await asyncio.wait_for(expect(ch), 10)
+                assert isinstance(reply, PeerFilesReply) and reply.files
+            finally:
+                ticker.cancel()
+                ch.close()
+        assert lags and max(lags) < 0.3  # the loop went on while the files were read (0.5 s)
+    finally:
+        svc.close()
+        svc.store.close()
 
 
 def test_grants_follow_the_cap_and_cost_nothing_uncapped() -> None:

@@ -57,6 +57,8 @@ log = logging.getLogger("wcache.fleet")
 RESHARD_FIELDS = ("fingerprint", "fingerprint_kind", "architecture", "dtype", "layout", "transform")
 #: a fill's PEER_READs may ask for at most this many times its slab's size in all (each at most the size)
 READS_PER_FILL = 2
+#: PEER_FILES answers read at once (each up to 48 MiB of files in memory while it is read)
+FILES_AT_ONCE = 2
 
 
 class _Ctx(Protocol):
@@ -151,6 +153,7 @@ class PeerService:
         )
         self._agent: Agent | None = None
         self._files = files
+        self._files_at_once = asyncio.Semaphore(FILES_AT_ONCE)
         #: id(slab) -> its registration (one per resident slab)
         self.registered: dict[int, Registration] = {}
         self.fills: dict[int, _Fill] = {}
@@ -250,7 +253,7 @@ class PeerService:
             case Release():
                 return self._release(request, ctx)
             case PeerFiles():
-                return self._files_for(request)
+                return await self._files_for(request)
         raise NotFoundError(f"a peer channel does not answer {request.TYPE}")
 
     def _auth(self, ctx: _Ctx) -> SecretServer:
@@ -364,14 +367,17 @@ class PeerService:
             why,
         )
 
-    def _files_for(self, req: PeerFiles) -> PeerFilesReply:
+    async def _files_for(self, req: PeerFiles) -> PeerFilesReply:
         """The files of the most recently used model whose key has every field ``req.key`` names (a target
-        without the checkpoint knows at most the fingerprint it expects: ``{}`` asks for any)."""
+        without the checkpoint knows at most the fingerprint it expects: ``{}`` asks for any). They are read in a
+        worker thread (up to 48 MiB: on the event loop, a peer asking again and again held local engines' requests
+        for ~0.35 s each time), ``FILES_AT_ONCE`` requests at a time."""
         wanted = dict(req.key)
         for m in reversed(self.store.models.values()):
             mine = m.key.to_wire()
             if m.source is not None and all(mine.get(k) == v for k, v in wanted.items()):
-                files = self._files(m.source)
+                async with self._files_at_once:
+                    files = await asyncio.to_thread(self._files, m.source)
                 log.info(
                     "peer files sent key=%s files=%d bytes=%d",
                     m.key.short(),
