@@ -217,6 +217,32 @@ async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path,
     svc.store.close()
 
 
+async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Path, agent: Agent) -> None:
+    """A source that stops answering PEER_READ: the fill fails at its deadline with a FillError that says which
+    source and how far it got (it was ``TimeoutError:`` with no message), and the slab is freed."""
+    m = _load(ckpt)
+    before = _memfds()
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
+    original = svc.handle
+
+    async def silent(request: Any, fds: list[int], ctx: Any) -> Any:
+        if type(request).__name__ == "PeerRead":
+            await asyncio.sleep(3600)
+        return await original(request, fds, ctx)
+
+    svc.handle = silent  # type: ignore[method-assign]
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
+                await _fill(rp, agent, _cfg([port], timeout=0.5, min_rate=1 << 40))
+        assert err.value.details["reason"] == "deadline"
+        assert f"127.0.0.1:{port}" in err.value.message and "no grant" in err.value.message
+        assert _memfds() <= before
+    finally:
+        svc.close()
+        svc.store.close()
+
+
 async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
     with plan_rank(RankSpec(ckpt)) as rp:
         with pytest.raises(FillError) as err:

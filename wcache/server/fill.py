@@ -508,7 +508,14 @@ async def _pull(
             left = deadline - time.monotonic()
             if left <= 0:
                 raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
-            ok, _ = await asyncio.wait_for(expect(src.ch), left)  # the grant of batch k (answered in order)
+            try:
+                ok, _ = await asyncio.wait_for(expect(src.ch), left)  # the grant of batch k (answered in order)
+            except TimeoutError:
+                raise FillError(
+                    f"no grant of {sum(c.nbytes for c in batch)} bytes came from {src.addr} within the fill's deadline "
+                    f"({done} of {sum(c.nbytes for b in todo for c in b)} bytes READ from it)",
+                    details={"reason": "deadline"},
+                ) from None
             assert isinstance(ok, PeerReadOk)
             assert src.agent_name is not None
             for part, strided in (
