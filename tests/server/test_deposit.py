@@ -901,3 +901,30 @@ def test_the_room_made_for_a_load_is_held_until_it_ends() -> None:
         assert store.pending_bytes == 600 << 10
     finally:
         store.close()
+
+
+def test_a_held_model_is_not_evicted_and_an_evicted_one_counts_until_freed(ckpt: Path) -> None:
+    """A model a reader holds (a peer's fill, a host-tier save) frees nothing when evicted: its slab stays until
+    the reader is done. A PRELOAD evicted such a model and the daemon held 20 MB of slabs against a 15 MB budget,
+    counting 10. Room is no longer made by evicting a held model; one evicted while held (EVICT) counts against the
+    budget until its last reader lets go."""
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
+
+    m = load_model(RankSpec(ckpt), backend=HostBackend(), threads=2)
+    size = m.slab_bytes
+    store = Store(HostBackend(), [m], budget=size + size // 2)
+    try:
+        assert m.hold()  # a peer's fill reads it
+        with pytest.raises(OutOfMemoryError) as info:
+            store.make_room(size)  # evicting it would free nothing now
+        assert store.models and info.value.details["pinned"] == [m.key.short()]
+        store.evict(m.key.to_wire())  # an explicit EVICT: gone from the table, its bytes still held
+        assert not store.models and store.lingering_bytes == size
+        with pytest.raises(OutOfMemoryError):
+            store.make_room(size)
+        m.release_hold()  # the reader is done: the slab is freed, and its bytes with it
+        assert store.lingering_bytes == 0 and m.slabs == []
+        assert store.make_room(size) == []
+    finally:
+        store.close()

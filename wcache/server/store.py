@@ -110,6 +110,11 @@ class ServedModel:
             self._readers += 1
             return True
 
+    @property
+    def held(self) -> bool:
+        """Whether a reader holds the slabs now (a peer's fill, a host-tier save): closing them frees nothing yet."""
+        return self._readers > 0
+
     def release_hold(self) -> None:
         with self._hold_lock:
             self._readers -= 1
@@ -325,6 +330,9 @@ class Store:
         self.generations: dict[WeightCacheKey, str] = {}
         #: bytes promised to a load in progress (``loading``): room made for them, not yet served
         self.loading_bytes = 0
+        #: models evicted while a reader held them (``ServedModel.hold``: a peer's fill, a host-tier save): their
+        #: slabs stay allocated until the last reader is done, so their bytes still count against the budget
+        self._lingering: dict[int, int] = {}
 
     @property
     def resident_bytes(self) -> int:
@@ -391,7 +399,9 @@ class Store:
         ``going``: a model that leaves anyway (the one a deposit replaces). Chooses; evicts nothing. Raises
         where evicting every unleased model would not do: OUT_OF_MEMORY (bytes), LIMIT_EXCEEDED (models)."""
         free = (
-            None if self.budget is None else self.budget - self.resident_bytes - self.pending_bytes - self.loading_bytes
+            None
+            if self.budget is None
+            else self.budget - self.resident_bytes - self.pending_bytes - self.loading_bytes - self.lingering_bytes
         )
         count = len(self.models) + len(self.deposits)
         if going is not None:
@@ -401,22 +411,24 @@ class Store:
         for m in self.models.values():
             if (free is None or free >= nbytes) and count + models <= self.max_models:
                 break
-            if m is not going and not self.leased(m.key):
+            if m is not going and not self.leased(m.key) and not m.held:  # a held model's eviction frees nothing now
                 victims.append(m)
                 count -= 1
                 free = None if free is None else free + m.slab_bytes
-        pinned = [m.key.short() for m in self.models.values() if self.leased(m.key)]
+        pinned = [m.key.short() for m in self.models.values() if self.leased(m.key) or m.held]
         if free is not None and free < nbytes:
             raise OutOfMemoryError(
                 f"{nbytes} bytes do not fit the {self.budget}-byte budget: {self.resident_bytes} bytes resident, "
-                f"{self.pending_bytes} promised to deposits and {self.loading_bytes} to loads in progress, pinned by "
-                f"leases: {', '.join(pinned) or 'none'}",
+                f"{self.pending_bytes} promised to deposits and {self.loading_bytes} to loads in progress, "
+                f"{self.lingering_bytes} evicted but still read, pinned by leases or readers: "
+                f"{', '.join(pinned) or 'none'}",
                 details={
                     "needed": nbytes,
                     "budget": self.budget,
                     "resident": self.resident_bytes,
                     "pending": self.pending_bytes,
                     "loading": self.loading_bytes,
+                    "lingering": self.lingering_bytes,
                     "pinned": pinned,
                 },
             )
@@ -456,7 +468,25 @@ class Store:
     def _evict(self, victims: list[ServedModel]) -> None:
         for m in victims:
             del self.models[m.key]
-            m.close()
+            self._close(m)
+
+    @property
+    def lingering_bytes(self) -> int:
+        """Bytes of models evicted while held, not freed yet (``_lingering``)."""
+        return sum(self._lingering.values())
+
+    def _close(self, m: ServedModel) -> None:
+        """Close a model taken out of ``models``; while a reader holds it, its bytes linger in the budget until the
+        reader is done (``ServedModel.finalizers`` run then, on whichever thread ends the hold)."""
+        if m.held:
+            key = id(m)
+            self._lingering[key] = m.slab_bytes
+
+            def freed() -> None:
+                self._lingering.pop(key, None)
+
+            m.finalizers.append(freed)
+        m.close()
 
     def add(self, model: ServedModel) -> None:
         self.models[model.key] = model
@@ -544,7 +574,7 @@ class Store:
         if n:
             raise InUseError(f"{m.key.short()} is held by {n} lease(s)", details={"leases": n})
         del self.models[m.key]
-        m.close()
+        self._close(m)
         return m
 
     def acquire(
