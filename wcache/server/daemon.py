@@ -410,6 +410,7 @@ class Daemon:
         reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
         if self.tier is not None:
             await asyncio.to_thread(self.tier.supersede, model.key, model.generation)
+        self.store.settled(model.key)  # not reached when the supersede fails: the generation is then kept
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             if old is not None:
@@ -604,25 +605,32 @@ class Daemon:
         async with self._preload_lock:
             if key in self.store.models:
                 return True
-            since = self.store.generations.get(key)  # a deposit committed here since: only its generation
-            model: ServedModel | None = None
-            if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
-                entry = await asyncio.to_thread(tier.lookup, key, generation=since)
-                if entry is not None:
-                    with self.store.loading(entry.size) as evicted:  # held until it is added, below: no await between
-                        await self._evicted(evicted, "tier-restore")
-                        model = await asyncio.to_thread(restore, entry, key)
-            if model is None and filler is not None:
-                model = await self._filled(functools.partial(filler.key, key, self._room_from_thread(), "not served"))
-                if model is not None and model.source is None:
-                    model.source = self.store.source_for(key.to_wire())
-            if model is None:
-                return False
-            if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
-                log.info(
-                    "deposit restore dropped %s pid=%d key=%s (committed anew meanwhile)", self._tag, pid, key.short()
-                )
-                return key in self.store.models
+            with self.store.restore(key) as since:  # a deposit committed meanwhile drops this restore
+                model: ServedModel | None = None
+                if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
+                    entry = await asyncio.to_thread(tier.lookup, key, generation=since)
+                    if entry is not None:
+                        with self.store.loading(
+                            entry.size
+                        ) as evicted:  # held until it is added, below: no await between
+                            await self._evicted(evicted, "tier-restore")
+                            model = await asyncio.to_thread(restore, entry, key)
+                if model is None and filler is not None:
+                    model = await self._filled(
+                        functools.partial(filler.key, key, self._room_from_thread(), "not served")
+                    )
+                    if model is not None and model.source is None:
+                        model.source = self.store.source_for(key.to_wire())
+                if model is None:
+                    return False
+                if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
+                    log.info(
+                        "deposit restore dropped %s pid=%d key=%s (committed anew meanwhile)",
+                        self._tag,
+                        pid,
+                        key.short(),
+                    )
+                    return key in self.store.models
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(

@@ -325,9 +325,13 @@ class Store:
         #: deposit id -> deposit between DEPOSIT_SLAB and COMMIT (its bytes count against the budget)
         self.deposits: dict[int, PendingDeposit] = {}
         self._next_deposit = secrets.randbits(31) + 1
-        #: recipe key -> generation of the deposit last committed under it in this process: the host tier restores
-        #: no other generation of the key, and a restore that a commit overtook is dropped (``add_restored``)
+        #: recipe key -> generation of the deposit last committed under it, while it matters: until the host tier
+        #: holds nothing older (``settled``, after ``HostTier.supersede``) the tier restores no other generation of
+        #: the key, and while a restore of the key is under way (``restore``) one that a commit overtook is dropped
+        #: (``add_restored``). Then it is forgotten: a map of every key ever committed grew ~18 KB a key, for ever
         self.generations: dict[WeightCacheKey, str] = {}
+        self.restoring: set[WeightCacheKey] = set()
+        self._superseding: Counter[WeightCacheKey] = Counter()
         #: bytes promised to a load in progress (``loading``): room made for them, not yet served
         self.loading_bytes = 0
         #: models evicted while a reader held them (``ServedModel.hold``: a peer's fill, a host-tier save): their
@@ -496,6 +500,30 @@ class Store:
                 hook(model)
             except Exception as exc:  # serving the model must not depend on it
                 log.warning("model hook failed key=%s: %s: %s", model.key.short(), type(exc).__name__, exc)
+
+    @contextlib.contextmanager
+    def restore(self, key: WeightCacheKey) -> Iterator[str | None]:
+        """While a restore of ``key`` runs (one at a time per key): a commit of the key meanwhile stays recorded in
+        ``generations`` for ``add_restored`` to drop the restore; yields the generation recorded now (``since``:
+        the only one the host tier may restore)."""
+        self.restoring.add(key)
+        try:
+            yield self.generations.get(key)
+        finally:
+            self.restoring.discard(key)
+            self._forget_generation(key)
+
+    def settled(self, key: WeightCacheKey) -> None:
+        """A commit of ``key`` is settled: the host tier holds nothing older (``HostTier.supersede`` returned, or
+        there is no tier)."""
+        self._superseding[key] -= 1
+        if self._superseding[key] <= 0:
+            del self._superseding[key]
+        self._forget_generation(key)
+
+    def _forget_generation(self, key: WeightCacheKey) -> None:
+        if key not in self.restoring and not self._superseding.get(key):
+            self.generations.pop(key, None)
 
     def add_restored(self, model: ServedModel, since: str | None) -> bool:
         """Serve a deposit restored from the host tier, unless a deposit was committed under its key since the
@@ -780,6 +808,7 @@ class Store:
             old.close()
         self.add(model)
         self.generations[dep.key] = generation  # what the host tier may hold of the key from now on
+        self._superseding[dep.key] += 1  # until ``settled``: the tier may still hold an older deposit
         reply = Deposited(
             id=req.id,
             deposit=dep.id,
