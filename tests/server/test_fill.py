@@ -400,6 +400,36 @@ async def test_peer_files_are_read_off_the_event_loop(ckpt: Path) -> None:
         svc.store.close()
 
 
+async def test_peer_files_answers_in_memory_are_bounded(ckpt: Path) -> None:
+    """A PEER_FILES answer (up to 48 MiB, ~160 MB with its TLS copies) stays in memory until its peer reads it or
+    the send deadline ends the connection: peers that asked and never read held that much each, up to the
+    connection cap. FILES_AT_ONCE answers are read or unsent at a time; a slot is free again once its answer is
+    sent or its connection ends."""
+    from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
+    from wcache.server.peer import FILES_AT_ONCE
+    from wcache.server.service import Context, Reply
+
+    svc = PeerService(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
+    try:
+        ctxs = [Context(i) for i in range(FILES_AT_ONCE + 1)]
+        unsent = [await svc.handle(PeerFiles(id=1, key={}), [], c) for c in ctxs[:FILES_AT_ONCE]]
+        assert all(isinstance(r, Reply) and isinstance(r.frame, PeerFilesReply) for r in unsent)
+        waiting = asyncio.ensure_future(svc.handle(PeerFiles(id=1, key={}), [], ctxs[-1]))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # every slot holds an answer not sent yet
+        svc.closed(ctxs[0])  # that peer's connection ended (its send deadline): its slot is free
+        third = await asyncio.wait_for(waiting, 10)
+        assert isinstance(third, Reply)
+        for r in (unsent[1], third):
+            assert isinstance(r, Reply) and r.after is not None
+            r.after()  # sent
+        again = await asyncio.wait_for(svc.handle(PeerFiles(id=2, key={}), [], ctxs[1]), 10)
+        assert isinstance(again, Reply)
+    finally:
+        svc.close()
+        svc.store.close()
+
+
 def test_grants_follow_the_cap_and_cost_nothing_uncapped() -> None:
     assert grant_bytes(0, DEFAULT_CHUNK) == DEFAULT_CHUNK  # uncapped: a 64 MiB batch per PEER_READ, as before
     assert grant_bytes(10 << 30, DEFAULT_CHUNK) == DEFAULT_CHUNK  # a hundredth of 10 GiB/s is more than a batch

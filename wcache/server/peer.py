@@ -46,7 +46,7 @@ from wcache.server.metrics import Metrics
 from wcache.server.nixl import Agent, Registration
 from wcache.server.peer_auth import PeerSecurity, SecretServer
 from wcache.server.peer_channel import GRANT_SECONDS, StreamChannel
-from wcache.server.service import ConnectionLimits, PeerIdentity, Refusal, Shell
+from wcache.server.service import ConnectionLimits, PeerIdentity, Refusal, Reply, Shell
 from wcache.server.store import ServedModel, Store
 
 __all__ = ["RESHARD_FIELDS", "PeerListener", "PeerService", "PeerTls", "RateCap", "fills_key"]
@@ -154,6 +154,7 @@ class PeerService:
         self._agent: Agent | None = None
         self._files = files
         self._files_at_once = asyncio.Semaphore(FILES_AT_ONCE)
+        self._files_slots: dict[int, int] = {}  # connection -> PEER_FILES answers it holds a slot for
         #: id(slab) -> its registration (one per resident slab)
         self.registered: dict[int, Registration] = {}
         self.fills: dict[int, _Fill] = {}
@@ -183,6 +184,7 @@ class PeerService:
     def closed(self, ctx: _Ctx) -> None:
         """The connection ended (a target done, dead or SIGKILLed): its fills end, their holds are released."""
         self._secret.pop(ctx.id, None)
+        self._files_sent(ctx.id, every=True)  # an answer its peer never read: the slot is free again
         for f in [f for f in self.fills.values() if f.conn == ctx.id]:
             self._end(f, "connection closed")
 
@@ -229,7 +231,7 @@ class PeerService:
         return reg
 
     # ------------------------------------------------------------------ requests
-    async def handle(self, request: Frame, fds: list[int], ctx: _Ctx) -> Frame:
+    async def handle(self, request: Frame, fds: list[int], ctx: _Ctx) -> Frame | Reply:
         match request:
             case PeerAuth():
                 try:
@@ -253,7 +255,7 @@ class PeerService:
             case Release():
                 return self._release(request, ctx)
             case PeerFiles():
-                return await self._files_for(request)
+                return await self._files_for(request, ctx)
         raise NotFoundError(f"a peer channel does not answer {request.TYPE}")
 
     def _auth(self, ctx: _Ctx) -> SecretServer:
@@ -367,25 +369,43 @@ class PeerService:
             why,
         )
 
-    async def _files_for(self, req: PeerFiles) -> PeerFilesReply:
+    async def _files_for(self, req: PeerFiles, ctx: _Ctx) -> Reply:
         """The files of the most recently used model whose key has every field ``req.key`` names (a target
         without the checkpoint knows at most the fingerprint it expects: ``{}`` asks for any). They are read in a
         worker thread (up to 48 MiB: on the event loop, a peer asking again and again held local engines' requests
-        for ~0.35 s each time), ``FILES_AT_ONCE`` requests at a time."""
+        for ~0.35 s each time), and ``FILES_AT_ONCE`` answers are read or being sent at a time: an answer a peer
+        does not read stays in memory (~160 MB with its TLS copies) until the send deadline ends its connection,
+        so peers that ask and never read held ~160 MB each, up to the connection cap. The slot is the answer's
+        until it is sent or its connection ends (``closed``)."""
         wanted = dict(req.key)
         for m in reversed(self.store.models.values()):
             mine = m.key.to_wire()
             if m.source is not None and all(mine.get(k) == v for k, v in wanted.items()):
-                async with self._files_at_once:
+                await self._files_at_once.acquire()
+                self._files_slots[ctx.id] = self._files_slots.get(ctx.id, 0) + 1
+                try:
                     files = await asyncio.to_thread(self._files, m.source)
+                except BaseException:
+                    self._files_sent(ctx.id)
+                    raise
                 log.info(
                     "peer files sent key=%s files=%d bytes=%d",
                     m.key.short(),
                     len(files),
                     sum(len(f.data) for f in files),
                 )
-                return PeerFilesReply(id=req.id, files=tuple(files))
+                return Reply(PeerFilesReply(id=req.id, files=tuple(files)), after=lambda: self._files_sent(ctx.id))
         raise NotFoundError("this daemon knows no checkpoint directory for that key")
+
+    def _files_sent(self, conn: int, every: bool = False) -> None:
+        """A PEER_FILES answer of connection ``conn`` was sent (or failed): its slot is free (``every``: all the
+        connection's, when it ends)."""
+        held = self._files_slots.pop(conn, 0)
+        freed = held if every else min(held, 1)
+        if held > freed:
+            self._files_slots[conn] = held - freed
+        for _ in range(freed):
+            self._files_at_once.release()
 
     def close(self) -> None:
         for f in list(self.fills.values()):
