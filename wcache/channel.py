@@ -375,12 +375,16 @@ class Channel(Generic[C]):
             except (BlockingIOError, InterruptedError):
                 self._poll(timeout)
                 continue
-            t0 = time.perf_counter()
-            self._frames.extend(self.conn.received())
-            self.decoded += time.perf_counter() - t0
-            if self.budget is not None:
-                self._claimed = self.budget.claim(self._claimed, self.conn.demand)
+            self._take_frames()
         return self._frames.popleft()
+
+    def _take_frames(self) -> None:
+        """After a read: the frames it completed decoded and queued (``decoded`` timed), the budget claimed anew."""
+        t0 = time.perf_counter()
+        self._frames.extend(self.conn.received())
+        self.decoded += time.perf_counter() - t0
+        if self.budget is not None:
+            self._claimed = self.budget.claim(self._claimed, self.conn.demand)
 
     def _poll(self, timeout: float) -> None:
         """Wait until the socket is readable (poll: no descriptor-number limit), at most ``timeout`` seconds."""
@@ -435,11 +439,7 @@ class Channel(Generic[C]):
                     ) from None
             else:
                 await self._recv_some()
-            t0 = time.perf_counter()
-            self._frames.extend(self.conn.received())
-            self.decoded += time.perf_counter() - t0
-            if self.budget is not None:
-                self._claimed = self.budget.claim(self._claimed, self.conn.demand)
+            self._take_frames()
         return self._frames.popleft()
 
 

@@ -361,12 +361,7 @@ class WCacheClient:
                 await ch.send_bytes(ch.conn.send(request.scanned(ch.conn)))
                 frame, fds = await expect_engine(ch)
             state = request.state(frame, fds)
-            timings.update(
-                connect=(t1 - t0) * 1e3,
-                state=(time.perf_counter() - t_state) * 1e3,
-                wait=ch.waited * 1e3,
-                decode=ch.decoded * 1e3,
-            )
+            _handshake_timings(timings, ch, t0, t1, t_state)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
             if mode == "copy":
@@ -620,12 +615,7 @@ class WCacheClient:
                 ch.send_bytes_blocking(ch.conn.send(request.scanned(ch.conn)), _left(deadline))
                 frame, fds = expect_engine_blocking(ch, _left(deadline))
             state = request.state(frame, fds)
-            timings.update(
-                connect=(t1 - t0) * 1e3,
-                state=(time.perf_counter() - t_state) * 1e3,
-                wait=ch.waited * 1e3,
-                decode=ch.decoded * 1e3,
-            )
+            _handshake_timings(timings, ch, t0, t1, t_state)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
             weights.key_proven = request.proven
         except TimeoutError as exc:
@@ -737,6 +727,17 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
             timings["ahead"] = (time.perf_counter() - t0) * 1e3
 
     return ahead
+
+
+def _handshake_timings(timings: dict[str, float], ch: Channel[Any], t0: float, t1: float, t_state: float) -> None:
+    """A fetch's ``connect`` (``t0`` to ``t1``), ``state`` (``t_state`` to now), and its channel's ``wait`` and
+    ``decode``, in ms (``CachedWeights.timings``)."""
+    timings.update(
+        connect=(t1 - t0) * 1e3,
+        state=(time.perf_counter() - t_state) * 1e3,
+        wait=ch.waited * 1e3,
+        decode=ch.decoded * 1e3,
+    )
 
 
 def _left(deadline: float) -> float:
