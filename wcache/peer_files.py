@@ -8,7 +8,8 @@ A stub reads as zeros outside its header and samples, so it must never be loaded
 unwritten (zeros there), and :func:`refuse_stubs` (the daemon's loader, wcache's integrations' disk fallback)
 refuses a checkpoint any of whose safetensors files the marker names and that still reads as zeros in those
 windows: the stub itself, and any copy of it. A file the real weights were written into (downloaded over the
-stub, in place or not) holds them there: the marker no longer applies to it. No torch, no NIXL: the standard library and wcache's file rules (wcache/files.py).
+stub, in place or not) holds them there: the marker no longer applies to it. No torch, no NIXL: the standard
+library and wcache's file rules (wcache/files.py).
 """
 
 from __future__ import annotations

@@ -282,18 +282,18 @@ class Daemon:
         # the connection lets through only requests (the transition table) of this service
         frame = cast("DaemonRequest", request)
         try:
-            if self._handed_over:
-                raise _HandedOver
-            return await self._handle(frame, ctx)
+            if not self._handed_over:
+                return await self._handle(frame, ctx)
         except _HandedOver:
-            # docs/protocol.md §4.10 step 4: once TAKEOVER_DONE is out this daemon's models are the new daemon's and
-            # its connections close; a request still arriving on one while the busy ones drain, or one whose load
-            # ended after it, is not answered here (a DEPOSITED or PRELOADED from this daemon would name a model
-            # the daemon serving the socket never gets): the connection closes, and the engine reconnects to it
-            log.info("closing %s pid=%d: %s after the hand-off (the new daemon serves)", self._tag, ctx.pid, frame.TYPE)
-            ctx.end()
-            await asyncio.sleep(0)  # the cancellation lands here
-            raise AssertionError("a connection ended by ctx.end() went on") from None
+            pass
+        # docs/protocol.md §4.10 step 4: once TAKEOVER_DONE is out this daemon's models are the new daemon's and its
+        # connections close; a request still arriving on one while the busy ones drain, or one whose load ended
+        # after it, is not answered here (a DEPOSITED or PRELOADED from this daemon would name a model the daemon
+        # serving the socket never gets): the connection closes, and the engine reconnects to it
+        log.info("closing %s pid=%d: %s after the hand-off (the new daemon serves)", self._tag, ctx.pid, frame.TYPE)
+        ctx.end()
+        await asyncio.sleep(0)  # the cancellation lands here
+        raise AssertionError("a connection ended by ctx.end() went on")
 
     async def _handle(self, frame: DaemonRequest, ctx: Context) -> Reply | Frame:
         conn_id, pid = ctx.id, ctx.pid
@@ -610,9 +610,8 @@ class Daemon:
                 if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
                     entry = await asyncio.to_thread(tier.lookup, key, generation=since)
                     if entry is not None:
-                        with self.store.loading(
-                            entry.size
-                        ) as evicted:  # held until it is added, below: no await between
+                        # the room is held until the model is added, below: no await between
+                        with self.store.loading(entry.size) as evicted:
                             await self._evicted(evicted, "tier-restore")
                             model = await asyncio.to_thread(restore, entry, key)
                 if model is None and filler is not None:
@@ -710,7 +709,8 @@ class Daemon:
                 if held is not None:
                     self.store.remember_source(held, spec.checkpoint, rp.facts)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
-                if wanted is not None and key.diff_wire(wanted):
+                differ = key.diff_wire(wanted) if wanted is not None else None
+                if differ:
                     # a load on demand whose plan gives another key than the request's (a field the variant does
                     # not set: its layout, architecture, one the daemon does not know): loading it would evict for
                     # nothing, the request could not be served from it
@@ -719,7 +719,7 @@ class Daemon:
                         self._tag,
                         pid,
                         key.short(),
-                        ", ".join(sorted(key.diff_wire(wanted))),
+                        ", ".join(sorted(differ)),
                     )
                     return None
                 with self.store.loading(rp.layout.total_bytes) as evicted:
