@@ -373,3 +373,22 @@ async def test_a_reply_whose_descriptors_are_refused_takes_back_what_it_granted(
             assert not d._stop.is_set()
         finally:
             ch.close()
+
+
+async def test_a_deposit_replacing_a_held_one_counts_its_bytes_until_freed(
+    store: Store, socket_dir: Path, ckpt: Path
+) -> None:
+    """A COMMIT replaces the deposit served under its recipe key; while a reader (a peer's fill, a host-tier save)
+    holds the old one, its slab stays allocated: its bytes count against the budget until the reader is done,
+    as an evicted held model's do (``Store.lingering_bytes``)."""
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    async with serving(store, socket_dir) as d:
+        client = WCacheClient(d.socket_path)
+        await client.deposit(key, {"w": torch.ones(4096)})
+        old = store.models[key]
+        assert old.hold()  # a peer reads it
+        done = await client.deposit(key, {"w": torch.zeros(4096)})
+        assert done.replaced and store.models[key] is not old
+        assert store.lingering_bytes == old.slab_bytes and old.slabs  # replaced, still held, still counted
+        old.release_hold()
+        assert store.lingering_bytes == 0 and old.slabs == []

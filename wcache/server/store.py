@@ -410,7 +410,8 @@ class Store:
         count = len(self.models) + len(self.deposits)
         if going is not None:
             count -= 1
-            free = None if free is None else free + going.slab_bytes
+            if free is not None and not going.held:  # a held model's bytes stay until its reader is done
+                free += going.slab_bytes
         victims: list[ServedModel] = []
         for m in self.models.values():
             if (free is None or free >= nbytes) and count + models <= self.max_models:
@@ -805,7 +806,7 @@ class Store:
         )
         if old is not None:
             del self.models[dep.key]
-            old.close()
+            self._close(old)
         self.add(model)
         self.generations[dep.key] = generation  # what the host tier may hold of the key from now on
         self._superseding[dep.key] += 1  # until ``settled``: the tier may still hold an older deposit
