@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Protocol, TypeVar
 
 import pytest
 
+from tests.integrations.vllm import remove_engine_tmp
 from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
 from wcache.synthetic import TINY, LlamaShape, make_llama_checkpoint
 
@@ -21,18 +23,23 @@ READY_TIMEOUT = 60.0
 #: Shared directories a run must leave as it found them: tests use tmp_path.
 SHARED_TMP = (Path("/tmp"), Path("/dev/shm"))
 
+#: What a run could leave there: wcache's own entries (a socket dir, a log, a fuzz corpus), and vLLM's (the vLLM
+#: job's engines): its ZMQ sockets (a UUID), its process group's FileStore, the engines' temp directory
+_LEFTOVER = re.compile(r".*wcache.*|vllm_dist_[0-9a-f]{32}|vllm-engines-.*|[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")
 
-def _wcache_entries() -> set[Path]:
-    return {p for d in SHARED_TMP if d.is_dir() for p in d.glob("*wcache*")}
+
+def _leftover_entries() -> set[Path]:
+    return {p for d in SHARED_TMP if d.is_dir() for p in d.iterdir() if _LEFTOVER.fullmatch(p.name)}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _leaves_no_wcache_files_in_shared_tmp() -> Iterator[None]:
-    """Fail the run if it left new wcache entries in /tmp or /dev/shm (a socket dir, a log, a fuzz corpus).
-    Another wcache process running at the same time on this machine would be counted too: run alone."""
-    before = _wcache_entries()
+def _leaves_nothing_in_shared_tmp() -> Iterator[None]:
+    """Fail the run if it left new wcache or vLLM entries in /tmp or /dev/shm (``_LEFTOVER``). Another wcache or
+    vLLM process running at the same time on this machine would be counted too: run alone."""
+    before = _leftover_entries()
     yield
-    left = sorted(str(p) for p in _wcache_entries() - before if p.exists())
+    remove_engine_tmp()
+    left = sorted(str(p) for p in _leftover_entries() - before if p.exists())
     assert not left, f"the tests left these behind (use tmp_path, or remove them): {left}"
 
 

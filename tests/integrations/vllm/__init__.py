@@ -9,9 +9,12 @@ files, their directory would come first on ``sys.path``, and this package would 
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import os
 import platform
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +35,42 @@ def require_vllm(module: str = "vllm") -> Any:
 SITE = Path(__file__).with_name("site")
 
 
+#: the temp directory of this test process's engine processes (``engine_tmp``), made on first use
+_engine_tmp: Path | None = None
+
+
+def engine_tmp() -> Path:
+    """The temp directory (``TMPDIR``) every engine process of this test process gets: vLLM puts its ZMQ sockets
+    (``VLLM_RPC_BASE_PATH``, one per engine core's channel) and its process group's ``FileStore`` (``vllm_dist_*``)
+    in the temp directory and leaves them there (124 sockets and 6 files a job); this one is removed when the test
+    session ends (``tests/conftest.py``)."""
+    global _engine_tmp
+    if _engine_tmp is None:
+        _engine_tmp = Path(tempfile.mkdtemp(prefix="vllm-engines-"))
+    return _engine_tmp
+
+
+def remove_engine_tmp() -> None:
+    """Remove ``engine_tmp``'s directory, if this process made one."""
+    global _engine_tmp
+    if _engine_tmp is not None:
+        shutil.rmtree(_engine_tmp, ignore_errors=True)
+        _engine_tmp = None
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     """The environment of an engine process: vLLM's CPU KV cache at 1 GiB, the repository importable, the job's
-    ``sitecustomize`` (``SITE``) first."""
+    ``sitecustomize`` (``SITE``) first, and ``engine_tmp`` for its temp files (torch's compile cache where it
+    would be without it)."""
+    tmp = engine_tmp()
+    inductor = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
     return {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TMPDIR": str(tmp),
+        "VLLM_RPC_BASE_PATH": str(tmp),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(inductor)),
         **extra,
     }
 
