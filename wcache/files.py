@@ -97,6 +97,14 @@ def read_capped(
     path: str | os.PathLike[str], limit: int, *, what: str = "file", error: type[WCacheError] = CheckpointError
 ) -> bytes:
     """All of a regular file's bytes, refusing one of more than ``limit`` bytes (reads at most limit + 1)."""
+    return read_capped_stat(path, limit, what=what, error=error)[0]
+
+
+def read_capped_stat(
+    path: str | os.PathLike[str], limit: int, *, what: str = "file", error: type[WCacheError] = CheckpointError
+) -> tuple[bytes, os.stat_result]:
+    """:func:`read_capped`, with the ``fstat`` of the descriptor the bytes were read through: the file that was
+    read, whatever ``path`` names by the time the caller looks again."""
     fd, st = open_regular(path, what=what, error=error)
     try:
         if st.st_size > limit:
@@ -108,7 +116,7 @@ def read_capped(
         os.close(fd)
     if len(data) > limit:  # grew while read
         raise error(f"{os.fspath(path)}: {what} is over the {limit}-byte limit for metadata")
-    return data
+    return data, st
 
 
 def read_at_most(fd: int, n: int) -> bytes:

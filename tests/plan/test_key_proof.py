@@ -163,6 +163,71 @@ def test_a_file_replaced_between_listing_and_open_records_nothing(
         assert KeyFacts.recorded(checkpoint_files(m), time.time_ns(), ckpt, key) is None  # racy now
 
 
+@pytest.mark.parametrize("meta", ["config.json", "model.safetensors.index.json"])
+def test_a_metadata_file_re_pointed_while_it_was_read_records_nothing(tmp_path: Path, settled: Path, meta: str) -> None:
+    """A snapshot's ``config.json`` or index is a symlink into blobs/: re-pointed between the listing and the
+    read, and back, the listing's identity is the old blob's and the bytes read are the other's. The facts
+    hold the metadata files to the descriptors they were read through, as the shards are (a proof matching
+    the old blob was served the other blob's architecture and tensors before)."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snap"
+    blobs.mkdir()
+    snap.mkdir()
+    for p in settled.iterdir():
+        shutil.copy2(p, blobs / p.name)
+        os.symlink(blobs / p.name, snap / p.name)
+    other = blobs / f"other-{meta}"
+    data = json.loads((blobs / meta).read_text())
+    data["other"] = True
+    other.write_text(json.dumps(data))
+    _settle(blobs)
+    listed = checkpoint_files(snap)
+    os.remove(snap / meta)
+    os.symlink(other, snap / meta)  # re-pointed after the listing ...
+    with Checkpoint.open(snap) as ckpt:
+        os.remove(snap / meta)
+        os.symlink(blobs / meta, snap / meta)  # ... and back once read
+        assert checkpoint_files(snap) == listed
+        key = WeightCacheKey.from_spec(RankSpec(snap), checkpoint=ckpt)
+        assert KeyFacts.recorded(listed, time.time_ns(), ckpt, key) is None
+    with Checkpoint.open(snap) as ckpt:  # nothing moved: recorded
+        key = WeightCacheKey.from_spec(RankSpec(snap), checkpoint=ckpt)
+        assert KeyFacts.recorded(listed, time.time_ns(), ckpt, key) is not None
+
+
+def test_a_config_that_appeared_after_the_listing_records_nothing(tmp_path: Path, settled: Path) -> None:
+    m = tmp_path / "m"
+    shutil.copytree(settled, m)
+    config = (m / "config.json").read_text()
+    (m / "config.json").unlink()
+    _settle(m)
+    listed = checkpoint_files(m)
+    assert listed is not None and "config.json" not in [f.name for f in listed]
+    (m / "config.json").write_text(config)
+    with Checkpoint.open(m) as ckpt:
+        key = WeightCacheKey.from_spec(RankSpec(m), checkpoint=ckpt)
+        assert KeyFacts.recorded(listed, time.time_ns() + 10 * RACY_NS, ckpt, key) is None
+
+
+def test_the_fingerprint_covers_config_json(tmp_path: Path, settled: Path) -> None:
+    """config.json decides how the tensors are served (a quantization_config keeps their stored dtypes, tied
+    embeddings are aliased, the FP8 scales' blocks): two checkpoints with the same shards and another
+    config.json have other keys, as has one whose config.json was edited after a load."""
+    m = tmp_path / "m"
+    shutil.copytree(settled, m)
+    before = _scanned(m)
+    assert before == _scanned(settled)
+    config = json.loads((m / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (m / "config.json").write_text(json.dumps(config))
+    assert _scanned(m).fingerprint != before.fingerprint
+    (m / "config.json").unlink()
+    without = _scanned(m)
+    assert without.fingerprint not in (before.fingerprint, _scanned(settled).fingerprint)
+    (m / "config.json").write_text("")  # an empty config.json is not an absent one
+    with pytest.raises(CheckpointError):
+        _scanned(m)
+
+
 def test_a_deferred_key_scans_only_when_a_file_field_is_read(settled: Path) -> None:
     key = WeightCacheKey.from_checkpoint(settled)
     assert not key.scanned and key.proof() is not None

@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Any
 
 from wcache.errors import CheckpointError
-from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_json
+from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_capped_stat
 from wcache.proto._record import record
 from wcache.proto.codec import gc_paused
 from wcache.proto.fields import MAX_NAME
@@ -67,6 +67,7 @@ FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 _SCALE_END = ".weight_scale_inv"
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself applies
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
 #: Dimensions and strides a STATE table can carry (docs/protocol.md §4.6: entries below 2**48).
 MAX_EXTENT = 1 << 48
 
@@ -141,6 +142,11 @@ class Checkpoint:
     fds: dict[Path, int] = field(default_factory=dict, compare=False, repr=False)
     #: bytes per dtype, when opened with ``tensors=False`` (``tensors`` is then empty); else from ``tensors``
     scanned: DtypeBytes | None = field(default=None, compare=False, repr=False)
+    #: ``config.json``'s bytes as read (None: the checkpoint has none): a part of the fingerprint
+    config_raw: bytes | None = field(default=None, compare=False, repr=False)
+    #: the metadata files read (``config.json`` and the index, by name): the ``fstat`` of the descriptor each was
+    #: read through, None where it did not exist (what a proof of the files is held to: wcache.plan.facts)
+    meta: dict[str, os.stat_result | None] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _close_fds, self.fds)
@@ -185,17 +191,17 @@ class Checkpoint:
         root = Path(path)
         if not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
-        cfg_path = root / "config.json"
-        loaded = read_json(cfg_path, MAX_CONFIG_BYTES, what="config.json", missing_ok=True)
-        if loaded is None:
-            loaded = {}
+        cfg_path = root / CONFIG_NAME
+        cfg = _read_meta(cfg_path, MAX_CONFIG_BYTES, "config.json")
+        meta: dict[str, os.stat_result | None] = {CONFIG_NAME: None if cfg is None else cfg[1]}
+        loaded = {} if cfg is None else parse_json(cfg[0], str(cfg_path))
         if not isinstance(loaded, dict):
             raise CheckpointError(f"{cfg_path}: expected a JSON object")
         config: dict[str, Any] = loaded
         _check_architecture(cfg_path, config)
         fds: dict[Path, int] = {}
         try:
-            files, expected = _files(root)
+            files, expected, meta[INDEX_NAME] = _files(root)
             found: dict[str, TensorInfo] = {}
             headers: dict[str, bytes] = {}
             scanned = None if tensors else _scan_files(files, fds, headers)
@@ -224,15 +230,18 @@ class Checkpoint:
         if scanned is None and not tensors:  # some header was not the library's format: parsed in full
             scanned = DtypeBytes.of(found)
             found = {}
-        return cls(root, tuple(files), found, headers, config, fds, scanned)
+        return cls(root, tuple(files), found, headers, config, fds, scanned, None if cfg is None else cfg[0], meta)
 
     def fingerprint(self, *, content: bool = False) -> str:
-        """First 32 hex digits of SHA-256 over, per file in name order: its name, its raw header and a
-        sample of its data (16 blocks of 4 KiB at evenly spread offsets) — or, with ``content``, all of
-        its bytes. The sample tells same-shaped checkpoints (fine-tunes of one base) apart for ~64 KiB
-        of reads per file; docs/protocol.md §4.3 gives the exact offsets. Read through the descriptors
-        the headers were validated from."""
+        """First 32 hex digits of SHA-256 over ``config.json`` (its name and bytes, where the checkpoint has one:
+        it decides how tensors are served, e.g. a ``quantization_config``'s dtypes kept as stored or tied
+        embeddings), then per file in name order: its name, its raw header and a sample of its data (16 blocks of
+        4 KiB at evenly spread offsets) — or, with ``content``, all of its bytes. The sample tells same-shaped
+        checkpoints (fine-tunes of one base) apart for ~64 KiB of reads per file; docs/protocol.md §4.3 gives the
+        exact bytes. Read through the descriptors the headers were validated from."""
         h = hashlib.sha256()
+        if self.config_raw is not None:
+            h.update(CONFIG_NAME.encode() + b"\0" + self.config_raw + b"\0")
         for f in self.files:
             header = self.headers[f.name]
             h.update(os.fsencode(f.name) + b"\0" + header + b"\0")
@@ -287,11 +296,24 @@ def _sample_offsets(data_size: int) -> list[int]:
     return [i * last // (SAMPLES - 1) for i in range(SAMPLES)]
 
 
-def _files(root: Path) -> tuple[list[Path], dict[str, str]]:
-    """The checkpoint's safetensors files, and the index's tensor->file map if there is one."""
+def _read_meta(path: Path, limit: int, what: str) -> tuple[bytes, os.stat_result] | None:
+    """A metadata file's bytes and the ``fstat`` of the descriptor they were read through; None where it does not
+    exist (a dangling symlink is an error: it names a file that should be there)."""
+    try:
+        return read_capped_stat(path, limit, what=what)
+    except CheckpointError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError) and not path.is_symlink():
+            return None
+        raise
+
+
+def _files(root: Path) -> tuple[list[Path], dict[str, str], os.stat_result | None]:
+    """The checkpoint's safetensors files, the index's tensor->file map if there is one, and the ``fstat`` of the
+    index as read (None: no index)."""
     index = root / INDEX_NAME
-    data = read_json(index, MAX_INDEX_BYTES, what="index", missing_ok=True)
-    if data is not None:
+    read = _read_meta(index, MAX_INDEX_BYTES, "index")
+    data = None if read is None else parse_json(read[0], str(index))
+    if read is not None:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -306,13 +328,13 @@ def _files(root: Path) -> tuple[list[Path], dict[str, str]]:
             if not (p.exists() or p.is_symlink()):
                 raise CheckpointError(f"{index} names shard {n!r}, which is missing from {root}")
             files.append(p)  # opened (and its type checked) by Checkpoint.open
-        return files, dict(weight_map)
+        return files, dict(weight_map), read[1]
     # every *.safetensors entry counts, whatever its type: a FIFO or a directory is refused when opened,
     # not skipped (skipping would serve a checkpoint with missing tensors)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files (and no {INDEX_NAME})")
-    return files, {}
+    return files, {}, None
 
 
 def _pread_exact(fd: int, n: int, off: int) -> bytes:

@@ -128,12 +128,20 @@ class KeyFacts:
         """The facts of ``key``, planned from ``ckpt``, if ``files`` (:func:`checkpoint_files`, taken before
         ``ckpt`` read anything; ``read_ns``: ``time.time_ns()`` after it) prove them. None when they do not:
         no files; a file changed less than RACY_NS before ``read_ns`` (or dated after it); a file the key read
-        that the files do not name, or whose descriptor is not the file stated (replaced in between)."""
+        — a safetensors file, ``config.json``, the index — that the files do not name, or whose descriptor is
+        not the file stated (replaced, or a symlink re-pointed, in between); a metadata file the files name that
+        was not there when read."""
         if files is None:
             return None
         by_name = {f.name: f for f in files}
         if any(f.ctime_ns > read_ns - RACY_NS for f in files):
             return None
+        for name, st in ckpt.meta.items():
+            stated = by_name.get(name)
+            if stated is None and st is None:
+                continue  # absent when listed and when read
+            if stated is None or st is None or not same_file(stated, st):
+                return None
         for path in ckpt.files:
             stated = by_name.get(path.name)
             if stated is None or path.parent != ckpt.path:
