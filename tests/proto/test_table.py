@@ -108,8 +108,34 @@ def test_a_name_that_is_not_a_string_is_refused_wherever_it_is(at: int, bad: Any
 
 def test_decoder_accepts_the_exact_fit_and_empty_tensors() -> None:
     assert len(TensorTable.from_wire(_wire(), [3 * 256 + 64])) == 4
-    empty = TensorTable.from_entries([TensorEntry("z", "float32", (0, 5), (5, 1), 0, 1 << 30)])
-    assert TensorTable.from_wire(empty.to_wire(), [16]) == empty
+    empty = TensorTable.from_entries([TensorEntry("z", "float32", (0, 5), (5, 1), 0, 16)])
+    assert TensorTable.from_wire(empty.to_wire(), [16]) == empty  # at the slab's end: a view can be made there
+
+
+def _one(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, *, n: int = 1, step: int = 0) -> dict[str, Any]:
+    table = TensorTable(tuple(f"t{i}" for i in range(n)), (TensorGroup("uint8", shape, stride, 0, offset, step, n),))
+    return table.to_wire()
+
+
+@pytest.mark.parametrize(
+    ("wire", "match"),
+    [
+        # zero strides: an extent of one element, 2**80 of them (torch: "numel: integer multiplication overflow")
+        (_one((1 << 40, 1 << 40), (0, 0), 0), "below 2\\*\\*63"),
+        (_one((1 << 47, 1 << 16), (0, 0), 0), "below 2\\*\\*63"),
+        # an empty tensor is still a view at its offset (torch: "Overflow when unpacking long long")
+        (_one((0,), (1,), 1 << 63), "runs past the end"),
+        (_one((0,), (1,), 4097), "runs past the end"),
+        # a group of empty tensors whose last one is past the slab (torch: TypeError)
+        (_one((0,), (1,), 0, n=2, step=(1 << 64) - 1), "runs past the end"),
+    ],
+)
+def test_decoder_rejects_tables_torch_cannot_view(wire: dict[str, Any], match: str) -> None:
+    """A table whose views torch cannot make is the daemon's error (RemoteProtocolError, a WCacheError: the engine
+    falls back to disk), not a RuntimeError or ValueError when the engine first reads the tensor."""
+    with pytest.raises(RemoteProtocolError, match=match):
+        TensorTable.from_wire(wire, [4096])
+    TensorTable.from_wire(_one((1 << 20, 1 << 20), (0, 0), 0), [4096])  # zero strides within the int64 bound
 
 
 def test_version_1_clients_get_unsupported_version() -> None:

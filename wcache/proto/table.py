@@ -9,6 +9,7 @@ declarations, and an engine's own frames (``engine``) decode their table here to
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from array import array
@@ -277,7 +278,8 @@ class TensorTable:
         Checks: consistent column lengths; unique names of 1..1024 characters; group counts
         >= 1 summing to the number of names; known dtypes; rank <= 16; dimensions and strides
         in [0, 2**48); slab indices in range; offsets and steps multiples of the element size,
-        steps > 0 in groups of several; every non-empty tensor's extent inside its slab.
+        steps > 0 in groups of several; every tensor's extent inside its slab (an empty one's offset too); every
+        tensor's elements times its element size below 2**63.
         """
         if type(m) is not dict:
             raise fail("TensorTable", "", f"expected a map, got {type(m).__name__}")
@@ -345,14 +347,20 @@ class TensorTable:
         shapes = _split(flat_shape.tolist(), ranks)
         strides = _split(flat_stride.tolist(), ranks)
         spans = _spans(flat_shape, flat_stride, ranks, shapes, strides, dtypes)
-        # a group's last tensor ends at offset + (count - 1) * step + span (empty tensors span 0)
+        # a group's last tensor ends at offset + (count - 1) * step + span (empty tensors span 0: their offset and
+        # step inside the slab too, as a view is made at them)
         lasts = map(operator.add, offsets, map(operator.mul, steps, map(operator.sub, counts, repeat(1))))
-        ends = map(lambda e, s: e + s if s else 0, lasts, spans)
-        if not all(map(operator.le, ends, map(slab_sizes.__getitem__, slabs))):
+        if not all(map(operator.le, map(operator.add, lasts, spans), map(slab_sizes.__getitem__, slabs))):
             raise fail("TensorTable", "offsets", "a tensor runs past the end of its slab")
+        # a view's size in bytes is an int64 (torch's numel): zero strides could make a huge tensor of a small extent
+        if max(map(operator.mul, map(math.prod, shapes), sizes)) >= _MAX_BYTES:
+            raise fail("TensorTable", "shapes", "a tensor's elements times its element size must be below 2**63")
         groups = tuple(map(_new_group, zip(dtypes, shapes, strides, slabs, offsets, steps, counts)))
         return cls(names, groups)
 
+
+#: a tensor's size in bytes is below this (torch's sizes are int64)
+_MAX_BYTES = 1 << 63
 
 #: names type-checked per ``join`` in TensorTable.from_wire
 _JOIN_SLICE = 2048
