@@ -70,6 +70,8 @@ async def test_preload_user_errors_reach_the_client_as_their_own_classes(
         (RankSpec(ckpt, plan_file=tmp_path / "no-plan.json"), ShardingError, ErrorCode.INVALID_PLAN),
         (RankSpec(ckpt, transform="nope"), TransformError, ErrorCode.INVALID_TRANSFORM),
         (RankSpec(ckpt, transform="wcache.transforms:missing"), TransformError, ErrorCode.INVALID_TRANSFORM),
+        # imported, but raises when called (here: divmod of the tensors and the config)
+        (RankSpec(ckpt, transform="builtins:divmod"), TransformError, ErrorCode.INVALID_TRANSFORM),
     ]
     for spec, cls, code in cases:
         with pytest.raises(cls) as info:

@@ -192,8 +192,13 @@ def _transformed(
     }
     for alias, target in layout.aliases.items():
         views[alias] = views[target]
-    with torch.no_grad():
-        result = fn(dict(views), config)
+    try:
+        with torch.no_grad():
+            result = fn(dict(views), config)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise  # the memory's, not the transform's fault
+    except Exception as exc:  # the transform's own failure: INVALID_TRANSFORM, as one that cannot be imported
+        raise TransformError(f"transform {spec!r} raised {type(exc).__name__}: {exc}"[:2048]) from exc
     if not isinstance(result, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in result.items()
     ):
