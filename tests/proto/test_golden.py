@@ -18,45 +18,45 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 # it needs a protocol version bump or a compatible, defaulted new field (docs/protocol.md §2.1).
 GOLDEN_SHA256 = {
     "HELLO": "c52f8fef8d24494c8be667d1aaf619302a3e0c1512f484c17f6f736e755b710c",
-    "HELLO_OK": "2f6dda78aed93b4b1f7cf64529935ab8733e6222dc50533310b1532d38337627",
-    "GET_STATE": "5a781b608da3a648bbfacaeeaef89ba3bdd654f16233aec5f48ee954f917186c",
-    "STATE": "f1f00be002c8cd41c9ce9db964ddd8f31e0e1f454cc59dc634684a3e35790f76",
+    "HELLO_OK": "4f2dc2676c797bd56f68c3daa01af9d95a58c5c4d0995ec80d5c1a964ec18516",
+    "GET_STATE": "1b92d8cc0cfb481298ad908c0699b17a98f83e5ff7fcca005c74c0a94419ebf9",
+    "STATE": "af05d0a3ce39ceccc138f2aff19186d530780bee512b20bbd909a5f1eef82c27",
     "RELEASE": "4ea87e2d6977136feca27491ddbfa70d3b558d43d8899566d110df85e439fdb8",
     "RELEASED": "74090ef68c2f761c9be1e44eb771c01cc2ab6621e2c10b4923557f28d28d19de",
     "STATUS": "5b8b33533ee8d6b02521a3f8df27b4b83c21c0da4d9988e35af6ce976e92f2f0",
-    "STATUS_REPLY": "0060f56815e0900ec2a3e3f420804003050eb0930b6de85a9c0e6bac93cca23a",
+    "STATUS_REPLY": "73143fd1fb871425bc212c7ecc807d7f63862d6dc718774be2b944b43d335039",
     "PRELOAD": "01208cff98ee8e644b89556625253edb737cb2a1538a7e45c0344438a860084c",
-    "PRELOADED": "2534a9365060bda74ed543abd672f828eb2fbf73df1e65930fb791989895db4c",
-    "EVICT": "f50f0d1a780a636b37f5d117252effacfe5d0a425f054f47b87b401f5bfb0bd4",
-    "EVICTED": "8c0a3aa840e16c3b5b70562fd811ffe1e9597d944bfc5e2559c1510acfd2f8e3",
+    "PRELOADED": "761dca17e0c2920958d7ee8ea7c00ec5be95c5b50b959d8c8a2c50b3d49a74d8",
+    "EVICT": "60f441b622be048d4ed2fd569a5155c0292aa154d0efd8e3361a3c69c888d6a3",
+    "EVICTED": "de025c111592d508e6b7bfd34ff6be624b57ae8052f28f86dc352df209e1a9b6",
     "TAKEOVER": "bb2aba7c57fcc59016fc87ecc45d27c7169a5749b457734bc7d07bc3e9d4c140",
-    "TAKEOVER_STATE": "0bf1cd24d7f4a4fbfbf92b4807aa8e959c921ede40ae98638a0480ca3083d856",
+    "TAKEOVER_STATE": "961e4fff2f807d1786959adbc39ab88ec8e962db7af71c122be8de9e9f1b91c4",
     "TAKEOVER_ADOPTED": "607d96e5a2257b60ed528a3b9073a6d727e983ac0f6f61a1c25157d11db37d25",
     "TAKEOVER_DONE": "ea08d628ee6a2442fd87c8d811c40eb7886e4dc53a76c48856afe0900d2333cf",
-    "KEEP": "ccd9cd6a8dbe01b3766b09b955418a520232234152b04e05851417122317e5ca",
+    "KEEP": "08c325865a35e1ed7f410b4c247b97c2f43d855152c9d51a8f1fcd0a6f0732c9",
     "KEPT": "61a8afc94775e8ddd904c189cb59d54593c9e9528d2097223d9378f4c201c0c6",
-    "UNKEEP": "325922262b5d0d833f2b8d874d638a3acffaee59cac4c20bd17d233f26943ffb",
+    "UNKEEP": "8f2b2bec8728854bc081814bf5e5db345f6dab4c529bb98f467f737a98a1dafd",
     "RECLAIM": "ee07cffa27351ffc299670153bf11724ee5335ca208765a46c53f10780677092",
-    "RECLAIMED": "4c06b3d736862cdce93846ce1cd281ff3d0fb58a8faa80ea54cbf2e78a6e867b",
-    "DEPOSIT": "235bc68e438747b45b73bbe1b42bd6c22234ea4490b7b383efe2ab063d89f8fe",
+    "RECLAIMED": "0e6887d5e0a3c679f874b9043732c2c7fd2b7382757039306e94d8373e4654c2",
+    "DEPOSIT": "0431ae2cf060e8727256e442fbc9ff1500799493bdfac87dde3d64e2115e4696",
     "DEPOSIT_SLAB": "a36754d94c14d860d18dc9c8285a91f10cbf4e011a5cc4f3b3279749a52777e6",
     "COMMIT": "4be6ba6dddd36d150d86836695cc2f2502f8fd8ecfa1c47a9bf9dbd52ffd1b67",
-    "DEPOSITED": "acb11bd50acf2106303fc34c2240b39caa97a76e37bce12c469b73a651ec4b53",
-    "ERROR": "5d423e9a76b338e72a46284d2176781959dbd8a023962e2f696f096f5643578c",
+    "DEPOSITED": "54dc28eba1e877b9aff1fa2971789565cd709aca9ed1babb5223b2ce6361fc78",
+    "ERROR": "5ac24b710d35fb2379588c463d9876c7d9ea64f48b79a0b0a3dd7bad7c3bef92",
     "PEER_AUTH": "0162f4ac0145fe195c57239d66cec40a565b575538dbc5d041c687f1d6b9bdae",
     "PEER_CHALLENGE": "9eabcda1381a19c15627c9b1f847b773c49f617193ab3d6be11fbd1647089401",
     "PEER_PROOF": "cf3c82de810078efc1fd6f392e121961d0330b8aa886cf34af93789ed257978b",
     "PEER_AUTH_OK": "525efa74287ff17ddb2963d4075d0cc5003a846feb741637124123baef5f8755",
-    "PEER_QUERY": "e10e2ba4e242e52c06117e1ceddd13e05a290729391150fcf4f820269476eac1",
-    "PEER_OFFER": "716973a822354932e67010ca58970e3b95416e33a5dfe7c71c338c840f74a185",
+    "PEER_QUERY": "808328c3e74beb27e615bcb50d3f8e9b0569676e272be00072fc163cd5287468",
+    "PEER_OFFER": "12fc1a2253fb8f2f67527f248c22abca6eefce263d1bbf1df9c4d19e2a84b945",
     "PEER_READ": "b135e177b7789c52ebecd2292c50f5d047e6a44477624abe9ec1a92400b11964",
     "PEER_READ_OK": "1f12a97732b9d442ae2823c63f672315178b79eda7cf57afc64fbeeef9c649df",
-    "PEER_FILES": "f98509fb0fc14afdc08ba8e426b1358c741b3e843fd67f73a9c6eb0b566a8776",
+    "PEER_FILES": "f1fdfda1913dcc8303bd84194859b9bafab46e905e9600dd32cf8afc69f75bac",
     "PEER_FILES_REPLY": "4eb707ff3eab9aa05390d268f35bc9ed579895c76d133e4f6652e03230f1da3b",
     # variants: optional fields that change a frame's shape (§4.3.1's proof)
     "GET_STATE with a proof": "c03abb1dcc02f3833af92abe96c5b3c462851652951b7a8b26e8bed726e3af7d",
     # §4.8: a model filled from the host tier, the tier's page-locked entries
-    "STATUS_REPLY after a host-tier refill": "c4903bf4edd5a6ac43779bd4e9628f62f213e5642a0700bfa3b75a5dcd03fc62",
+    "STATUS_REPLY after a host-tier refill": "04da9ca6b9d7beb981a3692a25020010428f0a5cf495d6d218ca7e64fa554f38",
 }
 ALL = {**EXAMPLES, **VARIANTS}
 
@@ -159,3 +159,26 @@ def test_keep_refuses_a_slab_without_an_fd() -> None:
     wire["model"]["slabs"][0]["fd"] = -1
     with pytest.raises(RemoteProtocolError, match=r"KEEP\.models"):
         decode_frame(wire)
+
+
+def test_examples_are_what_a_daemon_sends() -> None:
+    """§8 shows live frames, not stale ones: keys as a daemon serves them (every field of today's layout, in its
+    order; a recipe's fields after them by name), the max_frame_size a daemon announces, and the KEY_MISMATCH a
+    daemon serving the example key answers to a GET_STATE asking float16 of it (message and details whole)."""
+    from wcache.plan.facts import key_mismatch
+    from wcache.plan.key import LAYOUT_VERSION, WeightCacheKey
+    from wcache.plan.recipe import RecipeKey
+    from wcache.proto import Deposited, ErrorFrame, GetState, HelloOk, State
+    from wcache.proto.codec import MAX_REQUEST_SIZE
+
+    get, state, deposited = EXAMPLES["GET_STATE"], EXAMPLES["STATE"], EXAMPLES["DEPOSITED"]
+    assert isinstance(get, GetState) and isinstance(state, State) and isinstance(deposited, Deposited)
+    served = WeightCacheKey.from_wire(dict(state.key))
+    assert list(served.to_wire().items()) == list(state.key.items()) == list(get.key.items())
+    assert served.layout == LAYOUT_VERSION
+    recipe = RecipeKey.from_wire(dict(deposited.key))
+    assert list(recipe.to_wire().items()) == list(deposited.key.items())
+    hello_ok = EXAMPLES["HELLO_OK"]
+    assert isinstance(hello_ok, HelloOk) and hello_ok.max_frame_size == MAX_REQUEST_SIZE
+    asked = {**get.key, "dtype": "float16"}
+    assert EXAMPLES["ERROR"] == ErrorFrame.from_exception(key_mismatch(asked, [served]), get.id)

@@ -61,6 +61,7 @@ from wcache.proto.frames import (
 
 __all__ = ["EXAMPLES", "VARIANTS", "hexdump"]
 
+#: a checkpoint key as a daemon serves it (§4.3): its nine fields in table order, today's layout, no transform
 _KEY: dict[str, str | int] = {
     "fingerprint": "8f3a9c1d2b4e6f708192a3b4c5d6e7f8",
     "architecture": "LlamaForCausalLM",
@@ -68,9 +69,13 @@ _KEY: dict[str, str | int] = {
     "tp_rank": 0,
     "dtype": "bfloat16",
     "plan": "builtin:llama/1",
-    "layout": 1,
+    "layout": 2,
     "fingerprint_kind": "sampled",
+    "transform": "",
 }
+
+#: _KEY shortened as ERROR details and messages name a key (§4.3)
+_SHORT = "LlamaForCausalLM@8f3a9c1d2b4e/tp0of2/bfloat16"
 
 _HANDED = HandedModel(
     key=_KEY,
@@ -87,16 +92,17 @@ _HANDED = HandedModel(
     source="/models/llama3-8b",
 )
 _OWNER = "/run/user/1000/wcache/wcache-rank0.sock"
-#: a recipe key (§4.13): the rank's key plus what the engine did to the weights
+#: a recipe key (§4.13): the rank's key plus what the engine did to the weights, in the order a daemon serves it
+#: (the checkpoint fields, then the recipe's by name)
 _RECIPE: dict[str, str | int] = {
     **_KEY,
+    "device_capability": "",
+    "device_type": "cpu",
     "engine": "vllm",
     "engine_version": "0.11.0",
-    "quantization": "fp8",
-    "quant_config": "3f2a9c1d",
     "postprocess": 1,
-    "device_type": "cpu",
-    "device_capability": "",
+    "quant_config": "3f2a9c1d",
+    "quantization": "fp8",
 }
 
 _STATUS = StatusReply(
@@ -132,7 +138,7 @@ EXAMPLES: dict[str, Frame] = {
         software="wcache/0.1.0",
         backend="host",
         device=DeviceInfo(kind="cpu", index=0, uuid="", name="host shared memory"),
-        max_frame_size=67108864,
+        max_frame_size=1048576,  # what a daemon takes from a client (§4.2, §7)
         server_pid=4242,
     ),
     "GET_STATE": GetState(id=1, key=_KEY, mode="zero_copy", device_uuid=""),
@@ -233,11 +239,12 @@ EXAMPLES: dict[str, Frame] = {
             ),
         ),
     ),
+    # KEY_MISMATCH (§4.3) for a GET_STATE of _KEY asking float16, from a daemon serving _KEY alone
     "ERROR": ErrorFrame(
         id=1,
         code=21,
-        message="requested key differs from the served one in: dtype",
-        details={"fields": {"dtype": ["bfloat16", "float16"]}},
+        message=f"requested key differs from the served {_SHORT}: dtype: requested float16, served bfloat16",
+        details={"fields": {"dtype": ["bfloat16", "float16"]}, "served": [_SHORT], "closest": _SHORT},
         fatal=False,
     ),
 }
