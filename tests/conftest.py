@@ -20,6 +20,11 @@ from wcache.synthetic import TINY, LlamaShape, make_llama_checkpoint
 
 READY_TIMEOUT = 60.0
 
+#: The repository root, on every subprocess's import path: daemons start with ``-P`` (wcache.server.process: the
+#: working directory is not on it), and some import the tests' own modules (a transform in tests/server)
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
 #: Shared directories a run must leave as it found them: tests use tmp_path.
 SHARED_TMP = (Path("/tmp"), Path("/dev/shm"))
 

@@ -75,7 +75,7 @@ def engine_restart(label: str, model: Path, sock: str, device: str) -> dict[str,
     """One engine process: fetch zero_copy and copy, load from disk (onto ``device``), compare; print a row.
     Returns the engine's figures, or None if it failed or its tensors differed."""
     out = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model), sock, device],
+        [sys.executable, "-P", "-c", ENGINE, str(model), sock, device],  # -P: as process._spawn's
         capture_output=True,
         text=True,
         timeout=300,

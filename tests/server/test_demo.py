@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +10,20 @@ from pathlib import Path
 from wcache.demo import DEMO_SHAPE, build_parser
 
 
-def test_demo_restarts_engines_and_the_daemon(ckpt: Path) -> None:
+def test_demo_restarts_engines_and_the_daemon(ckpt: Path, tmp_path: Path) -> None:
+    """Run as the console script runs it (``-P``: the working directory not on the import path), from a directory
+    holding one named ``wcache`` (a newcomer's clone beside where they run it): the keeper, daemon and engines it
+    starts must not import that directory instead of the installed package."""
+    (tmp_path / "wcache").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # wcache as installed, not the repository's
     r = subprocess.run(
-        [sys.executable, "-m", "wcache.demo", "--model", str(ckpt), "--restarts", "2"],
+        [sys.executable, "-P", "-m", "wcache.demo", "--model", str(ckpt), "--restarts", "2"],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+        cwd=tmp_path,
+        env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(("1 ", "2 ", "after "))]

@@ -118,7 +118,9 @@ def _spawn(
     started = time.perf_counter()
     with open(log_path, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--ready-file", str(ready)],
+            # -P: not the working directory first on the import path, where a directory named wcache (a clone,
+            # next to where the command runs) would shadow the installed package
+            [sys.executable, "-P", "-m", module, *args, "--ready-file", str(ready)],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
