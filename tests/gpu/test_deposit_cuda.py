@@ -196,7 +196,7 @@ async def test_deposited_gpu_slab_is_kept_and_handed_over_like_a_loaded_one(
         while not await kept():
             assert time.monotonic() < deadline, "the keeper never held the deposit"
             await asyncio.sleep(0.05)
-        new = spawn_daemon(None, socket_dir, "--device", "cuda:0", takeover=old.socket, timeout=120)
+        new = spawn_daemon(None, socket_dir, "--device", "cuda:0", "--keeper", takeover=old.socket, timeout=120)
         assert old.proc.wait(60) == 0
         assert (await origins(new))[key.short()] == "takeover"
         async with await WCacheClient(new.socket).fetch(key) as w:

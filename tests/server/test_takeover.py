@@ -237,3 +237,29 @@ async def test_after_the_hand_off_the_old_daemon_answers_nothing_more(
         old.stop()
         if new is not None:
             new.stop()
+
+
+async def test_a_takeover_keeps_the_running_daemons_keeper_or_takes_nothing(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path, keeper: DaemonProc
+) -> None:
+    """The running daemon keeps its models with a keeper: a new daemon started without ``--keeper`` (the upgrade
+    command as written) took them over with no link to it, so an EVICT freed nothing the keeper held (its memory
+    stayed allocated). It is refused now, naming the keeper, and the old daemon serves on; with ``--keeper`` the
+    hand-off goes through and the new daemon frees what it evicts in the keeper too."""
+    old = daemon_factory(ckpt, "--keeper")
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    kept = await WCacheClient(keeper.socket).status()
+    assert len(kept.models) == 1
+    refused = spawn_daemon(None, socket_dir, takeover=old.socket, timeout=None)
+    assert refused.proc.wait(60) == 1
+    assert f"--keeper {keeper.socket}" in refused.log.read_text()
+    await _serves_and_holds_its_lock(old, ckpt, socket_dir)
+    new = spawn_daemon(None, socket_dir, "--keeper", takeover=old.socket, timeout=60)
+    try:
+        assert old.proc.wait(30) == 0
+        await WCacheClient(new.socket).evict(key)
+        async with asyncio.timeout(20):
+            while (await WCacheClient(keeper.socket).status()).models:
+                await asyncio.sleep(0.05)
+    finally:
+        new.stop()

@@ -96,6 +96,9 @@ class TakeoverState(Frame):
     models: tuple[HandedModel, ...] = wire(Array(Nested(HandedModel)))
     listener_fd: int = wire(Int(hi=MAX_HANDOFF_FDS - 1))
     pid: int = wire(Int(), default=0)
+    #: the socket path of the keeper the running daemon keeps these models with ("" none): the new daemon must
+    #: keep them with the same one (a daemon that took them over without it could not free them there)
+    keeper: str = wire(Str(max_len=MAX_PATH), default="", omit_default=True)
 
     def _validate(self) -> None:
         slabs = [s.fd for x in self.models for s in x.slabs if s.fd >= 0]

@@ -462,7 +462,8 @@ class Daemon:
         if len(fds) + 1 > MAX_HANDOFF_FDS:
             raise LimitExceededError(f"{len(fds)} slabs: a hand-off carries at most {MAX_HANDOFF_FDS - 1}")
         assert self._listener is not None
-        reply = TakeoverState(id=req.id, models=tuple(models), listener_fd=len(fds), pid=os.getpid())
+        keeper = str(self.keeper.path) if self.keeper is not None else ""
+        reply = TakeoverState(id=req.id, models=tuple(models), listener_fd=len(fds), pid=os.getpid(), keeper=keeper)
         try:  # what the new daemon's decoder will make of it, off the event loop (tens of MB for big tables)
             await asyncio.to_thread(as_received, reply, req.max_frame_size)
         except FrameTooLargeError as exc:

@@ -200,18 +200,23 @@ def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> 
 
 
 def take_over(
-    sock_path: Path, backend: Backend, lock: DaemonLock, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    sock_path: Path,
+    backend: Backend,
+    lock: DaemonLock,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    keeper: Path | None = None,
 ) -> tuple[list[ServedModel], socket.socket]:
     """--takeover (docs/protocol.md §4.10): the running daemon's models (adopted slabs) and its listening
     socket, then its lock. The running daemon stops only once this one has adopted every model and said so
     (TAKEOVER_ADOPTED, answered by TAKEOVER_DONE); whatever fails before that — a refusal, a TAKEOVER_STATE
-    over ``max_frame_size`` or one this side's decoder refuses, a slab it cannot adopt — raises here (the
+    over ``max_frame_size`` or one this side's decoder refuses, a slab it cannot adopt, a running daemon that keeps
+    its models with another keeper than ``keeper`` (this one's ``--keeper`` socket, None: none) — raises here (the
     daemon exits with that error) and leaves the running daemon serving, holding its lock."""
     import asyncio
 
     t0 = time.perf_counter()
     try:
-        pid, models, listener = asyncio.run(_take_over(sock_path, backend, max_frame_size))
+        pid, models, listener = asyncio.run(_take_over(sock_path, backend, max_frame_size, keeper))
     except WCacheError as exc:
         raise type(exc)(
             f"--takeover {sock_path}: {exc.message} (nothing was taken over: the running daemon serves on)",
@@ -236,7 +241,7 @@ def take_over(
 
 
 async def _take_over(
-    sock_path: Path, backend: Backend, max_frame_size: int, timeout: float = 60.0
+    sock_path: Path, backend: Backend, max_frame_size: int, keeper: Path | None = None, timeout: float = 60.0
 ) -> tuple[int, list[ServedModel], socket.socket]:
     """TAKEOVER, adopt everything TAKEOVER_STATE hands over, TAKEOVER_ADOPTED, TAKEOVER_DONE; on any failure
     the adopted slabs and the listener are closed and the connection with them (the old daemon serves on)."""
@@ -263,6 +268,16 @@ async def _take_over(
             await ch.send(request)
             state, fds = await expect(ch)
             assert isinstance(state, TakeoverState)  # the transition table admits nothing else
+            mine = str(keeper) if keeper is not None else ""
+            if state.keeper != mine:  # its keeper holds these slabs: this daemon could neither free nor reclaim them
+                close_fds(fds)
+                raise WCacheError(
+                    f"the running daemon keeps its models with the keeper at {state.keeper}: start this one with "
+                    f"--keeper {state.keeper}"
+                    if state.keeper
+                    else f"the running daemon keeps its models with no keeper, this one with {mine}: start it "
+                    "without --keeper (a model handed over is not held by that keeper)"
+                )
             try:
                 listener = socket.socket(fileno=os.dup(fds[state.listener_fd]))
             except BaseException:
@@ -493,8 +508,13 @@ def run(args: argparse.Namespace) -> int:
             tier = HostTier(args.host_tier_dir or default_tier_dir(), args.host_tier, pin=pin)
         handed: list[ServedModel] = []
         listener = None
+        kpath: Path | None = None
+        if args.keeper is not None:
+            from wcache.paths import KEEPER_SOCKET
+
+            kpath = Path(os.path.abspath(Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET))
         if args.takeover is not None:
-            handed, listener = take_over(sock_path, backend, lock, args.max_frame_size)
+            handed, listener = take_over(sock_path, backend, lock, args.max_frame_size, kpath)
 
         def planner(spec: RankSpec) -> RankPlan:
             with checkpoint_errors(str(spec.checkpoint)):
@@ -512,14 +532,10 @@ def run(args: argparse.Namespace) -> int:
 
         link: KeeperLink | None = None
         reclaimed: list[ServedModel] = []
-        if args.keeper is not None:
-            from wcache.paths import KEEPER_SOCKET
+        if kpath is not None:
             from wcache.server.keeper_link import KeeperLink
 
-            kpath = Path(args.keeper) if args.keeper else sock_path.parent / KEEPER_SOCKET
-            link = KeeperLink(
-                Path(os.path.abspath(kpath)), owner=sock_path, backend=backend.name, device_uuid=backend.device.uuid
-            )
+            link = KeeperLink(kpath, owner=sock_path, backend=backend.name, device_uuid=backend.device.uuid)
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
                 reclaimed = handed = reclaim(link, backend, args.shard_plan)
         store = Store(backend, handed, budget=args.memory_budget or None)
