@@ -373,6 +373,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that went away raises here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # the reader of stdout is gone (``wcache status --json | head``): no more to say, and no traceback when the
+        # interpreter flushes stdout at exit (Python's documented remedy: stdout pointed at /dev/null)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.cmd == "make-checkpoint":
         return _make_checkpoint(args)

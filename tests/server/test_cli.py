@@ -59,6 +59,20 @@ def test_every_option_has_help(parser: Callable[[], argparse.ArgumentParser]) ->
     assert missing == []
 
 
+@pytest.mark.parametrize("parser", [server_cli.build_parser, wcache_parser], ids=["wcache-server", "wcache"])
+def test_every_option_with_a_default_says_it(parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """An operator reads ``--help``, not the docs: an option that defaults to a value (not off, not derived) says
+    which (docs/deploy named --keeper-check's 5 s, --help did not)."""
+    silent = []
+    for a in _options(parser()):
+        if a.default in (None, False, "", argparse.SUPPRESS) or a.nargs == 0 or not a.help:
+            continue  # a flag, or nothing to say
+        shown = a.help % {"default": a.default, "prog": "", "metavar": a.metavar} if "%(" in a.help else a.help
+        if str(a.default) not in shown and "default" not in shown:
+            silent.append(a.option_strings)
+    assert silent == []
+
+
 def test_subcommands_have_help() -> None:
     sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert {c.dest for c in sub._choices_actions if c.help} == {"status", "preload", "evict", "make-checkpoint"}
@@ -342,6 +356,29 @@ def test_status_exits_nonzero_when_a_listed_daemon_is_unreachable(daemon: Daemon
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 1
     assert str(daemon.socket) in out.stdout  # the live one is still listed
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_status_into_a_closed_pipe_ends_without_a_traceback(
+    daemon: DaemonProc, socket_dir: Path, json_out: bool
+) -> None:
+    """``wcache status --json | head``: the reader is gone before the output is written (here: before it starts,
+    so every write fails). Exit 1 and stderr without a BrokenPipeError traceback."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        argv = [sys.executable, "-m", "wcache.cli", "status", "--socket-dir", str(socket_dir)]
+        out = subprocess.run(
+            argv + (["--json"] if json_out else []),
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(w)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
 
 
 def test_status_reports_a_stale_socket_at_once_saying_whether_a_daemon_is_coming(

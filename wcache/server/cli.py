@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         metavar="SECONDS",
         help="with --keeper: how often to check that the keeper still holds every model (a restarted keeper "
-        "holds nothing; they are kept there again)",
+        "holds nothing; they are kept there again; default %(default)s)",
     )
     p.add_argument(
         "--tp-rank", type=int, default=0, help="tensor-parallel rank this daemon serves, in [0, --tp-size) (default 0)"
@@ -236,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes per second served to peers in all, e.g. 2G (0: no cap), so this node's engines are not starved",
     )
     fleet.add_argument(
-        "--peer-max-fills", type=int, default=4, metavar="N", help="fills served at once; more get LIMIT_EXCEEDED"
+        "--peer-max-fills",
+        type=int,
+        default=4,
+        metavar="N",
+        help="fills served at once; more get LIMIT_EXCEEDED (default %(default)s)",
     )
     fleet.add_argument("--peer-cert", type=Path, help="this daemon's TLS certificate for the peer channel (mutual TLS)")
     fleet.add_argument("--peer-key", type=Path, help="its private key")
@@ -281,7 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus text metrics on 127.0.0.1:PORT (0: off)"
     )
-    p.add_argument("--frame-timeout", type=float, default=10.0, help="max seconds to finish sending a started frame")
+    p.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=10.0,
+        help="max seconds to finish sending a started frame (default %(default)s)",
+    )
     p.add_argument(
         "--log-level",
         default="INFO",
