@@ -222,13 +222,19 @@ sock, model, device, alignment, access = sys.argv[1:6]
 import torch
 torch.empty(1, device=device); torch.cuda.synchronize()
 from wcache import WeightCacheKey
-from wcache.channel import connect_blocking, expect_blocking
+from wcache.channel import connect_engine_blocking, expect_engine_blocking
 from wcache.client import cuda, driver
 from wcache.client.client import _Request
 key = WeightCacheKey.from_checkpoint(model)
 req = _Request(key, "zero_copy")
-ch, hello = connect_blocking(Path(sock), software="map-probe", name="map-probe", timeout=60, pipeline=req.build)
-frame, fds = expect_blocking(ch, 60)
+ch, hello = connect_engine_blocking(Path(sock), software="map-probe", name="map-probe", timeout=60, pipeline=req.build)
+try:
+    frame, fds = expect_engine_blocking(ch, 60)
+except Exception as exc:  # the proof refused (as WCacheClient.fetch_sync: the full key, same connection)
+    if not req.refused(exc):
+        raise
+    ch.send_bytes_blocking(ch.conn.send(req.scanned(ch.conn)), 60)
+    frame, fds = expect_engine_blocking(ch, 60)
 state = req.state(frame, fds)
 desc = state.slabs[0]
 assert desc.kind == "cuda_vmm", desc.kind
