@@ -159,6 +159,30 @@ async def test_restart_with_another_model_keeps_the_old_one_under_the_budget(
     assert [m.key for m in kept.models] == [WeightCacheKey.from_checkpoint(tied_ckpt).to_wire()]
 
 
+async def test_a_restart_on_the_keeper_names_the_model_it_was_started_for(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, tied_ckpt: Path
+) -> None:
+    """The keeper hands back every model it held for the socket, in the order they were kept: the ready line and
+    ready file name the ``--model``'s key, not the first one handed back (they named an older model's key)."""
+    old = daemon_factory(model, "--keeper")
+    await WCacheClient(old.socket).preload(RankSpec(tied_ckpt))
+    assert len(await _kept_models_n(keeper.socket, 2)) == 2
+    old.stop(signal.SIGKILL)
+    new = daemon_factory(tied_ckpt, "--keeper")
+    assert new.info["key"] == WeightCacheKey.from_checkpoint(tied_ckpt).to_wire()
+    assert {m.origin for m in (await WCacheClient(new.socket).status()).models} == {"keeper"}
+
+
+async def _kept_models_n(path: Path, n: int, deadline_s: float = 20.0) -> list[dict[str, str | int]]:
+    """The keys a keeper holds, once it holds ``n``."""
+    t_end = asyncio.get_running_loop().time() + deadline_s
+    while True:
+        models = [m.key for m in (await WCacheClient(path).status()).models]
+        if len(models) >= n or asyncio.get_running_loop().time() > t_end:
+            return models
+        await asyncio.sleep(0.1)
+
+
 async def _kept_models(path: Path, deadline_s: float = 20.0) -> list[dict[str, str | int]]:
     """The keys a keeper holds, once it holds any (polling: the daemon deposits on its own schedule)."""
     t_end = asyncio.get_running_loop().time() + deadline_s

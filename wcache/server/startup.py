@@ -544,11 +544,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             if store.budget is not None and store.resident_bytes > store.budget:  # a lowered --memory-budget
                 drop(store.make_room(0, models=0), link, "budget")
+            started: WeightCacheKey | None = None  # the --model's key: the one the ready line names
             if args.model is not None:
                 spec = rank_spec(args)
                 if args.fill_from is not None:
                     fetch_checkpoint_files(args, spec.checkpoint)
                 with planner(spec) as rp:
+                    started = rp.key
                     held = store.models.get(rp.key)
                     if held is not None:
                         store.remember_source(held, spec.checkpoint)
@@ -596,7 +598,10 @@ def run(args: argparse.Namespace) -> int:
 
             def ready() -> None:
                 models = list(store.models.values())
-                m = models[0] if models else None
+                # the model it was started for, not whichever the keeper handed back first (it hands back every
+                # model it held for this socket: another --tp-size's, a PRELOAD's)
+                m = store.models.get(started) if started is not None else None
+                m = m if m is not None else (models[0] if models else None)
                 log.info(
                     "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f "
                     "models=%d budget=%s",
