@@ -819,6 +819,37 @@ async def test_a_kept_deposit_is_served_after_a_crash_and_dropped_once_its_check
     assert [("engine" in m.key) for m in kept] == [False]
 
 
+async def test_a_kept_deposit_older_than_the_one_the_host_tier_records_is_not_served(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, tmp_path: Path
+) -> None:
+    """v1 deposited and kept; the daemon restarted without ``--keeper`` (the host tier only) takes v2 (DEPOSITED);
+    restarted with ``--keeper`` again, it reclaimed v1 from the keeper and served it under the key, although v2 was
+    committed after it. A kept deposit carries its generation (HandedModel ``generation``) and is dropped where the
+    host tier records another: the daemon serves v2, restored from the tier."""
+    from wcache.plan.recipe import RecipeKey
+
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tmp_path / "tier"))
+
+    async def deposit(d: DaemonProc, v: float) -> None:
+        await WCacheClient(d.socket).deposit(key, {"w": torch.full((64, 64), v)})
+
+    async def served(d: DaemonProc) -> float:
+        async with await WCacheClient(d.socket).fetch(key, mode="copy") as w:
+            return float(torch.unique(w["w"]).item())
+
+    first = daemon_factory(model, "--keeper", *tier)
+    await deposit(first, 1.0)
+    assert len(await _kept_models_n(keeper.socket, 2)) == 2
+    first.stop()
+    second = daemon_factory(model, *tier)
+    await deposit(second, 2.0)
+    assert await served(second) == 2.0
+    second.stop()  # its drain waits for the tier's save
+    third = daemon_factory(model, "--keeper", *tier)
+    assert await served(third) == 2.0
+
+
 def test_status_counts_kept_models_for_the_socket_they_were_kept_for(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:

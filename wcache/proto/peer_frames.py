@@ -67,6 +67,9 @@ class HandedModel(Message):
     origin: str = wire(Str(max_len=64), default="", omit_default=True)
     #: names deposited as module buffers (STATE's ``buffers``, docs/protocol.md §4.13)
     buffers: tuple[str, ...] = wire(Array(Str()), default=(), omit_default=True)
+    #: a deposit's generation (given at its COMMIT; "" a checkpoint's model, or unknown): a daemon reclaiming a
+    #: kept deposit serves it only if its host tier records no other generation of the key (docs/protocol.md §4.11)
+    generation: str = wire(Str(max_len=64), default="", omit_default=True)
 
 
 def _kept_fds(frame: str, models: Sequence[HandedModel]) -> int:

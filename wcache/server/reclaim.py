@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wcache.errors import WCacheError
 from wcache.plan.key import RankSpec, WeightCacheKey
@@ -59,6 +60,9 @@ from wcache.server.keeper_link import KeeperLink
 from wcache.server.loader import torch_dtype
 from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
+
+if TYPE_CHECKING:
+    from wcache.server.tier import HostTier
 
 __all__ = ["SAMPLES", "SAMPLE_BYTES", "Check", "admit", "check_model", "compare_samples", "expected_bytes"]
 
@@ -91,9 +95,13 @@ def admit(
     adopt: Adopt,
     *,
     plan_file: str | os.PathLike[str] | None = None,
+    tier: HostTier | None = None,
 ) -> tuple[list[ServedModel], int]:
     """The reclaimed models that pass every check, adopted; and how many were dropped (each told to the
-    keeper with an UNKEEP). Every fd in ``fds`` is consumed."""
+    keeper with an UNKEEP). Every fd in ``fds`` is consumed. A deposit is dropped too where ``tier`` (the host
+    tier, shared by every daemon of the directory) records another generation of its key: a later COMMIT that
+    the keeper never heard of (a daemon without ``--keeper``, or a keeper that did not answer), whose bytes the
+    tier restores, or whose tombstone says nothing older may be served."""
     served: list[ServedModel] = []
     rejected: list[tuple[WeightCacheKey, str]] = []
     used: set[int] = set()
@@ -110,6 +118,8 @@ def admit(
                 rejected.append((key, "unadoptable"))
                 continue
             check = check_model(model, plan_file=plan_file)
+            if check.reason is None and isinstance(key, RecipeKey) and tier is not None:
+                check = _check_generation(model, tier)
             if check.reason is not None:
                 model.close()
                 log.warning(
@@ -138,6 +148,18 @@ def admit(
 async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey]) -> None:
     for key in keys:
         await link.drop(key)
+
+
+def _check_generation(model: ServedModel, tier: HostTier) -> Check:
+    """A kept deposit against the generation the host tier records for its key (its entry's or tombstone's)."""
+    recorded = tier.generation_of(model.key)
+    if recorded is not None and recorded != model.generation:
+        return Check(
+            f"the host tier records a later deposit of its key (generation {recorded}, this one "
+            f"{model.generation or 'unknown'}): it is not the deposit last committed",
+            "stale",
+        )
+    return Check(None, "")
 
 
 def check_model(model: ServedModel, *, plan_file: str | os.PathLike[str] | None = None) -> Check:

@@ -185,6 +185,7 @@ def adopt(models: tuple[HandedModel, ...], fds: list[int], backend: Backend) -> 
                     source,
                     origin=hm.origin,
                     buffers=hm.buffers,
+                    generation=hm.generation,
                 )
             )
             hm.tensors.encoded()
@@ -330,9 +331,12 @@ def restorer(
     return restore
 
 
-def reclaim(link: KeeperLink, backend: Backend, plan_file: Path | None = None) -> list[ServedModel]:
+def reclaim(
+    link: KeeperLink, backend: Backend, plan_file: Path | None = None, tier: HostTier | None = None
+) -> list[ServedModel]:
     """--keeper: the models the keeper holds for this daemon's socket that pass the checks against their
-    checkpoint (wcache/server/reclaim.py), adopted; none if it is not running."""
+    checkpoint (wcache/server/reclaim.py) and, for a deposit, against the generation ``tier`` records, adopted;
+    none if it is not running."""
     import asyncio
 
     from wcache.server.reclaim import admit
@@ -343,7 +347,7 @@ def reclaim(link: KeeperLink, backend: Backend, plan_file: Path | None = None) -
     except (WCacheError, OSError, TimeoutError) as exc:
         log.warning("keeper %s: nothing reclaimed (%s); loading as usual", link.path, exc)
         return []
-    models, stale = admit(link, state, fds, backend, adopt, plan_file=plan_file)  # one bad model drops alone
+    models, stale = admit(link, state, fds, backend, adopt, plan_file=plan_file, tier=tier)  # one bad model drops alone
     link.reclaimed(models)
     log.info(
         "reclaimed from keeper=%s socket=%s models=%d bytes=%d dropped=%d stale=%d seconds=%.3f",
@@ -537,7 +541,7 @@ def run(args: argparse.Namespace) -> int:
 
             link = KeeperLink(kpath, owner=sock_path, backend=backend.name, device_uuid=backend.device.uuid)
             if args.takeover is None:  # after a takeover the keeper already holds what was handed over
-                reclaimed = handed = reclaim(link, backend, args.shard_plan)
+                reclaimed = handed = reclaim(link, backend, args.shard_plan, tier)
         store = Store(backend, handed, budget=args.memory_budget or None)
         filler = peer_fill(args, backend) if args.fill_from is not None else None
         fill_outcomes: list[tuple[str, int, float]] = []  # (reason or "", bytes, seconds) of each fill: metrics

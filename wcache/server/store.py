@@ -151,6 +151,7 @@ class ServedModel:
             str(self.source) if self.source is not None else "",
             self.origin,
             self.buffers,
+            self.generation,
         )
 
     def close(self) -> None:

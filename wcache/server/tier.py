@@ -502,6 +502,19 @@ class HostTier:
                 os.close(fd)
         return None
 
+    def generation_of(self, key: WeightCacheKey) -> str | None:
+        """The generation of the deposit the tier records under ``key`` — its entry's or its tombstone's (the last
+        committed by any daemon sharing the directory) — or None where it records none (no entry, a checkpoint's,
+        or one it cannot read: ``lookup`` refuses those)."""
+        _, meta = self._paths(key)
+        try:
+            body = self._read_meta(meta)
+        except (_Foreign, *_ERRORS):
+            return None
+        if body is None or body.get("key") != key.to_wire():
+            return None
+        return str(body.get("generation", "")) or None
+
     def open_slab(self, entry: TierEntry) -> int:
         """A descriptor of the slab file ``lookup`` checked (the caller closes it); TierEntryError if another file
         is there now."""
