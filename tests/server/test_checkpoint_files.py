@@ -50,6 +50,13 @@ def _huge_dim(root: Path) -> Path:
     return one_tensor_dir(root, shape=[2**60, 0])
 
 
+def _not_utf8(root: Path) -> Path:
+    """A good checkpoint in a directory whose name is not UTF-8 (legal on Linux): the daemon reports and hands over
+    its path as a string, so it refuses it at start (it served it, and then STATUS answered INTERNAL, and KEEP and
+    a takeover failed, on every call)."""
+    return make_llama_checkpoint(root.parent / os.fsdecode(b"ck-\xff"), SMALL, seed=7)
+
+
 def _start(model: Path, socket_dir: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Run wcache-server on ``model`` to its end (a deadline, not a hang): (result, ready file)."""
     ready = socket_dir.parent / "ready.json"
@@ -73,12 +80,13 @@ def _start(model: Path, socket_dir: Path) -> tuple[subprocess.CompletedProcess[s
     return out, ready
 
 
-@pytest.mark.parametrize("make", [_fifo_config, _fifo_index, _long_name, _huge_dim])
+@pytest.mark.parametrize("make", [_fifo_config, _fifo_index, _long_name, _huge_dim, _not_utf8])
 def test_daemon_refuses_to_start_on_a_checkpoint_it_cannot_open_or_serve(
     tmp_path: Path, socket_dir: Path, make: Callable[[Path], Path]
 ) -> None:
     out, ready = _start(make(tmp_path / "bad"), socket_dir)
     assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]  # one clear line
     assert not ready.exists()
     assert not [p for p in socket_dir.iterdir() if p.is_socket()]  # nothing left that would accept engines
 

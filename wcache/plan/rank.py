@@ -7,9 +7,10 @@ held" check and its loader all use that one ``RankPlan``.
 
 from __future__ import annotations
 
+import os
 import time
 
-from wcache.errors import ShardingError
+from wcache.errors import CheckpointError, ShardingError
 from wcache.plan.checkpoint import Checkpoint
 from wcache.plan.facts import KeyFacts, checkpoint_files
 from wcache.plan.key import RankSpec, WeightCacheKey
@@ -67,7 +68,19 @@ def plan_rank(spec: RankSpec) -> RankPlan:
     The plan holds the checkpoint's open descriptors (``checkpoint.fd``): the key's fingerprint was
     read through them and the loader reads the data through them, so the bytes served are those of
     the files validated here even if the directory changes meanwhile. ``close()`` (or ``with``)
-    releases them; an unreferenced plan releases them when collected."""
+    releases them; an unreferenced plan releases them when collected.
+
+    The daemon plans what it will serve: the checkpoint's path travels as a string (STATUS, KEEP, TAKEOVER_STATE's
+    ``source``), so a path that is not valid UTF-8 (legal on Linux) is a CheckpointError here, before it is served
+    and every one of those frames fails to encode."""
+    path = os.fspath(spec.checkpoint)
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        raise CheckpointError(
+            f"{path!r}: the checkpoint's path is not valid UTF-8, and the daemon reports and hands over paths as "
+            "strings (docs/protocol.md §2): rename it"
+        ) from None
     files = checkpoint_files(spec.checkpoint)  # before anything is read: what an engine's proof must match
     read_ns = time.time_ns()
     ckpt = Checkpoint.open(spec.checkpoint)
