@@ -11,7 +11,7 @@ privileges, so every file it opens there goes through :func:`open_regular` (docs
 - Files are opened ``O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC``: a FIFO swapped in between
   the ``stat`` and the ``open`` does not block the open (and is then refused by ``fstat``).
   ``O_NONBLOCK`` has no effect on reads of regular files.
-- Metadata (JSON) is read through that descriptor with a **size cap** (:func:`read_json`):
+- Metadata (JSON) is read through that descriptor with a **size cap** (:func:`read_metadata`):
   never more than cap + 1 bytes, whatever the file claims.
 - The caller **keeps the descriptor**: the checkpoint's fingerprint, headers and tensor data
   are all read from it, so replacing a file after it was validated changes nothing that is served.
@@ -37,7 +37,8 @@ __all__ = [
     "open_regular",
     "read_at_most",
     "read_capped",
-    "read_json",
+    "read_capped_stat",
+    "read_metadata",
 ]
 
 #: config.json, generation_config.json, shard-plan files: a few KB in practice.
@@ -141,19 +142,14 @@ def parse_json(raw: bytes, where: str, *, error: type[WCacheError] = CheckpointE
         raise error(f"{where}: not valid JSON ({detail})") from None
 
 
-def read_json(
-    path: str | os.PathLike[str],
-    limit: int = MAX_CONFIG_BYTES,
-    *,
-    what: str = "file",
-    error: type[WCacheError] = CheckpointError,
-    missing_ok: bool = False,
-) -> Any:
-    """A capped JSON file's value; ``None`` when it does not exist and ``missing_ok``."""
+def read_metadata(
+    path: Path, limit: int, *, what: str = "file", error: type[WCacheError] = CheckpointError
+) -> tuple[bytes, os.stat_result] | None:
+    """:func:`read_capped_stat` of an optional metadata file (``config.json``, the index): None where it does not
+    exist; a dangling symlink is ``error``, as it names a file that should be there."""
     try:
-        raw = read_capped(path, limit, what=what, error=error)
+        return read_capped_stat(path, limit, what=what, error=error)
     except WCacheError as exc:
-        if missing_ok and isinstance(exc.__cause__, FileNotFoundError) and not Path(path).is_symlink():
+        if isinstance(exc.__cause__, FileNotFoundError) and not path.is_symlink():
             return None
         raise
-    return parse_json(raw, os.fspath(path), error=error)

@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Any
 
 from wcache.errors import CheckpointError
-from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_capped_stat
+from wcache.files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, open_regular, parse_json, read_metadata
 from wcache.proto._record import record
 from wcache.proto.codec import gc_paused
 from wcache.proto.fields import MAX_NAME
@@ -192,7 +192,7 @@ class Checkpoint:
         if not root.is_dir():
             raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
         cfg_path = root / CONFIG_NAME
-        cfg = _read_meta(cfg_path, MAX_CONFIG_BYTES, "config.json")
+        cfg = read_metadata(cfg_path, MAX_CONFIG_BYTES, what="config.json")
         meta: dict[str, os.stat_result | None] = {CONFIG_NAME: None if cfg is None else cfg[1]}
         loaded = {} if cfg is None else parse_json(cfg[0], str(cfg_path))
         if not isinstance(loaded, dict):
@@ -296,24 +296,13 @@ def _sample_offsets(data_size: int) -> list[int]:
     return [i * last // (SAMPLES - 1) for i in range(SAMPLES)]
 
 
-def _read_meta(path: Path, limit: int, what: str) -> tuple[bytes, os.stat_result] | None:
-    """A metadata file's bytes and the ``fstat`` of the descriptor they were read through; None where it does not
-    exist (a dangling symlink is an error: it names a file that should be there)."""
-    try:
-        return read_capped_stat(path, limit, what=what)
-    except CheckpointError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError) and not path.is_symlink():
-            return None
-        raise
-
-
 def _files(root: Path) -> tuple[list[Path], dict[str, str], os.stat_result | None]:
     """The checkpoint's safetensors files, the index's tensor->file map if there is one, and the ``fstat`` of the
     index as read (None: no index)."""
     index = root / INDEX_NAME
-    read = _read_meta(index, MAX_INDEX_BYTES, "index")
-    data = None if read is None else parse_json(read[0], str(index))
+    read = read_metadata(index, MAX_INDEX_BYTES, what="index")
     if read is not None:
+        data = parse_json(read[0], str(index))
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
