@@ -11,7 +11,7 @@ import os
 import time
 
 from wcache.errors import CheckpointError, ShardingError
-from wcache.plan.checkpoint import Checkpoint
+from wcache.plan.checkpoint import Checkpoint, _utf8
 from wcache.plan.facts import KeyFacts, checkpoint_files
 from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.plan.layout import Layout, plan_layout
@@ -74,13 +74,11 @@ def plan_rank(spec: RankSpec) -> RankPlan:
     ``source``), so a path that is not valid UTF-8 (legal on Linux) is a CheckpointError here, before it is served
     and every one of those frames fails to encode."""
     path = os.fspath(spec.checkpoint)
-    try:
-        path.encode()
-    except UnicodeEncodeError:
+    if not _utf8(path):
         raise CheckpointError(
             f"{path!r}: the checkpoint's path is not valid UTF-8, and the daemon reports and hands over paths as "
             "strings (docs/protocol.md §2): rename it"
-        ) from None
+        )
     files = checkpoint_files(spec.checkpoint)  # before anything is read: what an engine's proof must match
     read_ns = time.time_ns()
     ckpt = Checkpoint.open(spec.checkpoint)
