@@ -166,29 +166,19 @@ async def test_a_restart_on_the_keeper_names_the_model_it_was_started_for(
     ready file name the ``--model``'s key, not the first one handed back (they named an older model's key)."""
     old = daemon_factory(model, "--keeper")
     await WCacheClient(old.socket).preload(RankSpec(tied_ckpt))
-    assert len(await _kept_models_n(keeper.socket, 2)) == 2
+    assert len(await _kept_models(keeper.socket, n=2)) == 2
     old.stop(signal.SIGKILL)
     new = daemon_factory(tied_ckpt, "--keeper")
     assert new.info["key"] == WeightCacheKey.from_checkpoint(tied_ckpt).to_wire()
     assert {m.origin for m in (await WCacheClient(new.socket).status()).models} == {"keeper"}
 
 
-async def _kept_models_n(path: Path, n: int, deadline_s: float = 20.0) -> list[dict[str, str | int]]:
-    """The keys a keeper holds, once it holds ``n``."""
+async def _kept_models(path: Path, deadline_s: float = 20.0, n: int = 1) -> list[dict[str, str | int]]:
+    """The keys a keeper holds, once it holds ``n`` (polling: the daemon deposits on its own schedule)."""
     t_end = asyncio.get_running_loop().time() + deadline_s
     while True:
         models = [m.key for m in (await WCacheClient(path).status()).models]
         if len(models) >= n or asyncio.get_running_loop().time() > t_end:
-            return models
-        await asyncio.sleep(0.1)
-
-
-async def _kept_models(path: Path, deadline_s: float = 20.0) -> list[dict[str, str | int]]:
-    """The keys a keeper holds, once it holds any (polling: the daemon deposits on its own schedule)."""
-    t_end = asyncio.get_running_loop().time() + deadline_s
-    while True:
-        models = [m.key for m in (await WCacheClient(path).status()).models]
-        if models or asyncio.get_running_loop().time() > t_end:
             return models
         await asyncio.sleep(0.1)
 
@@ -840,7 +830,7 @@ async def test_a_kept_deposit_older_than_the_one_the_host_tier_records_is_not_se
 
     first = daemon_factory(model, "--keeper", *tier)
     await deposit(first, 1.0)
-    assert len(await _kept_models_n(keeper.socket, 2)) == 2
+    assert len(await _kept_models(keeper.socket, n=2)) == 2
     first.stop()
     second = daemon_factory(model, *tier)
     await deposit(second, 2.0)
