@@ -30,6 +30,7 @@ from wcache.channel import close_fds, connect, expect
 from wcache.errors import (
     CacheUnavailableError,
     DeviceMismatchError,
+    KeyMismatchError,
     LimitExceededError,
     NotFoundError,
     PermissionDeniedError,
@@ -838,6 +839,61 @@ async def test_a_kept_deposit_older_than_the_one_the_host_tier_records_is_not_se
     second.stop()  # its drain waits for the tier's save
     third = daemon_factory(model, "--keeper", *tier)
     assert await served(third) == 2.0
+
+
+async def test_a_kept_deposit_older_than_a_commit_the_keeper_missed_is_not_served_after_a_crash(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """No host tier. v1 deposited and kept; the keeper stops answering (SIGSTOP), v2 is committed (DEPOSITED), the
+    daemon crashes and the keeper resumes. The next daemon reclaimed v1 and served it under the key, although v2
+    was committed after it. The daemon records a COMMIT's generation beside its socket until the keeper holds it
+    (``<socket>.deposits``), and drops a kept deposit of another generation: the key is absent, never older.
+    The record is settled by that RECLAIM (the file is gone), and the COMMIT paid one keeper timeout, not two."""
+    from wcache.plan.recipe import RecipeKey
+
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+    first = daemon_factory(model, "--keeper")
+    record = Path(f"{first.socket}.deposits")
+    await WCacheClient(first.socket).deposit(key, {"w": torch.full((64, 64), 1.0)})
+    assert len(await _kept_models(keeper.socket, n=2)) == 2
+    assert not record.exists()  # the keeper holds the last deposit: nothing to record
+    keeper.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        await WCacheClient(first.socket, timeout=60).deposit(key, {"w": torch.full((64, 64), 2.0)})
+        assert asyncio.get_running_loop().time() - t0 < 18  # one keeper timeout (10 s), not the UNKEEP's and KEEP's
+        assert record.exists()
+        first.stop(signal.SIGKILL)
+    finally:
+        keeper.proc.send_signal(signal.SIGCONT)
+    second = daemon_factory(model, "--keeper")
+    with pytest.raises(KeyMismatchError, match="served nothing"):  # the recipe key is absent (docs/protocol.md §4.9)
+        await WCacheClient(second.socket).fetch(key, mode="copy")
+    assert not record.exists()
+    assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
+
+
+def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) -> None:
+    """``<socket>.deposits`` that cannot be parsed says nothing of which generation is the last: every kept deposit
+    is dropped (stale), never served on a guess; a RECLAIM's reset rewrites it. A readable one names the key's
+    generation: another is stale, that one is not; settled entries leave no file."""
+    from wcache.plan.recipe import RecipeKey
+
+    k1 = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
+    k2 = RecipeKey.of(WeightCacheKey("b" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
+    path = tmp_path / "wcache-rank0.sock.deposits"
+    rec = kl.CommitRecord(path)
+    assert rec.known and rec.stale(k1, "g1") is None and not path.exists()
+    rec.committed(k1, "g2")
+    again = kl.CommitRecord(path)
+    assert again.stale(k1, "g1") is not None and again.stale(k1, "g2") is None and again.stale(k2, "g1") is None
+    rec.settled(k1)
+    assert not path.exists()
+    path.write_text('{"format": "wcache-deposits/1", "keys": [')
+    damaged = kl.CommitRecord(path)
+    assert not damaged.known and damaged.stale(k2, "g1") is not None
+    damaged.reset({})
+    assert damaged.known and not path.exists()
 
 
 def test_status_counts_kept_models_for_the_socket_they_were_kept_for(

@@ -405,17 +405,16 @@ class Daemon:
         )
 
     async def _commit(self, req: Commit, conn_id: int, pid: int) -> Reply:
-        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the host tier (before
-        DEPOSITED: no older generation of the key survives there, a crash included) and the keeper."""
+        """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the host tier and the
+        keeper (before DEPOSITED: no older generation of the key survives in either, a crash included; the
+        keeper's record, ``KeeperLink.commit``, covers a keeper that does not answer)."""
         reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
         if self.tier is not None:
             await asyncio.to_thread(self.tier.supersede, model.key, model.generation)
         self.store.settled(model.key)  # not reached when the supersede fails: the generation is then kept
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
-            if old is not None:
-                await self.keeper.unkeep(old)
-            await self.keeper.keep(model)
+            await self.keeper.commit(model, old)
         log.info(
             "deposited %s pid=%d deposit=%d key=%s tensors=%d bytes=%d seconds=%.3f replaced=%s resident=%d",
             self._tag,

@@ -6,6 +6,7 @@ starts, and deposit everything again when the keeper has restarted."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unk
 if TYPE_CHECKING:
     from wcache.server.store import ServedModel
 
-__all__ = ["KeeperLink", "call", "keep", "reclaim", "unkeep"]
+__all__ = ["CommitRecord", "KeeperLink", "call", "keep", "reclaim", "unkeep"]
 
 log = logging.getLogger("wcache.keeper")
 
@@ -74,6 +75,96 @@ def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
     return frame
 
 
+class CommitRecord:
+    """``<socket>.deposits``: the generation of each deposit this daemon's keeper may hold an older generation of
+    (docs/reliability.md, "a kept deposit older than the last COMMIT"). A deposit's generation is written here
+    before it is offered to the keeper (KEEP) and removed once the keeper holds it or holds nothing of its key
+    (KEEP, UNKEEP, or a RECLAIM that shows it): while the keeper does not answer — stopped, hung — a COMMIT's
+    generation stays here, across a crash of the daemon, and the next daemon on the socket drops a kept deposit
+    of another generation instead of serving bytes older than the last COMMIT. The file exists only while
+    such an entry does (a daemon whose keeper answers leaves none); JSON ``{"format", "keys": {key id:
+    generation}}``, replaced atomically. An unreadable file makes every kept deposit suspect (``known`` False)."""
+
+    FORMAT = "wcache-deposits/1"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.keys: dict[str, str] = {}
+        #: whether the file (if any) could be read: False makes every kept deposit stale at RECLAIM
+        self.known = True
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("%s unreadable (%s): every kept deposit will be dropped", path, exc)
+            self.known = False
+            return
+        try:
+            doc = json.loads(raw)
+            keys = doc["keys"] if doc.get("format") == self.FORMAT else None
+            if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+                raise ValueError(f"not a {self.FORMAT} record")
+        except (ValueError, AttributeError, KeyError) as exc:
+            log.warning("%s is damaged (%s): every kept deposit will be dropped", path, exc)
+            self.known = False
+            return
+        self.keys = {str(k): v for k, v in keys.items()}
+
+    @staticmethod
+    def key_id(key: WeightCacheKey) -> str:
+        from wcache.server.tier import HostTier
+
+        return HostTier.entry_id(key)
+
+    def stale(self, key: WeightCacheKey, generation: str) -> str | None:
+        """Why a kept deposit of ``key`` and ``generation`` must not be served (None: it may)."""
+        if not self.known:
+            return f"{self.path.name} could not be read: the deposit last committed under its key is not known"
+        recorded = self.keys.get(self.key_id(key))
+        if recorded is not None and recorded != generation:
+            return (
+                f"generation {recorded} was committed under its key after it (this one "
+                f"{generation or 'unknown'}) and the keeper never took it: it is not the deposit last committed"
+            )
+        return None
+
+    def committed(self, key: WeightCacheKey, generation: str) -> None:
+        """Before ``generation`` of ``key`` is offered to the keeper: from now on no other one may be served."""
+        if self.keys.get(self.key_id(key)) != generation:
+            self.keys[self.key_id(key)] = generation
+            self._write()
+
+    def settled(self, key: WeightCacheKey) -> None:
+        """The keeper holds ``key``'s recorded generation, or nothing of the key."""
+        if self.keys.pop(self.key_id(key), None) is not None:
+            self._write()
+
+    def reset(self, keys: dict[str, str]) -> None:
+        """After a RECLAIM: the entries still unsettled (``keys``), the file rewritten (or removed)."""
+        if keys != self.keys or not self.known:
+            self.keys, self.known = dict(keys), True
+            self._write()
+
+    def _write(self) -> None:
+        """Replace the file atomically (removed when empty). A failure is logged, not raised: the entries stay
+        in memory and the next change writes them again."""
+        try:
+            if not self.keys:
+                self.path.unlink(missing_ok=True)
+                return
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps({"format": self.FORMAT, "keys": self.keys}, sort_keys=True) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning(
+                "%s not written (%s): a crash before the keeper holds the last deposits (%d) could bring back older ones",
+                self.path,
+                exc,
+                len(self.keys),
+            )
+
+
 class KeeperLink:
     """A daemon's side of its keeper: RECLAIM at start, KEEP what it loads, UNKEEP what it evicts, and
     KEEP everything again when the keeper has restarted (``check``, run periodically: a restarted
@@ -91,6 +182,8 @@ class KeeperLink:
         self._skip: dict[WeightCacheKey, int] = {}
         # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
         self._lock = asyncio.Lock()
+        #: the deposits committed that the keeper may not hold yet (a file beside the socket, read at start)
+        self.record = CommitRecord(Path(f"{owner}.deposits"))
 
     async def reclaim(self) -> tuple[Reclaimed, list[int]]:
         """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
@@ -113,6 +206,8 @@ class KeeperLink:
         or "unreachable"."""
         fds: list[int] = []
         descs = model.export(fds)  # the slabs' own descriptors: nothing to close here
+        if model.generation:  # a deposit: its generation on disk before the keeper may hold it or an older one
+            self.record.committed(model.key, model.generation)
         if any(d.fd < 0 for d in descs):
             log.info(
                 "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)", model.key.short(), descs[0].kind
@@ -130,9 +225,12 @@ class KeeperLink:
             )
         except (WCacheError, OSError, TimeoutError) as exc:
             log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
-            unreachable = isinstance(exc, (CacheUnavailableError, OSError, TimeoutError))
-            return "unreachable" if unreachable else "refused"
+            if not isinstance(exc, (CacheUnavailableError, OSError, TimeoutError)):
+                return "refused"
+            self._gone()
+            return "unreachable"
         self.kept_in[model.key] = self._keeper_now = pid
+        self.record.settled(model.key)
         log.info(
             "kept in keeper=%s key=%s bytes=%d keeper_models=%d keeper_bytes=%d",
             self.path,
@@ -145,17 +243,35 @@ class KeeperLink:
 
     async def unkeep(self, model: ServedModel) -> None:
         async with self._lock:
-            await self._unkeep(model)
+            await self._unkeep_key(model.key)
 
-    async def _unkeep(self, model: ServedModel) -> None:
-        await self._unkeep_key(model.key)
+    async def commit(self, model: ServedModel, old: ServedModel | None) -> None:
+        """A COMMIT's deposit ``model``, replacing ``old`` (the generation served under the key before it): its
+        generation recorded (``record``), ``old`` withdrawn, ``model`` kept. A keeper that did not answer the
+        UNKEEP is not asked to KEEP — a stopped keeper's timeout would be paid twice before DEPOSITED —, nor one
+        the last ``check`` found unreachable: ``check`` keeps the deposit once the keeper answers, and until then
+        the record stops the older generation the keeper holds from being served after a crash."""
+        async with self._lock:
+            if self._unreachable:
+                self.record.committed(model.key, model.generation)
+                self.kept_in.pop(model.key, None)  # the keeper holds an older one, if any: ``check`` keeps this one
+                log.warning(
+                    "keeper %s unreachable: deposit key=%s not kept until it answers", self.path, model.key.short()
+                )
+                return
+            if old is not None:
+                self.record.committed(model.key, model.generation)
+                if await self._unkeep_key(old.key) == "unreachable":
+                    return
+            await self._keep(model)
 
     async def drop(self, key: WeightCacheKey) -> None:
         """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks)."""
         async with self._lock:
             await self._unkeep_key(key)
 
-    async def _unkeep_key(self, key: WeightCacheKey) -> None:
+    async def _unkeep_key(self, key: WeightCacheKey) -> str:
+        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable"."""
         self.kept_in.pop(key, None)
         self._skip.pop(key, None)
         try:
@@ -169,6 +285,17 @@ class KeeperLink:
                 key.short(),
                 exc,
             )
+            if not isinstance(exc, (CacheUnavailableError, OSError, TimeoutError)):
+                return "refused"
+            self._gone()
+            return "unreachable"
+        self.record.settled(key)
+        return "gone"
+
+    def _gone(self) -> None:
+        """The keeper did not answer: what it holds is unknown until ``check`` reaches it again."""
+        self._unreachable = True
+        self._keeper_now = 0
 
     def kept(self, models: Sequence[ServedModel]) -> int:
         """How many of ``models`` the keeper process last reached holds (as far as this daemon knows)."""

@@ -98,10 +98,11 @@ def admit(
     tier: HostTier | None = None,
 ) -> tuple[list[ServedModel], int]:
     """The reclaimed models that pass every check, adopted; and how many were dropped (each told to the
-    keeper with an UNKEEP). Every fd in ``fds`` is consumed. A deposit is dropped too where ``tier`` (the host
-    tier, shared by every daemon of the directory) records another generation of its key: a later COMMIT that
-    the keeper never heard of (a daemon without ``--keeper``, or a keeper that did not answer), whose bytes the
-    tier restores, or whose tombstone says nothing older may be served."""
+    keeper with an UNKEEP). Every fd in ``fds`` is consumed. A deposit is dropped too where a later COMMIT
+    under its key is recorded that the keeper never heard of: in this socket's record (``link.record``: a
+    keeper that did not answer the COMMIT's KEEP) or by ``tier`` (the host tier, shared by every daemon of the
+    directory: a daemon without ``--keeper`` committed it, whose bytes the tier restores, or whose tombstone
+    says nothing older may be served)."""
     served: list[ServedModel] = []
     rejected: list[tuple[WeightCacheKey, str]] = []
     used: set[int] = set()
@@ -118,6 +119,9 @@ def admit(
                 rejected.append((key, "unadoptable"))
                 continue
             check = check_model(model, plan_file=plan_file)
+            if check.reason is None and isinstance(key, RecipeKey):
+                stale = link.record.stale(key, model.generation)
+                check = Check(stale, "stale") if stale is not None else check
             if check.reason is None and isinstance(key, RecipeKey) and tier is not None:
                 check = _check_generation(model, tier)
             if check.reason is not None:
@@ -142,6 +146,9 @@ def admit(
             os.close(fd)
     if rejected:
         asyncio.run(_unkeep_all(link, [k for k, _ in rejected]))
+    # what the keeper holds is known now: the record keeps only the drops it did not confirm
+    dropped = {link.record.key_id(k) for k, _ in rejected}
+    link.record.reset({i: g for i, g in link.record.keys.items() if i in dropped})
     return served, len(rejected)
 
 
