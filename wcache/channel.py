@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,7 @@ __all__ = [
     "expect_engine",
     "expect_engine_blocking",
     "expect_blocking",
+    "memfd_problem",
     "peer_credentials",
 ]
 
@@ -154,6 +156,34 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return PeerCredentials(pid, uid, gid)
+
+
+#: the seals a host slab's memfd carries wherever it travels (docs/protocol.md §4.5: STATE, TAKEOVER_STATE, KEEP,
+#: RECLAIMED): nobody, its creator included, can change its bytes (F_SEAL_WRITE: no write, no writable mapping) or
+#: its size, nor remove a seal
+HOST_SEALS = (
+    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
+)
+
+
+def memfd_problem(fd: int, size: int, *, exact: bool = False) -> str | None:
+    """Why the received descriptor ``fd`` cannot stand for a host slab of ``size`` bytes (None: it can): it must be a
+    memfd sealed with HOST_SEALS (docs/protocol.md §4.5) of at least ``size`` bytes (``exact``: of exactly ``size``).
+    One check wherever such a descriptor arrives — an engine's STATE (``wcache.client.mapping``), a keeper's KEEP and
+    RECLAIM, a daemon's adoption — at one F_GET_SEALS and one fstat each: an unsealed memfd's sender could change an
+    engine's read-only weights under it, or shrink it and kill it with SIGBUS on its next read."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        have = os.fstat(fd).st_size
+    except OSError:
+        return "the descriptor is not a memfd"
+    if seals & HOST_SEALS != HOST_SEALS:
+        return (
+            "the memfd is not sealed against writes and resizing (F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL)"
+        )
+    if have < size or (exact and have != size):
+        return f"the memfd has {have} bytes, its slab {size}"
+    return None
 
 
 def close_fds(fds: list[int]) -> None:

@@ -13,7 +13,6 @@ and drops the mapping before COMMIT.
 from __future__ import annotations
 
 import mmap
-import os
 import time
 import warnings
 from bisect import bisect_right
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from wcache.channel import close_fds
+from wcache.channel import close_fds, memfd_problem
 from wcache.proto._record import named_tuple
 from wcache.proto.codec import gc_paused
 from wcache.proto.table import DTYPE_SIZES, TensorTable
@@ -61,10 +60,14 @@ class MappedSlab:
             self._close = None
 
 
-def _map_memfd(desc: MappedDescriptor, fd: int) -> MappedSlab:
-    st = os.fstat(fd)
-    if st.st_size < desc.size + desc.offset:
-        raise _protocol_error(f"shared memory of {st.st_size} bytes is smaller than the slab ({desc.size})")
+def _map_memfd(i: int, desc: MappedDescriptor, fd: int) -> MappedSlab:
+    """Slab ``i``'s memfd mapped read-only. Only a memfd sealed against writes and resizing, of at least ``offset +
+    size`` bytes, is mapped (docs/protocol.md §4.5; RemoteProtocolError otherwise): the seals are what make a
+    zero_copy tensor immutable and valid for as long as it lives — a sender's unsealed memfd could change the
+    engine's weights under it, or be shrunk to kill it with SIGBUS on its next read."""
+    problem = memfd_problem(fd, desc.offset + desc.size)
+    if problem is not None:
+        raise _protocol_error(f"memfd slab {i} (offset {desc.offset}, {desc.size} bytes) refused: {problem}")
     if desc.size == 0:
         return MappedSlab(torch.empty(0, dtype=torch.uint8), None)
     # no MAP_POPULATE, even for copy mode: setting up every page table entry first made a copy slower
@@ -86,12 +89,12 @@ def map_slabs(
     the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor)."""
     slabs: list[MappedSlab] = []
     try:
-        for desc in state.slabs:
+        for i, desc in enumerate(state.slabs):
             fd = fds[desc.fd] if desc.fd >= 0 else -1
             if desc.kind == "memfd":
                 if fd < 0:
                     raise _protocol_error("memfd slab without a file descriptor")
-                slabs.append(_map_memfd(desc, fd))
+                slabs.append(_map_memfd(i, desc, fd))
             elif desc.kind in ("cuda_ipc", "cuda_vmm"):
                 from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
 

@@ -1,0 +1,105 @@
+"""wcache/client/mapping.py: what an engine maps of a STATE's slabs, and what it refuses to map
+(docs/protocol.md §4.5)."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.client.fake_daemon import FakeDaemon, Peer, memfd, memfd_slab, state
+from wcache import WCacheClient, WeightCacheKey
+from wcache.channel import HOST_SEALS
+from wcache.client.mapping import map_slabs
+from wcache.errors import RemoteProtocolError
+from wcache.proto.engine import SlabDescriptor, State
+from wcache.proto.table import TensorEntry, TensorTable
+
+KEY = WeightCacheKey("0" * 32, "LlamaForCausalLM", 1, 0, "float32")
+ONE = [TensorEntry("w", "float32", (4,), (1,), 0, 0)]
+
+
+def _state(*slabs: SlabDescriptor) -> State:
+    return State(1, 7, KEY.to_wire(), "zero_copy", slabs, TensorTable.from_entries(ONE), {}, ())
+
+
+def _memfd_desc(size: int, fd: int = 0, offset: int = 0) -> SlabDescriptor:
+    return SlabDescriptor(size, "memfd", fd, b"", offset, "")
+
+
+SEALS = {
+    "F_SEAL_WRITE": fcntl.F_SEAL_WRITE,
+    "F_SEAL_SHRINK": fcntl.F_SEAL_SHRINK,
+    "F_SEAL_GROW": fcntl.F_SEAL_GROW,
+    "F_SEAL_SEAL": fcntl.F_SEAL_SEAL,
+}
+
+
+@pytest.mark.parametrize("missing", ["every seal", *SEALS])
+def test_a_memfd_without_every_seal_is_refused(missing: str) -> None:
+    """A slab's memfd must carry F_SEAL_WRITE|SHRINK|GROW|SEAL (§4.5): without F_SEAL_WRITE its sender could change
+    the engine's read-only weights, without SHRINK kill it with SIGBUS, without SEAL remove either later."""
+    seals = 0 if missing == "every seal" else HOST_SEALS & ~SEALS[missing]
+    given = [memfd(4096, seals=seals)]
+    with pytest.raises(RemoteProtocolError, match=r"slab 0 .* not sealed"):
+        map_slabs(_state(_memfd_desc(16)), given)
+    assert given == []  # closed: map_slabs owns the descriptors it is given
+
+
+@pytest.mark.parametrize("kind", ["directory", "regular file", "pipe"])
+def test_a_descriptor_that_is_no_memfd_is_refused(kind: str, tmp_path: Path) -> None:
+    if kind == "directory":
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    elif kind == "regular file":
+        (tmp_path / "f").write_bytes(b"\0" * 4096)
+        fd = os.open(tmp_path / "f", os.O_RDONLY)
+    else:
+        fd, w = os.pipe()
+        os.close(w)
+    with pytest.raises(RemoteProtocolError, match=r"slab 0 .* not a memfd"):
+        map_slabs(_state(_memfd_desc(16)), [fd])
+
+
+def test_a_sealed_memfd_smaller_than_its_slab_is_refused() -> None:
+    with pytest.raises(RemoteProtocolError, match="4096 bytes, its slab 4112"):
+        map_slabs(_state(_memfd_desc(4096, offset=16)), [memfd(4096)])
+
+
+def test_a_sealed_memfd_is_mapped_read_only() -> None:
+    (slab,) = map_slabs(_state(_memfd_desc(16, offset=4)), [memfd(4096, data=bytes(range(32)))])
+    assert slab.base.tolist() == list(range(4, 20))
+
+
+def test_an_unsealed_slab_from_a_daemon_never_reaches_the_engine(tmp_path: Path) -> None:
+    """A STATE whose memfd is unsealed (a buggy daemon, or another process of the uid on its socket, which keeps
+    the descriptor to write or shrink it later): either fetch raises RemoteProtocolError, which the engine's
+    fallback catches, and keeps nothing of it."""
+    kept: list[int] = []
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(4096, seals=0)
+        kept.append(fd)
+        peer.send(state(request, [memfd_slab(0, 16)], ONE), [fd])
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, scenario):
+        client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+        with pytest.raises(RemoteProtocolError, match="not sealed"):
+            client.fetch_sync(KEY)
+        with pytest.raises(RemoteProtocolError, match="not sealed"):
+            asyncio.run(client.fetch(KEY))
+    assert len(kept) == 2
+    assert _fake_slab_mappings() == 0
+    for fd in kept:
+        os.close(fd)
+
+
+def _fake_slab_mappings() -> int:
+    """This process's mappings of the fake daemon's memfds."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:wcache-fake-slab" in line for line in f)
