@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.client.fake_daemon import FakeDaemon, Peer, memfd, memfd_slab, state
-from wcache import WCacheClient, WeightCacheKey
+from wcache import CacheUnavailableError, DeviceMismatchError, WCacheClient, WeightCacheKey
 from wcache.channel import HOST_SEALS
 from wcache.client.mapping import map_slabs
 from wcache.errors import RemoteProtocolError
@@ -103,3 +104,68 @@ def _fake_slab_mappings() -> int:
     """This process's mappings of the fake daemon's memfds."""
     with open("/proc/self/maps") as f:
         return sum("memfd:wcache-fake-slab" in line for line in f)
+
+
+#: a slab larger than any process's address space (x86-64 and aarch64 map at most 2^48 bytes without a hint)
+HUGE = 1 << 50
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_a_slab_this_process_cannot_map_is_cache_unavailable_naming_it(at: int) -> None:
+    """A sealed memfd bigger than the address space (as a slab is under RLIMIT_AS or a full address space): mmap's
+    ENOMEM is CacheUnavailableError naming the slab — a WCacheError, which the engine's fallback catches — not a
+    bare OSError."""
+    sizes = [16, 16]
+    sizes[at] = HUGE
+    descs = [_memfd_desc(size, fd=i) for i, size in enumerate(sizes)]
+    with pytest.raises(CacheUnavailableError, match=f"slab {at} of the STATE \\(memfd, {HUGE} bytes\\)") as info:
+        map_slabs(_state(*descs), [memfd(size) for size in sizes])
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOMEM
+    assert info.value.details == {"slab": at, "kind": "memfd", "size": HUGE}
+
+
+def test_a_cuda_slab_the_driver_refuses_is_cache_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA mapping's failures are the driver's ``CudaDriverError`` (a RuntimeError) or torch's: each is
+    CacheUnavailableError naming the slab; the WCacheErrors it raises itself (a GPU this process cannot see) pass as
+    they are."""
+    from wcache.client import cuda, driver
+
+    def refused(desc: SlabDescriptor, fd: int, device: object, timings: object) -> driver.DeviceBuffer:
+        raise driver.CudaDriverError(
+            "cuMemImportFromShareableHandle", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"
+        )
+
+    monkeypatch.setattr(cuda, "map_slab", refused)
+    vmm = SlabDescriptor(1 << 21, "cuda_vmm", 0, b"", 0, "GPU-x")
+    fd = memfd(16)
+    with pytest.raises(CacheUnavailableError, match=r"slab 0 .*cuda_vmm.*CUDA_ERROR_INVALID_VALUE") as info:
+        map_slabs(_state(vmm), [fd])
+    assert isinstance(info.value.__cause__, driver.CudaDriverError)
+
+    def invisible(desc: SlabDescriptor, fd: int, device: object, timings: object) -> driver.DeviceBuffer:
+        raise DeviceMismatchError("slab lives on GPU GPU-x, which this process cannot see")
+
+    monkeypatch.setattr(cuda, "map_slab", invisible)
+    with pytest.raises(DeviceMismatchError, match="cannot see"):
+        map_slabs(_state(vmm), [memfd(16)])
+
+
+async def test_load_weights_falls_back_to_disk_when_a_slab_cannot_be_mapped(ckpt: Path, tmp_path: Path) -> None:
+    """The engine's view: ``wcache.nn.load_weights`` catches WCacheError and loads from disk, the reason naming the
+    slab (before, mmap's OSError escaped it and the engine's load crashed)."""
+    from wcache.nn import load_weights
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(HUGE)
+        try:
+            peer.send(state(request, [memfd_slab(0, HUGE)], [TensorEntry("w", "bfloat16", (8,), (1,), 0, 0)]), [fd])
+        finally:
+            os.close(fd)
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, scenario):
+        loaded = await load_weights(ckpt, client=WCacheClient(sock, wait_for_daemon=0, timeout=10))
+    assert loaded.source == "disk"
+    assert loaded.reason.startswith("CacheUnavailableError: slab 0 of the STATE")

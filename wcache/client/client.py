@@ -5,7 +5,8 @@ it stays open until ``release()``; if the engine dies the kernel closes it and t
 daemon ends the lease. In copy mode the client copies the slab into its own memory and
 releases at once.
 
-Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed; a socket
+Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed, a slab this process
+cannot map — out of address space, the CUDA driver refusing it; a socket
 missing or refused while a daemon is evidently coming back — its lock held, or a keeper holding a
 model for its rank — is first waited on for up to ``wait_for_daemon`` seconds, wcache/client/wait.py),
 the daemon's errors as their ``ServerError`` subclasses (``KeyMismatchError`` ...),

@@ -46,6 +46,30 @@ def _protocol_error(message: str) -> RemoteProtocolError:
     return RemoteProtocolError(message)
 
 
+def _unmappable(i: int, desc: MappedDescriptor, exc: Exception) -> Exception:
+    """What an engine gets for ``exc``, raised mapping slab ``i``: a WCacheError as it is (the daemon's slab broke
+    the protocol, a GPU the engine cannot use ...); any other failure — ``mmap`` (ENOMEM: the address space is
+    full or under RLIMIT_AS; ENODEV, EACCES), the CUDA driver's import or mapping (``CudaDriverError``), torch
+    making the tensor — as CacheUnavailableError naming the slab, the cause chained. An engine's fallback catches
+    WCacheError only (``wcache.nn.load_weights``): a bare OSError crashed its load instead of loading from disk.
+
+    CacheUnavailableError and not RemoteProtocolError, because what the protocol lets a client check of a slab —
+    a memfd's seals and size (``memfd_problem``), a CUDA slab's GPU and handle — has been checked before mapping,
+    each break there the daemon's RemoteProtocolError; a mapping that fails after those checks fails on this
+    process's resources (its address space, its limits, its GPU's driver), which the daemon cannot see or fix. The
+    daemon's memory is then as unusable to this engine as if no daemon ran: the engine loads from disk, and the
+    message says why, so that no one looks for a fault in the daemon."""
+    from wcache.errors import CacheUnavailableError, WCacheError
+
+    if isinstance(exc, WCacheError):
+        return exc
+    return CacheUnavailableError(
+        f"slab {i} of the STATE ({desc.kind}, {desc.size} bytes) cannot be mapped in this process: "
+        f"{type(exc).__name__}: {exc}",
+        details={"slab": i, "kind": desc.kind, "size": desc.size},
+    )
+
+
 class MappedSlab:
     """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping."""
 
@@ -86,25 +110,35 @@ def map_slabs(
     state: State, fds: list[int], device: torch.device | None = None, timings: dict[str, float] | None = None
 ) -> list[MappedSlab]:
     """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive). ``timings`` (ms, added to):
-    the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor)."""
+    the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor).
+
+    Every failure is a WCacheError, so that an engine falls back to disk (``_unmappable``): RemoteProtocolError
+    for a slab that breaks docs/protocol.md §4.5, CacheUnavailableError naming the slab for one this process
+    cannot map."""
     slabs: list[MappedSlab] = []
     try:
         for i, desc in enumerate(state.slabs):
             fd = fds[desc.fd] if desc.fd >= 0 else -1
-            if desc.kind == "memfd":
-                if fd < 0:
-                    raise _protocol_error("memfd slab without a file descriptor")
-                slabs.append(_map_memfd(i, desc, fd))
-            elif desc.kind in ("cuda_ipc", "cuda_vmm"):
-                from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
+            try:
+                if desc.kind == "memfd":
+                    if fd < 0:
+                        raise _protocol_error("memfd slab without a file descriptor")
+                    slabs.append(_map_memfd(i, desc, fd))
+                elif desc.kind in ("cuda_ipc", "cuda_vmm"):
+                    from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
 
-                buf = cuda.map_slab(desc, fd, device, timings)
-                t0 = time.perf_counter()
-                slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
-                if timings is not None:
-                    timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
-            else:  # pragma: no cover - the decoder admits only known kinds
-                raise _protocol_error(f"unknown slab kind {desc.kind!r}")
+                    buf = cuda.map_slab(desc, fd, device, timings)
+                    t0 = time.perf_counter()
+                    slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
+                    if timings is not None:
+                        timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
+                else:  # pragma: no cover - the decoder admits only known kinds
+                    raise _protocol_error(f"unknown slab kind {desc.kind!r}")
+            except Exception as exc:
+                failure = _unmappable(i, desc, exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
     except BaseException:
         for s in slabs:
             s.close()
