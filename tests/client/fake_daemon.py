@@ -120,8 +120,19 @@ class Peer:
             self.sock.sendall(bytes([b]))
 
     def hold(self, timeout: float = 30.0) -> None:
-        """Keep the connection open until the fake daemon closes (or ``timeout``)."""
-        self.stop.wait(timeout)
+        """Keep the connection open, taking whatever the client sends, until the client closes it, the fake daemon
+        closes or ``timeout`` passes."""
+        self.sock.settimeout(0.05)
+        for _ in range(int(timeout / 0.05)):
+            if self.stop.is_set():
+                return
+            try:
+                if not self.sock.recv(1 << 16):
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
 
 
 class FakeDaemon:

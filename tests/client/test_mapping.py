@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import gc
 import os
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def test_an_unsealed_slab_from_a_daemon_never_reaches_the_engine(tmp_path: Path)
         peer.hold()
 
     sock = tmp_path / "fake.sock"
+    mapped = _held()[0]
     with FakeDaemon(sock, scenario):
         client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
         with pytest.raises(RemoteProtocolError, match="not sealed"):
@@ -95,15 +97,24 @@ def test_an_unsealed_slab_from_a_daemon_never_reaches_the_engine(tmp_path: Path)
         with pytest.raises(RemoteProtocolError, match="not sealed"):
             asyncio.run(client.fetch(KEY))
     assert len(kept) == 2
-    assert _fake_slab_mappings() == 0
+    assert _held()[0] == mapped
     for fd in kept:
         os.close(fd)
 
 
-def _fake_slab_mappings() -> int:
-    """This process's mappings of the fake daemon's memfds."""
+def _held() -> tuple[int, int]:
+    """This process's mappings and descriptors of the fake daemon's memfds (an mmap holds a descriptor of its own).
+    Tests compare it with what it was when they began: the weights of earlier tests' fetches that succeeded are
+    freed when the collector gets to their test's frame."""
     with open("/proc/self/maps") as f:
-        return sum("memfd:wcache-fake-slab" in line for line in f)
+        mappings = sum("memfd:wcache-fake-slab" in line for line in f)
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:wcache-fake-slab")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return mappings, fds
 
 
 #: a slab larger than any process's address space (x86-64 and aarch64 map at most 2^48 bytes without a hint)
@@ -118,10 +129,12 @@ def test_a_slab_this_process_cannot_map_is_cache_unavailable_naming_it(at: int) 
     sizes = [16, 16]
     sizes[at] = HUGE
     descs = [_memfd_desc(size, fd=i) for i, size in enumerate(sizes)]
+    before = _held()
     with pytest.raises(CacheUnavailableError, match=f"slab {at} of the STATE \\(memfd, {HUGE} bytes\\)") as info:
         map_slabs(_state(*descs), [memfd(size) for size in sizes])
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOMEM
     assert info.value.details == {"slab": at, "kind": "memfd", "size": HUGE}
+    assert _held() == before  # slab 0 unmapped too, when slab 1 failed; the descriptors closed
 
 
 def test_a_cuda_slab_the_driver_refuses_is_cache_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,3 +182,48 @@ async def test_load_weights_falls_back_to_disk_when_a_slab_cannot_be_mapped(ckpt
         loaded = await load_weights(ckpt, client=WCacheClient(sock, wait_for_daemon=0, timeout=10))
     assert loaded.source == "disk"
     assert loaded.reason.startswith("CacheUnavailableError: slab 0 of the STATE")
+
+
+def test_a_slab_mapped_before_a_later_one_fails_is_unmapped_at_once(tmp_path: Path) -> None:
+    """Slab 0 maps, slab 1 is refused: slab 0's mapping and the descriptor its mmap holds are gone when map_slabs
+    raises, while its exception — whose traceback holds the slabs mapped so far — is still alive (MappedSlab.close
+    closes a memfd slab's mmap; it used to do nothing, leaving it to the collector)."""
+    before = _held()
+    fds = [memfd(4096), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)]
+    with pytest.raises(RemoteProtocolError, match="slab 1") as info:
+        map_slabs(_state(_memfd_desc(16, fd=0), _memfd_desc(16, fd=1)), fds)
+    assert _held() == before
+    assert info.value.__traceback__ is not None
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_fetches_that_fail_on_a_later_slab_leave_no_mapping_or_descriptor_behind(
+    blocking: bool, tmp_path: Path
+) -> None:
+    """20 fetches from a daemon whose STATE's second slab is refused, the collector off: no mapping of the first
+    slab, and no descriptor, stays behind. The async fetch's failure is a reference cycle (its task, the exception,
+    the traceback's frames holding the mapped slabs) that only a full collection freed: 50 such fetches held 50
+    mappings and 50 descriptors, found only after gc.collect()."""
+    good = memfd(1 << 20)
+    bad = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    two = [TensorEntry("a", "float32", (4,), (1,), 0, 0), TensorEntry("b", "float32", (4,), (1,), 1, 0)]
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        peer.send(state(request, [memfd_slab(0, 1 << 20), memfd_slab(1, 16)], two), [good, bad])
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    gc.disable()
+    try:
+        with FakeDaemon(sock, scenario):
+            before = _held()
+            for _ in range(20):
+                with pytest.raises(RemoteProtocolError, match="slab 1"):
+                    client.fetch_sync(KEY) if blocking else asyncio.run(client.fetch(KEY))
+            assert _held() == before
+    finally:
+        gc.enable()
+        os.close(good)
+        os.close(bad)

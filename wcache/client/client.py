@@ -417,35 +417,41 @@ class WCacheClient:
         with gc_paused(keep=True):  # slabs and views: tensor objects, none in a cycle, kept (see ``_ahead``)
             t0 = time.perf_counter()
             slabs = map_slabs(state, fds, self.device, timings)
-            timings["map"] = (time.perf_counter() - t0) * 1e3
-            keepalive: list[Any] = list(slabs)
             bases = [s.base for s in slabs]
-            if mode == "copy":
-                t1 = time.perf_counter()
-                bases = [b.clone() for b in bases]
-                if any(b.is_cuda for b in bases):
-                    torch.cuda.synchronize()  # the copies must land before the mappings go away
+            try:
+                timings["map"] = (time.perf_counter() - t0) * 1e3
+                keepalive: list[Any] = list(slabs)
+                if mode == "copy":
+                    t1 = time.perf_counter()
+                    bases = [b.clone() for b in bases]
+                    if any(b.is_cuda for b in bases):
+                        torch.cuda.synchronize()  # the copies must land before the mappings go away
+                    for s in slabs:
+                        s.close()
+                    keepalive = []
+                    timings["copy"] = (time.perf_counter() - t1) * 1e3
+                t2 = time.perf_counter()
+                tensors = build_views(state, bases)
+                timings["views"] = (time.perf_counter() - t2) * 1e3
+                weights = CachedWeights(
+                    tensors,
+                    key=key,
+                    lease=state.lease,
+                    mode=mode,
+                    aliases=state.aliases,
+                    channel=ch,
+                    hello=hello,
+                    socket_path=path,
+                    keepalive=keepalive,
+                    buffers=state.buffers,
+                )
+                weights.timings = timings
+                return weights
+            except BaseException:  # nothing mapped outlives a fetch that failed: the tensors go, then the mappings
+                bases.clear()
                 for s in slabs:
                     s.close()
-                keepalive = []
-                timings["copy"] = (time.perf_counter() - t1) * 1e3
-            t2 = time.perf_counter()
-            tensors = build_views(state, bases)
-            timings["views"] = (time.perf_counter() - t2) * 1e3
-            weights = CachedWeights(
-                tensors,
-                key=key,
-                lease=state.lease,
-                mode=mode,
-                aliases=state.aliases,
-                channel=ch,
-                hello=hello,
-                socket_path=path,
-                keepalive=keepalive,
-                buffers=state.buffers,
-            )
-            weights.timings = timings
-            return weights
+                raise
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""

@@ -71,7 +71,8 @@ def _unmappable(i: int, desc: MappedDescriptor, exc: Exception) -> Exception:
 
 
 class MappedSlab:
-    """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping."""
+    """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping, ``close`` (None:
+    nothing to unmap) unmaps it."""
 
     def __init__(self, base: torch.Tensor, keepalive: Any, close: Callable[[], None] | None = None) -> None:
         self.base = base
@@ -79,9 +80,21 @@ class MappedSlab:
         self._close = close
 
     def close(self) -> None:
-        if self._close is not None:
-            self._close()
-            self._close = None
+        """Unmap the slab now, not when the collector gets to it: a fetch that failed (its traceback holds the
+        slabs mapped so far, in a cycle in an asyncio task, which ``gc_paused(keep=True)`` moves to the oldest
+        generation: each failed fetch kept its mapping and a descriptor until a full collection) and copy mode
+        once copied. A lease's slabs are not closed: they live as long as their views. ``base`` goes first: a
+        memfd slab's is torch.frombuffer's view of the mmap, whose buffer export keeps the mmap from closing; a
+        view of it kept elsewhere keeps the mapping (mmap's BufferError), which then goes with the last view."""
+        close, self._close = self._close, None
+        if close is None:
+            return
+        del self.base
+        self.keepalive = None
+        try:
+            close()
+        except BufferError:
+            pass
 
 
 def _map_memfd(i: int, desc: MappedDescriptor, fd: int) -> MappedSlab:
@@ -97,13 +110,17 @@ def _map_memfd(i: int, desc: MappedDescriptor, fd: int) -> MappedSlab:
     # no MAP_POPULATE, even for copy mode: setting up every page table entry first made a copy slower
     # (1 GB, fresh process: 362 ms populated vs 273 ms faulting while copying)
     mm = mmap.mmap(fd, desc.size + desc.offset, mmap.MAP_SHARED, mmap.PROT_READ)
-    with warnings.catch_warnings():
-        # the mapping is read-only on purpose (zero_copy tensors must not be written): torch's "The given buffer is
-        # not writable" UserWarning, the one this call gives, is silenced by category (a filter by message compiles
-        # a regular expression: ~0.1 ms of a fresh engine's first fetch)
-        warnings.simplefilter("ignore", UserWarning)
-        base = torch.frombuffer(mm, dtype=torch.uint8, count=desc.size, offset=desc.offset)
-    return MappedSlab(base, mm)
+    try:
+        with warnings.catch_warnings():
+            # the mapping is read-only on purpose (zero_copy tensors must not be written): torch's "The given buffer
+            # is not writable" UserWarning, the one this call gives, is silenced by category (a filter by message
+            # compiles a regular expression: ~0.1 ms of a fresh engine's first fetch)
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.frombuffer(mm, dtype=torch.uint8, count=desc.size, offset=desc.offset)
+    except BaseException:
+        mm.close()
+        raise
+    return MappedSlab(base, mm, mm.close)
 
 
 def map_slabs(
@@ -129,7 +146,12 @@ def map_slabs(
 
                     buf = cuda.map_slab(desc, fd, device, timings)
                     t0 = time.perf_counter()
-                    slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
+                    try:
+                        base = buf.tensor()
+                    except BaseException:
+                        buf.close()
+                        raise
+                    slabs.append(MappedSlab(base, buf, buf.close))
                     if timings is not None:
                         timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
                 else:  # pragma: no cover - the decoder admits only known kinds
