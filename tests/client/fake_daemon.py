@@ -119,6 +119,17 @@ class Peer:
                 return
             self.sock.sendall(bytes([b]))
 
+    def released(self) -> None:
+        """Answer the client's RELEASE with RELEASED, then hold the connection (nothing if the client closes it
+        first)."""
+        try:
+            request = self.read()
+        except (EOFError, OSError):
+            return
+        assert request["type"] == "RELEASE", request
+        self.send({"type": "RELEASED", "id": request["id"], "lease": request["lease"], "leases_left": 0})
+        self.hold()
+
     def hold(self, timeout: float = 30.0) -> None:
         """Keep the connection open, taking whatever the client sends, until the client closes it, the fake daemon
         closes or ``timeout`` passes."""

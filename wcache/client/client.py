@@ -687,18 +687,21 @@ class _Request:
         return self.build(conn)
 
     def state(self, frame: HelloOk | State | Released, fds: list[int]) -> State:
-        """``frame`` as the STATE answering this request; a proven key takes its file-derived fields from it."""
+        """``frame`` as the STATE answering this request. Its ``key`` is the served key (docs/protocol.md §4.4), and a
+        daemon serves only the model of the key asked for: a proven key takes its file-derived fields from it, a full
+        key must equal it (``WeightCacheKey.adopt``: RemoteProtocolError otherwise, the descriptors closed) — the
+        weights of another model, fingerprint, dtype or rank are never handed to the engine as the ones it asked
+        for."""
         if not isinstance(frame, State):
             close_fds(fds)
             from wcache.errors import RemoteProtocolError
 
             raise RemoteProtocolError(f"expected STATE, got {type(frame).__name__}")
-        if self.proven:
-            try:
-                self.key.adopt(frame.key)
-            except BaseException:
-                close_fds(fds)
-                raise
+        try:
+            self.key.adopt(frame.key)
+        except BaseException:
+            close_fds(fds)
+            raise
         return frame
 
 
