@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.client.fake_daemon import FakeDaemon, Peer, memfd, memfd_slab, state
-from wcache import WCacheClient, WeightCacheKey
+from tests.client.fake_daemon import HELLO_OK, FakeDaemon, Peer, memfd, memfd_slab, state
+from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
 from wcache.errors import RemoteProtocolError
 from wcache.proto.table import TensorEntry
 
@@ -110,3 +111,62 @@ def test_the_full_key_sent_after_a_refused_proof_is_checked_too(blocking: bool, 
         w = _fetch(client, WeightCacheKey.from_checkpoint(ckpt), blocking)
         assert not w.key_proven and w.key.fingerprint == fingerprint[0]
         w.release_sync()
+
+
+#: a daemon that sends its answer a byte at a time, each byte well within the client's timeout (HELLO_OK: 2.5 s whole)
+DRIP = 0.02
+TIMEOUT = 0.3
+#: what a call bounded by TIMEOUT may take on a busy 2-core machine: well below the whole answer's time
+BOUND = 1.5
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("slow", ["HELLO_OK", "STATE"])
+def test_a_daemon_that_trickles_its_answer_is_cache_unavailable_at_the_timeout(
+    slow: str, blocking: bool, tmp_path: Path
+) -> None:
+    """The whole fetch is bounded by its timeout — one deadline through the connect, the handshake and every read
+    — however the daemon's bytes trickle in. fetch_sync's reads were bounded per wait (``receive_blocking``), and
+    its handshake got the whole timeout again: a daemon sending a byte every 0.1 s held a fetch_sync(timeout=0.5)
+    for 12.5 s, which then said it "did not answer within 0.5 s"."""
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening(hello_ok=slow != "HELLO_OK")
+        if slow == "HELLO_OK":
+            peer.drip(HELLO_OK, DRIP)
+            return
+        peer.drip(state(request, [], []), DRIP)  # a STATE of nothing: ~300 bytes, ~6 s
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0)
+    with FakeDaemon(sock, scenario):
+        t0 = time.monotonic()
+        with pytest.raises(CacheUnavailableError, match=f"did not answer within {TIMEOUT} s"):
+            client.fetch_sync(KEY, timeout=TIMEOUT) if blocking else asyncio.run(client.fetch(KEY, timeout=TIMEOUT))
+        took = time.monotonic() - t0
+    assert TIMEOUT <= took < BOUND
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["release_sync", "release"])
+def test_a_release_whose_answer_trickles_in_returns_at_the_timeout(blocking: bool, tmp_path: Path) -> None:
+    """release_sync(timeout), as release(timeout), returns quietly once its timeout has passed, closing the
+    connection (which ends the lease), whatever the daemon does: it waited as long as RELEASED took to trickle in."""
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(16)
+        try:
+            peer.send(state(request, [memfd_slab(0, 16)], ONE), [fd])
+        finally:
+            os.close(fd)
+        release = peer.read()
+        released = {"type": "RELEASED", "id": release["id"], "lease": release["lease"], "leases_left": 0}
+        peer.drip(released, 0.1)  # 45 bytes: 4.5 s
+
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, scenario):
+        w = WCacheClient(sock, wait_for_daemon=0, timeout=10).fetch_sync(KEY)
+        t0 = time.monotonic()
+        w.release_sync(timeout=TIMEOUT) if blocking else asyncio.run(w.release(timeout=TIMEOUT))
+        took = time.monotonic() - t0
+    assert w.released and TIMEOUT <= took < BOUND
