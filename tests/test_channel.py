@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
-from wcache.channel import Channel, close_fds
+from wcache.channel import Channel, close_fds, connect_engine_blocking
 from wcache.errors import RemoteProtocolError
 from wcache.proto import Connection, Role, Service, State
 from wcache.proto.daemon_frames import MAX_FRAME_FDS, SlabDescriptor
@@ -73,3 +76,92 @@ def test_a_blocking_read_counts_only_the_wait_for_bytes_not_in_yet() -> None:
             ch.receive_blocking(0.05)
         assert 0.05 <= ch.waited < 5.0
         assert ch.sock.getblocking() is False
+
+
+#: a peer that sends a byte every DRIP seconds: each wait for bytes is well within the reader's timeout
+DRIP = 0.02
+
+
+def _drip(sock: socket.socket, data: bytes, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        for i in range(len(data)):
+            if stop.wait(DRIP):
+                return
+            sock.send(data[i : i + 1])
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_blocking_read_is_bounded_by_its_timeout_however_the_peer_trickles() -> None:
+    """``receive_blocking(timeout)`` bounds the call, not each wait: HELLO_OK a byte every 20 ms (151 bytes, 3 s)
+    is TimeoutError after 0.2 s. Bounding each wait only, a peer that sends now and then held the reader for as
+    long as it liked."""
+    client, server = Connection(Role.CLIENT), Connection(Role.SERVER, service=Service.DAEMON)
+    server.receive_data(client.send(EXAMPLES["HELLO"]))
+    assert list(server.events()) == [EXAMPLES["HELLO"]]
+    a, b = socket.socketpair()
+    ch = Channel(b, client)
+    stop = threading.Event()
+    t = _drip(a, server.send(EXAMPLES["HELLO_OK"]), stop)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"no whole frame within 0\.2 s"):
+            ch.receive_blocking(0.2)
+        assert 0.2 <= time.monotonic() - t0 < 1.5
+    finally:
+        stop.set()
+        t.join()
+        ch.close()
+        a.close()
+
+
+def test_a_blocking_connect_is_bounded_by_its_timeout(tmp_path: Path) -> None:
+    """``connect_engine_blocking(timeout)`` bounds the whole connect — the socket, the opening, ``meanwhile`` and
+    HELLO_OK — not each step: a daemon trickling HELLO_OK is TimeoutError after the timeout."""
+    from wcache.plan.key import WeightCacheKey
+    from wcache.proto.engine import get_state
+
+    key = WeightCacheKey("0" * 32, "LlamaForCausalLM", 1, 0, "float32").to_wire()
+    path = tmp_path / "slow.sock"
+    stop = threading.Event()
+    drips: list[threading.Thread] = []
+    accepted: list[socket.socket] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(str(path))
+        srv.listen(1)
+
+        def accept() -> None:
+            conn, _ = srv.accept()
+            accepted.append(conn)
+            server = Connection(Role.SERVER, service=Service.DAEMON)
+            server.receive_data(conn.recv(1 << 16))
+            assert [f.TYPE for f in server.events()] == ["HELLO", "GET_STATE"]
+            drips.append(_drip(conn, server.send(EXAMPLES["HELLO_OK"]), stop))
+
+        def connect() -> None:
+            ch, _ = connect_engine_blocking(
+                path,
+                software="test",
+                name="engine",
+                timeout=0.3,
+                pipeline=lambda conn: get_state(conn.next_request_id(), key, "zero_copy"),
+                meanwhile=lambda: time.sleep(0.1),
+            )
+            ch.close()
+
+        acceptor = threading.Thread(target=accept)
+        acceptor.start()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                connect()
+            assert 0.3 <= time.monotonic() - t0 < 1.5
+        finally:
+            stop.set()
+            acceptor.join()
+            for t in drips:
+                t.join()
+            for conn in accepted:
+                conn.close()

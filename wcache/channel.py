@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,7 +86,9 @@ __all__ = [
     "expect_engine",
     "expect_engine_blocking",
     "expect_blocking",
+    "memfd_problem",
     "peer_credentials",
+    "time_left",
 ]
 
 RECV_SIZE = 1 << 18
@@ -154,6 +157,34 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return PeerCredentials(pid, uid, gid)
+
+
+#: the seals a host slab's memfd carries wherever it travels (docs/protocol.md §4.5: STATE, TAKEOVER_STATE, KEEP,
+#: RECLAIMED): nobody, its creator included, can change its bytes (F_SEAL_WRITE: no write, no writable mapping) or
+#: its size, nor remove a seal
+HOST_SEALS = (
+    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
+)
+
+
+def memfd_problem(fd: int, size: int, *, exact: bool = False) -> str | None:
+    """Why the received descriptor ``fd`` cannot stand for a host slab of ``size`` bytes (None: it can): it must be a
+    memfd sealed with HOST_SEALS (docs/protocol.md §4.5) of at least ``size`` bytes (``exact``: of exactly ``size``).
+    One check wherever such a descriptor arrives — an engine's STATE (``wcache.client.mapping``), a keeper's KEEP and
+    RECLAIM, a daemon's adoption — at one F_GET_SEALS and one fstat each: an unsealed memfd's sender could change an
+    engine's read-only weights under it, or shrink it and kill it with SIGBUS on its next read."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        have = os.fstat(fd).st_size
+    except OSError:
+        return "the descriptor is not a memfd"
+    if seals & HOST_SEALS != HOST_SEALS:
+        return (
+            "the memfd is not sealed against writes and resizing (F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL)"
+        )
+    if have < size or (exact and have != size):
+        return f"the memfd has {have} bytes, its slab {size}"
+    return None
 
 
 def close_fds(fds: list[int]) -> None:
@@ -363,9 +394,12 @@ class Channel(Generic[C]):
 
     # ---------------------------------------------------------------- blocking (no event loop)
     def receive_blocking(self, timeout: float) -> tuple[Any, list[int]]:
-        """``receive()`` for callers without an event loop: waits at most ``timeout`` seconds for each read
-        (TimeoutError). The socket stays non-blocking, as the asyncio methods expect it; ``waited`` gets the time
-        spent waiting for it to be readable (a read that finds bytes waits for none)."""
+        """``receive()`` for callers without an event loop: the next frame within ``timeout`` seconds of this call,
+        TimeoutError otherwise — one deadline for the call, however the peer's bytes trickle in (a bound on each
+        wait let a peer sending a byte now and then hold the caller for ever). The socket stays non-blocking, as
+        the asyncio methods expect it; ``waited`` gets the time spent waiting for it to be readable (a read that
+        finds bytes waits for none)."""
+        deadline = time.monotonic() + timeout
         self.sock.setblocking(False)
         while not self._frames:
             if self.conn.eof:
@@ -373,7 +407,7 @@ class Channel(Generic[C]):
             try:
                 self._recv_once()
             except (BlockingIOError, InterruptedError):
-                self._poll(timeout)
+                self._poll(deadline, timeout)
                 continue
             self._take_frames()
         return self._frames.popleft()
@@ -386,23 +420,27 @@ class Channel(Generic[C]):
         if self.budget is not None:
             self._claimed = self.budget.claim(self._claimed, self.conn.demand)
 
-    def _poll(self, timeout: float) -> None:
-        """Wait until the socket is readable (poll: no descriptor-number limit), at most ``timeout`` seconds."""
+    def _poll(self, deadline: float, timeout: float) -> None:
+        """Wait until the socket is readable (poll: no descriptor-number limit), at most until ``deadline``
+        (``time.monotonic``); TimeoutError, naming the call's ``timeout``, once it has passed."""
+        ms = (deadline - time.monotonic()) * 1000
+        if ms <= 0:
+            raise TimeoutError(f"no whole frame within {timeout} s")
         t0 = time.perf_counter()
         poller = select.poll()
         poller.register(self.sock.fileno(), select.POLLIN)
-        ms = timeout * 1000
         ready = poller.poll(_POLL_MAX_MS if ms >= _POLL_MAX_MS else int(ms) + 1)  # rounded up: never shorter
         self.waited += time.perf_counter() - t0
         if not ready:
-            raise TimeoutError(f"nothing to read within {timeout} s")
+            raise TimeoutError(f"no whole frame within {timeout} s")
 
     def send_blocking(self: Channel[Connection], frame: Frame, timeout: float) -> None:
         """``send()`` without descriptors for callers without an event loop (TimeoutError after ``timeout``)."""
         self.send_bytes_blocking(self.conn.send(frame), timeout)
 
     def send_bytes_blocking(self, data: bytes, timeout: float) -> None:
-        """Write frames' bytes (no descriptors) for callers without an event loop."""
+        """Write frames' bytes (no descriptors) for callers without an event loop, all of them within ``timeout``
+        seconds (``sendall``'s timeout bounds the whole call)."""
         try:
             self.sock.settimeout(timeout)
             self.sock.sendall(data)
@@ -445,6 +483,15 @@ class Channel(Generic[C]):
 
 #: the longest wait poll(2) takes in one call (ms; an int): longer timeouts wait this long
 _POLL_MAX_MS = 2**31 - 1
+
+
+def time_left(deadline: float) -> float:
+    """Seconds from now until ``deadline`` (``time.monotonic``): what the next blocking step of a call bounded by
+    one deadline may take. TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    return left
 
 
 def _socket() -> socket.socket:
@@ -532,14 +579,14 @@ async def _handshake(ch: Channel[C], opening: bytes, meanwhile: Meanwhile | None
 
 
 def _handshake_blocking(
-    ch: Channel[C], opening: bytes, meanwhile: Meanwhile | None, expected: Expected, timeout: float
+    ch: Channel[C], opening: bytes, meanwhile: Meanwhile | None, expected: Expected, deadline: float
 ) -> Any:
-    """``_handshake()`` without an event loop (each blocking step within ``timeout`` seconds)."""
+    """``_handshake()`` without an event loop, every step before ``deadline`` (``time.monotonic``; TimeoutError)."""
     try:
-        ch.send_bytes_blocking(opening, timeout)
+        ch.send_bytes_blocking(opening, time_left(deadline))
         if meanwhile is not None:
             meanwhile()
-        frame, _ = expected(*ch.receive_blocking(timeout))
+        frame, _ = expected(*ch.receive_blocking(time_left(deadline)))
     except BaseException:
         ch.close()
         raise
@@ -591,17 +638,18 @@ def connect_blocking(
     timings: dict[str, float] | None = None,
     keep_decoded: bool = False,
 ) -> tuple[Channel[Connection], daemon_frames.HelloOk]:
-    """``connect()`` for callers without an event loop (each blocking step within ``timeout`` seconds,
-    TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
+    """``connect()`` for callers without an event loop: connected and HELLO_OK in within ``timeout`` seconds of the
+    call (TimeoutError otherwise); the channel's socket is left non-blocking, for either kind of caller."""
     from wcache.proto.connection import Connection, Role
     from wcache.proto.daemon_frames import HelloOk
 
+    deadline = time.monotonic() + timeout
     t0 = time.perf_counter()
     sock = dial_blocking(path, timeout)
     t1 = time.perf_counter()
     conn = Connection(Role.CLIENT, service=service, keep_decoded=keep_decoded)
     ch = Channel(sock, conn)
-    frame = _handshake_blocking(ch, _opening(conn, software, name, pipeline), meanwhile, _expected, timeout)
+    frame = _handshake_blocking(ch, _opening(conn, software, name, pipeline), meanwhile, _expected, deadline)
     assert isinstance(frame, HelloOk)
     _timed(timings, t0, t1)
     return ch, frame
@@ -640,14 +688,16 @@ def connect_engine_blocking(
     meanwhile: Meanwhile | None = None,
     timings: dict[str, float] | None = None,
 ) -> tuple[Channel[EngineConnection], HelloOk]:
-    """``connect_engine()`` for callers without an event loop (each blocking step within ``timeout`` seconds)."""
+    """``connect_engine()`` for callers without an event loop: connected, the opening out, ``meanwhile`` done and
+    HELLO_OK in within ``timeout`` seconds of the call (TimeoutError otherwise)."""
+    deadline = time.monotonic() + timeout
     t0 = time.perf_counter()
     sock = dial_blocking(path, timeout)
     t1 = time.perf_counter()
     conn = EngineConnection()
     ch = Channel(sock, conn)
     opening = conn.opening(software, name, pipeline(conn))
-    frame = _handshake_blocking(ch, opening, meanwhile, _expected_engine, timeout)
+    frame = _handshake_blocking(ch, opening, meanwhile, _expected_engine, deadline)
     assert isinstance(frame, HelloOk)
     _timed(timings, t0, t1)
     return ch, frame

@@ -14,7 +14,8 @@ daemon's error as the same type.
     │       ├── FrameTooLargeError      FRAME_TOO_LARGE     length prefix over the limit (size, max_size)
     │       ├── UnsupportedVersionError UNSUPPORTED_VERSION no common protocol version (offered, supported)
     │       └── UnexpectedFrameError    UNEXPECTED_FRAME    a valid frame in the wrong connection state
-    ├── CacheUnavailableError           UNAVAILABLE         no daemon: no socket, refused, timeout, died
+    ├── CacheUnavailableError           UNAVAILABLE         no daemon: no socket, refused, timeout, died; or a slab
+    │                                                       this process cannot map (its address space, its driver)
     ├── ServerError                     (any daemon code)   the daemon refused or failed a request
     │   ├── PermissionDeniedError       PERMISSION_DENIED   peer uid is not the daemon's uid
     │   ├── NotReadyError               NOT_READY           the daemon holds no weights (yet)
@@ -197,7 +198,10 @@ class UnexpectedFrameError(RemoteProtocolError, code="UNEXPECTED_FRAME"):
 
 
 class CacheUnavailableError(WCacheError, code="UNAVAILABLE"):
-    """No usable daemon: socket missing, connection refused, timeout, or the daemon died.
+    """No usable daemon: socket missing, connection refused, timeout, or the daemon died; or a slab of its STATE
+    that this process cannot map though it passed the protocol's checks — ``mmap`` out of address space, the CUDA
+    driver refusing the import (``details``: ``slab``, ``kind``, ``size``; the cause chained). The daemon's memory
+    is then as unusable to the engine as if none ran (wcache/client/mapping.py, ``_unmappable``).
 
     Engines treat this as "load from disk instead" — as every other WCacheError (module docstring).
     """

@@ -5,7 +5,8 @@ it stays open until ``release()``; if the engine dies the kernel closes it and t
 daemon ends the lease. In copy mode the client copies the slab into its own memory and
 releases at once.
 
-Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed; a socket
+Errors: ``CacheUnavailableError`` (no socket, refused, timeout, daemon died or closed, a slab this process
+cannot map — out of address space, the CUDA driver refusing it; a socket
 missing or refused while a daemon is evidently coming back — its lock held, or a keeper holding a
 model for its rank — is first waited on for up to ``wait_for_daemon`` seconds, wcache/client/wait.py),
 the daemon's errors as their ``ServerError`` subclasses (``KeyMismatchError`` ...),
@@ -40,6 +41,7 @@ from wcache.channel import (
     expect,
     expect_engine,
     expect_engine_blocking,
+    time_left,
 )
 from wcache.proto.codec import gc_paused
 from wcache.proto.engine import EngineConnection, HelloOk, Released, State, get_state, release
@@ -177,13 +179,15 @@ class CachedWeights(Mapping[str, torch.Tensor]):
             ch.close()
 
     def release_sync(self, timeout: float = 5.0) -> None:
-        """Blocking release() for code without an event loop."""
+        """Blocking release() for code without an event loop; as release(), it returns within ``timeout`` (one
+        deadline for sending RELEASE and reading RELEASED), leaving the lease to the connection's close."""
         ch, self._channel = self._channel, None
         if ch is None or ch.closed:
             return
+        deadline = time.monotonic() + timeout
         try:
             ch.send_bytes_blocking(ch.conn.send(release(ch.conn.next_request_id(), self.lease)), timeout)
-            _, fds = expect_engine_blocking(ch, timeout)  # RELEASED; an ERROR raises as its class
+            _, fds = expect_engine_blocking(ch, time_left(deadline))  # RELEASED; an ERROR raises as its class
             close_fds(fds)
         except (OSError, EOFError):  # TimeoutError among them
             pass
@@ -329,10 +333,17 @@ class WCacheClient:
         ``mode="zero_copy"``: read-only views of the daemon's memory (a write crashes the engine,
         see CachedWeights); ``mode="copy"``: the engine's own, writable copy.
         """
+        return await self._fetch(key, mode, timeout)
+
+    async def _fetch(
+        self, key: WeightCacheKey, mode: str, timeout: float | None, deadline: float | None = None
+    ) -> CachedWeights:
+        """``fetch()``; ``deadline`` (``time.monotonic``): when the request's ``timeout`` runs out, for a request that
+        began before this call (``fetch_sync``'s, handing a daemon that is coming back to this fetch's wait)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         path = self.socket_for(key)
-        async with self._session(path, timeout, keep_open=True) as session:
+        async with self._session(path, timeout, keep_open=True, deadline=deadline) as session:
             t0 = time.perf_counter()
             timings: dict[str, float] = {}
             request = _Request(key, mode)
@@ -369,16 +380,19 @@ class WCacheClient:
             return weights
 
     @contextlib.asynccontextmanager
-    async def _session(self, path: Path, timeout: float | None, *, keep_open: bool) -> AsyncIterator[_Session]:
-        """One connection's request under a deadline: timeouts, EOF and resets become
-        CacheUnavailableError; the connection is closed on any failure (and on success unless
-        ``keep_open``: a zero_copy lease lives as long as its connection)."""
+    async def _session(
+        self, path: Path, timeout: float | None, *, keep_open: bool, deadline: float | None = None
+    ) -> AsyncIterator[_Session]:
+        """One connection's request under a deadline — ``timeout`` from now, or ``deadline`` (``time.monotonic``)
+        where the request began earlier: timeouts, EOF and resets become CacheUnavailableError; the connection is
+        closed on any failure (and on success unless ``keep_open``: a zero_copy lease lives as long as its
+        connection)."""
         from wcache.errors import CacheUnavailableError  # what every failure below becomes
 
         limit = self.timeout if timeout is None else timeout
         session = _Session()
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(limit if deadline is None else deadline - time.monotonic()):
                 yield session
         except TimeoutError as exc:
             session.close()
@@ -416,35 +430,41 @@ class WCacheClient:
         with gc_paused(keep=True):  # slabs and views: tensor objects, none in a cycle, kept (see ``_ahead``)
             t0 = time.perf_counter()
             slabs = map_slabs(state, fds, self.device, timings)
-            timings["map"] = (time.perf_counter() - t0) * 1e3
-            keepalive: list[Any] = list(slabs)
             bases = [s.base for s in slabs]
-            if mode == "copy":
-                t1 = time.perf_counter()
-                bases = [b.clone() for b in bases]
-                if any(b.is_cuda for b in bases):
-                    torch.cuda.synchronize()  # the copies must land before the mappings go away
+            try:
+                timings["map"] = (time.perf_counter() - t0) * 1e3
+                keepalive: list[Any] = list(slabs)
+                if mode == "copy":
+                    t1 = time.perf_counter()
+                    bases = [b.clone() for b in bases]
+                    if any(b.is_cuda for b in bases):
+                        torch.cuda.synchronize()  # the copies must land before the mappings go away
+                    for s in slabs:
+                        s.close()
+                    keepalive = []
+                    timings["copy"] = (time.perf_counter() - t1) * 1e3
+                t2 = time.perf_counter()
+                tensors = build_views(state, bases)
+                timings["views"] = (time.perf_counter() - t2) * 1e3
+                weights = CachedWeights(
+                    tensors,
+                    key=key,
+                    lease=state.lease,
+                    mode=mode,
+                    aliases=state.aliases,
+                    channel=ch,
+                    hello=hello,
+                    socket_path=path,
+                    keepalive=keepalive,
+                    buffers=state.buffers,
+                )
+                weights.timings = timings
+                return weights
+            except BaseException:  # nothing mapped outlives a fetch that failed: the tensors go, then the mappings
+                bases.clear()
                 for s in slabs:
                     s.close()
-                keepalive = []
-                timings["copy"] = (time.perf_counter() - t1) * 1e3
-            t2 = time.perf_counter()
-            tensors = build_views(state, bases)
-            timings["views"] = (time.perf_counter() - t2) * 1e3
-            weights = CachedWeights(
-                tensors,
-                key=key,
-                lease=state.lease,
-                mode=mode,
-                aliases=state.aliases,
-                channel=ch,
-                hello=hello,
-                socket_path=path,
-                keepalive=keepalive,
-                buffers=state.buffers,
-            )
-            weights.timings = timings
-            return weights
+                raise
 
     async def status(self, key: WeightCacheKey | None = None, *, timeout: float | None = None) -> StatusReply:
         """The daemon's STATUS_REPLY: models, leases, connections, uptime."""
@@ -572,7 +592,8 @@ class WCacheClient:
 
         The same requests through the same sans-I/O connection on a blocking socket: no event loop is
         started (a restart's first fetch, docs/performance.md). A daemon that is coming back (``wait_for_daemon``)
-        is waited for as by fetch()."""
+        is waited for as by fetch(). As fetch()'s, the whole call is bounded by ``timeout``: one deadline through
+        the connect, the handshake and every read, however the daemon's bytes trickle in."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -594,7 +615,7 @@ class WCacheClient:
                     path,
                     software=f"wcache/{__version__}",
                     name=self.name,
-                    timeout=limit,
+                    timeout=time_left(deadline),
                     pipeline=request.build,
                     meanwhile=_ahead(timings),
                     timings=timings,
@@ -602,18 +623,19 @@ class WCacheClient:
             except Exception as exc:
                 if self.wait_for_daemon <= 0 or not _absent(exc):
                     raise
-                return asyncio.run(self.fetch(key, mode, timeout=timeout))  # wait.py's wait is asyncio's
+                # wait.py's wait is asyncio's, within what is left of this call's timeout
+                return asyncio.run(self._fetch(key, mode, timeout, deadline))
             t1 = time.perf_counter()
             self._on_hello(hello, timings)
             t_state = time.perf_counter()
             try:
-                frame, fds = expect_engine_blocking(ch, _left(deadline))
+                frame, fds = expect_engine_blocking(ch, time_left(deadline))
             except Exception as exc:
                 if not request.refused(exc):
                     raise
                 # the full key, same connection
-                ch.send_bytes_blocking(ch.conn.send(request.scanned(ch.conn)), _left(deadline))
-                frame, fds = expect_engine_blocking(ch, _left(deadline))
+                ch.send_bytes_blocking(ch.conn.send(request.scanned(ch.conn)), time_left(deadline))
+                frame, fds = expect_engine_blocking(ch, time_left(deadline))
             state = request.state(frame, fds)
             _handshake_timings(timings, ch, t0, t1, t_state)
             weights = self._materialise(ch, hello, state, fds, key, mode, path, timings)
@@ -680,18 +702,21 @@ class _Request:
         return self.build(conn)
 
     def state(self, frame: HelloOk | State | Released, fds: list[int]) -> State:
-        """``frame`` as the STATE answering this request; a proven key takes its file-derived fields from it."""
+        """``frame`` as the STATE answering this request. Its ``key`` is the served key (docs/protocol.md §4.4), and a
+        daemon serves only the model of the key asked for: a proven key takes its file-derived fields from it, a full
+        key must equal it (``WeightCacheKey.adopt``: RemoteProtocolError otherwise, the descriptors closed) — the
+        weights of another model, fingerprint, dtype or rank are never handed to the engine as the ones it asked
+        for."""
         if not isinstance(frame, State):
             close_fds(fds)
             from wcache.errors import RemoteProtocolError
 
             raise RemoteProtocolError(f"expected STATE, got {type(frame).__name__}")
-        if self.proven:
-            try:
-                self.key.adopt(frame.key)
-            except BaseException:
-                close_fds(fds)
-                raise
+        try:
+            self.key.adopt(frame.key)
+        except BaseException:
+            close_fds(fds)
+            raise
         return frame
 
 
@@ -738,14 +763,6 @@ def _handshake_timings(timings: dict[str, float], ch: Channel[Any], t0: float, t
         wait=ch.waited * 1e3,
         decode=ch.decoded * 1e3,
     )
-
-
-def _left(deadline: float) -> float:
-    """Seconds until ``deadline``; TimeoutError once it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    return left
 
 
 class _Session:

@@ -13,7 +13,6 @@ and drops the mapping before COMMIT.
 from __future__ import annotations
 
 import mmap
-import os
 import time
 import warnings
 from bisect import bisect_right
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from wcache.channel import close_fds
+from wcache.channel import close_fds, memfd_problem
 from wcache.proto._record import named_tuple
 from wcache.proto.codec import gc_paused
 from wcache.proto.table import DTYPE_SIZES, TensorTable
@@ -47,8 +46,33 @@ def _protocol_error(message: str) -> RemoteProtocolError:
     return RemoteProtocolError(message)
 
 
+def _unmappable(i: int, desc: MappedDescriptor, exc: Exception) -> Exception:
+    """What an engine gets for ``exc``, raised mapping slab ``i``: a WCacheError as it is (the daemon's slab broke
+    the protocol, a GPU the engine cannot use ...); any other failure — ``mmap`` (ENOMEM: the address space is
+    full or under RLIMIT_AS; ENODEV, EACCES), the CUDA driver's import or mapping (``CudaDriverError``), torch
+    making the tensor — as CacheUnavailableError naming the slab, the cause chained. An engine's fallback catches
+    WCacheError only (``wcache.nn.load_weights``): a bare OSError crashed its load instead of loading from disk.
+
+    CacheUnavailableError and not RemoteProtocolError, because what the protocol lets a client check of a slab —
+    a memfd's seals and size (``memfd_problem``), a CUDA slab's GPU and handle — has been checked before mapping,
+    each break there the daemon's RemoteProtocolError; a mapping that fails after those checks fails on this
+    process's resources (its address space, its limits, its GPU's driver), which the daemon cannot see or fix. The
+    daemon's memory is then as unusable to this engine as if no daemon ran: the engine loads from disk, and the
+    message says why, so that no one looks for a fault in the daemon."""
+    from wcache.errors import CacheUnavailableError, WCacheError
+
+    if isinstance(exc, WCacheError):
+        return exc
+    return CacheUnavailableError(
+        f"slab {i} of the STATE ({desc.kind}, {desc.size} bytes) cannot be mapped in this process: "
+        f"{type(exc).__name__}: {exc}",
+        details={"slab": i, "kind": desc.kind, "size": desc.size},
+    )
+
+
 class MappedSlab:
-    """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping."""
+    """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping, ``close`` (None:
+    nothing to unmap) unmaps it."""
 
     def __init__(self, base: torch.Tensor, keepalive: Any, close: Callable[[], None] | None = None) -> None:
         self.base = base
@@ -56,52 +80,87 @@ class MappedSlab:
         self._close = close
 
     def close(self) -> None:
-        if self._close is not None:
-            self._close()
-            self._close = None
+        """Unmap the slab now, not when the collector gets to it: a fetch that failed (its traceback holds the
+        slabs mapped so far, in a cycle in an asyncio task, which ``gc_paused(keep=True)`` moves to the oldest
+        generation: each failed fetch kept its mapping and a descriptor until a full collection) and copy mode
+        once copied. A lease's slabs are not closed: they live as long as their views. ``base`` goes first: a
+        memfd slab's is torch.frombuffer's view of the mmap, whose buffer export keeps the mmap from closing; a
+        view of it kept elsewhere keeps the mapping (mmap's BufferError), which then goes with the last view."""
+        close, self._close = self._close, None
+        if close is None:
+            return
+        del self.base
+        self.keepalive = None
+        try:
+            close()
+        except BufferError:
+            pass
 
 
-def _map_memfd(desc: MappedDescriptor, fd: int) -> MappedSlab:
-    st = os.fstat(fd)
-    if st.st_size < desc.size + desc.offset:
-        raise _protocol_error(f"shared memory of {st.st_size} bytes is smaller than the slab ({desc.size})")
+def _map_memfd(i: int, desc: MappedDescriptor, fd: int) -> MappedSlab:
+    """Slab ``i``'s memfd mapped read-only. Only a memfd sealed against writes and resizing, of at least ``offset +
+    size`` bytes, is mapped (docs/protocol.md §4.5; RemoteProtocolError otherwise): the seals are what make a
+    zero_copy tensor immutable and valid for as long as it lives — a sender's unsealed memfd could change the
+    engine's weights under it, or be shrunk to kill it with SIGBUS on its next read."""
+    problem = memfd_problem(fd, desc.offset + desc.size)
+    if problem is not None:
+        raise _protocol_error(f"memfd slab {i} (offset {desc.offset}, {desc.size} bytes) refused: {problem}")
     if desc.size == 0:
         return MappedSlab(torch.empty(0, dtype=torch.uint8), None)
     # no MAP_POPULATE, even for copy mode: setting up every page table entry first made a copy slower
     # (1 GB, fresh process: 362 ms populated vs 273 ms faulting while copying)
     mm = mmap.mmap(fd, desc.size + desc.offset, mmap.MAP_SHARED, mmap.PROT_READ)
-    with warnings.catch_warnings():
-        # the mapping is read-only on purpose (zero_copy tensors must not be written): torch's "The given buffer is
-        # not writable" UserWarning, the one this call gives, is silenced by category (a filter by message compiles
-        # a regular expression: ~0.1 ms of a fresh engine's first fetch)
-        warnings.simplefilter("ignore", UserWarning)
-        base = torch.frombuffer(mm, dtype=torch.uint8, count=desc.size, offset=desc.offset)
-    return MappedSlab(base, mm)
+    try:
+        with warnings.catch_warnings():
+            # the mapping is read-only on purpose (zero_copy tensors must not be written): torch's "The given buffer
+            # is not writable" UserWarning, the one this call gives, is silenced by category (a filter by message
+            # compiles a regular expression: ~0.1 ms of a fresh engine's first fetch)
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.frombuffer(mm, dtype=torch.uint8, count=desc.size, offset=desc.offset)
+    except BaseException:
+        mm.close()
+        raise
+    return MappedSlab(base, mm, mm.close)
 
 
 def map_slabs(
     state: State, fds: list[int], device: torch.device | None = None, timings: dict[str, float] | None = None
 ) -> list[MappedSlab]:
     """Map every slab of ``state``; closes ``fds`` (mappings keep the memory alive). ``timings`` (ms, added to):
-    the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor)."""
+    the CUDA driver's calls (``driver.vmm_import_map``) and ``as_tensor`` (each mapped range made a tensor).
+
+    Every failure is a WCacheError, so that an engine falls back to disk (``_unmappable``): RemoteProtocolError
+    for a slab that breaks docs/protocol.md §4.5, CacheUnavailableError naming the slab for one this process
+    cannot map."""
     slabs: list[MappedSlab] = []
     try:
-        for desc in state.slabs:
+        for i, desc in enumerate(state.slabs):
             fd = fds[desc.fd] if desc.fd >= 0 else -1
-            if desc.kind == "memfd":
-                if fd < 0:
-                    raise _protocol_error("memfd slab without a file descriptor")
-                slabs.append(_map_memfd(desc, fd))
-            elif desc.kind in ("cuda_ipc", "cuda_vmm"):
-                from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
+            try:
+                if desc.kind == "memfd":
+                    if fd < 0:
+                        raise _protocol_error("memfd slab without a file descriptor")
+                    slabs.append(_map_memfd(i, desc, fd))
+                elif desc.kind in ("cuda_ipc", "cuda_vmm"):
+                    from wcache.client import cuda  # imported ahead when CUDA is up here (client._ahead)
 
-                buf = cuda.map_slab(desc, fd, device, timings)
-                t0 = time.perf_counter()
-                slabs.append(MappedSlab(buf.tensor(), buf, buf.close))
-                if timings is not None:
-                    timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
-            else:  # pragma: no cover - the decoder admits only known kinds
-                raise _protocol_error(f"unknown slab kind {desc.kind!r}")
+                    buf = cuda.map_slab(desc, fd, device, timings)
+                    t0 = time.perf_counter()
+                    try:
+                        base = buf.tensor()
+                    except BaseException:
+                        buf.close()
+                        raise
+                    slabs.append(MappedSlab(base, buf, buf.close))
+                    if timings is not None:
+                        timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
+                else:  # pragma: no cover - the decoder admits only known kinds
+                    raise _protocol_error(f"unknown slab kind {desc.kind!r}")
+            except Exception as exc:
+                failure = _unmappable(i, desc, exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
     except BaseException:
         for s in slabs:
             s.close()

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import time
@@ -57,7 +56,7 @@ from typing import assert_never, cast
 import msgpack
 
 from wcache import __version__
-from wcache.channel import close_fds
+from wcache.channel import HOST_SEALS, close_fds, memfd_problem
 from wcache.errors import (
     DeviceMismatchError,
     LimitExceededError,
@@ -97,10 +96,6 @@ log = logging.getLogger("wcache.keeper")
 
 SOFTWARE = f"wcache-keeper/{__version__}"
 
-#: seals a host slab must carry to be kept or reclaimed (those the host backend adds, and demands to adopt
-#: one): nobody, its creator included, can change its bytes (F_SEAL_WRITE: no write, no writable mapping)
-#: or its size, nor remove a seal
-HOST_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: the slab kinds a backend serves
 SLAB_KINDS = {"host": ("memfd",), "cuda": ("cuda_vmm",)}
 
@@ -148,8 +143,9 @@ class _Entry:
 
 def slab_problem(backend: str, desc: SlabDescriptor, fd: int) -> str | None:
     """Why the descriptor ``fd`` cannot stand for the slab ``desc`` of a ``backend`` model (None: it can).
-    A host slab must be a memfd of exactly its size, sealed (HOST_SEALS); a CUDA slab's descriptor is
-    the driver's and cannot be inspected here beyond its kind."""
+    A host slab must be a memfd of exactly its size, sealed (HOST_SEALS: ``channel.memfd_problem``, the check an
+    engine runs on a STATE's slabs); a CUDA slab's descriptor is the driver's and cannot be inspected here beyond
+    its kind."""
     kinds = SLAB_KINDS.get(backend)
     if kinds is None:
         return f"backend {backend!r} is neither host nor cuda"
@@ -157,18 +153,7 @@ def slab_problem(backend: str, desc: SlabDescriptor, fd: int) -> str | None:
         return f"a {desc.kind} slab cannot be served by the {backend} backend"
     if backend != "host":
         return None
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        size = os.fstat(fd).st_size
-    except OSError:
-        return "the descriptor is not a memfd"
-    if seals & HOST_SEALS != HOST_SEALS:
-        return (
-            "the memfd is not sealed against writes and resizing (F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL)"
-        )
-    if size != desc.size:
-        return f"the memfd has {size} bytes, its slab {desc.size}"
-    return None
+    return memfd_problem(fd, desc.size, exact=True)
 
 
 class Keeper:

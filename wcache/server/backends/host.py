@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wcache.channel import HOST_SEALS, memfd_problem
 from wcache.errors import OutOfMemoryError, RemoteProtocolError, UnsupportedPlatformError
 from wcache.proto import DeviceInfo, SlabDescriptor
 from wcache.server.backends.base import DEFAULT_STAGING, MemoryRegion, PinnedFile
@@ -31,9 +32,6 @@ __all__ = ["HostBackend", "HostSlab", "MemoryRoom", "memory_room"]
 #: A cgroup v1 limit this large means "no limit" (the kernel reports PAGE_COUNTER_MAX pages).
 _UNLIMITED = 1 << 62
 
-_SEALS = (
-    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if sys.platform == "linux" else 0
-)
 #: a deposit slab, while the engine writes it: its size is fixed, its bytes are not yet
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW if sys.platform == "linux" else 0
 
@@ -275,7 +273,7 @@ class HostSlab:
             self._mm.close()
             self._mm = None
         try:
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, HOST_SEALS)
         except PermissionError:  # EPERM: F_SEAL_SEAL is set; only a holder of the fd (a depositing engine) set it
             raise RemoteProtocolError(
                 "the slab's seals were changed by another process (F_SEAL_SEAL is set), so it cannot be made read-only"
@@ -392,10 +390,9 @@ class HostBackend:
         """A sealed memfd handed over by another daemon."""
         if desc.kind != "memfd":
             raise UnsupportedPlatformError(f"a {desc.kind} slab cannot be served by the host backend")
-        if os.fstat(fd).st_size < desc.size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-            raise RemoteProtocolError(
-                "the handed-over memfd is smaller than its slab or not sealed (docs/protocol.md §4.11)"
-            )
+        problem = memfd_problem(fd, desc.size)
+        if problem is not None:
+            raise RemoteProtocolError(f"a handed-over slab refused (docs/protocol.md §4.11): {problem}")
         return HostSlab(desc.size, adopt_fd=fd)
 
     def pinner(self) -> Callable[[Path, int], PinnedFile] | None:

@@ -1,0 +1,172 @@
+"""wcache/client/client.py against daemons that misbehave (tests/client/fake_daemon.py): what either fetch accepts
+of a daemon's answers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.client.fake_daemon import HELLO_OK, FakeDaemon, Peer, memfd, memfd_slab, state
+from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
+from wcache.errors import RemoteProtocolError
+from wcache.proto.table import TensorEntry
+
+KEY = WeightCacheKey("0" * 32, "LlamaForCausalLM", 1, 0, "float32")
+ONE = [TensorEntry("w", "float32", (4,), (1,), 0, 0)]
+
+
+def _fetch(client: WCacheClient, key: WeightCacheKey, blocking: bool) -> Any:
+    return client.fetch_sync(key) if blocking else asyncio.run(client.fetch(key))
+
+
+def _open_memfds() -> int:
+    """This process's descriptors of the fake daemon's memfds."""
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:wcache-fake-slab")
+        except OSError:
+            pass
+    return n
+
+
+OTHER_MODELS = {
+    "another fingerprint": {"fingerprint": "f" * 32},
+    "another dtype": {"dtype": "bfloat16"},
+    "another rank": {"tp_rank": 1, "tp_size": 2},
+    "another plan": {"plan": "builtin:llama/1"},
+    "a recipe": {"engine": "vllm"},
+    "a field of another type": {"tp_size": "1"},
+}
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("served", list(OTHER_MODELS.values()), ids=list(OTHER_MODELS))
+def test_a_state_for_another_key_than_the_one_asked_for_is_refused(
+    served: dict[str, Any], blocking: bool, tmp_path: Path
+) -> None:
+    """A full key (scanned, resolved, built by the engine): a STATE serving another model's key is a break of
+    docs/protocol.md §4.4 (the daemon serves only the key asked for) — RemoteProtocolError, the slab's descriptor
+    closed. Only a proven key's STATE was compared (``adopt``); a full key's was mapped and handed to the engine
+    as the weights of the key it asked for."""
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(16)
+        try:
+            peer.send(state(request, [memfd_slab(0, 16)], ONE, key={**request["key"], **served}), [fd])
+        finally:
+            os.close(fd)
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    before = _open_memfds()  # other tests' weights, until the collector frees them
+    with FakeDaemon(sock, scenario), pytest.raises(RemoteProtocolError, match="the daemon served key"):
+        _fetch(WCacheClient(sock, wait_for_daemon=0, timeout=10), KEY, blocking)
+    assert _open_memfds() == before  # the STATE's descriptor closed (the fake daemon's own closed before it returns)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_the_full_key_sent_after_a_refused_proof_is_checked_too(blocking: bool, ckpt: Path, tmp_path: Path) -> None:
+    """A daemon refuses the proof (KEY_UNPROVEN), the client scans the headers and asks for the full key on the same
+    connection (docs/protocol.md §4.3.1); a STATE serving another fingerprint is refused, and the one of the key
+    asked for accepted."""
+    from wcache.error_codes import ErrorCode
+
+    fingerprint: list[str] = []
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        assert "fingerprint" not in request["key"]  # a proof
+        peer.send(
+            {
+                "type": "ERROR",
+                "id": request["id"],
+                "code": int(ErrorCode.KEY_UNPROVEN),
+                "message": "these files were not read here",
+                "fatal": False,
+                "details": {},
+            }
+        )
+        request = peer.read()
+        served = {**request["key"], "fingerprint": fingerprint[0] if fingerprint else "f" * 32}
+        fd = memfd(16)
+        try:
+            peer.send(state(request, [memfd_slab(0, 16)], ONE, key=served), [fd])
+        finally:
+            os.close(fd)
+        peer.released()
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    with FakeDaemon(sock, scenario):
+        with pytest.raises(RemoteProtocolError, match="the daemon served key"):
+            _fetch(client, WeightCacheKey.from_checkpoint(ckpt), blocking)
+        fingerprint.append(WeightCacheKey.from_checkpoint(ckpt).resolve().fingerprint)
+        w = _fetch(client, WeightCacheKey.from_checkpoint(ckpt), blocking)
+        assert not w.key_proven and w.key.fingerprint == fingerprint[0]
+        w.release_sync()
+
+
+#: a daemon that sends its answer a byte at a time, each byte well within the client's timeout (HELLO_OK: 2.5 s whole)
+DRIP = 0.02
+TIMEOUT = 0.3
+#: what a call bounded by TIMEOUT may take on a busy 2-core machine: well below the whole answer's time
+BOUND = 1.5
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("slow", ["HELLO_OK", "STATE"])
+def test_a_daemon_that_trickles_its_answer_is_cache_unavailable_at_the_timeout(
+    slow: str, blocking: bool, tmp_path: Path
+) -> None:
+    """The whole fetch is bounded by its timeout — one deadline through the connect, the handshake and every read
+    — however the daemon's bytes trickle in. fetch_sync's reads were bounded per wait (``receive_blocking``), and
+    its handshake got the whole timeout again: a daemon sending a byte every 0.1 s held a fetch_sync(timeout=0.5)
+    for 12.5 s, which then said it "did not answer within 0.5 s"."""
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening(hello_ok=slow != "HELLO_OK")
+        if slow == "HELLO_OK":
+            peer.drip(HELLO_OK, DRIP)
+            return
+        peer.drip(state(request, [], []), DRIP)  # a STATE of nothing: ~300 bytes, ~6 s
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0)
+    with FakeDaemon(sock, scenario):
+        t0 = time.monotonic()
+        with pytest.raises(CacheUnavailableError, match=f"did not answer within {TIMEOUT} s"):
+            client.fetch_sync(KEY, timeout=TIMEOUT) if blocking else asyncio.run(client.fetch(KEY, timeout=TIMEOUT))
+        took = time.monotonic() - t0
+    assert TIMEOUT <= took < BOUND
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["release_sync", "release"])
+def test_a_release_whose_answer_trickles_in_returns_at_the_timeout(blocking: bool, tmp_path: Path) -> None:
+    """release_sync(timeout), as release(timeout), returns quietly once its timeout has passed, closing the
+    connection (which ends the lease), whatever the daemon does: it waited as long as RELEASED took to trickle in."""
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(16)
+        try:
+            peer.send(state(request, [memfd_slab(0, 16)], ONE), [fd])
+        finally:
+            os.close(fd)
+        release = peer.read()
+        released = {"type": "RELEASED", "id": release["id"], "lease": release["lease"], "leases_left": 0}
+        peer.drip(released, 0.1)  # 45 bytes: 4.5 s
+
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, scenario):
+        w = WCacheClient(sock, wait_for_daemon=0, timeout=10).fetch_sync(KEY)
+        t0 = time.monotonic()
+        w.release_sync(timeout=TIMEOUT) if blocking else asyncio.run(w.release(timeout=TIMEOUT))
+        took = time.monotonic() - t0
+    assert w.released and TIMEOUT <= took < BOUND

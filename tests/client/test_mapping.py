@@ -1,0 +1,229 @@
+"""wcache/client/mapping.py: what an engine maps of a STATE's slabs, and what it refuses to map
+(docs/protocol.md §4.5)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.client.fake_daemon import FakeDaemon, Peer, memfd, memfd_slab, state
+from wcache import CacheUnavailableError, DeviceMismatchError, WCacheClient, WeightCacheKey
+from wcache.channel import HOST_SEALS
+from wcache.client.mapping import map_slabs
+from wcache.errors import RemoteProtocolError
+from wcache.proto.engine import SlabDescriptor, State
+from wcache.proto.table import TensorEntry, TensorTable
+
+KEY = WeightCacheKey("0" * 32, "LlamaForCausalLM", 1, 0, "float32")
+ONE = [TensorEntry("w", "float32", (4,), (1,), 0, 0)]
+
+
+def _state(*slabs: SlabDescriptor) -> State:
+    return State(1, 7, KEY.to_wire(), "zero_copy", slabs, TensorTable.from_entries(ONE), {}, ())
+
+
+def _memfd_desc(size: int, fd: int = 0, offset: int = 0) -> SlabDescriptor:
+    return SlabDescriptor(size, "memfd", fd, b"", offset, "")
+
+
+SEALS = {
+    "F_SEAL_WRITE": fcntl.F_SEAL_WRITE,
+    "F_SEAL_SHRINK": fcntl.F_SEAL_SHRINK,
+    "F_SEAL_GROW": fcntl.F_SEAL_GROW,
+    "F_SEAL_SEAL": fcntl.F_SEAL_SEAL,
+}
+
+
+@pytest.mark.parametrize("missing", ["every seal", *SEALS])
+def test_a_memfd_without_every_seal_is_refused(missing: str) -> None:
+    """A slab's memfd must carry F_SEAL_WRITE|SHRINK|GROW|SEAL (§4.5): without F_SEAL_WRITE its sender could change
+    the engine's read-only weights, without SHRINK kill it with SIGBUS, without SEAL remove either later."""
+    seals = 0 if missing == "every seal" else HOST_SEALS & ~SEALS[missing]
+    given = [memfd(4096, seals=seals)]
+    with pytest.raises(RemoteProtocolError, match=r"slab 0 .* not sealed"):
+        map_slabs(_state(_memfd_desc(16)), given)
+    assert given == []  # closed: map_slabs owns the descriptors it is given
+
+
+@pytest.mark.parametrize("kind", ["directory", "regular file", "pipe"])
+def test_a_descriptor_that_is_no_memfd_is_refused(kind: str, tmp_path: Path) -> None:
+    if kind == "directory":
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    elif kind == "regular file":
+        (tmp_path / "f").write_bytes(b"\0" * 4096)
+        fd = os.open(tmp_path / "f", os.O_RDONLY)
+    else:
+        fd, w = os.pipe()
+        os.close(w)
+    with pytest.raises(RemoteProtocolError, match=r"slab 0 .* not a memfd"):
+        map_slabs(_state(_memfd_desc(16)), [fd])
+
+
+def test_a_sealed_memfd_smaller_than_its_slab_is_refused() -> None:
+    with pytest.raises(RemoteProtocolError, match="4096 bytes, its slab 4112"):
+        map_slabs(_state(_memfd_desc(4096, offset=16)), [memfd(4096)])
+
+
+def test_a_sealed_memfd_is_mapped_read_only() -> None:
+    (slab,) = map_slabs(_state(_memfd_desc(16, offset=4)), [memfd(4096, data=bytes(range(32)))])
+    assert slab.base.tolist() == list(range(4, 20))
+
+
+def test_an_unsealed_slab_from_a_daemon_never_reaches_the_engine(tmp_path: Path) -> None:
+    """A STATE whose memfd is unsealed (a buggy daemon, or another process of the uid on its socket, which keeps
+    the descriptor to write or shrink it later): either fetch raises RemoteProtocolError, which the engine's
+    fallback catches, and keeps nothing of it."""
+    kept: list[int] = []
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(4096, seals=0)
+        kept.append(fd)
+        peer.send(state(request, [memfd_slab(0, 16)], ONE), [fd])
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    mapped = _held()[0]
+    with FakeDaemon(sock, scenario):
+        client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+        with pytest.raises(RemoteProtocolError, match="not sealed"):
+            client.fetch_sync(KEY)
+        with pytest.raises(RemoteProtocolError, match="not sealed"):
+            asyncio.run(client.fetch(KEY))
+    assert len(kept) == 2
+    assert _held()[0] == mapped
+    for fd in kept:
+        os.close(fd)
+
+
+def _held() -> tuple[int, int]:
+    """This process's mappings and descriptors of the fake daemon's memfds (an mmap holds a descriptor of its own).
+    Tests compare it with what it was when they began: the weights of earlier tests' fetches that succeeded are
+    freed when the collector gets to their test's frame."""
+    with open("/proc/self/maps") as f:
+        mappings = sum("memfd:wcache-fake-slab" in line for line in f)
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:wcache-fake-slab")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return mappings, fds
+
+
+#: a slab larger than any process's address space (x86-64 and aarch64 map at most 2^48 bytes without a hint)
+HUGE = 1 << 50
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_a_slab_this_process_cannot_map_is_cache_unavailable_naming_it(at: int) -> None:
+    """A sealed memfd bigger than the address space (as a slab is under RLIMIT_AS or a full address space): mmap's
+    ENOMEM is CacheUnavailableError naming the slab — a WCacheError, which the engine's fallback catches — not a
+    bare OSError."""
+    sizes = [16, 16]
+    sizes[at] = HUGE
+    descs = [_memfd_desc(size, fd=i) for i, size in enumerate(sizes)]
+    before = _held()
+    with pytest.raises(CacheUnavailableError, match=f"slab {at} of the STATE \\(memfd, {HUGE} bytes\\)") as info:
+        map_slabs(_state(*descs), [memfd(size) for size in sizes])
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOMEM
+    assert info.value.details == {"slab": at, "kind": "memfd", "size": HUGE}
+    assert _held() == before  # slab 0 unmapped too, when slab 1 failed; the descriptors closed
+
+
+def test_a_cuda_slab_the_driver_refuses_is_cache_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA mapping's failures are the driver's ``CudaDriverError`` (a RuntimeError) or torch's: each is
+    CacheUnavailableError naming the slab; the WCacheErrors it raises itself (a GPU this process cannot see) pass as
+    they are."""
+    from wcache.client import cuda, driver
+
+    def refused(desc: SlabDescriptor, fd: int, device: object, timings: object) -> driver.DeviceBuffer:
+        raise driver.CudaDriverError(
+            "cuMemImportFromShareableHandle", 1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"
+        )
+
+    monkeypatch.setattr(cuda, "map_slab", refused)
+    vmm = SlabDescriptor(1 << 21, "cuda_vmm", 0, b"", 0, "GPU-x")
+    fd = memfd(16)
+    with pytest.raises(CacheUnavailableError, match=r"slab 0 .*cuda_vmm.*CUDA_ERROR_INVALID_VALUE") as info:
+        map_slabs(_state(vmm), [fd])
+    assert isinstance(info.value.__cause__, driver.CudaDriverError)
+
+    def invisible(desc: SlabDescriptor, fd: int, device: object, timings: object) -> driver.DeviceBuffer:
+        raise DeviceMismatchError("slab lives on GPU GPU-x, which this process cannot see")
+
+    monkeypatch.setattr(cuda, "map_slab", invisible)
+    with pytest.raises(DeviceMismatchError, match="cannot see"):
+        map_slabs(_state(vmm), [memfd(16)])
+
+
+async def test_load_weights_falls_back_to_disk_when_a_slab_cannot_be_mapped(ckpt: Path, tmp_path: Path) -> None:
+    """The engine's view: ``wcache.nn.load_weights`` catches WCacheError and loads from disk, the reason naming the
+    slab (before, mmap's OSError escaped it and the engine's load crashed)."""
+    from wcache.nn import load_weights
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(HUGE)
+        try:
+            peer.send(state(request, [memfd_slab(0, HUGE)], [TensorEntry("w", "bfloat16", (8,), (1,), 0, 0)]), [fd])
+        finally:
+            os.close(fd)
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, scenario):
+        loaded = await load_weights(ckpt, client=WCacheClient(sock, wait_for_daemon=0, timeout=10))
+    assert loaded.source == "disk"
+    assert loaded.reason.startswith("CacheUnavailableError: slab 0 of the STATE")
+
+
+def test_a_slab_mapped_before_a_later_one_fails_is_unmapped_at_once(tmp_path: Path) -> None:
+    """Slab 0 maps, slab 1 is refused: slab 0's mapping and the descriptor its mmap holds are gone when map_slabs
+    raises, while its exception — whose traceback holds the slabs mapped so far — is still alive (MappedSlab.close
+    closes a memfd slab's mmap; it used to do nothing, leaving it to the collector)."""
+    before = _held()
+    fds = [memfd(4096), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)]
+    with pytest.raises(RemoteProtocolError, match="slab 1") as info:
+        map_slabs(_state(_memfd_desc(16, fd=0), _memfd_desc(16, fd=1)), fds)
+    assert _held() == before
+    assert info.value.__traceback__ is not None
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_fetches_that_fail_on_a_later_slab_leave_no_mapping_or_descriptor_behind(
+    blocking: bool, tmp_path: Path
+) -> None:
+    """20 fetches from a daemon whose STATE's second slab is refused, the collector off: no mapping of the first
+    slab, and no descriptor, stays behind. The async fetch's failure is a reference cycle (its task, the exception,
+    the traceback's frames holding the mapped slabs) that only a full collection freed: 50 such fetches held 50
+    mappings and 50 descriptors, found only after gc.collect()."""
+    good = memfd(1 << 20)
+    bad = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    two = [TensorEntry("a", "float32", (4,), (1,), 0, 0), TensorEntry("b", "float32", (4,), (1,), 1, 0)]
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        peer.send(state(request, [memfd_slab(0, 1 << 20), memfd_slab(1, 16)], two), [good, bad])
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    gc.disable()
+    try:
+        with FakeDaemon(sock, scenario):
+            before = _held()
+            for _ in range(20):
+                with pytest.raises(RemoteProtocolError, match="slab 1"):
+                    client.fetch_sync(KEY) if blocking else asyncio.run(client.fetch(KEY))
+            assert _held() == before
+    finally:
+        gc.enable()
+        os.close(good)
+        os.close(bad)
