@@ -90,6 +90,20 @@ async def _listening(svc: PeerService) -> AsyncIterator[int]:
         await listener.stop()
 
 
+async def test_a_listener_on_port_0_names_the_port_it_bound() -> None:
+    """``--peer-listen HOST:0`` takes any free port: the shell's tag, which starts every peer log line, names that
+    port (it named port 0, built before the bind)."""
+    svc = PeerService(Store(HostBackend()), NONE, software="wcache/test")
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    try:
+        host, port = listener.start()
+        assert port != 0
+        assert listener.shell.tag == f"peer={host}:{port}"
+    finally:
+        await listener.stop()
+        svc.store.close()
+
+
 def _cfg(ports: list[int], security: PeerSecurity = NONE, **kw: object) -> FillConfig:
     return FillConfig(tuple(("127.0.0.1", p) for p in ports), security, "wcache/test", **kw)  # type: ignore[arg-type]
 

@@ -480,13 +480,19 @@ class PeerListener:
         self.shell = Shell(
             service,
             limits=self.limits,
-            tag=f"peer={host}:{port}",
+            tag=self.tag,
             log=log,
             peer_check=PeerTls(sec),
             channel=functools.partial(StreamChannel, context=sec.server_context(), server_side=True),
             budget=ReadBudget(64 << 20),
             metrics=metrics,
         )
+
+    @property
+    def tag(self) -> str:
+        """What starts the shell's log lines: ``peer=HOST:PORT``, the port bound once started."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"peer={host}:{self.port}"
 
     def start(self) -> tuple[str, int]:
         """Listen (SO_REUSEADDR), register the resident slabs, accept; returns the address bound."""
@@ -500,6 +506,7 @@ class PeerListener:
             sock.close()
             raise
         self.host, self.port = sock.getsockname()[:2]
+        self.shell.tag = self.tag  # HOST:0 asked for any port: the lines name the one bound
         store = self.service.store
         for m in list(store.models.values()):
             self.service.resident(m)
