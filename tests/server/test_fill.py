@@ -181,6 +181,45 @@ async def test_a_deposit_fills_by_its_recipe_key_byte_for_byte(ckpt: Path, agent
         assert err.value.details["reason"] == "not-found"
 
 
+class _Unplannable(PeerService):
+    """A source whose offers name a layout the checkpoint cannot be split into: TP=3 of 256 rows under ``plan``."""
+
+    plan = ""
+
+    def _offer(self, req: Any, ctx: Any) -> Any:
+        o = super()._offer(req, ctx)
+        bad: dict[str, str | int] = {"tp_size": 3, "tp_rank": 0, "plan": self.plan}
+        return dataclasses.replace(o, models=tuple(dataclasses.replace(m, key={**m.key, **bad}) for m in o.models))
+
+
+async def test_an_offer_of_a_layout_that_cannot_be_planned_is_skipped(ckpt: Path, agent: Agent) -> None:
+    """One peer offers its slab under a key naming TP=3, which this checkpoint cannot be split into: that offer is
+    skipped (as any offer the target cannot use) and the peer offering the exact key fills, whichever answers
+    first. The planner's ShardingError failed the whole fill (reason ``transfer``) and dropped the honest offer."""
+    honest = PeerService(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
+    liar = _Unplannable(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
+    with plan_rank(RankSpec(ckpt, tp_size=2)) as two:
+        liar.plan = two.key.plan  # the built-in plan: it resolves at any size, and cannot split by 3
+    try:
+        async with _listening(honest) as good, _listening(liar) as bad:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                for order in ([good, bad], [bad, good]):
+                    got = await _fill(rp, agent, _cfg(order))
+                    try:
+                        assert got.origin == f"peer 127.0.0.1:{good}"
+                        assert _bytes(got) == _bytes(honest.store.models[rp.key])
+                    finally:
+                        got.close()
+                with pytest.raises(FillError) as err:  # the liar alone: nothing fills, as for any unusable offer
+                    await _fill(rp, agent, _cfg([bad]))
+                assert err.value.details["reason"] == "not-found"
+        assert not honest.fills and not liar.fills  # the skipped offer's lease was released too
+    finally:
+        for svc in (honest, liar):
+            svc.close()
+            svc.store.close()
+
+
 async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
     """The peer serves another checkpoint's bytes (same shapes and names, other values) under the real key."""
     other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)

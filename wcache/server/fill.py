@@ -155,20 +155,28 @@ async def _request(src: _Source, frame: Frame, timeout: float) -> object:
     return reply
 
 
-def _source_layout(model: PeerModel, key: WeightCacheKey, rp: RankPlan) -> Layout | None:
-    """The layout of an offered slab, as the target's planner computes it from the headers (None: not one it can
-    plan, or the offered table is not that layout's)."""
+def _source_layout(model: PeerModel, key: WeightCacheKey, rp: RankPlan) -> Layout | str:
+    """The layout of an offered slab, as the target's planner computes it from the headers; else why the offer
+    is of no use (a layout it cannot plan, or an offered table that is not that layout's)."""
     mk = model.key
     if not key.diff_wire(dict(mk)):
-        src: Layout | None = rp.layout
+        src = rp.layout
     else:
         tp_rank, tp_size, plan = mk.get("tp_rank"), mk.get("tp_size"), mk.get("plan", "none")
         if not isinstance(tp_rank, int) or not isinstance(tp_size, int) or not isinstance(plan, str):
-            return None
-        src = rp.layout_of(tp_rank, tp_size, plan)
-    if src is None or model.size != src.total_bytes or list(model.tensors) != list(src.table()):
-        return None
+            return "its key names no tp_rank, tp_size and plan"
+        other = rp.layout_of(tp_rank, tp_size, plan)
+        if other is None:
+            return f"this checkpoint has no layout rank {tp_rank} of {tp_size} under plan {plan!r}"
+        src = other
+    if model.size != src.total_bytes or list(model.tensors) != list(src.table()):
+        return f"its size ({model.size} bytes) or tensor table is not that of the layout its key names"
     return src
+
+
+def _skipped(src: _Source, model: PeerModel, why: str) -> None:
+    """One offered slab the fill does not use (the others may still fill it): one line naming the peer."""
+    log.info("peer offer skipped peer=%s lease=%d: %s", src.addr, model.lease, why)
 
 
 async def fill(
@@ -216,9 +224,16 @@ async def fill(
                 if rp is None:
                     if not key.diff_wire(dict(m.key)):
                         usable.append((s, m, None))
+                    else:
+                        _skipped(s, m, "a same-layout fill takes only a slab under exactly its key")
                     continue
-                src = _source_layout(m, key, rp)
-                if src is not None:
+                try:
+                    src = _source_layout(m, key, rp)
+                except WCacheError as exc:  # the planner refusing what the peer named: of no use, as above
+                    src = exc.message
+                if isinstance(src, str):
+                    _skipped(s, m, src)
+                else:
                     usable.append((s, m, src))
         if not usable:
             why = _reason(refusals[0]) if refusals and len(refusals) == len(sources) else "not-found"
