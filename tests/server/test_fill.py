@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,54 @@ async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_pa
             await _fill(rp, agent, _cfg(ports))
     assert err.value.details["reason"] == "verify"
     assert _memfds() <= before  # the half-filled slab was freed
+
+
+def _fds_and_threads() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+async def test_a_failed_fill_destroys_its_nixl_agent_at_once(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PeerFill``'s agent (a UCX worker: threads, sockets, pipes) is destroyed when its fill ends, failed or not.
+    A failed fill's FillError traceback holds the fill's frames in a cycle with the event loop's task, and the
+    agent lived until the next full garbage collection: with the collector off, every failed fill kept ~5
+    descriptors and a thread."""
+    import gc
+    import weakref
+
+    from wcache.server import fill as fill_mod
+
+    natives: list[weakref.ref[Any]] = []
+
+    class Watched(Agent):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            natives.append(weakref.ref(self._agent))
+
+    monkeypatch.setattr(fill_mod, "Agent", Watched)
+    other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
+    real = _load(ckpt)
+    liar = dataclasses.replace(_load(other), key=real.key)  # fails verification: reason ``verify``
+    loop = asyncio.get_running_loop()
+    async with sources(liar) as ports:
+        pf = fill_mod.PeerFill(_cfg(ports), HostBackend())
+        with plan_rank(RankSpec(ckpt)) as rp, ThreadPoolExecutor(1) as worker:  # as the daemon: off its loop
+            assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"  # NIXL and UCX set up
+            gc.collect()
+            before = _fds_and_threads()
+            gc.disable()
+            try:
+                for _ in range(6):
+                    assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"
+                    assert natives[-1]() is None  # destroyed, the collector off
+                deadline = time.monotonic() + 10  # the source ends its side of each connection a moment later
+                while _fds_and_threads() > before and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                after = _fds_and_threads()
+            finally:
+                gc.enable()
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
 def _memfds() -> int:
