@@ -365,6 +365,33 @@ async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Pa
             got.close()
 
 
+async def test_a_target_the_source_refuses_by_certificate_fails_with_reason_auth(
+    ckpt: Path, tmp_path: Path, agent: Agent
+) -> None:
+    """A mutual-TLS source refuses the target's certificate (another CA's, an expired one, none: the shared-secret
+    mode) or its plain TCP: the fill's reason is ``auth`` and its message names why. The source's TLS alert stayed
+    in its buffer and the target saw a bare close: reason ``transfer``, "peer closed the connection"."""
+    from tests.server.test_peer_auth import make_ca, mtls, secret
+
+    make_ca(tmp_path, "fleet")
+    make_ca(tmp_path, "other")
+    refused = {
+        "unknown ca": mtls(tmp_path, "other", "fleet"),
+        "certificate expired": mtls(tmp_path, "fleet-expired", "fleet"),
+        "certificate required": secret(tmp_path, b"correct horse battery staple 42"),
+        "peer channel is TLS": NONE,
+    }
+    async with sources(_load(ckpt), security=mtls(tmp_path, "fleet", "fleet")) as ports:
+        with plan_rank(RankSpec(ckpt)) as rp:
+            for why, target in refused.items():
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg(ports, target))
+                assert err.value.details["reason"] == "auth", (why, err.value.message)
+                assert why in err.value.message
+            got = await _fill(rp, agent, _cfg(ports, mtls(tmp_path, "fleet", "fleet")))  # the fleet's certificate
+            got.close()
+
+
 async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
     m = _load(ckpt)
     size = m.slabs[0].size

@@ -205,7 +205,8 @@ async def fill(
     try:
         if not sources:
             why = _reason(failures[0]) if failures else "no-peer"
-            raise FillError(f"no peer answered: {failures[0] if failures else 'none'}", details={"reason": why})
+            what = "no peer admitted this daemon" if why == "auth" else "no peer answered"
+            raise FillError(f"{what}: {failures[0] if failures else 'none'}", details={"reason": why})
         want = key.to_wire()
         offers = await asyncio.gather(
             *(_request(s, PeerQuery(id=s.ch.conn.next_request_id(), key=want), cfg.connect_timeout) for s in sources),
