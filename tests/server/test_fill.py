@@ -27,7 +27,16 @@ from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy
 from wcache.server.backends.host import HostBackend
-from wcache.server.fill import MIN_GRANT, FillConfig, batches, fill, grant_bytes, resolve_peers
+from wcache.server.fill import (
+    ASSUMED_FILLS,
+    MIN_GRANT,
+    FillConfig,
+    batches,
+    deadline_for,
+    fill,
+    grant_bytes,
+    resolve_peers,
+)
 from wcache.server.load import load_model
 from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
@@ -431,6 +440,110 @@ async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) 
     assert sum(n for _, n in posts) == size
     worst = max(sum(n for t, n in posts if t0 <= t < t0 + window) for t0, _ in posts)
     assert worst <= rate * (window + GRANT_SECONDS) + 2 * grant, (worst, rate * window)
+
+
+async def test_a_capped_source_is_given_the_time_its_cap_needs(ckpt: Path) -> None:
+    """Two targets fill at once from a source capped at the slab's size per second that serves up to 2 fills: each
+    gets half the cap, 2 s for its slab, past ``--fill-timeout`` (1.5 s here) plus its bytes at 50 MB/s (here
+    nothing: ``min_rate`` huge). Its deadline is reckoned from the offer's ``max_rate`` and ``max_fills``; it was
+    the fixed one, and every fill from a cap slower than 50 MB/s failed halfway (reason ``deadline``) after
+    spending the source's bandwidth."""
+    m = _load(ckpt)
+    size, want = m.slabs[0].size, _bytes(m)
+    agents = [Agent(f"t-cap-{os.getpid()}-{i}-{time.monotonic_ns()}") for i in range(2)]
+    try:
+        async with sources(m, max_rate=size, max_fills=2) as ports:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                cfg = _cfg(ports, timeout=1.5, min_rate=1 << 40)
+                t0 = time.monotonic()
+                got = await asyncio.gather(*(_fill(rp, a, cfg) for a in agents))
+                took = time.monotonic() - t0
+        for g in got:
+            assert _bytes(g) == want and g.origin == f"peer 127.0.0.1:{ports[0]}"
+            g.close()
+        assert took >= 2 * size / size - 2 * GRANT_SECONDS  # the cap was shared: longer than the fixed deadline
+    finally:
+        for a in agents:
+            a.close()
+
+
+async def test_a_cap_too_slow_for_a_fill_refuses_it_before_anything_is_read(ckpt: Path, agent: Agent) -> None:
+    """A source whose cap would need longer than ``max_capped_seconds`` for its share even unshared is not waited
+    for: the fill fails at once (reason ``deadline``, naming the cap), before a slab is allocated or a byte
+    granted."""
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    before = _memfds()
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 3)
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                t0 = time.monotonic()
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg([port], max_capped_seconds=1.0))
+                assert time.monotonic() - t0 < 1.0
+        assert err.value.details["reason"] == "deadline" and err.value.details["max_rate"] == size // 3
+        assert f"--peer-max-rate {size // 3}" in err.value.message
+        assert svc.bytes_served == 0 and not svc.fills and _memfds() <= before
+    finally:
+        svc.close()
+        svc.store.close()
+
+
+async def test_a_capped_source_that_stops_granting_fails_soon_and_the_error_names_its_cap(
+    ckpt: Path, agent: Agent
+) -> None:
+    """A capped source's deadline is long (its share at the cap, shared by its max fills: 16.5 s here), but a grant
+    that does not come within ``--fill-timeout`` plus what the shared cap makes it wait ends the fill then, and
+    the deadline's error names the cap it was reckoned from."""
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 4)
+    original = svc.handle
+
+    async def silent(request: Any, fds: list[int], ctx: Any) -> Any:
+        if type(request).__name__ == "PeerRead":
+            await asyncio.sleep(3600)
+        return await original(request, fds, ctx)
+
+    svc.handle = silent  # type: ignore[method-assign]
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                t0 = time.monotonic()
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg([port], timeout=0.5, min_rate=1 << 40))
+                assert time.monotonic() - t0 < 6  # the stall (0.6 s) and the RELEASE the source never answers (2 s)
+        assert err.value.details["reason"] == "deadline" and "no grant" in err.value.message
+        assert f"127.0.0.1:{port}'s --peer-max-rate {size // 4}" in err.value.message
+    finally:
+        svc.close()
+        svc.store.close()
+
+
+def test_a_fills_deadline_follows_the_cap_its_source_announces() -> None:
+    from wcache.proto.examples import EXAMPLES
+    from wcache.proto.fleet_frames import PeerOffer
+
+    example = EXAMPLES["PEER_OFFER"]
+    assert isinstance(example, PeerOffer)
+    cfg = _cfg([1], timeout=30.0)
+
+    def offer(max_rate: int, max_fills: int = 0) -> PeerOffer:
+        return dataclasses.replace(example, max_rate=max_rate, max_fills=max_fills)
+
+    gb = 10**9
+    assert deadline_for("a", gb, 2 * gb, offer(0), cfg).seconds == pytest.approx(30 + 40)  # as always
+    assert deadline_for("a", gb, 2 * gb, offer(10**9), cfg).seconds == pytest.approx(70)  # a cap faster than that
+    slow = deadline_for("a", gb, 2 * gb, offer(20 * 10**6, 2), cfg)
+    assert slow.seconds == pytest.approx(30 + 50 * 2) and "shared by up to 2 fills" in slow.terms
+    assert deadline_for("a", gb, 2 * gb, offer(20 * 10**6), cfg).seconds == pytest.approx(30 + 50 * ASSUMED_FILLS)
+    assert slow.stall < 31  # a grant is waited for --fill-timeout, and its turn behind the other fills' grants
+    liar = deadline_for("a", gb, 2 * gb, offer(20 * 10**6, 10**9), cfg)  # a peer's word bounds nothing
+    assert liar.seconds == pytest.approx(30 + cfg.max_capped_seconds) and liar.stall <= liar.seconds
+    with pytest.raises(FillError) as err:  # 20 GB at 5 MB/s: over an hour even unshared
+        deadline_for("a", 20 * gb, 20 * gb, offer(5 * 10**6), cfg)
+    assert err.value.details["reason"] == "deadline"
 
 
 async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: Agent) -> None:

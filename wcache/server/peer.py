@@ -320,7 +320,13 @@ class PeerService:
             sum(m.size for m in models),
             len({f.conn for f in self.fills.values()}),
         )
-        return PeerOffer(id=req.id, agent=self.agent.metadata(regs), models=tuple(models), max_rate=self.cap.rate)
+        return PeerOffer(
+            id=req.id,
+            agent=self.agent.metadata(regs),
+            models=tuple(models),
+            max_rate=self.cap.rate,
+            max_fills=self.max_fills,
+        )
 
     def _mine(self, lease: int, ctx: _Ctx) -> _Fill:
         f = self.fills.get(lease)
