@@ -148,3 +148,19 @@ def test_the_planner_lays_out_the_other_ranks_of_its_checkpoint(ckpt: Path, tmp_
         assert rp.layout_of(0, 2, "builtin:another") is None
     with plan_rank(RankSpec(ckpt, plan_file=plan)) as rp, plan_rank(RankSpec(ckpt, 1, 2, plan_file=plan)) as other:
         assert rp.layout_of(1, 2, rp.key.plan) == other.layout != rp.layout
+
+
+def test_a_layout_the_checkpoint_cannot_be_split_into_is_none(ckpt: Path, tmp_path: Path) -> None:
+    """A peer's offer names any ``tp_rank``, ``tp_size`` and ``plan``: a size the plan cannot split the tensors
+    into, a rank outside ``[0, tp_size)`` or a size below 1 is no layout (None), as an unknown plan is — it was a
+    ShardingError, which failed a fill that another peer could have served."""
+    with plan_rank(RankSpec(ckpt, tp_size=2)) as two:
+        builtin = two.key.plan
+    with plan_rank(RankSpec(ckpt)) as rp:
+        assert builtin.startswith("builtin:") and rp.layout_of(0, 2, builtin) is not None
+        assert rp.layout_of(0, 3, builtin) is None  # 256 rows do not split by 3
+        for rank, size in ((2, 2), (-1, 2), (0, 0), (0, -4)):
+            assert rp.layout_of(rank, size, builtin) is None
+    with plan_rank(RankSpec(ckpt, plan_file=plan_file(tmp_path))) as rp:
+        assert rp.layout_of(0, 3, rp.key.plan) is None  # its own plan file, at a size it cannot split by
+        assert rp.layout_of(4, 2, rp.key.plan) is None

@@ -283,7 +283,13 @@ def peer_offers(draw: st.DrawFn) -> PeerOffer:
                 register_seconds=draw(floats),
             )
         )
-    return PeerOffer(id=draw(ids), agent=draw(st.binary(max_size=64)), models=tuple(models), max_rate=draw(uints))
+    return PeerOffer(
+        id=draw(ids),
+        agent=draw(st.binary(max_size=64)),
+        models=tuple(models),
+        max_rate=draw(uints),
+        max_fills=draw(uints),
+    )
 
 
 @st.composite

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,16 @@ from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy
 from wcache.server.backends.host import HostBackend
-from wcache.server.fill import MIN_GRANT, FillConfig, batches, fill, grant_bytes, resolve_peers
+from wcache.server.fill import (
+    ASSUMED_FILLS,
+    MIN_GRANT,
+    FillConfig,
+    batches,
+    deadline_for,
+    fill,
+    grant_bytes,
+    resolve_peers,
+)
 from wcache.server.load import load_model
 from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
@@ -88,6 +98,20 @@ async def _listening(svc: PeerService) -> AsyncIterator[int]:
         yield port
     finally:
         await listener.stop()
+
+
+async def test_a_listener_on_port_0_names_the_port_it_bound() -> None:
+    """``--peer-listen HOST:0`` takes any free port: the shell's tag, which starts every peer log line, names that
+    port (it named port 0, built before the bind)."""
+    svc = PeerService(Store(HostBackend()), NONE, software="wcache/test")
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    try:
+        host, port = listener.start()
+        assert port != 0
+        assert listener.shell.tag == f"peer={host}:{port}"
+    finally:
+        await listener.stop()
+        svc.store.close()
 
 
 def _cfg(ports: list[int], security: PeerSecurity = NONE, **kw: object) -> FillConfig:
@@ -167,6 +191,45 @@ async def test_a_deposit_fills_by_its_recipe_key_byte_for_byte(ckpt: Path, agent
         assert err.value.details["reason"] == "not-found"
 
 
+class _Unplannable(PeerService):
+    """A source whose offers name a layout the checkpoint cannot be split into: TP=3 of 256 rows under ``plan``."""
+
+    plan = ""
+
+    def _offer(self, req: Any, ctx: Any) -> Any:
+        o = super()._offer(req, ctx)
+        bad: dict[str, str | int] = {"tp_size": 3, "tp_rank": 0, "plan": self.plan}
+        return dataclasses.replace(o, models=tuple(dataclasses.replace(m, key={**m.key, **bad}) for m in o.models))
+
+
+async def test_an_offer_of_a_layout_that_cannot_be_planned_is_skipped(ckpt: Path, agent: Agent) -> None:
+    """One peer offers its slab under a key naming TP=3, which this checkpoint cannot be split into: that offer is
+    skipped (as any offer the target cannot use) and the peer offering the exact key fills, whichever answers
+    first. The planner's ShardingError failed the whole fill (reason ``transfer``) and dropped the honest offer."""
+    honest = PeerService(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
+    liar = _Unplannable(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test")
+    with plan_rank(RankSpec(ckpt, tp_size=2)) as two:
+        liar.plan = two.key.plan  # the built-in plan: it resolves at any size, and cannot split by 3
+    try:
+        async with _listening(honest) as good, _listening(liar) as bad:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                for order in ([good, bad], [bad, good]):
+                    got = await _fill(rp, agent, _cfg(order))
+                    try:
+                        assert got.origin == f"peer 127.0.0.1:{good}"
+                        assert _bytes(got) == _bytes(honest.store.models[rp.key])
+                    finally:
+                        got.close()
+                with pytest.raises(FillError) as err:  # the liar alone: nothing fills, as for any unusable offer
+                    await _fill(rp, agent, _cfg([bad]))
+                assert err.value.details["reason"] == "not-found"
+        assert not honest.fills and not liar.fills  # the skipped offer's lease was released too
+    finally:
+        for svc in (honest, liar):
+            svc.close()
+            svc.store.close()
+
+
 async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
     """The peer serves another checkpoint's bytes (same shapes and names, other values) under the real key."""
     other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
@@ -178,6 +241,54 @@ async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_pa
             await _fill(rp, agent, _cfg(ports))
     assert err.value.details["reason"] == "verify"
     assert _memfds() <= before  # the half-filled slab was freed
+
+
+def _fds_and_threads() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+async def test_a_failed_fill_destroys_its_nixl_agent_at_once(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PeerFill``'s agent (a UCX worker: threads, sockets, pipes) is destroyed when its fill ends, failed or not.
+    A failed fill's FillError traceback holds the fill's frames in a cycle with the event loop's task, and the
+    agent lived until the next full garbage collection: with the collector off, every failed fill kept ~5
+    descriptors and a thread."""
+    import gc
+    import weakref
+
+    from wcache.server import fill as fill_mod
+
+    natives: list[weakref.ref[Any]] = []
+
+    class Watched(Agent):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            natives.append(weakref.ref(self._agent))
+
+    monkeypatch.setattr(fill_mod, "Agent", Watched)
+    other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
+    real = _load(ckpt)
+    liar = dataclasses.replace(_load(other), key=real.key)  # fails verification: reason ``verify``
+    loop = asyncio.get_running_loop()
+    async with sources(liar) as ports:
+        pf = fill_mod.PeerFill(_cfg(ports), HostBackend())
+        with plan_rank(RankSpec(ckpt)) as rp, ThreadPoolExecutor(1) as worker:  # as the daemon: off its loop
+            assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"  # NIXL and UCX set up
+            gc.collect()
+            before = _fds_and_threads()
+            gc.disable()
+            try:
+                for _ in range(6):
+                    assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"
+                    assert natives[-1]() is None  # destroyed, the collector off
+                deadline = time.monotonic() + 10  # the source ends its side of each connection a moment later
+                while _fds_and_threads() > before and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                after = _fds_and_threads()
+            finally:
+                gc.enable()
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
 def _memfds() -> int:
@@ -263,6 +374,33 @@ async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Pa
             got.close()
 
 
+async def test_a_target_the_source_refuses_by_certificate_fails_with_reason_auth(
+    ckpt: Path, tmp_path: Path, agent: Agent
+) -> None:
+    """A mutual-TLS source refuses the target's certificate (another CA's, an expired one, none: the shared-secret
+    mode) or its plain TCP: the fill's reason is ``auth`` and its message names why. The source's TLS alert stayed
+    in its buffer and the target saw a bare close: reason ``transfer``, "peer closed the connection"."""
+    from tests.server.test_peer_auth import make_ca, mtls, secret
+
+    make_ca(tmp_path, "fleet")
+    make_ca(tmp_path, "other")
+    refused = {
+        "unknown ca": mtls(tmp_path, "other", "fleet"),
+        "certificate expired": mtls(tmp_path, "fleet-expired", "fleet"),
+        "certificate required": secret(tmp_path, b"correct horse battery staple 42"),
+        "peer channel is TLS": NONE,
+    }
+    async with sources(_load(ckpt), security=mtls(tmp_path, "fleet", "fleet")) as ports:
+        with plan_rank(RankSpec(ckpt)) as rp:
+            for why, target in refused.items():
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg(ports, target))
+                assert err.value.details["reason"] == "auth", (why, err.value.message)
+                assert why in err.value.message
+            got = await _fill(rp, agent, _cfg(ports, mtls(tmp_path, "fleet", "fleet")))  # the fleet's certificate
+            got.close()
+
+
 async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
     m = _load(ckpt)
     size = m.slabs[0].size
@@ -302,6 +440,110 @@ async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) 
     assert sum(n for _, n in posts) == size
     worst = max(sum(n for t, n in posts if t0 <= t < t0 + window) for t0, _ in posts)
     assert worst <= rate * (window + GRANT_SECONDS) + 2 * grant, (worst, rate * window)
+
+
+async def test_a_capped_source_is_given_the_time_its_cap_needs(ckpt: Path) -> None:
+    """Two targets fill at once from a source capped at the slab's size per second that serves up to 2 fills: each
+    gets half the cap, 2 s for its slab, past ``--fill-timeout`` (1.5 s here) plus its bytes at 50 MB/s (here
+    nothing: ``min_rate`` huge). Its deadline is reckoned from the offer's ``max_rate`` and ``max_fills``; it was
+    the fixed one, and every fill from a cap slower than 50 MB/s failed halfway (reason ``deadline``) after
+    spending the source's bandwidth."""
+    m = _load(ckpt)
+    size, want = m.slabs[0].size, _bytes(m)
+    agents = [Agent(f"t-cap-{os.getpid()}-{i}-{time.monotonic_ns()}") for i in range(2)]
+    try:
+        async with sources(m, max_rate=size, max_fills=2) as ports:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                cfg = _cfg(ports, timeout=1.5, min_rate=1 << 40)
+                t0 = time.monotonic()
+                got = await asyncio.gather(*(_fill(rp, a, cfg) for a in agents))
+                took = time.monotonic() - t0
+        for g in got:
+            assert _bytes(g) == want and g.origin == f"peer 127.0.0.1:{ports[0]}"
+            g.close()
+        assert took >= 2 * size / size - 2 * GRANT_SECONDS  # the cap was shared: longer than the fixed deadline
+    finally:
+        for a in agents:
+            a.close()
+
+
+async def test_a_cap_too_slow_for_a_fill_refuses_it_before_anything_is_read(ckpt: Path, agent: Agent) -> None:
+    """A source whose cap would need longer than ``max_capped_seconds`` for its share even unshared is not waited
+    for: the fill fails at once (reason ``deadline``, naming the cap), before a slab is allocated or a byte
+    granted."""
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    before = _memfds()
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 3)
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                t0 = time.monotonic()
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg([port], max_capped_seconds=1.0))
+                assert time.monotonic() - t0 < 1.0
+        assert err.value.details["reason"] == "deadline" and err.value.details["max_rate"] == size // 3
+        assert f"--peer-max-rate {size // 3}" in err.value.message
+        assert svc.bytes_served == 0 and not svc.fills and _memfds() <= before
+    finally:
+        svc.close()
+        svc.store.close()
+
+
+async def test_a_capped_source_that_stops_granting_fails_soon_and_the_error_names_its_cap(
+    ckpt: Path, agent: Agent
+) -> None:
+    """A capped source's deadline is long (its share at the cap, shared by its max fills: 16.5 s here), but a grant
+    that does not come within ``--fill-timeout`` plus what the shared cap makes it wait ends the fill then, and
+    the deadline's error names the cap it was reckoned from."""
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 4)
+    original = svc.handle
+
+    async def silent(request: Any, fds: list[int], ctx: Any) -> Any:
+        if type(request).__name__ == "PeerRead":
+            await asyncio.sleep(3600)
+        return await original(request, fds, ctx)
+
+    svc.handle = silent  # type: ignore[method-assign]
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                t0 = time.monotonic()
+                with pytest.raises(FillError) as err:
+                    await _fill(rp, agent, _cfg([port], timeout=0.5, min_rate=1 << 40))
+                assert time.monotonic() - t0 < 6  # the stall (0.6 s) and the RELEASE the source never answers (2 s)
+        assert err.value.details["reason"] == "deadline" and "no grant" in err.value.message
+        assert f"127.0.0.1:{port}'s --peer-max-rate {size // 4}" in err.value.message
+    finally:
+        svc.close()
+        svc.store.close()
+
+
+def test_a_fills_deadline_follows_the_cap_its_source_announces() -> None:
+    from wcache.proto.examples import EXAMPLES
+    from wcache.proto.fleet_frames import PeerOffer
+
+    example = EXAMPLES["PEER_OFFER"]
+    assert isinstance(example, PeerOffer)
+    cfg = _cfg([1], timeout=30.0)
+
+    def offer(max_rate: int, max_fills: int = 0) -> PeerOffer:
+        return dataclasses.replace(example, max_rate=max_rate, max_fills=max_fills)
+
+    gb = 10**9
+    assert deadline_for("a", gb, 2 * gb, offer(0), cfg).seconds == pytest.approx(30 + 40)  # as always
+    assert deadline_for("a", gb, 2 * gb, offer(10**9), cfg).seconds == pytest.approx(70)  # a cap faster than that
+    slow = deadline_for("a", gb, 2 * gb, offer(20 * 10**6, 2), cfg)
+    assert slow.seconds == pytest.approx(30 + 50 * 2) and "shared by up to 2 fills" in slow.terms
+    assert deadline_for("a", gb, 2 * gb, offer(20 * 10**6), cfg).seconds == pytest.approx(30 + 50 * ASSUMED_FILLS)
+    assert slow.stall < 31  # a grant is waited for --fill-timeout, and its turn behind the other fills' grants
+    liar = deadline_for("a", gb, 2 * gb, offer(20 * 10**6, 10**9), cfg)  # a peer's word bounds nothing
+    assert liar.seconds == pytest.approx(30 + cfg.max_capped_seconds) and liar.stall <= liar.seconds
+    with pytest.raises(FillError) as err:  # 20 GB at 5 MB/s: over an hour even unshared
+        deadline_for("a", 20 * gb, 20 * gb, offer(5 * 10**6), cfg)
+    assert err.value.details["reason"] == "deadline"
 
 
 async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: Agent) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,6 +105,31 @@ def test_a_read_past_its_deadline_is_a_fill_error(pair: Pair) -> None:
             dst.start_read(peer, [Copy(0, 0, 0, SIZE)], local, remote, deadline=time.monotonic() - 1)
         assert err.value.details["reason"] in ("deadline",)
         dst.deregister(lreg)
+    finally:
+        out.close()
+
+
+def test_close_destroys_the_agent_whatever_still_refers_to_it(pair: Pair) -> None:
+    """``close`` destroys the NIXL agent (its UCX worker's threads, sockets, pipes) though this object lives on — in
+    a failed fill's traceback, until a garbage collection — and with it every transfer it made; a registration
+    dropped after it (a source's slab freed after the source stopped) is a no-op, any other use a FillError."""
+    _, reg, dst, peer = pair
+    out = HostBackend().allocate(SIZE)
+    try:
+        local = out.region()
+        lreg = dst.register(local)
+        done = dst.start_read(peer, [Copy(0, 0, 0, 4096)], local, reg.region, deadline=time.monotonic() + 30)
+        done.wait()
+        native = weakref.ref(dst._agent)
+        dst.close()
+        assert native() is None and dst.closed  # ``dst`` and ``done`` still refer to the wrapper
+        dst.deregister(lreg)
+        dst.close()
+        with pytest.raises(FillError) as err:
+            dst.register(local)
+        assert err.value.details["reason"] == "nixl"
+        with pytest.raises(FillError):
+            dst.start_read(peer, [Copy(0, 0, 0, 4096)], local, reg.region, deadline=time.monotonic() + 30)
     finally:
         out.close()
 

@@ -9,7 +9,8 @@ import asyncio
 import datetime
 import hashlib
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ pytest.importorskip("cryptography", reason="the fleet extra (pip install -e '.[f
 
 
 def make_ca(d: Path, name: str) -> Path:
-    """A CA (``name``-ca.pem) and one certificate + key it signed (``name``-cert.pem, ``name``-key.pem)."""
+    """A CA (``name``-ca.pem) and one certificate + key it signed (``name``-cert.pem, ``name``-key.pem), and one
+    that expired yesterday (``name``-expired-cert.pem, ``name``-expired-key.pem)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -33,7 +35,12 @@ def make_ca(d: Path, name: str) -> Path:
     now = datetime.datetime.now(datetime.UTC)
 
     def cert(
-        subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, signer: ec.EllipticCurvePrivateKey, ca: bool
+        subject: str,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: str,
+        signer: ec.EllipticCurvePrivateKey,
+        ca: bool,
+        until: datetime.datetime = now + datetime.timedelta(days=1),
     ) -> x509.Certificate:
         b = (
             x509.CertificateBuilder()
@@ -41,8 +48,8 @@ def make_ca(d: Path, name: str) -> Path:
             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(min(now, until) - datetime.timedelta(days=2))
+            .not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         )
         if ca:
@@ -53,14 +60,18 @@ def make_ca(d: Path, name: str) -> Path:
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = cert(f"{name} CA", ca_key, f"{name} CA", ca_key, True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    leaf = cert(f"{name} daemon", key, f"{name} CA", ca_key, False)
     pem = serialization.Encoding.PEM
     (d / f"{name}-ca.pem").write_bytes(ca_cert.public_bytes(pem))
-    (d / f"{name}-cert.pem").write_bytes(leaf.public_bytes(pem))
-    (d / f"{name}-key.pem").write_bytes(
-        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    for stem, until in (
+        (name, now + datetime.timedelta(days=1)),
+        (f"{name}-expired", now - datetime.timedelta(days=1)),
+    ):
+        key = ec.generate_private_key(ec.SECP256R1())
+        leaf = cert(f"{stem} daemon", key, f"{name} CA", ca_key, False, until)
+        (d / f"{stem}-cert.pem").write_bytes(leaf.public_bytes(pem))
+        (d / f"{stem}-key.pem").write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
     return d
 
 
@@ -85,53 +96,62 @@ async def _serve(ctx: ssl.SSLContext | None, handler: Handler) -> tuple[asyncio.
     return server, server.sockets[0].getsockname()[1]
 
 
-async def _echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+@asynccontextmanager
+async def peer_listener(sec: PeerSecurity) -> AsyncIterator[int]:
+    """The source's peer channel (the server shell, ``StreamChannel``, ``PeerTls``) holding nothing: its port."""
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.peer import PeerListener, PeerService
+    from wcache.server.store import Store
+
+    svc = PeerService(Store(HostBackend()), sec, software="wcache/test")
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    _, port = listener.start()
     try:
-        w.write(await r.readexactly(4))
-        await w.drain()
-    except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
-        pass
+        yield port
     finally:
-        w.close()
+        await listener.stop()
+        svc.store.close()
 
 
-async def _tls_ok(server_sec: PeerSecurity, client_sec: PeerSecurity) -> bool:
-    server, port = await _serve(server_sec.server_context(), _echo)
+async def _connect(port: int, sec: PeerSecurity) -> str:
+    """'admitted', or the PermissionDeniedError's ``details.reason`` and message (any other error propagates)."""
+    from wcache.server.peer_channel import connect_peer
+
     try:
-        r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=client_sec.client_context()), 10)
-        w.write(b"ping")
-        await w.drain()
-        got = await asyncio.wait_for(r.read(4), 10)
-        w.close()
-        return got == b"ping"
-    except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError):
-        return False
-    finally:
-        server.close()
-        await server.wait_closed()
+        ch, _ = await connect_peer("127.0.0.1", port, sec, timeout=10, software="wcache/test")
+    except PermissionDeniedError as exc:
+        return f"{exc.details.get('reason')}: {exc.message}"
+    ch.close()
+    return "admitted"
 
 
 async def test_mutual_tls_admits_only_the_fleets_certificates(tmp_path: Path) -> None:
+    """Over the peer channel itself: only certificates of the fleet's CA, both ways. A refusal reaches the target as
+    PermissionDeniedError (a fill's reason ``auth``) naming why: the source flushes the TLS alert it queued (it
+    did not: the target saw a bare close, which it took for a transfer failure), and tells a peer that spoke no
+    TLS so in a plaintext ERROR."""
     make_ca(tmp_path, "fleet")
     make_ca(tmp_path, "other")
-    assert await _tls_ok(mtls(tmp_path, "fleet", "fleet"), mtls(tmp_path, "fleet", "fleet"))
-    # a target whose certificate another CA signed, and a source the target's CA did not sign
-    assert not await _tls_ok(mtls(tmp_path, "fleet", "fleet"), mtls(tmp_path, "other", "fleet"))
-    assert not await _tls_ok(mtls(tmp_path, "other", "other"), mtls(tmp_path, "fleet", "fleet"))
-    # a target with no certificate at all
-    bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    bare.check_hostname = False
-    bare.load_verify_locations(cafile=str(tmp_path / "fleet-ca.pem"))
-    server, port = await _serve(mtls(tmp_path, "fleet", "fleet").server_context(), _echo)
-    try:
-        r, w = await asyncio.open_connection("127.0.0.1", port, ssl=bare)
-        w.write(b"ping")
-        with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
-            await asyncio.wait_for(r.readexactly(4), 10)  # TLS 1.3: the refusal arrives after the handshake
-        w.close()
-    finally:
-        server.close()
-        await server.wait_closed()
+    fleet = mtls(tmp_path, "fleet", "fleet")
+    async with peer_listener(fleet) as port:
+        assert await _connect(port, fleet) == "admitted"
+        # a target whose certificate another CA signed, an expired one, none (the shared-secret mode), no TLS
+        got = await _connect(port, mtls(tmp_path, "other", "fleet"))
+        assert got.startswith("tls: ") and "unknown ca" in got
+        got = await _connect(port, mtls(tmp_path, "fleet-expired", "fleet"))
+        assert got.startswith("tls: ") and "certificate expired" in got
+        got = await _connect(port, secret(tmp_path, b"correct horse battery staple 42"))
+        assert got.startswith("tls: ") and "certificate required" in got
+        got = await _connect(port, PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None))
+        assert got.startswith("tls: ") and "peer channel is TLS" in got
+        assert await _connect(port, fleet) == "admitted"  # the source serves on
+    # a source the target's CA did not sign, and one that speaks no TLS
+    async with peer_listener(mtls(tmp_path, "other", "other")) as port:
+        got = await _connect(port, fleet)
+        assert got.startswith("tls: ") and "not one this daemon accepts" in got
+    async with peer_listener(PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)) as port:
+        got = await _connect(port, fleet)
+        assert got.startswith("tls: ") and "does not speak TLS" in got
 
 
 # --------------------------------------------------------------------------- shared secret, over the frames

@@ -37,8 +37,9 @@ class RankPlan:
     def layout_of(self, tp_rank: int, tp_size: int, plan_id: str) -> Layout | None:
         """The layout of this checkpoint's slab for rank ``tp_rank`` of ``tp_size`` under the shard plan ``plan_id``
         (a key's ``plan``), in this rank's dtype: another daemon's slab that the fleet fill reshards from
-        (docs/fleet.md, "Resharding"). None for a plan this rank cannot resolve: a plan file other than its own,
-        a built-in plan the architecture lacks."""
+        (docs/fleet.md, "Resharding"). None for a layout this rank cannot plan: a plan file other than its own, a
+        built-in plan the architecture lacks, a size the plan cannot split the tensors into or a rank outside
+        ``[0, tp_size)`` (the key comes from a peer's offer: whatever it names is an answer, never an error)."""
         if plan_id == (self.plan.id if self.plan is not None else "none"):
             plan = self.plan  # a plan's rules do not depend on the size: its own plan file serves any
         elif plan_id == "none" or plan_id.startswith("builtin:"):
@@ -50,7 +51,10 @@ class RankPlan:
                 return None
         else:
             return None
-        return plan_layout(self.checkpoint, tp_rank=tp_rank, tp_size=tp_size, dtype=self.layout.dtype, plan=plan)
+        try:
+            return plan_layout(self.checkpoint, tp_rank=tp_rank, tp_size=tp_size, dtype=self.layout.dtype, plan=plan)
+        except ShardingError:
+            return None
 
     def close(self) -> None:
         self.checkpoint.close()

@@ -223,6 +223,7 @@ EXAMPLES: dict[str, Frame] = {
             ),
         ),
         max_rate=2_000_000_000,
+        max_fills=4,
     ),
     "PEER_READ": PeerRead(id=4, lease=77, bytes=67108864),
     "PEER_READ_OK": PeerReadOk(id=4, lease=77, bytes=67108864),

@@ -175,6 +175,9 @@ class PeerOffer(Frame):
     agent: bytes = wire(Bin(MAX_AGENT_METADATA))
     models: tuple[PeerModel, ...] = wire(Array(Nested(PeerModel), min_items=1, max_items=MAX_OFFERED))
     max_rate: int = wire(Int(), default=0)  # the source's --peer-max-rate, bytes/s (0: none)
+    #: the source's --peer-max-fills: the most fills ``max_rate`` is shared by at once (0: not said); what a target
+    #: needs to give its fill the time the cap may take (docs/fleet.md, "Bandwidth policy")
+    max_fills: int = wire(Int(), default=0, omit_default=True)
 
     def _validate(self) -> None:
         leases = [m.lease for m in self.models]

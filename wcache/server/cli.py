@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="a fill must be done within this plus its bytes at 50 MB/s (default 30)",
+        help="a fill must be done within this plus its bytes at 50 MB/s, or at a capped peer's --peer-max-rate shared "
+        "by its --peer-max-fills where that is slower; every grant must come within it (default 30)",
     )
     fleet.add_argument(
         "--peer-listen",

@@ -49,11 +49,13 @@ from wcache.server.store import ServedModel
 
 __all__ = [
     "MIN_GRANT",
+    "Deadline",
     "FillConfig",
     "Filled",
     "PeerFill",
     "batches",
     "check_sampled_blocks",
+    "deadline_for",
     "fetch_files",
     "fill",
     "grant_bytes",
@@ -71,6 +73,8 @@ STRIDED = True
 MIN_GRANT = 64 << 10
 #: grants a target has asked for and not yet used, per source (``_pull``)
 AHEAD = 2
+#: the fills a source's cap is taken to be shared by when its offer does not say (``--peer-max-fills``'s default)
+ASSUMED_FILLS = 4
 
 
 def grant_bytes(max_rate: int, chunk: int) -> int:
@@ -105,9 +109,14 @@ class FillConfig:
     software: str
     #: connecting, TLS and the proofs, per peer
     connect_timeout: float = 5.0
-    #: the whole fill must be done by this many seconds plus its bytes at ``min_rate`` (else reason ``deadline``)
+    #: the whole fill must be done by this many seconds plus its bytes at ``min_rate``, or at what a capped source's
+    #: ``max_rate`` gives it where that is slower (``deadline_for``; else reason ``deadline``); and every grant
+    #: must come within this many seconds (plus what a shared cap makes it wait)
     timeout: float = 30.0
     min_rate: float = 50e6
+    #: a capped source whose share of a fill would take longer than this at its whole ``max_rate`` is not waited
+    #: for: the fill is refused before it starts (reason ``deadline``, naming the cap)
+    max_capped_seconds: float = 3600.0
     chunk: int = DEFAULT_CHUNK
     #: compare every byte with the local checkpoint (``--verify-content``)
     verify_content: bool = False
@@ -122,6 +131,48 @@ class _Source:
     offer: PeerOffer | None = None
     agent_name: str | None = None
     leases: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """How long one source's share of a fill may take: ``seconds`` from the start of its READs, each grant within
+    ``stall`` seconds of the wait for it beginning; ``terms``: how ``seconds`` was reckoned (its error names it)."""
+
+    seconds: float
+    stall: float
+    terms: str
+
+
+def deadline_for(addr: str, nbytes: int, total: int, offer: PeerOffer, cfg: FillConfig) -> Deadline:
+    """The deadline of a source's ``nbytes`` of a fill of ``total`` bytes: ``--fill-timeout`` plus the fill's bytes
+    at ``min_rate`` (50 MB/s), as always — or, from a source whose offer names a ``max_rate`` that makes its share
+    slower, ``--fill-timeout`` plus its share at that rate divided among the ``max_fills`` fills the cap may be
+    shared by (ASSUMED_FILLS where the offer does not say): the time the cap needs at worst, but never more than
+    ``max_capped_seconds`` (what the offer says is the peer's word: a peer announcing a million fills would hold
+    the fill for ever). FillError (reason ``deadline``) up front when the share would take over
+    ``max_capped_seconds`` even at the whole cap."""
+    floor = cfg.timeout + total / cfg.min_rate
+    terms = f"--fill-timeout {cfg.timeout:g} s + {total} bytes at {cfg.min_rate / 1e6:g} MB/s"
+    if offer.max_rate <= 0:
+        return Deadline(floor, cfg.timeout, terms)
+    alone = nbytes / offer.max_rate
+    cap = f"peer {addr}'s --peer-max-rate {offer.max_rate} bytes/s"
+    if alone > cfg.max_capped_seconds:
+        raise FillError(
+            f"{nbytes} bytes of this fill at {cap} would take {alone:.0f} s even with the cap to themselves, over "
+            f"the {cfg.max_capped_seconds:g} s a fill waits for a capped source: not started",
+            details={"reason": "deadline", "peer": addr, "max_rate": offer.max_rate},
+        )
+    fills = offer.max_fills or ASSUMED_FILLS
+    capped = cfg.timeout + min(alone * fills, cfg.max_capped_seconds)
+    # a grant waits for those asked before it: this fill's AHEAD and as many of each other fill sharing the cap
+    stall = min(capped, cfg.timeout + AHEAD * fills * grant_bytes(offer.max_rate, cfg.chunk) / offer.max_rate)
+    if capped <= floor:
+        return Deadline(floor, stall, f"{terms} ({cap})")
+    terms = f"--fill-timeout {cfg.timeout:g} s + {nbytes} bytes at {cap}, shared by up to {fills} fills"
+    if alone * fills > cfg.max_capped_seconds:
+        terms += f", at most {cfg.max_capped_seconds:g} s"
+    return Deadline(capped, stall, terms)
 
 
 def _reason(exc: BaseException) -> str:
@@ -155,20 +206,28 @@ async def _request(src: _Source, frame: Frame, timeout: float) -> object:
     return reply
 
 
-def _source_layout(model: PeerModel, key: WeightCacheKey, rp: RankPlan) -> Layout | None:
-    """The layout of an offered slab, as the target's planner computes it from the headers (None: not one it can
-    plan, or the offered table is not that layout's)."""
+def _source_layout(model: PeerModel, key: WeightCacheKey, rp: RankPlan) -> Layout | str:
+    """The layout of an offered slab, as the target's planner computes it from the headers; else why the offer
+    is of no use (a layout it cannot plan, or an offered table that is not that layout's)."""
     mk = model.key
     if not key.diff_wire(dict(mk)):
-        src: Layout | None = rp.layout
+        src = rp.layout
     else:
         tp_rank, tp_size, plan = mk.get("tp_rank"), mk.get("tp_size"), mk.get("plan", "none")
         if not isinstance(tp_rank, int) or not isinstance(tp_size, int) or not isinstance(plan, str):
-            return None
-        src = rp.layout_of(tp_rank, tp_size, plan)
-    if src is None or model.size != src.total_bytes or list(model.tensors) != list(src.table()):
-        return None
+            return "its key names no tp_rank, tp_size and plan"
+        other = rp.layout_of(tp_rank, tp_size, plan)
+        if other is None:
+            return f"this checkpoint has no layout rank {tp_rank} of {tp_size} under plan {plan!r}"
+        src = other
+    if model.size != src.total_bytes or list(model.tensors) != list(src.table()):
+        return f"its size ({model.size} bytes) or tensor table is not that of the layout its key names"
     return src
+
+
+def _skipped(src: _Source, model: PeerModel, why: str) -> None:
+    """One offered slab the fill does not use (the others may still fill it): one line naming the peer."""
+    log.info("peer offer skipped peer=%s lease=%d: %s", src.addr, model.lease, why)
 
 
 async def fill(
@@ -197,7 +256,8 @@ async def fill(
     try:
         if not sources:
             why = _reason(failures[0]) if failures else "no-peer"
-            raise FillError(f"no peer answered: {failures[0] if failures else 'none'}", details={"reason": why})
+            what = "no peer admitted this daemon" if why == "auth" else "no peer answered"
+            raise FillError(f"{what}: {failures[0] if failures else 'none'}", details={"reason": why})
         want = key.to_wire()
         offers = await asyncio.gather(
             *(_request(s, PeerQuery(id=s.ch.conn.next_request_id(), key=want), cfg.connect_timeout) for s in sources),
@@ -216,9 +276,16 @@ async def fill(
                 if rp is None:
                     if not key.diff_wire(dict(m.key)):
                         usable.append((s, m, None))
+                    else:
+                        _skipped(s, m, "a same-layout fill takes only a slab under exactly its key")
                     continue
-                src = _source_layout(m, key, rp)
-                if src is not None:
+                try:
+                    src = _source_layout(m, key, rp)
+                except WCacheError as exc:  # the planner refusing what the peer named: of no use, as above
+                    src = exc.message
+                if isinstance(src, str):
+                    _skipped(s, m, src)
+                else:
                     usable.append((s, m, src))
         if not usable:
             why = _reason(refusals[0]) if refusals and len(refusals) == len(sources) else "not-found"
@@ -238,6 +305,11 @@ async def fill(
         else:
             total = layout.total_bytes
             plan = plan_fill(layout, [u[2] for u in usable if u[2] is not None], chunk=cfg.chunk)
+        deadlines = {  # before anything is allocated or asked for: a cap too slow refuses the fill here
+            k: deadline_for(s.addr, n, plan.nbytes, s.offer, cfg)
+            for k, ((s, _, _), n) in enumerate(zip(usable, plan.per_source))
+            if n and s.offer is not None
+        }
         if room is not None:
             try:
                 room(total)
@@ -246,7 +318,7 @@ async def fill(
         slab = backend.allocate(total)
         region = slab.region()
         reg = agent.register(region)
-        deadline = time.monotonic() + cfg.timeout + plan.nbytes / cfg.min_rate
+        start = time.monotonic()
         jobs: list[Callable[[], Coroutine[Any, Any, int]]] = []
         for k, (s, m, _) in enumerate(usable):
             copies = plan.for_source(k)
@@ -258,7 +330,8 @@ async def fill(
             remote = MemoryRegion(m.address, m.size, m.memory, m.device)
             assert s.offer is not None
             grant = grant_bytes(s.offer.max_rate, cfg.chunk)
-            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, grant, deadline))
+            dl = deadlines[k]
+            jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, grant, start, dl))
         done = await _all_or_none(jobs)
         agent.deregister(reg)
         reg = None
@@ -483,19 +556,30 @@ async def _pull(
     local: MemoryRegion,
     remote: MemoryRegion,
     grant: int,
-    deadline: float,
+    start: float,
+    limit: Deadline,
 ) -> int:
     """READ ``copies`` from one source in batches of at most ``grant`` bytes (``grant_bytes``: a 64 MiB batch
     from an uncapped source, a hundredth of a second of its rate from a capped one), each granted first
     (PEER_READ). Grants are asked for AHEAD batches ahead, each once the batch AHEAD before it is posted, so the
     source has the next request in hand when it answers one (a capped source's grants follow one another at
     its rate, whatever this side's round trip); and a batch's READ is in flight while the next is posted (two
-    at a time), so neither the grants' round trips nor the posting leaves the link idle."""
+    at a time), so neither the grants' round trips nor the posting leaves the link idle. All by ``start`` +
+    ``limit.seconds``, each grant within ``limit.stall`` seconds: else FillError (reason ``deadline``) naming
+    the source, how far it got and the deadline's terms (a capped source's rate among them)."""
     from wcache.channel import expect
 
     todo = batches(copies, grant)
     done = 0
     inflight: list[Transfer] = []
+    deadline = start + limit.seconds
+    whole = sum(c.nbytes for b in todo for c in b)
+
+    def late(what: str) -> FillError:
+        return FillError(
+            f"{what} ({done} of {whole} bytes READ from it; the fill's deadline {limit.seconds:.1f} s: {limit.terms})",
+            details={"reason": "deadline", "peer": src.addr, "deadline": limit.terms},
+        )
 
     async def ask(k: int) -> None:
         rid = src.ch.conn.next_request_id()
@@ -507,14 +591,14 @@ async def _pull(
         for k, batch in enumerate(todo):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise FillError(f"the fill from {src.addr} passed its deadline", details={"reason": "deadline"})
+                raise late(f"the fill from {src.addr} passed its deadline")
+            wait = min(left, limit.stall)
             try:
-                ok, _ = await asyncio.wait_for(expect(src.ch), left)  # the grant of batch k (answered in order)
+                ok, _ = await asyncio.wait_for(expect(src.ch), wait)  # the grant of batch k (answered in order)
             except TimeoutError:
-                raise FillError(
-                    f"no grant of {sum(c.nbytes for c in batch)} bytes came from {src.addr} within the fill's deadline "
-                    f"({done} of {sum(c.nbytes for b in todo for c in b)} bytes READ from it)",
-                    details={"reason": "deadline"},
+                within = "the fill's deadline" if wait == left else f"{wait:.1f} s of waiting for it"
+                raise late(
+                    f"no grant of {sum(c.nbytes for c in batch)} bytes came from {src.addr} within {within}"
                 ) from None
             assert isinstance(ok, PeerReadOk)
             assert src.agent_name is not None
@@ -533,6 +617,10 @@ async def _pull(
             done += sum(c.nbytes for c in batch)
         while inflight:
             await _landed(inflight.pop(0))
+    except FillError as exc:
+        if exc.details.get("reason") != "deadline" or "deadline" in exc.details:
+            raise
+        raise late(f"a READ from {src.addr} passed the fill's deadline") from exc  # NIXL's names no cap
     finally:
         for t in inflight:
             t.release()

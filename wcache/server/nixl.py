@@ -86,29 +86,45 @@ class ReadStats:
 class Agent:
     """One NIXL agent with the UCX backend. ``name`` must be unique among the agents that meet (a daemon uses
     its host, pid and a random part). ``threads``: UCX worker threads (0: NIXL's default). Not thread-safe:
-    one thread (the daemon's fill or the source's registration) uses it at a time."""
+    one thread (the daemon's fill or the source's registration) uses it at a time. :meth:`close` destroys it
+    (its UCX worker's threads, sockets and pipes) at once: its owner calls it, whatever else still refers to it."""
 
     def __init__(self, name: str, *, threads: int = 0) -> None:
         nixl = nixl_module()
         self.name = name
         try:
             cfg = nixl.nixl_agent_config(backends=["UCX"], num_threads=threads)
-            self._agent = nixl.nixl_agent(name, cfg)
+            native = nixl.nixl_agent(name, cfg)
         except Exception as exc:  # the bindings raise their own classes (nixlBackendError, RuntimeError)
             raise FillError(f"NIXL agent {name}: {type(exc).__name__}: {exc}", details={"reason": "nixl"}) from exc
-        if "UCX" not in self._agent.backends:
+        if "UCX" not in native.backends:
+            del native  # not kept alive by this error's traceback
             raise FillError(f"NIXL agent {name}: no UCX backend in this NIXL build", details={"reason": "nixl"})
+        #: the NIXL agent; None once closed (the only reference wcache keeps: dropping it destroys the agent)
+        self._agent: Any = native
         self._peers: set[str] = set()
         #: called with each READ's bytes just before it is prepared and posted (what a test or a benchmark
         #: observes of the READ timeline: docs/fleet.md, "Bandwidth policy")
         self.on_post: Callable[[int], None] | None = None
 
+    @property
+    def _nixl(self) -> Any:
+        """The NIXL agent (FillError, reason ``nixl``, once closed)."""
+        if self._agent is None:
+            raise FillError(f"NIXL agent {self.name} is closed", details={"reason": "nixl"})
+        return self._agent
+
+    @property
+    def closed(self) -> bool:
+        return self._agent is None
+
     # ------------------------------------------------------------------ memory
     def register(self, region: MemoryRegion) -> Registration:
         """Register ``region`` with UCX (on a host region: nothing pinned over TCP/CMA; RDMA pins it)."""
+        nixl = self._nixl
         t0 = time.perf_counter()
         try:
-            reg = self._agent.register_memory(
+            reg = nixl.register_memory(
                 [(region.address, region.length, region.device, "")], _MEM[region.kind], backends=["UCX"]
             )
         except Exception as exc:
@@ -119,12 +135,14 @@ class Agent:
         return Registration(region, time.perf_counter() - t0, reg)
 
     def deregister(self, reg: Registration) -> None:
-        self._agent.deregister_memory(reg.handle, backends=["UCX"])
+        """Drop ``reg`` (a no-op once closed: the agent's end dropped every registration)."""
+        if self._agent is not None:
+            self._agent.deregister_memory(reg.handle, backends=["UCX"])
 
     def metadata(self, regs: Sequence[Registration] = ()) -> bytes:
         """What a peer needs to READ ``regs`` (and connect): partial metadata, so the peer learns no other
         registered region. A capability: send it only over an authenticated channel (docs/security.md)."""
-        nixl = self._agent
+        nixl = self._nixl
         if not regs:
             return bytes(nixl.get_agent_metadata())
         descs = [(r.region.address, r.region.length, r.region.device, "") for r in regs]
@@ -137,8 +155,9 @@ class Agent:
     # ------------------------------------------------------------------ peers
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata (from its OFFER); returns its agent name."""
+        nixl = self._nixl
         try:
-            name = self._agent.add_remote_agent(metadata)
+            name = nixl.add_remote_agent(metadata)
         except Exception as exc:
             raise FillError(
                 f"NIXL refused a peer's metadata: {type(exc).__name__}: {exc}", details={"reason": "nixl"}
@@ -148,7 +167,7 @@ class Agent:
         return peer
 
     def remove_peer(self, peer: str) -> None:
-        if peer in self._peers:
+        if peer in self._peers and self._agent is not None:
             self._peers.discard(peer)
             try:
                 self._agent.remove_remote_agent(peer)
@@ -198,7 +217,7 @@ class Agent:
         """The NIXL transfer request for ``blocks``, the prepared lists it holds, and its descriptor count."""
         import numpy as np
 
-        nixl = self._agent
+        nixl = self._nixl
         try:
             if strided:
                 src = np.array(
@@ -233,8 +252,17 @@ class Agent:
             ) from exc
 
     def close(self) -> None:
+        """Disconnect every peer and destroy the agent now: its UCX worker's threads, sockets and pipes go with it.
+        Before, only the peers were removed and the agent lived as long as anything referred to this object — for
+        a failed fill, its FillError's traceback (the fill's frames, held in a cycle with the event loop's task)
+        until the next full garbage collection: ~10 descriptors, a thread and 0.4 MB per failed fill. Idempotent;
+        after it, ``deregister`` and ``remove_peer`` do nothing and everything else is a FillError."""
+        if self._agent is None:
+            return
         for peer in list(self._peers):
             self.remove_peer(peer)
+        self._peers.clear()
+        self._agent = None  # the last reference wcache holds (a Transfer holds this object, not NIXL's)
 
 
 def _late(peer: str, nbytes: int) -> FillError:
@@ -255,7 +283,7 @@ class Transfer:
         self._seconds = 0.0
 
     def post(self) -> None:
-        self._state = self._agent._agent.transfer(self._handle)
+        self._state = self._agent._nixl.transfer(self._handle)
         self._check()
 
     def done(self) -> bool:
@@ -263,7 +291,7 @@ class Transfer:
         if self._state == "PROC":
             if time.monotonic() > self.deadline:
                 raise _late(self.peer, self.nbytes)
-            self._state = self._agent._agent.check_xfer_state(self._handle)
+            self._state = self._agent._nixl.check_xfer_state(self._handle)
             self._check()
         return self._state == "DONE"
 
@@ -294,11 +322,12 @@ class Transfer:
         if self._handle is None:
             return
         handle, self._handle = self._handle, None
+        prepped, self._prepped = self._prepped, []  # each holds the NIXL agent: none kept once released
         try:
-            self._agent._agent.release_xfer_handle(handle)
+            handle.release()  # NIXL's release_xfer_handle: the handle's own, so it works after the agent's close
         except Exception as exc:
             log.warning("NIXL could not release a transfer from %s: %s", self.peer, exc)
-        for p in self._prepped:
+        for p in prepped:
             p.release()
 
 

@@ -320,7 +320,13 @@ class PeerService:
             sum(m.size for m in models),
             len({f.conn for f in self.fills.values()}),
         )
-        return PeerOffer(id=req.id, agent=self.agent.metadata(regs), models=tuple(models), max_rate=self.cap.rate)
+        return PeerOffer(
+            id=req.id,
+            agent=self.agent.metadata(regs),
+            models=tuple(models),
+            max_rate=self.cap.rate,
+            max_fills=self.max_fills,
+        )
 
     def _mine(self, lease: int, ctx: _Ctx) -> _Fill:
         f = self.fills.get(lease)
@@ -480,13 +486,19 @@ class PeerListener:
         self.shell = Shell(
             service,
             limits=self.limits,
-            tag=f"peer={host}:{port}",
+            tag=self.tag,
             log=log,
             peer_check=PeerTls(sec),
             channel=functools.partial(StreamChannel, context=sec.server_context(), server_side=True),
             budget=ReadBudget(64 << 20),
             metrics=metrics,
         )
+
+    @property
+    def tag(self) -> str:
+        """What starts the shell's log lines: ``peer=HOST:PORT``, the port bound once started."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"peer={host}:{self.port}"
 
     def start(self) -> tuple[str, int]:
         """Listen (SO_REUSEADDR), register the resident slabs, accept; returns the address bound."""
@@ -500,6 +512,7 @@ class PeerListener:
             sock.close()
             raise
         self.host, self.port = sock.getsockname()[:2]
+        self.shell.tag = self.tag  # HOST:0 asked for any port: the lines name the one bound
         store = self.service.store
         for m in list(store.models.values()):
             self.service.resident(m)

@@ -17,7 +17,7 @@ import socket
 import ssl
 
 from wcache.channel import Channel, ReadBudget, expect
-from wcache.errors import CacheUnavailableError
+from wcache.errors import CacheUnavailableError, PermissionDeniedError
 from wcache.proto import PROTOCOL_VERSION, Connection, Hello, HelloOk, Role, Service
 from wcache.proto.fleet_frames import PeerAuthOk, PeerChallenge
 from wcache.server.peer_auth import PeerSecurity, SecretClient
@@ -30,6 +30,11 @@ RECV_SIZE = 1 << 18
 #: most this many seconds of its ``max_rate`` per PEER_READ, and the source's cap lends at most as much to a
 #: grant answered or asked for late, so the cap is reached and never exceeded by more than that over any window
 GRANT_SECONDS = 0.01
+#: how long a side that refused the TLS handshake waits for the other to close after telling it why (its alert, or
+#: a peer without TLS a plaintext ERROR): a socket closed with unread bytes sends a reset, which may overtake them
+REFUSAL_SECONDS = 1.0
+#: the first byte of a TLS handshake record (a ClientHello): a peer whose first byte is another spoke no TLS
+TLS_HANDSHAKE_RECORD = 0x16
 
 
 class StreamChannel(Channel[Connection]):
@@ -50,21 +55,56 @@ class StreamChannel(Channel[Connection]):
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self.tls = context.wrap_bio(self._in, self._out, server_side=server_side) if context is not None else None
+        self.server_side = server_side
         self._eof = False
+        self._first: int | None = None  # the first byte the peer sent during the handshake
 
     # ---------------------------------------------------------------- TLS
     async def handshake(self) -> None:
-        """Run the TLS handshake (ssl.SSLError when the peer's certificate or ours is refused)."""
+        """Run the TLS handshake (ssl.SSLError when the peer's certificate or ours is refused). A refusal is told
+        to the other side before the error is raised (``_refuse``): it was not — the alert TLS queued stayed in
+        the outgoing buffer — and a target whose certificate the source refused saw a bare close (its fill's
+        reason ``transfer``, not ``auth``)."""
         if self.tls is None:
             return
-        while True:
-            try:
-                self.tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
+        try:
+            while True:
+                try:
+                    self.tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush()
+                    await self._fill()
+        except ssl.SSLError:
+            await self._refuse()
+            raise
         await self._flush()
+
+    async def _refuse(self) -> None:
+        """After a failed handshake, best effort within REFUSAL_SECONDS: send the alert TLS queued (naming why:
+        an unknown CA, an expired certificate, none presented), or — the source, to a peer that spoke no TLS at
+        all, for which OpenSSL queues none — a plaintext fatal ERROR PERMISSION_DENIED saying that this channel
+        is TLS; then end our side and read until the peer closes, so that no reset overtakes what was sent."""
+        try:
+            async with asyncio.timeout(REFUSAL_SECONDS):
+                if self._out.pending:
+                    await self._flush()
+                elif self.server_side and self._first is not None and self._first != TLS_HANDSHAKE_RECORD:
+                    why = PermissionDeniedError(
+                        "this daemon's peer channel is TLS (mutual TLS or a shared secret): a peer started without "
+                        "--peer-cert/--peer-key/--peer-ca or --peer-secret-file is refused",
+                        details={"reason": "tls"},
+                    )
+                    await self._send_all(self.conn.fatal_error(why))
+                self.sock.shutdown(socket.SHUT_WR)
+                while True:
+                    try:
+                        if not self.sock.recv(RECV_SIZE):
+                            return
+                    except (BlockingIOError, InterruptedError):
+                        await self._wait(writable=False)
+        except (OSError, TimeoutError, CacheUnavailableError):
+            pass  # the peer is gone, or holds its end open: it was told what could be told
 
     def peer_certificate(self) -> bytes:
         """The DER bytes of the certificate the other end presented (b"" without TLS or certificate)."""
@@ -82,6 +122,8 @@ class StreamChannel(Channel[Connection]):
                 await self._wait(writable=False)
         if not data:
             raise ConnectionError("the peer closed the connection during the TLS handshake")
+        if self._first is None:
+            self._first = data[0]
         self._in.write(data)
 
     async def _flush(self) -> None:
@@ -148,9 +190,10 @@ async def connect_peer(
     host: str, port: int, security: PeerSecurity, *, timeout: float, software: str, name: str = ""
 ) -> tuple[StreamChannel, HelloOk]:
     """The target's connection to a source: TCP, TLS, HELLO, and the shared-secret proofs (§10.2), all within
-    ``timeout``. CacheUnavailableError when nothing answers; ssl.SSLError (TLS refused either way) or
-    PermissionDeniedError (a proof failed: the source's, checked here, or ours, refused there) when the
-    authentication fails."""
+    ``timeout``. CacheUnavailableError when nothing answers; PermissionDeniedError when the authentication
+    fails: TLS refused either way (``details.reason`` ``"tls"``, the message naming why: the alert the source
+    sent, or what was wrong with its certificate), a peer that speaks no TLS or refuses ours for speaking none,
+    or a proof that failed (the source's, checked here, or ours, refused there)."""
     security.check_peer(host)
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout):
@@ -183,7 +226,24 @@ async def connect_peer(
                 await ch.send(client.challenged(ch_frame, conn.next_request_id()))
                 ok, _ = await expect(ch)
                 assert isinstance(ok, PeerAuthOk)
+        except ssl.SSLError as exc:  # in TLS 1.3 the source's refusal of our certificate comes after the handshake
+            ch.close()
+            raise tls_refused(f"{host}:{port}", exc) from exc
         except BaseException:
             ch.close()
             raise
     return ch, hello
+
+
+def tls_refused(addr: str, exc: ssl.SSLError) -> PermissionDeniedError:
+    """The TLS failure ``exc`` with the peer at ``addr``, as the authentication failure it is (reason ``tls``)."""
+    reason = exc.reason or ""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = f"its certificate is not one this daemon accepts: {exc.verify_message}"
+    elif "ALERT" in reason:  # what the peer's alert says: tlsv1 alert unknown ca, sslv3 alert certificate expired
+        why = f"it refused this daemon's TLS handshake ({reason.lower().replace('_', ' ')})"
+    elif reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"):
+        why = f"it does not speak TLS ({reason}): a peer channel without authentication, on loopback only"
+    else:
+        why = f"TLS failed: {exc}"
+    return PermissionDeniedError(f"peer {addr}: {why}", details={"reason": "tls"})
