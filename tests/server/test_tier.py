@@ -271,6 +271,25 @@ async def test_a_replaced_deposit_is_not_served_after_a_crash_before_the_replace
     assert await _absent(d2, key)  # the engine post-processes again; never the replaced v1
 
 
+async def test_a_stop_right_after_a_commit_waits_for_the_deposits_save(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """A deposit committed, the daemon stopped (SIGTERM) as soon as DEPOSITED is in: the restarted daemon restores
+    it from the tier. The stop did not wait for the save, which runs after DEPOSITED (a 64 MB deposit: the process
+    ended mid-copy), so the tier held nothing of it and the key was absent after the restart."""
+    from tests.server.deposit_engine import recipe_key
+
+    tier = tmp_path / "tier"
+    d = daemon_factory(ckpt, *_tier_args(tier))
+    key = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
+    await WCacheClient(d.socket).deposit(key, {"w": torch.full((4096, 4096), 3.0)})
+    assert d.stop() == 0
+    d2 = daemon_factory(ckpt, *_tier_args(tier))
+    async with await WCacheClient(d2.socket).fetch(key, mode="copy") as w:
+        assert torch.equal(w["w"], torch.full((4096, 4096), 3.0))
+    assert "tier" in await _origins(d2)
+
+
 @pytest.mark.parametrize("entry", ["checkpoint", "deposit"])
 async def test_a_byte_flipped_outside_the_sampled_blocks_is_never_served(
     daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path, entry: str

@@ -222,7 +222,17 @@ class Daemon:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.socket_path)
                 await self.shell.drain()
+                await self._finish_tier_saves()
         log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
+
+    async def _finish_tier_saves(self) -> None:
+        """A stop waits for the host-tier saves in progress (a deposit committed just before it): the tier is what
+        brings a deposit back after the restart, and a save cut off publishes nothing (the process then ended with
+        its thread mid-copy, or the store closed the slab under it)."""
+        saves = list(self._tier_saves)
+        if saves:
+            log.info("stopping %s: waiting for %d host tier save(s)", self._tag, len(saves))
+            await asyncio.gather(*saves, return_exceptions=True)
 
     def _fd_limits(self) -> None:
         """Connections and slabs (models, deposits in progress) get their shares of RLIMIT_NOFILE
