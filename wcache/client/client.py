@@ -732,22 +732,21 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
     """What a fetch does while the daemon answers its HELLO and GET_STATE (``channel.Meanwhile``): the first-time work
     of mapping a STATE that needs neither the STATE nor the daemon's GPU, instead of at ``import wcache`` or after
     the STATE is in: the views' module loaded, and where CUDA is up in this process (a CUDA daemon is then likely)
-    the CUDA mapping's modules loaded, the driver's entry points looked up (``cuda.look_up``) and torch's parsers
-    for the views' ops built (``mapping.warm``: on a tensor of nothing, through ``torch.empty``, whose parser the
-    engine's CUDA set-up built; a host engine may not have called it yet, and its first call costs what the warm-up
-    saves). ``timings`` gets ``ahead`` (ms; within ``hello``)."""
+    the CUDA mapping's modules loaded and the driver's entry points looked up (``cuda.look_up``). Not torch's parsers
+    for the views' ops: built here on a tensor of nothing they made the window longer and the views no shorter
+    (docs/performance.md, "Measured on an H100, 2026-12-07, run 2"). ``timings`` gets ``ahead`` (ms; within
+    ``hello``)."""
 
     def ahead() -> None:
         t0 = time.perf_counter()
         # as wcache's own import (wcache/__init__.py): no collection sweeps torch's heap meanwhile, the modules kept
         with gc_paused(keep=True):
-            from wcache.client import mapping
+            from wcache.client import mapping  # noqa: F401  (imported for its first-time cost, here)
 
             if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 from wcache.client import cuda
 
                 cuda.look_up()
-                mapping.warm()
         if timings is not None:
             timings["ahead"] = (time.perf_counter() - t0) * 1e3
 

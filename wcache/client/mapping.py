@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # write-back's frames and the error tree: not imported on the
     from wcache.proto.engine import SlabDescriptor as MappedDescriptor
     from wcache.proto.engine import State
 
-__all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs", "warm", "write_deposit"]
+__all__ = ["GroupView", "MappedSlab", "TensorViews", "build_views", "map_slabs", "write_deposit"]
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -300,15 +300,6 @@ class TensorViews:
 
     def __len__(self) -> int:
         return len(self._names) + len(self._aliases)
-
-
-def warm() -> None:
-    """Have torch build its argument parsers for the ops the views are cut with (``view`` to a dtype,
-    ``as_strided``, ``unbind``), on a tensor of nothing. torch builds an op's parser on the op's first call in a
-    process — ~0.25 ms for these three in a fresh process on the CPU VM, about what cutting a dense checkpoint's
-    291 views costs after it —, so a fetch from a CUDA engine calls this while the daemon answers
-    (``client._ahead``) and the views cut after the STATE do not pay it. Nothing it makes outlives the call."""
-    torch.empty(0, dtype=torch.uint8).view(torch.bfloat16).as_strided((1, 0), (1, 1), 0).unbind(0)
 
 
 def build_views(state: State, bases: list[torch.Tensor]) -> TensorViews:
