@@ -19,6 +19,7 @@ from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server.keeper import Keeper, KeeperLimits
+from wcache.server.notify import notify
 from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir, hold_socket_dir
 from wcache.server.service import ignore_hangup
 
@@ -152,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
                 tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
                 tmp.write_text(json.dumps({"socket": str(path), "pid": os.getpid()}) + "\n")
                 os.replace(tmp, args.ready_file)
+            notify(READY=1, MAINPID=os.getpid(), STATUS=f"holding slabs for daemons on {path}")
+
+        def stopping() -> None:
+            notify(STOPPING=1, STATUS=f"stopping: freeing {keeper.held_fds} slab(s)")
 
         import uvloop
 
-        uvloop.run(keeper.serve(ready))
+        uvloop.run(keeper.serve(ready, on_stopping=stopping))
     finally:
         lock.release()
         hold.release()
