@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="SOCKET",
         help="take over the daemon serving SOCKET (e.g. an upgrade): receive its models' memory (VMM or memfd "
-        "fds) and its listening socket, then serve them there; it exits. No disk read; engines keep their mappings",
+        "fds) and its listening socket, then serve them there; it exits. No disk read; engines keep their mappings. "
+        "Its options are not handed over: give this daemon the same ones (--keeper, --host-tier, --memory-budget, "
+        "peer options, ...)",
     )
     p.add_argument(
         "--keeper",
