@@ -18,7 +18,7 @@ from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, socket_name
 from wcache.plan.key import tp_problem
-from wcache.server.service import ignore_hangup
+from wcache.server.service import add_log_level, ignore_hangup
 from wcache.server.startup import run
 from wcache.units import size_arg
 
@@ -294,13 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="max seconds to finish sending a started frame (default %(default)s)",
     )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="log lines on stderr at or above this level (default INFO: one line per event that matters)",
-    )
+    add_log_level(p)
     return p
 
 
