@@ -72,3 +72,27 @@ def test_what_the_units_say_about_the_runtime_directory_is_what_they_do() -> Non
         assert unit["RuntimeDirectory"] == ["wcache"] and unit["RuntimeDirectoryPreserve"] == ["yes"], name
     comments = (DEPLOY / "wcache@.service").read_text()
     assert "removed when the last unit stops" not in comments and "kept when\n# units stop" in comments
+
+
+@pytest.mark.parametrize("name", ["wcache@.service", "wcache-keeper.service"])
+def test_the_units_wait_for_readiness_from_the_process_they_start(name: str) -> None:
+    """Type=notify: the daemon and the keeper send READY=1 once they serve (wcache/server/notify.py), so
+    TimeoutStartSec bounds the load and units ordered after them start then. Only the main process may notify:
+    the command it runs is wcache's own, a shell ``exec``-ing it at most (tests/server/test_notify.py checks that
+    the sender is the process started)."""
+    unit = _unit(name)
+    assert unit["Type"] == ["notify"] and unit.get("NotifyAccess", ["main"]) == ["main"], name
+    (start,) = unit["ExecStart"]
+    words = shlex.split(start)
+    if words[:2] == ["/bin/sh", "-c"]:
+        words = shlex.split(words[2].replace("$$", "$"))
+        assert words[0] == "exec", f"{name}: the shell must exec the program, or the shell is the main process"
+        words = words[1:]
+    assert Path(words[0]).name in ("wcache-server", "wcache-keeper"), name
+
+
+@pytest.mark.parametrize("name", ["wcache@.service", "wcache-keeper.service"])
+def test_the_units_documentation_is_somewhere_a_pip_install_puts_it(name: str) -> None:
+    """pip installs no /usr/share/doc/wcache: a Documentation= line may only name a web address."""
+    for where in _unit(name).get("Documentation", []):
+        assert all(w.startswith(("https://", "http://")) for w in where.split()), f"{name}: {where}"

@@ -8,12 +8,15 @@ Public API (everything else is internal)::
         model.load_state_dict(weights, assign=True)
 
 ``RankSpec`` names a rank the way every other rank-taking API takes it (``WeightCacheKey.from_spec``,
-``WCacheClient.preload``): ``RankSpec("/models/llama", tp_rank=0, tp_size=1)``.
+``WCacheClient.preload``): ``RankSpec("/models/llama", tp_rank=0, tp_size=1)``. ``RecipeKey.of(key,
+engine=...)`` is a deposit's key (write-back). Every error class of ``wcache.errors`` is a name here too, and
+``wcache.nn`` (torch engines: ``load_weights``, ``attach``, ``guard_writes``) and ``wcache.integrations`` are
+reachable as attributes after ``import wcache``.
 
 Every public name is imported on first access (PEP 562): ``import wcache`` itself loads nothing,
 so an engine's restart pays only for the modules its path uses (the key, the protocol, the
 client), and ``import wcache.proto`` stays free of asyncio and torch (docs/protocol.md is
-implementable without either).
+implementable without either). ``wcache.nn`` imports torch when first read.
 """
 
 from __future__ import annotations
@@ -23,24 +26,42 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from wcache import integrations as integrations
+    from wcache import nn as nn
     from wcache.client import CachedWeights, WCacheClient
     from wcache.errors import (
         CacheUnavailableError,
         CheckpointError,
+        DaemonRunningError,
         DeviceMismatchError,
+        FillError,
+        FrameTooLargeError,
+        IncompatibleModelError,
         InsecurePathError,
+        InternalError,
+        InUseError,
         KeyMismatchError,
+        KeyUnprovenError,
+        LimitExceededError,
+        LocalProtocolError,
+        NotFoundError,
         NotReadyError,
+        OutOfMemoryError,
         PermissionDeniedError,
         ProtocolError,
+        RemoteProtocolError,
         ServerError,
         ShardingError,
+        TierEntryError,
         TransformError,
+        UnexpectedFrameError,
         UnknownLeaseError,
         UnsupportedPlatformError,
+        UnsupportedVersionError,
         WCacheError,
     )
     from wcache.plan.key import RankSpec, WeightCacheKey
+    from wcache.plan.recipe import RecipeKey
 
 __version__ = "0.1.0"
 
@@ -48,18 +69,34 @@ __all__ = [
     "CacheUnavailableError",
     "CachedWeights",
     "CheckpointError",
+    "DaemonRunningError",
     "DeviceMismatchError",
+    "FillError",
+    "FrameTooLargeError",
+    "InUseError",
+    "IncompatibleModelError",
     "InsecurePathError",
+    "InternalError",
     "KeyMismatchError",
+    "KeyUnprovenError",
+    "LimitExceededError",
+    "LocalProtocolError",
+    "NotFoundError",
     "NotReadyError",
+    "OutOfMemoryError",
     "PermissionDeniedError",
     "ProtocolError",
     "RankSpec",
+    "RecipeKey",
+    "RemoteProtocolError",
     "ServerError",
     "ShardingError",
+    "TierEntryError",
     "TransformError",
+    "UnexpectedFrameError",
     "UnknownLeaseError",
     "UnsupportedPlatformError",
+    "UnsupportedVersionError",
     "WCacheClient",
     "WCacheError",
     "WeightCacheKey",
@@ -72,12 +109,21 @@ _HOME = {
     "CachedWeights": "wcache.client.client",
     "WeightCacheKey": "wcache.plan.key",
     "RankSpec": "wcache.plan.key",
+    "RecipeKey": "wcache.plan.recipe",
     **{n: "wcache.errors" for n in __all__ if n.endswith("Error")},
 }
+#: submodules reachable as attributes of ``wcache`` without their own import statement (``wcache.nn.load_weights``,
+#: ``wcache.integrations.transformers.from_pretrained`` after ``import wcache``); not in ``__all__``: a star import
+#: must not import torch
+_SUBMODULES = frozenset({"nn", "integrations"})
 
 
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
+    if home is None and name in _SUBMODULES:
+        home = f"{__name__}.{name}"
+        __import__(home)  # the import system sets the attribute on this package
+        return sys.modules[home]
     if home is None:
         raise AttributeError(f"module 'wcache' has no attribute {name!r}")
     collecting = gc.isenabled()
@@ -97,4 +143,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | _SUBMODULES)

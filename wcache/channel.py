@@ -498,10 +498,10 @@ def _socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
 
 
-def _unavailable(path: Path, exc: OSError) -> CacheUnavailableError:
+def _unavailable(path: Path, exc: OSError, peer: str) -> CacheUnavailableError:
     from wcache.errors import CacheUnavailableError
 
-    return CacheUnavailableError(f"no wcache daemon at {path}: {exc.strerror or exc}")
+    return CacheUnavailableError(f"no {peer} at {path}: {exc.strerror or exc}")
 
 
 def _check_peer(sock: socket.socket, path: Path) -> None:
@@ -513,9 +513,9 @@ def _check_peer(sock: socket.socket, path: Path) -> None:
         raise CacheUnavailableError(f"the process at {path} runs as uid {creds.uid}, neither you nor root; refusing it")
 
 
-async def dial(path: Path) -> socket.socket:
+async def dial(path: Path, peer: str = "wcache daemon") -> socket.socket:
     """A non-blocking socket connected to the wcache socket at ``path`` whose process runs as this user (or root).
-    CacheUnavailableError when nothing answers there, or another user's process does."""
+    CacheUnavailableError when nothing answers there ("no ``peer`` at PATH"), or another user's process does."""
     loop = asyncio.get_running_loop()
     sock = _socket()
     sock.setblocking(False)
@@ -524,14 +524,14 @@ async def dial(path: Path) -> socket.socket:
         _check_peer(sock, path)
     except OSError as exc:  # FileNotFoundError, ConnectionRefusedError, PermissionError among them
         sock.close()
-        raise _unavailable(path, exc) from exc
+        raise _unavailable(path, exc, peer) from exc
     except BaseException:  # cancelled, or the peer refused: the socket is not the caller's
         sock.close()
         raise
     return sock
 
 
-def dial_blocking(path: Path, timeout: float) -> socket.socket:
+def dial_blocking(path: Path, timeout: float, peer: str = "wcache daemon") -> socket.socket:
     """``dial()`` for callers without an event loop (TimeoutError after ``timeout`` seconds)."""
     sock = _socket()
     try:
@@ -543,7 +543,7 @@ def dial_blocking(path: Path, timeout: float) -> socket.socket:
         raise
     except OSError as exc:  # FileNotFoundError, ConnectionRefusedError, PermissionError among them
         sock.close()
-        raise _unavailable(path, exc) from exc
+        raise _unavailable(path, exc, peer) from exc
     except BaseException:
         sock.close()
         raise
@@ -604,19 +604,21 @@ async def connect(
     timings: dict[str, float] | None = None,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     keep_decoded: bool = False,
+    peer: str = "wcache daemon",
 ) -> tuple[Channel[Connection], daemon_frames.HelloOk]:
     """Connect to the wcache socket at ``path`` (a daemon or a keeper: ``service``, None for either),
     check that it runs as this user (or root), and shake hands. CacheUnavailableError when nothing
-    answers there. ``pipeline``: a GET_STATE to send in the same write as HELLO, before HELLO_OK is
-    back (its reply is the next frame after HELLO_OK); ``meanwhile``: called once that is written, before
-    HELLO_OK is read (``Meanwhile``). ``max_frame_size``: the largest frame body taken from the peer.
-    ``timings``: gets ``socket`` (connected, peer checked) and ``hello`` (HELLO out, HELLO_OK in, ``meanwhile``
-    included), in ms. ``keep_decoded``: the connection's (an engine's fetch keeps what it decodes)."""
+    answers there ("no ``peer`` at PATH": a caller that dials a keeper names it). ``pipeline``: a GET_STATE
+    to send in the same write as HELLO, before HELLO_OK is back (its reply is the next frame after HELLO_OK);
+    ``meanwhile``: called once that is written, before HELLO_OK is read (``Meanwhile``). ``max_frame_size``:
+    the largest frame body taken from the peer. ``timings``: gets ``socket`` (connected, peer checked) and
+    ``hello`` (HELLO out, HELLO_OK in, ``meanwhile`` included), in ms. ``keep_decoded``: the connection's (an
+    engine's fetch keeps what it decodes)."""
     from wcache.proto.connection import Connection, Role
     from wcache.proto.daemon_frames import HelloOk
 
     t0 = time.perf_counter()
-    sock = await dial(path)
+    sock = await dial(path, peer)
     t1 = time.perf_counter()
     conn = Connection(Role.CLIENT, service=service, max_frame_size=max_frame_size, keep_decoded=keep_decoded)
     ch = Channel(sock, conn)

@@ -26,7 +26,9 @@ async def keeper_kept(
     §4.11, is matched by rank alone); 0 when it is absent, refuses, or does not answer within ``timeout``."""
     try:
         async with asyncio.timeout(timeout):
-            ch, _ = await connect(keeper_path, software=f"wcache/{__version__}", name="wcache keeper probe")
+            ch, _ = await connect(
+                keeper_path, software=f"wcache/{__version__}", name="wcache keeper probe", peer="wcache-keeper"
+            )
             try:
                 await ch.send(Status(id=ch.conn.next_request_id()))
                 frame, _ = await ch.receive()

@@ -147,6 +147,31 @@ def test_errors_stay_importable_by_name() -> None:
     assert "wcache.client.client" not in loaded
 
 
+def test_every_error_class_and_the_recipe_key_are_names_of_the_package_loaded_when_read() -> None:
+    """``from wcache import InUseError`` works for every error class ``wcache.errors`` defines (the README and the
+    ``wcache`` command name them), ``RecipeKey`` (a deposit's key) too: each loads its own module when read,
+    nothing before."""
+    import wcache
+    import wcache.errors
+
+    classes = {n for n in wcache.errors.__all__ if isinstance(getattr(wcache.errors, n), type)}
+    assert classes - {"ErrorCode"} <= set(wcache.__all__)
+    assert _loaded("import wcache\nwcache.RemoteProtocolError, wcache.InUseError, wcache.OutOfMemoryError") == [
+        "wcache",
+        "wcache.errors",
+    ]
+    recipe = _loaded("from wcache import RecipeKey")
+    assert "wcache.plan.recipe" in recipe and "wcache.client.client" not in recipe
+
+
+def test_wcache_nn_and_the_integrations_are_reached_from_a_plain_import_when_read() -> None:
+    """``import wcache`` then ``wcache.nn.guard_writes`` (the README's words): the submodule loads when read."""
+    assert "wcache.nn" in _loaded("import wcache\nwcache.nn.guard_writes")
+    hf = _loaded("import wcache\nwcache.integrations.transformers.from_pretrained")
+    assert "wcache.integrations.transformers" in hf and "wcache.integrations.vllm" not in hf
+    assert _loaded("import wcache.integrations") == ["wcache", "wcache.integrations"]
+
+
 def test_computing_a_key_imports_no_loader_module(tmp_path: Path) -> None:
     model = tmp_path / "m"
     make_llama_checkpoint(model, TINY, seed=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,32 @@ def test_bad_plan_files(tmp_path: Path, content: str, match: str) -> None:
     p.write_text(content)
     with pytest.raises(ShardingError, match=match):
         load_plan_file(p)
+
+
+@pytest.mark.parametrize("config", [None, "{}"], ids=["no-config.json", "no-architectures"])
+def test_a_sharded_key_without_an_architecture_says_why_there_is_none(
+    tmp_path: Path, ckpt: Path, config: str | None
+) -> None:
+    """A built-in plan is picked by config.json's architectures[0]: a key (and the planner) at tp_size 2 says
+    whether the directory has no config.json or a config.json that names no architecture."""
+    from wcache.plan.key import RankSpec
+    from wcache.plan.rank import plan_rank
+
+    d = tmp_path / "m"
+    shutil.copytree(ckpt, d)
+    if config is None:
+        (d / "config.json").unlink()
+    else:
+        (d / "config.json").write_text(config)
+    for make in (
+        lambda: WeightCacheKey.from_checkpoint(d, tp_rank=0, tp_size=2).plan,  # the scan runs when a field is read
+        lambda: plan_rank(RankSpec(d, tp_rank=0, tp_size=2)),
+    ):
+        with pytest.raises(ShardingError) as e:
+            make()
+        assert e.value.details["config_json"] is (config is not None) and e.value.details["architecture"] == ""
+        said = "has no config.json" if config is None else "names no architecture"
+        assert said in e.value.message and "none in config.json" not in e.value.message
 
 
 def test_plan_without_rule_for_a_tensor(tmp_path: Path, ckpt: Path) -> None:

@@ -23,6 +23,7 @@ from wcache import __version__
 from wcache.cli import build_parser as wcache_parser
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
 from wcache.server import cli as server_cli
+from wcache.server import keeper_cli
 from wcache.server.backends import host
 from wcache.server.security import DaemonLock
 from wcache.units import parse_size
@@ -53,13 +54,20 @@ def _options(p: argparse.ArgumentParser) -> list[argparse.Action]:
     return acts
 
 
-@pytest.mark.parametrize("parser", [server_cli.build_parser, wcache_parser], ids=["wcache-server", "wcache"])
+PARSERS = pytest.mark.parametrize(
+    "parser",
+    [server_cli.build_parser, keeper_cli.build_parser, wcache_parser],
+    ids=["wcache-server", "wcache-keeper", "wcache"],
+)
+
+
+@PARSERS
 def test_every_option_has_help(parser: Callable[[], argparse.ArgumentParser]) -> None:
     missing = [a.option_strings or a.dest for a in _options(parser()) if not a.help]
     assert missing == []
 
 
-@pytest.mark.parametrize("parser", [server_cli.build_parser, wcache_parser], ids=["wcache-server", "wcache"])
+@PARSERS
 def test_every_option_with_a_default_says_it(parser: Callable[[], argparse.ArgumentParser]) -> None:
     """An operator reads ``--help``, not the docs: an option that defaults to a value (not off, not derived) says
     which (docs/deploy named --keeper-check's 5 s, --help did not)."""
@@ -71,6 +79,23 @@ def test_every_option_with_a_default_says_it(parser: Callable[[], argparse.Argum
         if str(a.default) not in shown and "default" not in shown:
             silent.append(a.option_strings)
     assert silent == []
+
+
+def test_the_daemon_and_the_keeper_take_the_same_log_levels_and_list_them() -> None:
+    """wcache-keeper's --log-level took any word (its --help listed no choices, and an unknown level was a
+    traceback from logging at start, exit 0); it is now wcache-server's option: the same choices, in any case."""
+
+    def option(p: argparse.ArgumentParser) -> argparse.Action:
+        (a,) = [a for a in p._actions if "--log-level" in a.option_strings]
+        return a
+
+    server, keeper = option(server_cli.build_parser()), option(keeper_cli.build_parser())
+    assert server.choices and list(keeper.choices or ()) == list(server.choices)
+    assert (keeper.default, keeper.help) == (server.default, server.help)
+    assert keeper_cli.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+    with pytest.raises(SystemExit) as e:
+        keeper_cli.parse_args(["--log-level", "LOUD"])
+    assert e.value.code == 2
 
 
 def test_subcommands_have_help() -> None:
@@ -277,6 +302,17 @@ def test_deep_shard_plan_is_a_sharding_error(tmp_path: Path, ckpt: Path) -> None
     plan.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ShardingError, match="plan"):
         load_plan_file(plan)
+
+
+def test_a_sharded_start_without_config_json_says_the_directory_has_none(tmp_path: Path, socket_dir: Path) -> None:
+    """--tp-size 2 picks a built-in plan by config.json's architecture: a directory without one is told so (it
+    read "architecture '(none in config.json)'", as if config.json existed and named none)."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _safetensors(d, "a")
+    out = run_server("--model", str(d), "--tp-size", "2", "--socket-dir", str(socket_dir))
+    clean_failure(out)
+    assert "has no config.json" in out.stderr and "none in config.json" not in out.stderr, out.stderr
 
 
 def test_missing_plan_names_the_client_argument(tmp_path: Path) -> None:

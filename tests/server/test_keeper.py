@@ -310,9 +310,17 @@ async def test_without_a_running_keeper_the_daemon_loads_and_serves(
     (m,) = (await WCacheClient(d.socket).status()).models
     assert m.origin == "disk" and m.load_seconds > 0
     # the operator's warning is the feature here: it names the keeper socket that was not there
-    assert f"keeper {socket_dir / KEEPER_SOCKET}: nothing reclaimed" in d.log_text()
+    assert f"keeper {socket_dir / KEEPER_SOCKET}: nothing reclaimed (no wcache-keeper at " in d.log_text()
     async with await WCacheClient(d.socket).fetch(WeightCacheKey.from_checkpoint(model)) as w:
         assert len(w) > 0
+
+
+async def test_a_keeper_that_is_not_there_is_called_a_keeper(socket_dir: Path) -> None:
+    """What a daemon's --keeper says when no keeper runs (it said "no wcache daemon at .../wcache-keeper.sock")."""
+    path = socket_dir / KEEPER_SOCKET
+    with pytest.raises(CacheUnavailableError) as e:
+        await kl.reclaim(path, owner=str(socket_dir / "o.sock"), backend="host", device_uuid="")
+    assert e.value.message.startswith(f"no wcache-keeper at {path}:")
 
 
 async def test_a_daemon_is_not_a_keeper(daemon: DaemonProc) -> None:

@@ -179,7 +179,8 @@ class KeyFacts:
         if tp_size != 1:
             from wcache.plan.sharding import resolve_plan
 
-            resolved = resolve_plan(self.architecture, tp_size, None)
+            has_config = any(f.name == "config.json" for f in self.files)  # the files name it where it was read
+            resolved = resolve_plan(self.architecture, tp_size, None, has_config=has_config)
             plan = resolved.id if resolved is not None else "none"
         out = dict(partial)
         out["fingerprint"] = self.fingerprint

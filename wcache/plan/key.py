@@ -236,7 +236,9 @@ class WeightCacheKey:
             if spec.tp_size != 1 or spec.plan_file is not None:  # else no plan: sharding not imported
                 from wcache.plan.sharding import resolve_plan  # the header scan's (a proven key never loads it)
 
-                plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
+                plan = resolve_plan(
+                    ckpt.architecture, spec.tp_size, spec.plan_file, has_config=ckpt.config_raw is not None
+                )
 
         from wcache.plan.quant import resolve_dtype  # the header scan's, like the checkpoint
 

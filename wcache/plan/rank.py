@@ -44,7 +44,9 @@ class RankPlan:
             plan = self.plan  # a plan's rules do not depend on the size: its own plan file serves any
         elif plan_id == "none" or plan_id.startswith("builtin:"):
             try:
-                plan = resolve_plan(self.checkpoint.architecture, tp_size)
+                plan = resolve_plan(
+                    self.checkpoint.architecture, tp_size, has_config=self.checkpoint.config_raw is not None
+                )
             except ShardingError:
                 return None
             if plan_id != (plan.id if plan is not None else "none"):
@@ -87,7 +89,7 @@ def plan_rank(spec: RankSpec) -> RankPlan:
     read_ns = time.time_ns()
     ckpt = Checkpoint.open(spec.checkpoint)
     try:
-        plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file)
+        plan = resolve_plan(ckpt.architecture, spec.tp_size, spec.plan_file, has_config=ckpt.config_raw is not None)
         key = WeightCacheKey.from_spec(spec, checkpoint=ckpt, plan=plan)
         layout = plan_layout(
             ckpt,

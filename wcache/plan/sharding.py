@@ -122,19 +122,30 @@ def load_plan_file(path: str | os.PathLike[str]) -> ShardPlan:
     return _plan(str(name), rules, "file:" + hashlib.sha256(canon).hexdigest()[:16])
 
 
-def resolve_plan(architecture: str, tp_size: int, plan_file: str | os.PathLike[str] | None = None) -> ShardPlan | None:
-    """The plan for this architecture (a plan file wins); None when tp_size is 1 and no file."""
+def resolve_plan(
+    architecture: str, tp_size: int, plan_file: str | os.PathLike[str] | None = None, *, has_config: bool = True
+) -> ShardPlan | None:
+    """The plan for this architecture (a plan file wins); None when tp_size is 1 and no file. ``has_config``:
+    whether the checkpoint has a config.json at all (its ``architectures[0]`` is ``architecture``): the error for
+    a directory without one says so."""
     if plan_file is not None:
         return load_plan_file(plan_file)
     if tp_size == 1:
         return None
     plan = BUILTIN_PLANS.get(architecture)
     if plan is None:
+        built_in = ", ".join(sorted(BUILTIN_PLANS))
+        if not has_config:  # the architecture a built-in plan is picked by is config.json's architectures[0]
+            which = f"the checkpoint directory has no config.json to name its architecture (built in: {built_in})"
+        elif not architecture:
+            which = f"its config.json names no architecture: no 'architectures' list (built in: {built_in})"
+        else:
+            which = f"for architecture {architecture!r} (built in: {built_in})"
         raise ShardingError(
-            f"no built-in sharding plan for architecture {architecture or '(none in config.json)'!r} "
-            f"(built in: {', '.join(sorted(BUILTIN_PLANS))}); pass a JSON plan file: plan_file= from Python "
+            f"no built-in sharding plan to split into {tp_size} ranks: {which}; pass a JSON plan file: plan_file= from Python "
             "(RankSpec, which WCacheClient.preload takes; WeightCacheKey.from_checkpoint, wcache.nn.load_weights), "
-            "--shard-plan on the command line (format: docs/shard-plans.md)"
+            "--shard-plan on the command line (format: docs/shard-plans.md)",
+            details={"architecture": architecture, "config_json": has_config, "tp_size": tp_size},
         )
     return plan
 

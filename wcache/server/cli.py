@@ -18,7 +18,7 @@ from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, socket_name
 from wcache.plan.key import tp_problem
-from wcache.server.service import ignore_hangup
+from wcache.server.service import add_log_level, ignore_hangup
 from wcache.server.startup import run
 from wcache.units import size_arg
 
@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="SOCKET",
         help="take over the daemon serving SOCKET (e.g. an upgrade): receive its models' memory (VMM or memfd "
-        "fds) and its listening socket, then serve them there; it exits. No disk read; engines keep their mappings",
+        "fds) and its listening socket, then serve them there; it exits. No disk read; engines keep their mappings. "
+        "Its options are not handed over: give this daemon the same ones (--keeper, --host-tier, --memory-budget, "
+        "peer options, ...)",
     )
     p.add_argument(
         "--keeper",
@@ -292,13 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="max seconds to finish sending a started frame (default %(default)s)",
     )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="log lines on stderr at or above this level (default INFO: one line per event that matters)",
-    )
+    add_log_level(p)
     return p
 
 

@@ -193,8 +193,16 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
-    async def serve(self, on_ready: object | None = None, *, signals: bool = True) -> None:
-        """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then drain and unlink the socket."""
+    async def serve(
+        self,
+        on_ready: object | None = None,
+        *,
+        signals: bool = True,
+        on_stopping: Callable[[], None] | None = None,
+    ) -> None:
+        """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then drain and unlink the socket. ``on_ready``
+        is called once the socket serves, ``on_stopping`` once the stop begins (the process's readiness
+        notifications: wcache/server/notify.py)."""
         with stop_on_signals(self.stop, signals=signals, log=log, tag=self._tag):
             self._fd_limits()
             listener = self._listener if self._listener is not None else bind_private_socket(self.socket_path)
@@ -209,6 +217,8 @@ class Daemon:
             try:
                 await self._stop.wait()
             finally:
+                if on_stopping is not None:
+                    on_stopping()
                 if http is not None:
                     http.close()
                 if watch is not None:

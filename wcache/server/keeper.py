@@ -236,9 +236,15 @@ class Keeper:
         mine = self._owned(owner)
         return Kept(id=rid, models=len(mine), bytes=sum(e.bytes for e in mine))
 
-    async def serve(self, on_ready: Callable[[], None] | None = None, *, signals: bool = True) -> None:
+    async def serve(
+        self,
+        on_ready: Callable[[], None] | None = None,
+        *,
+        signals: bool = True,
+        on_stopping: Callable[[], None] | None = None,
+    ) -> None:
         """Serve until stop() (or SIGTERM/SIGINT, with ``signals``); then close every held descriptor (freeing
-        the memory)."""
+        the memory). ``on_ready`` is called once the socket serves, ``on_stopping`` once the stop begins."""
         with stop_on_signals(self.stop, signals=signals, log=log, tag=self._tag):
             self.shell.start(bind_private_socket(self.socket_path))
             if on_ready is not None:
@@ -246,6 +252,8 @@ class Keeper:
             try:
                 await self._stop.wait()
             finally:
+                if on_stopping is not None:
+                    on_stopping()
                 await self.shell.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)

@@ -19,15 +19,27 @@ from wcache import __version__
 from wcache.errors import WCacheError
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server.keeper import Keeper, KeeperLimits
+from wcache.server.notify import notify
 from wcache.server.security import DaemonLock, check_private_dir, ensure_socket_dir, hold_socket_dir
-from wcache.server.service import ignore_hangup
+from wcache.server.service import add_log_level, ignore_hangup
 
-__all__ = ["fd_budget", "keeper_socket", "main", "parse_args"]
+__all__ = ["build_parser", "fd_budget", "keeper_socket", "main", "parse_args"]
 
 log = logging.getLogger("wcache.keeper")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("max_connections", "max_owners", "max_fds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_bytes < 0:
+        p.error("--max-bytes must be 0 (no cap) or a positive number of bytes")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     from wcache.paths import KEEPER_SOCKET, default_socket_dir
 
     p = argparse.ArgumentParser(
@@ -62,14 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="accept KEEP/UNKEEP/RECLAIM for a socket from any process of the uid, not only the holder of its "
         "lock (for daemons in a pid namespace the keeper cannot see; the daemons still check what they reclaim)",
     )
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
-    args = p.parse_args(argv)
-    for name in ("max_connections", "max_owners", "max_fds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_bytes < 0:
-        p.error("--max-bytes must be 0 (no cap) or a positive number of bytes")
-    return args
+    add_log_level(p)
+    return p
 
 
 def fd_budget(limits: KeeperLimits) -> KeeperLimits:
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s wcache-keeper[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
@@ -152,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
                 tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
                 tmp.write_text(json.dumps({"socket": str(path), "pid": os.getpid()}) + "\n")
                 os.replace(tmp, args.ready_file)
+            notify(READY=1, MAINPID=os.getpid(), STATUS=f"holding slabs for daemons on {path}")
+
+        def stopping() -> None:
+            notify(STOPPING=1, STATUS=f"stopping: freeing {keeper.held_fds} slab(s)")
 
         import uvloop
 
-        uvloop.run(keeper.serve(ready))
+        uvloop.run(keeper.serve(ready, on_stopping=stopping))
     finally:
         lock.release()
         hold.release()

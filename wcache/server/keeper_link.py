@@ -35,7 +35,7 @@ async def call(
     """One request to the keeper at ``path`` on a connection of its own: (reply, its fds, the keeper's pid).
     ``fds`` stay the caller's. An ERROR reply raises its exception class."""
     async with asyncio.timeout(timeout):
-        ch, hello = await connect(path, software=f"wcache/{__version__}", name="wcache-server")
+        ch, hello = await connect(path, software=f"wcache/{__version__}", name="wcache-server", peer="wcache-keeper")
         try:
             await ch.send(frame, list(fds))
             reply, got = await expect(ch)
@@ -308,7 +308,9 @@ class KeeperLink:
         async with self._lock:
             try:
                 async with asyncio.timeout(10.0):
-                    ch, hello = await connect(self.path, software=f"wcache/{__version__}", name="wcache-server")
+                    ch, hello = await connect(
+                        self.path, software=f"wcache/{__version__}", name="wcache-server", peer="wcache-keeper"
+                    )
                     ch.close()
             except (WCacheError, OSError, TimeoutError) as exc:
                 if not self._unreachable:

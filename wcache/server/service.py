@@ -41,7 +41,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from wcache.channel import SERVER_READ_BUDGET, Channel, ReadBudget, close_fds, peer_credentials
 from wcache.errors import (
@@ -59,6 +59,9 @@ from wcache.proto.connection import Event
 from wcache.server.listen import ConnectionTable, Peer, accept_loop
 from wcache.server.metrics import Metrics
 
+if TYPE_CHECKING:
+    import argparse
+
 __all__ = [
     "ChannelFactory",
     "ConnectionLimits",
@@ -70,8 +73,12 @@ __all__ = [
     "Reply",
     "SameUid",
     "Shell",
+    "add_log_level",
     "stop_on_signals",
 ]
+
+#: ``--log-level``'s choices, the same for wcache-server and wcache-keeper (logging's own level names)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
@@ -261,6 +268,18 @@ def unread_fd_share(connections: int, tag: str, log: logging.Logger) -> int:
             share,
         )
     return share
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    """``--log-level``, as wcache-server and wcache-keeper both take it: one of LOG_LEVELS in any case, listed
+    in ``--help``; anything else is a usage error (exit 2), not a traceback from ``logging`` at start."""
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="log lines on stderr at or above this level (default INFO: one line per event that matters)",
+    )
 
 
 def ignore_hangup() -> None:

@@ -1,8 +1,9 @@
 """``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
 goes through, in an order where a bad start costs nothing: socket directory checks (and a hold on the
 directory) -> device check -> one-daemon lock -> platform check -> takeover or keeper reclaim -> checkpoint
-headers, key and shard plan (no data) -> load into one slab -> listen -> ready line (and ready file). At
-the end, clean or not, the lock file goes, and the default socket directory with the last user of it.
+headers, key and shard plan (no data) -> load into one slab -> listen -> ready line (and ready file, and
+systemd's READY=1 under a Type=notify unit: wcache/server/notify.py). At the end, clean or not, the lock file
+goes, and the default socket directory with the last user of it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from wcache.errors import CheckpointError, WCacheError
 from wcache.paths import default_socket_dir, socket_name
 from wcache.proto.codec import DEFAULT_MAX_FRAME_SIZE
 from wcache.server.backends.base import DEFAULT_STAGING, Backend
+from wcache.server.notify import notify
 from wcache.server.security import (
     DaemonLock,
     check_private_dir,
@@ -629,6 +631,15 @@ def run(args: argparse.Namespace) -> int:
                     if daemon.peers is not None:  # the peer channel's address (a port 0 is chosen at bind)
                         payload["peer"] = f"{daemon.peers.host}:{daemon.peers.port}"
                     write_ready(args.ready_file, payload)
+                # systemd (Type=notify): started once the socket serves, not when the process was forked
+                notify(
+                    READY=1,
+                    MAINPID=os.getpid(),
+                    STATUS=f"serving {len(models)} model(s) on {sock_path}",
+                )
+
+            def stopping() -> None:
+                notify(STOPPING=1, STATUS=f"stopping: draining {sock_path}")
 
             import asyncio
 
@@ -638,7 +649,7 @@ def run(args: argparse.Namespace) -> int:
 
             async def serve() -> None:
                 asyncio.get_running_loop().set_default_executor(workers)  # asyncio.to_thread's: the loads
-                await daemon.serve(ready)
+                await daemon.serve(ready, on_stopping=stopping)
 
             uvloop.run(serve())
         finally:
