@@ -2,17 +2,21 @@
 
     wcache status [--socket-path P | --socket-dir D] [--json]
     wcache preload DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--socket-path P | --socket-dir D]
-    wcache evict DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN | --all] [same socket options]
+    wcache evict DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--fingerprint HEX] [--stale | --all]
+                     [same socket options]
     wcache make-checkpoint DIR [--size SIZE]
 
-``status`` prints one row per model of each daemon socket found (checkpoint directory, rank and dtype,
-origin: disk / tier / keeper / takeover / deposit, size, tier, device, leases, last use, connections,
-uptime) and a line of device memory and host-tier use, or the STATUS_REPLY frames as JSON; exit 0 only if
-every socket found answered (1: none found, or one of them is unreachable — a stale socket of a crashed
-daemon counts; its row says why, and whether a daemon is coming back to it). Nothing is waited for.
+``status`` prints one row per model of each daemon socket found (checkpoint directory, fingerprint, rank and
+dtype, origin: disk / tier / keeper / takeover / deposit, size, tier, device, leases, last use, connections,
+uptime) and a line of device memory and host-tier use, or the STATUS_REPLY frames as JSON (each model with
+``stale`` added); exit 0 only if every socket found answered (1: none found, or one of them is unreachable — a
+stale socket of a crashed daemon counts; its row says why, and whether a daemon is coming back to it). Nothing
+is waited for. A model is *stale* when its checkpoint directory no longer gives its key (the files changed, or
+are gone, since it was loaded): its fingerprint is marked ``(stale)``.
 ``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased models, least
-recently used first, under its --memory-budget); ``evict`` drops it — without --tp-rank and --tp-size,
-whatever the daemons serve of that checkpoint (one model, or every one with --all).
+recently used first, under its --memory-budget); ``evict`` drops it — without --tp-rank and --tp-size (or with
+--fingerprint or --stale), whatever the daemons serve of that checkpoint: one model; several are listed with
+the options that pick each; --all evicts every one, --stale every stale one.
 ``make-checkpoint`` writes a small random Llama-shaped checkpoint to try the daemon on.
 """
 
@@ -22,8 +26,10 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +78,7 @@ async def _status(paths: list[Path], timeout: float) -> list[tuple[Path, StatusR
 HEADER = [
     "SOCKET",
     "CHECKPOINT",
+    "FINGERPRINT",
     "RANK",
     "ORIGIN",
     "SIZE",
@@ -107,19 +114,62 @@ def checkpoint_of(m: ModelInfo) -> str:
     return name
 
 
+#: The directory's fingerprint (of a kind) as its files give it now, or None where they give no key: the
+#: cache of one command, keyed by (absolute directory, fingerprint kind)
+FingerprintCache = dict[tuple[str, str], str | None]
+
+
+def fingerprint_now(directory: str, kind: str, cache: FingerprintCache) -> str | None:
+    """The fingerprint of ``kind`` ("sampled": headers and 64 KiB per file; "content": every byte) that the checkpoint
+    ``directory`` gives now; None if it gives no key (gone, unreadable, or no longer a checkpoint). Read once per
+    directory and kind."""
+    where = (os.path.abspath(directory), kind)
+    if where not in cache:
+        from wcache.plan.checkpoint import Checkpoint
+
+        try:
+            with Checkpoint.open(where[0], tensors=False) as ckpt:
+                cache[where] = ckpt.fingerprint(content=kind == "content")
+        except (WCacheError, OSError):
+            cache[where] = None
+    return cache[where]
+
+
+def stale_of(key: dict[str, Any], directory: str, cache: FingerprintCache, *, content: bool = True) -> bool | None:
+    """Whether the checkpoint ``directory`` no longer gives the model of ``key`` (its files changed or are gone since
+    the model was loaded from them); None where it cannot be told cheaply (``content`` False: a key of the "content"
+    fingerprint kind, which would read every byte of the checkpoint)."""
+    kind = str(key.get("fingerprint_kind", "sampled"))
+    if kind == "content" and not content:
+        return None
+    return fingerprint_now(directory, kind, cache) != key.get("fingerprint")
+
+
+def fingerprint_of(key: dict[str, Any], stale: bool | None = False) -> str:
+    """A key's fingerprint as an operator tells models apart by it: its first 12 hex digits, ``(stale)`` if the
+    directory no longer gives it."""
+    return str(key.get("fingerprint", ""))[:12] + (" (stale)" if stale else "")
+
+
 def rank_of(key: dict[str, Any]) -> str:
     """``tp0/2 bfloat16`` (and the load-time transform, if any) of a key map."""
     t = f" {key['transform']}" if key.get("transform") else ""
     return f"tp{key.get('tp_rank', '?')}/{key.get('tp_size', '?')} {key.get('dtype', '')}{t}"
 
 
-def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
+def _stale(r: StatusReply, cache: FingerprintCache) -> list[bool | None]:
+    """Each model's staleness against the directory it was loaded from (None where that is unknown: no directory,
+    or a "content" fingerprint, which status does not read a whole checkpoint to check)."""
+    return [stale_of(m.key, m.source, cache, content=False) if m.source else None for m in r.models]
+
+
+def _rows(path: Path, r: StatusReply | str, now: float, stale: list[bool | None]) -> list[list[str]]:
     if isinstance(r, str):
         return [[str(path), *["-"] * (len(HEADER) - 2), r]]
     rows = []
     keeper = r.software.startswith("wcache-keeper/")  # holds daemons' slabs across their restarts
     tier = "keeper" if keeper else "device" if r.backend == "cuda" else "host"
-    for m in r.models or (None,):
+    for m, is_stale in zip(r.models or (None,), stale or [None]):
         if m is None:
             device = f"{r.backend}:{r.device.uuid or r.device.kind}"
         elif keeper:
@@ -132,6 +182,7 @@ def _rows(path: Path, r: StatusReply | str, now: float) -> list[list[str]]:
             [
                 str(path),
                 checkpoint_of(m) if m else "(none)",
+                fingerprint_of(m.key, is_stale) if m else "-",
                 rank_of(m.key) if m else "-",
                 (m.origin or "?") if m else "-",
                 _size(m.bytes if m else 0),
@@ -156,17 +207,47 @@ def _summary(path: Path, r: StatusReply) -> str:
     return f"{path}: " + "; ".join(parts) if parts else ""
 
 
-def _to_json(r: StatusReply) -> dict[str, Any]:
-    return r.to_wire()
+def _to_json(r: StatusReply, stale: list[bool | None]) -> dict[str, Any]:
+    """The STATUS_REPLY frame, each model with ``stale`` added: true / false, null where unknown (``_stale``)."""
+    out = r.to_wire()
+    out["models"] = [{**m, "stale": s} for m, s in zip(out["models"], stale)]
+    return out
 
 
-def _served_of(args: argparse.Namespace, results: list[tuple[Path, StatusReply | str]]) -> list[tuple[Path, ModelInfo]]:
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A model of the checkpoint ``wcache evict`` names, as a daemon serves it."""
+
+    socket: Path
+    model: ModelInfo
+    #: whether the checkpoint directory no longer gives its key (None: not read, a "content" fingerprint)
+    stale: bool | None
+
+    def describe(self) -> str:
+        """``DIR tp0/1 bfloat16, fingerprint 851c82407fee (stale)``: the model as status shows it."""
+        return f"{checkpoint_of(self.model)} {rank_of(self.model.key)}, fingerprint {self.fingerprint()}"
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.model.key, self.stale)
+
+
+def _served_of(
+    args: argparse.Namespace, results: list[tuple[Path, StatusReply | str]]
+) -> tuple[list[Served], str | None]:
     """The checkpoint models (not deposits) of ``args.model`` the daemons serve — the same directory, or the same
-    sampled fingerprint — that agree with every option given (an option left out matches anything)."""
-    base = WeightCacheKey.from_checkpoint(args.model)  # headers only: its fingerprint and stored dtype
+    sampled fingerprint — that agree with every option given (an option left out matches anything), and the
+    sampled fingerprint the directory gives now (None: it gives no key, gone or no longer a checkpoint; then its
+    models are those loaded from that directory, every one stale). Each model's staleness is told against the
+    directory: with --stale (which keeps only stale ones) even for a "content" fingerprint, which reads every byte."""
     where = os.path.abspath(args.model)
+    try:  # headers only: its fingerprint and stored dtype
+        base: WeightCacheKey | None = WeightCacheKey.from_checkpoint(args.model).resolve()
+    except (WCacheError, OSError):
+        base = None
+    cache: FingerprintCache = {(where, "sampled"): base.fingerprint if base is not None else None}
     want: dict[str, Any] = {"tp_rank": args.tp_rank, "tp_size": args.tp_size, "transform": args.transform}
-    want["dtype"] = base.dtype if args.dtype == "auto" else args.dtype
+    want["dtype"] = (base.dtype if base is not None else None) if args.dtype == "auto" else args.dtype
+    prefix = (args.fingerprint or "").lower()
     out = []
     for p, r in results:
         if not isinstance(r, StatusReply) or r.software.startswith("wcache-keeper/"):
@@ -174,24 +255,38 @@ def _served_of(args: argparse.Namespace, results: list[tuple[Path, StatusReply |
         for m in r.models:
             k = m.key
             same = (m.source and os.path.abspath(m.source) == where) or (
-                k.get("fingerprint") == base.fingerprint and k.get("fingerprint_kind", "sampled") == "sampled"
+                base is not None
+                and k.get("fingerprint") == base.fingerprint
+                and k.get("fingerprint_kind", "sampled") == "sampled"
             )
-            if same and "engine" not in k and all(v is None or k.get(f, "") == v for f, v in want.items()):
-                out.append((p, m))
-    return out
+            if not same or "engine" in k or not str(k.get("fingerprint", "")).startswith(prefix):
+                continue
+            if not all(v is None or k.get(f, "") == v for f, v in want.items()):
+                continue
+            stale = stale_of(k, where, cache, content=args.stale)
+            if stale or not args.stale:
+                out.append(Served(p, m, stale))
+    return out, cache[(where, "sampled")]
 
 
-def _options(m: ModelInfo) -> str:
-    k = m.key
-    t = f" --transform {k['transform']}" if k.get("transform") else ""
-    return f"--tp-rank {k.get('tp_rank')} --tp-size {k.get('tp_size')} --dtype {k.get('dtype')}{t}"
+def _options(s: Served, found: list[Served], now: str | None) -> str:
+    """The options that pick ``s`` among ``found``: its rank, dtype and transform, and its fingerprint where the
+    found models have several or ``s``'s is not what the directory gives now (``now``: the options alone would name
+    the directory's current key)."""
+    k = s.model.key
+    t = f" --transform {shlex.quote(str(k['transform']))}" if k.get("transform") else ""
+    opts = f"--tp-rank {k.get('tp_rank')} --tp-size {k.get('tp_size')} --dtype {k.get('dtype')}{t}"
+    if len({f.model.key.get("fingerprint") for f in found}) > 1 or k.get("fingerprint") != now:
+        opts += f" --fingerprint {str(k.get('fingerprint', ''))[:12]}"
+    return opts
 
 
 async def _evict(args: argparse.Namespace) -> int:
-    """``wcache evict DIR``: with --tp-rank and --tp-size, the key they name (its daemon says how it differs
-    from what it serves); otherwise what the daemons serve of DIR, found through STATUS: one model (or, with
-    --all, every one) is evicted, several are listed with the options that pick each."""
-    if args.tp_rank is not None and args.tp_size is not None:
+    """``wcache evict DIR``: with --tp-rank and --tp-size (and neither --fingerprint nor --stale), the key they name
+    (its daemon says how it differs from what it serves); otherwise what the daemons serve of DIR, found through
+    STATUS: one model (or, with --all, every one; with --stale, every stale one) is evicted, several are listed
+    with the options that pick each."""
+    if args.tp_rank is not None and args.tp_size is not None and not (args.fingerprint or args.stale):
         from wcache.server.startup import rank_spec
 
         key = WeightCacheKey.from_spec(rank_spec(args))
@@ -203,31 +298,39 @@ async def _evict(args: argparse.Namespace) -> int:
     if not paths:
         raise NotFoundError(f"no daemon sockets in {args.socket_dir or default_socket_dir()}: nothing to evict from")
     results = await _status(paths, min(args.timeout, 10.0))
-    found = _served_of(args, results)
+    found, now = _served_of(args, results)
     if not found:
+        cache: FingerprintCache = {}
         served = [
-            f"{checkpoint_of(m)} {rank_of(m.key)} on {p.name}"
+            f"{checkpoint_of(m)} {rank_of(m.key)}, fingerprint "
+            + fingerprint_of(m.key, stale_of(m.key, m.source, cache, content=False) if m.source else None)
+            + f" on {p.name}"
             for p, r in results
             if isinstance(r, StatusReply)
             for m in r.models
             if not r.software.startswith("wcache-keeper/")
         ]
         where = args.socket_path or args.socket_dir or default_socket_dir()
+        what = "stale model" if args.stale else "model"
         raise NotFoundError(
-            f"no model of {args.model} matching the options given is served by the daemons at {where}"
+            f"no {what} of {args.model} matching the options given is served by the daemons at {where}"
             + (f"; they serve: {'; '.join(served)}" if served else " (they serve nothing)"),
             details={"served": served},
         )
-    if len(found) > 1 and not args.all:
+    if len(found) > 1 and not (args.all or args.stale):
+        stale = sum(bool(f.stale) for f in found)
         print(
-            f"wcache evict: {len(found)} models of {args.model} are served; pass the options of one, or --all:\n"
-            + "\n".join(f"  {_options(m)}    ({rank_of(m.key)} on {p})" for p, m in found),
+            f"wcache evict: {len(found)} models of {args.model} are served; pass the options of one, or --all"
+            + (f" (--stale: the {stale} stale one{'s' if stale > 1 else ''})" if stale else "")
+            + ":\n"
+            + "\n".join(f"  {_options(f, found, now)}    ({f.describe()} on {f.socket})" for f in found),
             file=sys.stderr,
         )
         return 1
-    for p, m in found:
-        ev = await WCacheClient(p, wait_for_daemon=0).evict(WeightCacheKey.from_wire(m.key), timeout=args.timeout)
-        print(f"evicted {args.model} {rank_of(m.key)} from {p}: {_size(ev.bytes)} freed")
+    for f in found:
+        key = WeightCacheKey.from_wire(f.model.key)
+        ev = await WCacheClient(f.socket, wait_for_daemon=0).evict(key, timeout=args.timeout)
+        print(f"evicted {f.describe()} from {f.socket}: {_size(ev.bytes)} freed")
     return 0
 
 
@@ -280,6 +383,13 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hex_prefix(text: str) -> str:
+    """``--fingerprint``: hex digits, the start of a key's fingerprint."""
+    if not text or any(c not in "0123456789abcdef" for c in text.lower()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not hex digits (the start of a fingerprint)")
+    return text.lower()
+
+
 def _where(p: argparse.ArgumentParser) -> None:
     w = p.add_mutually_exclusive_group()
     w.add_argument("--socket-path", type=Path, help="one daemon's socket file")
@@ -318,7 +428,21 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--tp-rank", type=int, help=f"tensor-parallel rank, in [0, --tp-size) {any_}")
             sp.add_argument("--tp-size", type=int, help=f"tensor-parallel world size {any_}")
             sp.add_argument(
+                "--fingerprint",
+                type=_hex_prefix,
+                metavar="HEX",
+                help="only the model whose key's fingerprint starts so (the FINGERPRINT column of wcache status) "
+                "(default: any)",
+            )
+            pick = sp.add_mutually_exclusive_group()
+            pick.add_argument(
                 "--all", action="store_true", help="evict every model of the checkpoint that matches, not just one"
+            )
+            pick.add_argument(
+                "--stale",
+                action="store_true",
+                help="evict every model of the checkpoint that matches and that the directory no longer gives (its "
+                "files changed, or are gone, since it was loaded: marked (stale) by wcache status)",
             )
         sp.add_argument(
             "--dtype",
@@ -395,10 +519,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"wcache: no daemon sockets in {args.socket_dir or default_socket_dir()}", file=sys.stderr)
         return 1
     results = asyncio.run(_status(paths, args.timeout))
+    cache: FingerprintCache = {}
+    stale = {p: _stale(r, cache) if isinstance(r, StatusReply) else [] for p, r in results}
     if args.json:
         print(
             json.dumps(
-                {str(p): (_to_json(r) if isinstance(r, StatusReply) else {"error": r}) for p, r in results},
+                {str(p): (_to_json(r, stale[p]) if isinstance(r, StatusReply) else {"error": r}) for p, r in results},
                 indent=2,
                 default=str,
             )
@@ -407,7 +533,7 @@ def _main(argv: list[str] | None) -> int:
         now = time.time()
         rows = [HEADER]
         for p, r in results:
-            rows += _rows(p, r, now)
+            rows += _rows(p, r, now, stale[p])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -415,6 +541,22 @@ def _main(argv: list[str] | None) -> int:
             line = _summary(p, r) if isinstance(r, StatusReply) else ""
             if line:
                 print(line)
+        dirs = sorted(
+            {
+                str(m.source)
+                for p, r in results
+                if isinstance(r, StatusReply) and not r.software.startswith("wcache-keeper/")
+                for m, s in zip(r.models, stale[p])
+                if s
+            }
+        )
+        if dirs:
+            opt = "--socket-path" if args.socket_path else "--socket-dir" if args.socket_dir else ""
+            where = f" {opt} {shlex.quote(str(args.socket_path or args.socket_dir))}" if opt else ""
+            print(
+                "(stale): the checkpoint's files changed, or are gone, since the model was loaded; evict such models "
+                "with: " + "; ".join(f"wcache evict {shlex.quote(d)} --stale{where}" for d in dirs)
+            )
     return 0 if all(isinstance(r, StatusReply) for _, r in results) else 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -14,17 +15,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.conftest import DaemonProc, run_cli, server_cmd
-from wcache import __version__
+from wcache import WeightCacheKey, __version__
 from wcache.cli import build_parser as wcache_parser
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
 from wcache.server import cli as server_cli
 from wcache.server.backends import host
 from wcache.server.security import DaemonLock
+from wcache.synthetic import LlamaShape, make_llama_checkpoint
 from wcache.units import parse_size
 
 ROOT = os.geteuid() == 0
@@ -404,3 +407,69 @@ def test_status_reports_a_stale_socket_at_once_saying_whether_a_daemon_is_coming
     assert "waited" not in rows[str(starting)]
     assert "nothing is coming back to it (a stale socket" in rows[str(stale)]
     assert str(daemon.socket) in rows
+
+
+# ---------------------------------------------------------------- wcache evict
+
+
+SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
+
+
+def _served(sock: Path) -> list[dict[str, Any]]:
+    """What the daemon at ``sock`` serves: its models' wire maps, as ``wcache status --json`` gives them."""
+    out = run_cli("status", "--socket-path", str(sock), "--json")
+    assert out.returncode == 0, out.stderr
+    models: list[dict[str, Any]] = json.loads(out.stdout)[str(sock)]["models"]
+    return models
+
+
+def _fingerprint(model: Path) -> str:
+    return WeightCacheKey.from_checkpoint(model).resolve().fingerprint
+
+
+def test_a_changed_checkpoints_models_are_told_apart_and_the_stale_one_evicted(
+    daemon_factory: Callable[..., DaemonProc], tmp_path: Path, socket_dir: Path
+) -> None:
+    """A checkpoint rewritten on disk and PRELOADed again: the daemon serves its old and its new model. Status
+    tells them apart (a fingerprint column, the old one marked stale; ``stale`` in the JSON), evict lists the
+    options that pick each — and those options evict that one (they used to name the new key twice, which evicted
+    the new model) — and ``--stale`` evicts what the directory no longer gives, even once it is gone."""
+    model = tmp_path / "m"
+    make_llama_checkpoint(model, SMALL, seed=1)
+    old = _fingerprint(model)
+    d = daemon_factory(model)
+    make_llama_checkpoint(model, SMALL, seed=2)
+    new = _fingerprint(model)
+    assert run_cli("preload", str(model), "--socket-dir", str(socket_dir)).returncode == 0
+    assert {m["key"]["fingerprint"]: m["stale"] for m in _served(d.socket)} == {old: True, new: False}
+
+    table = run_cli("status", "--socket-dir", str(socket_dir)).stdout.splitlines()
+    assert table[0].split()[:4] == ["SOCKET", "CHECKPOINT", "FINGERPRINT", "RANK"]
+    (old_row,) = [r for r in table if old[:12] in r]
+    (new_row,) = [r for r in table if new[:12] in r]
+    assert f"{old[:12]} (stale)" in old_row and "stale" not in new_row
+
+    where = ("--socket-dir", str(socket_dir))
+    both = run_cli("evict", str(model), *where)
+    assert both.returncode == 1, both.stdout
+    picks = [line.strip().split("    (")[0] for line in both.stderr.splitlines()[1:]]
+    assert len(picks) == 2 and len(set(picks)) == 2, both.stderr
+    (pick_old,) = [p for p in picks if old[:12] in p]
+    one = run_cli("evict", str(model), *pick_old.split(), *where)
+    assert one.returncode == 0, one.stderr
+    assert [m["key"]["fingerprint"] for m in _served(d.socket)] == [new]
+
+    make_llama_checkpoint(model, SMALL, seed=3)  # changed again: the model served is now the stale one
+    newer = _fingerprint(model)
+    assert run_cli("preload", str(model), *where).returncode == 0
+    assert run_cli("evict", str(model), "--stale", *where).returncode == 0
+    assert [m["key"]["fingerprint"] for m in _served(d.socket)] == [newer]
+    nothing = run_cli("evict", str(model), "--stale", *where)
+    assert nothing.returncode == 1 and "NotFoundError" in nothing.stderr
+    assert len(_served(d.socket)) == 1
+
+    shutil.rmtree(model)  # gone: the directory gives no key
+    assert [m["stale"] for m in _served(d.socket)] == [True]
+    gone = run_cli("evict", str(model), "--stale", *where)
+    assert gone.returncode == 0, gone.stderr
+    assert _served(d.socket) == []
