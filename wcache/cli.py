@@ -2,7 +2,8 @@
 
     wcache status [--socket-path P | --socket-dir D] [--json]
     wcache preload DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--socket-path P | --socket-dir D]
-    wcache evict DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--fingerprint HEX] [--stale | --all]
+    wcache evict DIR [--tp-rank N --tp-size M --dtype D --transform MOD:FN] [--fingerprint HEX]
+                     [--deposit [ENGINE] [--recipe FIELD=VALUE ...] | --no-deposit] [--stale | --all]
                      [same socket options]
     wcache make-checkpoint DIR [--size SIZE]
 
@@ -15,8 +16,10 @@ is waited for. A model is *stale* when its checkpoint directory no longer gives 
 are gone, since it was loaded): its fingerprint is marked ``(stale)``.
 ``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased models, least
 recently used first, under its --memory-budget); ``evict`` drops it — without --tp-rank and --tp-size (or with
---fingerprint or --stale), whatever the daemons serve of that checkpoint: one model; several are listed with
-the options that pick each; --all evicts every one, --stale every stale one.
+any of --fingerprint, --stale, --deposit, --recipe, --no-deposit), whatever the daemons serve of that checkpoint,
+its deposits (engines' write-back, ``DIR [ENGINE deposit]``) included: one model is evicted; several are listed
+with the options that pick each, and nothing is evicted; --all evicts every one, --stale every stale one.
+--deposit [ENGINE] keeps only deposits (of that engine), --no-deposit only the checkpoint's own models.
 ``make-checkpoint`` writes a small random Llama-shaped checkpoint to try the daemon on.
 """
 
@@ -29,7 +32,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from wcache.client import WCacheClient
 from wcache.errors import CacheUnavailableError, CheckpointError, NotFoundError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.plan.key import WeightCacheKey, tp_problem
+from wcache.plan.recipe import key_from_wire
 from wcache.proto import ModelInfo, StatusReply
 from wcache.units import size_arg
 
@@ -234,7 +238,7 @@ class Served:
 def _served_of(
     args: argparse.Namespace, results: list[tuple[Path, StatusReply | str]]
 ) -> tuple[list[Served], str | None]:
-    """The checkpoint models (not deposits) of ``args.model`` the daemons serve — the same directory, or the same
+    """The models of ``args.model`` the daemons serve, deposits included — the same directory, or the same
     sampled fingerprint — that agree with every option given (an option left out matches anything), and the
     sampled fingerprint the directory gives now (None: it gives no key, gone or no longer a checkpoint; then its
     models are those loaded from that directory, every one stale). Each model's staleness is told against the
@@ -248,6 +252,7 @@ def _served_of(
     want: dict[str, Any] = {"tp_rank": args.tp_rank, "tp_size": args.tp_size, "transform": args.transform}
     want["dtype"] = (base.dtype if base is not None else None) if args.dtype == "auto" else args.dtype
     prefix = (args.fingerprint or "").lower()
+    recipe = dict(r.split("=", 1) for r in args.recipe or ())
     out = []
     for p, r in results:
         if not isinstance(r, StatusReply) or r.software.startswith("wcache-keeper/"):
@@ -259,7 +264,14 @@ def _served_of(
                 and k.get("fingerprint") == base.fingerprint
                 and k.get("fingerprint_kind", "sampled") == "sampled"
             )
-            if not same or "engine" in k or not str(k.get("fingerprint", "")).startswith(prefix):
+            if not same or not str(k.get("fingerprint", "")).startswith(prefix):
+                continue
+            if "engine" in k:  # a deposit
+                if args.no_deposit or (args.deposit and k["engine"] != args.deposit):
+                    continue
+                if any(str(k.get(f, "")) != v for f, v in recipe.items()):
+                    continue
+            elif args.deposit is not None or recipe:
                 continue
             if not all(v is None or k.get(f, "") == v for f, v in want.items()):
                 continue
@@ -270,23 +282,42 @@ def _served_of(
 
 
 def _options(s: Served, found: list[Served], now: str | None) -> str:
-    """The options that pick ``s`` among ``found``: its rank, dtype and transform, and its fingerprint where the
-    found models have several or ``s``'s is not what the directory gives now (``now``: the options alone would name
-    the directory's current key)."""
+    """The options that pick ``s`` among ``found``: its rank, dtype and transform; its fingerprint where the found
+    models have several or ``s``'s is not what the directory gives now (``now``: the options alone would name the
+    directory's current key); where deposits are found, --no-deposit for a checkpoint's own model, and for a deposit
+    --deposit ENGINE and --recipe FIELD=VALUE for each recipe field another found deposit of its engine differs in."""
     k = s.model.key
     t = f" --transform {shlex.quote(str(k['transform']))}" if k.get("transform") else ""
     opts = f"--tp-rank {k.get('tp_rank')} --tp-size {k.get('tp_size')} --dtype {k.get('dtype')}{t}"
     if len({f.model.key.get("fingerprint") for f in found}) > 1 or k.get("fingerprint") != now:
         opts += f" --fingerprint {str(k.get('fingerprint', ''))[:12]}"
+    if "engine" in k:
+        opts += f" --deposit {shlex.quote(str(k['engine']))}"
+        recipes = [_recipe(f.model.key) for f in found if f.model.key.get("engine") == k["engine"]]
+        differ = sorted({name for r in recipes for name in r if any(o.get(name) != r.get(name) for o in recipes)})
+        mine = _recipe(k)
+        opts += "".join(" --recipe " + shlex.quote(f"{name}={mine.get(name, '')}") for name in differ)
+    elif any("engine" in f.model.key for f in found):
+        opts += " --no-deposit"
     return opts
 
 
+def _recipe(key: dict[str, Any]) -> dict[str, str]:
+    """A deposit's recipe fields (every key field a checkpoint's key lacks), as strings."""
+    return {name: str(value) for name, value in key.items() if name not in _KEY_FIELDS}
+
+
+#: A checkpoint's key fields: a deposit's others are its recipe (wcache.plan.recipe)
+_KEY_FIELDS = frozenset(f.name for f in fields(WeightCacheKey))
+
+
 async def _evict(args: argparse.Namespace) -> int:
-    """``wcache evict DIR``: with --tp-rank and --tp-size (and neither --fingerprint nor --stale), the key they name
-    (its daemon says how it differs from what it serves); otherwise what the daemons serve of DIR, found through
-    STATUS: one model (or, with --all, every one; with --stale, every stale one) is evicted, several are listed
-    with the options that pick each."""
-    if args.tp_rank is not None and args.tp_size is not None and not (args.fingerprint or args.stale):
+    """``wcache evict DIR``: with --tp-rank and --tp-size (and no option that picks among DIR's models), the key they
+    name, the checkpoint's own (its daemon says how it differs from what it serves); otherwise what the daemons
+    serve of DIR, its deposits included, found through STATUS: one model (or, with --all, every one; with --stale,
+    every stale one) is evicted, several are listed with the options that pick each."""
+    picks = args.fingerprint or args.stale or args.deposit is not None or args.recipe or args.no_deposit
+    if args.tp_rank is not None and args.tp_size is not None and not picks:
         from wcache.server.startup import rank_spec
 
         key = WeightCacheKey.from_spec(rank_spec(args))
@@ -328,7 +359,7 @@ async def _evict(args: argparse.Namespace) -> int:
         )
         return 1
     for f in found:
-        key = WeightCacheKey.from_wire(f.model.key)
+        key = key_from_wire(dict(f.model.key))  # a deposit's recipe key, recipe fields and all
         ev = await WCacheClient(f.socket, wait_for_daemon=0).evict(key, timeout=args.timeout)
         print(f"evicted {f.describe()} from {f.socket}: {_size(ev.bytes)} freed")
     return 0
@@ -390,12 +421,34 @@ def _hex_prefix(text: str) -> str:
     return text.lower()
 
 
+def _recipe_field(text: str) -> str:
+    """``--recipe``: FIELD=VALUE of a recipe field (not one of the checkpoint's key fields)."""
+    name, eq, _ = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE")
+    if name in _KEY_FIELDS:
+        raise argparse.ArgumentTypeError(f"{name} is a checkpoint key field, not a recipe field: use its own option")
+    return text
+
+
 def _where(p: argparse.ArgumentParser) -> None:
     w = p.add_mutually_exclusive_group()
     w.add_argument("--socket-path", type=Path, help="one daemon's socket file")
     w.add_argument(
         "--socket-dir", type=Path, help=f"directory of the daemons' sockets (default: {DEFAULT_SOCKET_DIR_HELP})"
     )
+
+
+EVICT_HELP = (
+    "Drop a checkpoint's model from the daemon of its rank (refused while engines hold leases). The models the "
+    "daemons serve of DIR (loaded from it, or of the fingerprint its files give now) are found through STATUS, its deposits (engines' "
+    "write-back: DIR [ENGINE deposit] in wcache status) included, and the options given narrow them: when one "
+    "model is left it is evicted; when several are, nothing is evicted and each is listed with the options that "
+    "pick it (--no-deposit the checkpoint's own model, --deposit ENGINE and --recipe FIELD=VALUE a deposit, "
+    "--fingerprint HEX one of two loads of a directory whose files changed); --all evicts every one, --stale every "
+    "one the directory no longer gives. With --tp-rank and --tp-size and none of those options, the checkpoint's "
+    "own key they name is evicted (its daemon says how it differs from what it serves)."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,8 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("preload", "load a checkpoint into the daemon of its rank and keep it resident"),
         ("evict", "drop a checkpoint's model from the daemon of its rank (refused while engines hold leases)"),
     ):
-        sp = sub.add_parser(name, help=help_, description=help_)
-        sp.add_argument("model", type=Path, help="checkpoint directory (safetensors + config.json)")
+        sp = sub.add_parser(name, help=help_, description=EVICT_HELP if name == "evict" else help_)
+        sp.add_argument("model", type=Path, metavar="DIR", help="checkpoint directory (safetensors + config.json)")
         if name == "preload":
             sp.add_argument(
                 "--tp-rank", type=int, default=0, help="tensor-parallel rank, in [0, --tp-size) (default 0)"
@@ -434,9 +487,31 @@ def build_parser() -> argparse.ArgumentParser:
                 help="only the model whose key's fingerprint starts so (the FINGERPRINT column of wcache status) "
                 "(default: any)",
             )
+            kind = sp.add_mutually_exclusive_group()
+            kind.add_argument(
+                "--deposit",
+                nargs="?",
+                const="",
+                metavar="ENGINE",
+                help="only deposits (engines' write-back: DIR [ENGINE deposit] in wcache status), of ENGINE if given "
+                "(default: deposits and the checkpoint's own models alike)",
+            )
+            kind.add_argument(
+                "--no-deposit", action="store_true", help="only the checkpoint's own models, none of its deposits"
+            )
+            sp.add_argument(
+                "--recipe",
+                action="append",
+                type=_recipe_field,
+                metavar="FIELD=VALUE",
+                help="only deposits whose recipe key has FIELD equal to VALUE (e.g. quantization=fp8; repeatable) "
+                "(default: any)",
+            )
             pick = sp.add_mutually_exclusive_group()
             pick.add_argument(
-                "--all", action="store_true", help="evict every model of the checkpoint that matches, not just one"
+                "--all",
+                action="store_true",
+                help="evict every model of the checkpoint that matches, deposits included, not just one",
             )
             pick.add_argument(
                 "--stale",
@@ -493,6 +568,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         if problem is not None:
             p.error(problem)
+        if args.cmd == "evict" and args.recipe and args.no_deposit:
+            p.error("--recipe picks deposits: it cannot go with --no-deposit")
     return args
 
 

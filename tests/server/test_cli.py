@@ -4,6 +4,7 @@ nobody, clean errors (no traceback) for bad checkpoints and paths, interruption 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -21,9 +22,10 @@ import pytest
 import torch
 
 from tests.conftest import DaemonProc, run_cli, server_cmd
-from wcache import WeightCacheKey, __version__
+from wcache import WCacheClient, WeightCacheKey, __version__
 from wcache.cli import build_parser as wcache_parser
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
+from wcache.plan.recipe import RecipeKey
 from wcache.server import cli as server_cli
 from wcache.server.backends import host
 from wcache.server.security import DaemonLock
@@ -472,4 +474,51 @@ def test_a_changed_checkpoints_models_are_told_apart_and_the_stale_one_evicted(
     assert [m["stale"] for m in _served(d.socket)] == [True]
     gone = run_cli("evict", str(model), "--stale", *where)
     assert gone.returncode == 0, gone.stderr
+    assert _served(d.socket) == []
+
+
+def _deposit(sock: Path, model: Path, engine: str, quantization: str) -> None:
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model).resolve(), engine=engine, quantization=quantization)
+    asyncio.run(WCacheClient(sock).deposit(key, {"layers.0.weight": torch.randn(8, 8)}))
+
+
+def _recipes(sock: Path) -> set[tuple[str, str]]:
+    """(engine, quantization) of each model served; ("", "") for the checkpoint's own."""
+    return {(m["key"].get("engine", ""), m["key"].get("quantization", "")) for m in _served(sock)}
+
+
+def test_deposits_are_models_of_their_checkpoint_to_wcache_evict(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    """A directory's deposits are among what ``wcache evict DIR`` finds (a bare evict used to evict the checkpoint's
+    own model silently beside them, and --all failed with a NotFoundError listing the very deposit): with several
+    served, nothing is evicted and the options listed pick each one — --no-deposit the checkpoint's own model,
+    --deposit ENGINE (and --recipe FIELD=VALUE between two of one engine) a deposit; --all evicts them all."""
+    d = daemon_factory(ckpt)
+    for engine, quantization in (("mine", "fp8"), ("mine", "int4"), ("theirs", "fp8")):
+        _deposit(d.socket, ckpt, engine, quantization)
+    every = {("", ""), ("mine", "fp8"), ("mine", "int4"), ("theirs", "fp8")}
+    assert _recipes(d.socket) == every
+    where = ("--socket-dir", str(socket_dir))
+
+    listed = run_cli("evict", str(ckpt), *where)
+    assert listed.returncode == 1, listed.stdout
+    assert _recipes(d.socket) == every
+    picks = [line.strip().split("    (")[0] for line in listed.stderr.splitlines()[1:]]
+    assert len(picks) == 4 and len(set(picks)) == 4, listed.stderr
+    for gone, says in ((("mine", "int4"), "quantization=int4"), (("", ""), "--no-deposit")):
+        (pick,) = [p for p in picks if says in p]
+        out = run_cli("evict", str(ckpt), *pick.split(), *where)
+        assert out.returncode == 0, out.stderr
+        every -= {gone}
+        assert _recipes(d.socket) == every
+
+    out = run_cli("evict", str(ckpt), "--deposit", "theirs", *where)
+    assert out.returncode == 0, out.stderr
+    assert _recipes(d.socket) == {("mine", "fp8")}
+
+    _deposit(d.socket, ckpt, "theirs", "fp8")
+    assert run_cli("preload", str(ckpt), *where).returncode == 0
+    out = run_cli("evict", str(ckpt), "--all", *where)
+    assert out.returncode == 0, out.stderr
     assert _served(d.socket) == []
