@@ -403,9 +403,22 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"wcache make-checkpoint: {exc}", file=sys.stderr)
         return 2
+    blocker = next((p for p in (args.dir, *args.dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # DIR, or a directory it would be made in, is a file
+        what = "" if blocker == args.dir else f" cannot be made: {blocker}"
+        print(
+            f"wcache make-checkpoint: {args.dir}{what} is a file, not a directory: name a new directory, or one "
+            "to overwrite",
+            file=sys.stderr,
+        )
+        return 2
     shards = args.shards if args.shards > 0 else max(1, -(-shape.nbytes() // (2 * 10**9)))
     t0 = time.perf_counter()
-    root = make_llama_checkpoint(args.dir, shape, shards=shards, seed=args.seed)
+    try:
+        root = make_llama_checkpoint(args.dir, shape, shards=shards, seed=args.seed)
+    except OSError as exc:  # no permission, no space, ...
+        print(f"wcache make-checkpoint: cannot write {args.dir}: {exc}", file=sys.stderr)
+        return 1
     print(
         f"wrote {root}: {len(shape.tensors())} tensors, {_size(shape.nbytes())} of bf16 in {shards} file(s) "
         f"({time.perf_counter() - t0:.1f} s; LlamaForCausalLM, hidden {shape.hidden}, {shape.layers} layers). "

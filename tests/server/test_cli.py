@@ -522,3 +522,19 @@ def test_deposits_are_models_of_their_checkpoint_to_wcache_evict(
     out = run_cli("evict", str(ckpt), "--all", *where)
     assert out.returncode == 0, out.stderr
     assert _served(d.socket) == []
+
+
+# ---------------------------------------------------------------- wcache make-checkpoint
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["the-file", "a-directory-in-it"])
+def test_make_checkpoint_at_a_file_is_a_one_line_usage_error(tmp_path: Path, under: bool) -> None:
+    """``wcache make-checkpoint PATH`` with PATH (or a directory above it) an existing file: exit 2, as for any bad
+    argument, with one line naming the file (it was a FileExistsError traceback), and the file left as it was."""
+    f = tmp_path / "notes.txt"
+    f.write_text("precious")
+    out = run_cli("make-checkpoint", str(f / "ckpt" if under else f), "--size", "1MB")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"{f} is a file, not a directory" in line
+    assert f.read_text() == "precious"
