@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shlex
+import stat
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -69,14 +70,21 @@ async def _status(paths: list[Path], timeout: float) -> list[tuple[Path, StatusR
             why = f"{type(exc).__name__}: {exc.message}"
             if isinstance(exc, CacheUnavailableError) and wait.is_absent(exc):
                 coming = await wait.daemon_coming(p, p.parent / KEEPER_SOCKET, None)
-                why += (
-                    f"; a daemon is coming back ({coming})"
-                    if coming
-                    else "; nothing is coming back to it (a stale socket: start its daemon, or remove the file)"
-                )
+                why += f"; a daemon is coming back ({coming})" if coming else f"; {_nobody_at(p)}"
             return p, why
 
     return list(await asyncio.gather(*(one(p) for p in paths)))
+
+
+def _nobody_at(p: Path) -> str:
+    """Why nobody answers at ``p`` when no daemon is coming back to it: what is there, and what to do."""
+    try:
+        mode = p.lstat().st_mode
+    except OSError:  # nothing there, or its directory cannot be searched
+        return "there is no socket at that path (start its daemon, or check the path)"
+    if not stat.S_ISSOCK(mode):
+        return "that path is not a socket (check the path)"
+    return "nothing is coming back to it (a stale socket: start its daemon, or remove the file)"
 
 
 HEADER = [

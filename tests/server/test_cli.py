@@ -411,6 +411,23 @@ def test_status_reports_a_stale_socket_at_once_saying_whether_a_daemon_is_coming
     assert str(daemon.socket) in rows
 
 
+@pytest.mark.parametrize("what", ["nothing", "no-directory", "a-file"])
+def test_status_of_a_path_with_no_socket_says_so(tmp_path: Path, what: str) -> None:
+    """``wcache status --socket-path P`` where P is no socket: the row says there is none there (or that P is not a
+    socket), not that it is a stale socket to remove (the advice for a crashed daemon's socket: removing a file the
+    operator named is no fix)."""
+    p = tmp_path / ("none" if what == "no-directory" else "") / "x.sock"
+    if what == "a-file":
+        p.write_text("precious")
+    out = run_cli("status", "--socket-path", str(p))
+    assert out.returncode == 1
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(str(p))]
+    assert "stale socket" not in row and "remove the file" not in row, row
+    says = "that path is not a socket" if what == "a-file" else "there is no socket at that path"
+    assert says in row, row
+    assert what != "a-file" or p.read_text() == "precious"
+
+
 # ---------------------------------------------------------------- wcache evict
 
 
