@@ -118,8 +118,12 @@ def _size(n: int) -> str:
 def checkpoint_of(m: ModelInfo) -> str:
     """A served model's checkpoint as an operator knows it: its directory (the model's ``architecture@fingerprint``
     where the daemon does not know it); a deposit (write-back) names its engine too."""
-    key = m.key
-    name = m.source or f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}"
+    return checkpoint_named(m.key, m.source)
+
+
+def checkpoint_named(key: dict[str, Any], source: str) -> str:
+    """``checkpoint_of`` a key map and the directory it was loaded from ("" unknown)."""
+    name = source or f"{key.get('architecture', '')}@{str(key.get('fingerprint', ''))[:12]}"
     if "engine" in key:
         quant = f" {key['quantization']}" if key.get("quantization") else ""
         name += f" [{key['engine']}{quant} deposit]"
@@ -215,7 +219,10 @@ def _summary(path: Path, r: StatusReply) -> str:
     if r.device_total_bytes:
         parts.append(f"device memory {r.device_free_bytes / 1e9:.1f} of {r.device_total_bytes / 1e9:.1f} GB free")
     if r.tier_budget:
-        parts.append(f"host tier {r.tier_bytes / 1e9:.2f} of {r.tier_budget / 1e9:.2f} GB in {r.tier_entries} entries")
+        n = r.tier_entries
+        parts.append(
+            f"host tier {r.tier_bytes / 1e9:.2f} of {r.tier_budget / 1e9:.2f} GB in {n} entr{'y' if n == 1 else 'ies'}"
+        )
     return f"{path}: " + "; ".join(parts) if parts else ""
 
 
@@ -377,11 +384,21 @@ async def _manage(args: argparse.Namespace) -> int:
     try:
         if args.cmd == "evict":
             return await _evict(args)
+        from wcache.paths import socket_name
         from wcache.server.startup import rank_spec
 
-        client = WCacheClient(args.socket_path, socket_dir=args.socket_dir)
-        r = await client.preload(rank_spec(args), timeout=args.timeout)
-        gone = ", ".join(f"{k.get('architecture')}@{str(k.get('fingerprint'))[:12]}" for k in r.evicted)
+        path = args.socket_path or Path(args.socket_dir or default_socket_dir()) / socket_name(args.tp_rank)
+        try:  # the directories of the models the budget may evict: the reply names their keys only
+            served = (await WCacheClient(path, wait_for_daemon=0).status(timeout=min(args.timeout, 10.0))).models
+        except WCacheError:  # the PRELOAD says why (or waits for a daemon coming back)
+            served = ()
+        sources = {json.dumps(m.key, sort_keys=True): m.source for m in served}
+        r = await WCacheClient(path).preload(rank_spec(args), timeout=args.timeout)
+        gone = "; ".join(
+            f"{checkpoint_named(k, sources.get(json.dumps(k, sort_keys=True), ''))} {rank_of(k)}, "
+            f"fingerprint {fingerprint_of(k)}"
+            for k in r.evicted
+        )
         print(
             f"resident: {r.tensors} tensors, {_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"
             + (f"; evicted {gone}" if gone else "")

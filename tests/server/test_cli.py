@@ -555,3 +555,25 @@ def test_make_checkpoint_at_a_file_is_a_one_line_usage_error(tmp_path: Path, und
     (line,) = out.stderr.strip().splitlines()
     assert f"{f} is a file, not a directory" in line
     assert f.read_text() == "precious"
+
+
+# ---------------------------------------------------------------- wcache preload
+
+
+def test_preload_names_the_models_its_budget_evicted_as_status_does(
+    daemon_factory: Callable[..., DaemonProc], tmp_path: Path, socket_dir: Path
+) -> None:
+    """A PRELOAD past --memory-budget evicts the least recently used model; ``wcache preload`` names it by its
+    directory, rank and dtype (and fingerprint), as status and evict do — it printed ``LlamaForCausalLM@<hex>``."""
+    from wcache.plan.key import RankSpec
+    from wcache.server.load import planned_bytes
+
+    a, b, c = (make_llama_checkpoint(tmp_path / n, SMALL, seed=i) for i, n in enumerate("abc"))
+    budget = sum(planned_bytes(RankSpec(m))[1] for m in (a, b)) + planned_bytes(RankSpec(c))[1] // 2
+    d = daemon_factory(a, "--memory-budget", str(budget))
+    where = ("--socket-dir", str(socket_dir))
+    assert run_cli("preload", str(b), *where).returncode == 0
+    out = run_cli("preload", str(c), *where)  # room for two: a, the least recently used, goes
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(f"; evicted {a} tp0/1 bfloat16, fingerprint {_fingerprint(a)[:12]}"), out.stdout
+    assert {m["source"] for m in _served(d.socket)} == {str(b), str(c)}

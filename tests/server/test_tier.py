@@ -124,7 +124,7 @@ def test_status_shows_tier_and_last_use(
     head, row = out.stdout.splitlines()[:2]
     assert head.split()[:7] == ["SOCKET", "CHECKPOINT", "FINGERPRINT", "RANK", "ORIGIN", "SIZE", "TIER"]
     assert " host " in row and "never" in row
-    assert "host tier 0.01 of 1.07 GB in 1 entries" in out.stdout
+    assert "host tier 0.01 of 1.07 GB in 1 entry" in out.stdout
 
 
 def _complete_entries(tier: Path) -> int:
