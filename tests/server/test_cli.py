@@ -4,8 +4,10 @@ nobody, clean errors (no traceback) for bad checkpoints and paths, interruption 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -14,18 +16,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.conftest import DaemonProc, run_cli, server_cmd
-from wcache import __version__
+from wcache import WCacheClient, WeightCacheKey, __version__
 from wcache.cli import build_parser as wcache_parser
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
+from wcache.plan.recipe import RecipeKey
 from wcache.server import cli as server_cli
 from wcache.server import keeper_cli
 from wcache.server.backends import host
 from wcache.server.security import DaemonLock
+from wcache.synthetic import LlamaShape, make_llama_checkpoint
 from wcache.units import parse_size
 
 ROOT = os.geteuid() == 0
@@ -440,3 +445,171 @@ def test_status_reports_a_stale_socket_at_once_saying_whether_a_daemon_is_coming
     assert "waited" not in rows[str(starting)]
     assert "nothing is coming back to it (a stale socket" in rows[str(stale)]
     assert str(daemon.socket) in rows
+
+
+@pytest.mark.parametrize("what", ["nothing", "no-directory", "a-file"])
+def test_status_of_a_path_with_no_socket_says_so(tmp_path: Path, what: str) -> None:
+    """``wcache status --socket-path P`` where P is no socket: the row says there is none there (or that P is not a
+    socket), not that it is a stale socket to remove (the advice for a crashed daemon's socket: removing a file the
+    operator named is no fix)."""
+    p = tmp_path / ("none" if what == "no-directory" else "") / "x.sock"
+    if what == "a-file":
+        p.write_text("precious")
+    out = run_cli("status", "--socket-path", str(p))
+    assert out.returncode == 1
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(str(p))]
+    assert "stale socket" not in row and "remove the file" not in row, row
+    says = "that path is not a socket" if what == "a-file" else "there is no socket at that path"
+    assert says in row, row
+    assert what != "a-file" or p.read_text() == "precious"
+
+
+# ---------------------------------------------------------------- wcache evict
+
+
+SMALL = LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
+
+
+def _served(sock: Path) -> list[dict[str, Any]]:
+    """What the daemon at ``sock`` serves: its models' wire maps, as ``wcache status --json`` gives them."""
+    out = run_cli("status", "--socket-path", str(sock), "--json")
+    assert out.returncode == 0, out.stderr
+    models: list[dict[str, Any]] = json.loads(out.stdout)[str(sock)]["models"]
+    return models
+
+
+def _fingerprint(model: Path) -> str:
+    return WeightCacheKey.from_checkpoint(model).resolve().fingerprint
+
+
+def test_a_changed_checkpoints_models_are_told_apart_and_the_stale_one_evicted(
+    daemon_factory: Callable[..., DaemonProc], tmp_path: Path, socket_dir: Path
+) -> None:
+    """A checkpoint rewritten on disk and PRELOADed again: the daemon serves its old and its new model. Status
+    tells them apart (a fingerprint column, the old one marked stale; ``stale`` in the JSON), evict lists the
+    options that pick each — and those options evict that one (they used to name the new key twice, which evicted
+    the new model) — and ``--stale`` evicts what the directory no longer gives, even once it is gone."""
+    model = tmp_path / "m"
+    make_llama_checkpoint(model, SMALL, seed=1)
+    old = _fingerprint(model)
+    d = daemon_factory(model)
+    make_llama_checkpoint(model, SMALL, seed=2)
+    new = _fingerprint(model)
+    assert run_cli("preload", str(model), "--socket-dir", str(socket_dir)).returncode == 0
+    assert {m["key"]["fingerprint"]: m["stale"] for m in _served(d.socket)} == {old: True, new: False}
+
+    table = run_cli("status", "--socket-dir", str(socket_dir)).stdout.splitlines()
+    assert table[0].split()[:4] == ["SOCKET", "CHECKPOINT", "FINGERPRINT", "RANK"]
+    (old_row,) = [r for r in table if old[:12] in r]
+    (new_row,) = [r for r in table if new[:12] in r]
+    assert f"{old[:12]} (stale)" in old_row and "stale" not in new_row
+
+    where = ("--socket-dir", str(socket_dir))
+    both = run_cli("evict", str(model), *where)
+    assert both.returncode == 1, both.stdout
+    picks = [line.strip().split("    (")[0] for line in both.stderr.splitlines()[1:]]
+    assert len(picks) == 2 and len(set(picks)) == 2, both.stderr
+    (pick_old,) = [p for p in picks if old[:12] in p]
+    one = run_cli("evict", str(model), *pick_old.split(), *where)
+    assert one.returncode == 0, one.stderr
+    assert [m["key"]["fingerprint"] for m in _served(d.socket)] == [new]
+
+    make_llama_checkpoint(model, SMALL, seed=3)  # changed again: the model served is now the stale one
+    newer = _fingerprint(model)
+    assert run_cli("preload", str(model), *where).returncode == 0
+    assert run_cli("evict", str(model), "--stale", *where).returncode == 0
+    assert [m["key"]["fingerprint"] for m in _served(d.socket)] == [newer]
+    nothing = run_cli("evict", str(model), "--stale", *where)
+    assert nothing.returncode == 1 and "NotFoundError" in nothing.stderr
+    assert len(_served(d.socket)) == 1
+
+    shutil.rmtree(model)  # gone: the directory gives no key
+    assert [m["stale"] for m in _served(d.socket)] == [True]
+    gone = run_cli("evict", str(model), "--stale", *where)
+    assert gone.returncode == 0, gone.stderr
+    assert _served(d.socket) == []
+
+
+def _deposit(sock: Path, model: Path, engine: str, quantization: str) -> None:
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model).resolve(), engine=engine, quantization=quantization)
+    asyncio.run(WCacheClient(sock).deposit(key, {"layers.0.weight": torch.randn(8, 8)}))
+
+
+def _recipes(sock: Path) -> set[tuple[str, str]]:
+    """(engine, quantization) of each model served; ("", "") for the checkpoint's own."""
+    return {(m["key"].get("engine", ""), m["key"].get("quantization", "")) for m in _served(sock)}
+
+
+def test_deposits_are_models_of_their_checkpoint_to_wcache_evict(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    """A directory's deposits are among what ``wcache evict DIR`` finds (a bare evict used to evict the checkpoint's
+    own model silently beside them, and --all failed with a NotFoundError listing the very deposit): with several
+    served, nothing is evicted and the options listed pick each one — --no-deposit the checkpoint's own model,
+    --deposit ENGINE (and --recipe FIELD=VALUE between two of one engine) a deposit; --all evicts them all."""
+    d = daemon_factory(ckpt)
+    for engine, quantization in (("mine", "fp8"), ("mine", "int4"), ("theirs", "fp8")):
+        _deposit(d.socket, ckpt, engine, quantization)
+    every = {("", ""), ("mine", "fp8"), ("mine", "int4"), ("theirs", "fp8")}
+    assert _recipes(d.socket) == every
+    where = ("--socket-dir", str(socket_dir))
+
+    listed = run_cli("evict", str(ckpt), *where)
+    assert listed.returncode == 1, listed.stdout
+    assert _recipes(d.socket) == every
+    picks = [line.strip().split("    (")[0] for line in listed.stderr.splitlines()[1:]]
+    assert len(picks) == 4 and len(set(picks)) == 4, listed.stderr
+    for gone, says in ((("mine", "int4"), "quantization=int4"), (("", ""), "--no-deposit")):
+        (pick,) = [p for p in picks if says in p]
+        out = run_cli("evict", str(ckpt), *pick.split(), *where)
+        assert out.returncode == 0, out.stderr
+        every -= {gone}
+        assert _recipes(d.socket) == every
+
+    out = run_cli("evict", str(ckpt), "--deposit", "theirs", *where)
+    assert out.returncode == 0, out.stderr
+    assert _recipes(d.socket) == {("mine", "fp8")}
+
+    _deposit(d.socket, ckpt, "theirs", "fp8")
+    assert run_cli("preload", str(ckpt), *where).returncode == 0
+    out = run_cli("evict", str(ckpt), "--all", *where)
+    assert out.returncode == 0, out.stderr
+    assert _served(d.socket) == []
+
+
+# ---------------------------------------------------------------- wcache make-checkpoint
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["the-file", "a-directory-in-it"])
+def test_make_checkpoint_at_a_file_is_a_one_line_usage_error(tmp_path: Path, under: bool) -> None:
+    """``wcache make-checkpoint PATH`` with PATH (or a directory above it) an existing file: exit 2, as for any bad
+    argument, with one line naming the file (it was a FileExistsError traceback), and the file left as it was."""
+    f = tmp_path / "notes.txt"
+    f.write_text("precious")
+    out = run_cli("make-checkpoint", str(f / "ckpt" if under else f), "--size", "1MB")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"{f} is a file, not a directory" in line
+    assert f.read_text() == "precious"
+
+
+# ---------------------------------------------------------------- wcache preload
+
+
+def test_preload_names_the_models_its_budget_evicted_as_status_does(
+    daemon_factory: Callable[..., DaemonProc], tmp_path: Path, socket_dir: Path
+) -> None:
+    """A PRELOAD past --memory-budget evicts the least recently used model; ``wcache preload`` names it by its
+    directory, rank and dtype (and fingerprint), as status and evict do — it printed ``LlamaForCausalLM@<hex>``."""
+    from wcache.plan.key import RankSpec
+    from wcache.server.load import planned_bytes
+
+    a, b, c = (make_llama_checkpoint(tmp_path / n, SMALL, seed=i) for i, n in enumerate("abc"))
+    budget = sum(planned_bytes(RankSpec(m))[1] for m in (a, b)) + planned_bytes(RankSpec(c))[1] // 2
+    d = daemon_factory(a, "--memory-budget", str(budget))
+    where = ("--socket-dir", str(socket_dir))
+    assert run_cli("preload", str(b), *where).returncode == 0
+    out = run_cli("preload", str(c), *where)  # room for two: a, the least recently used, goes
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(f"; evicted {a} tp0/1 bfloat16, fingerprint {_fingerprint(a)[:12]}"), out.stdout
+    assert {m["source"] for m in _served(d.socket)} == {str(b), str(c)}

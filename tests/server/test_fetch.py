@@ -192,15 +192,17 @@ async def test_unknown_lease(daemon: DaemonProc, ckpt: Path) -> None:
 
 
 def test_wcache_status_cli(daemon: DaemonProc, socket_dir: Path, ckpt: Path) -> None:
-    """A row names the model as an operator knows it: checkpoint directory, rank and dtype, origin, size."""
+    """A row names the model as an operator knows it: checkpoint directory, fingerprint, rank and dtype, origin,
+    size."""
     import json
 
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 0, out.stderr
     head, row = out.stdout.splitlines()[:2]
-    assert head.split()[:6] == ["SOCKET", "CHECKPOINT", "RANK", "ORIGIN", "SIZE", "TIER"]
+    assert head.split()[:7] == ["SOCKET", "CHECKPOINT", "FINGERPRINT", "RANK", "ORIGIN", "SIZE", "TIER"]
     cells = row.split()
-    assert cells[:7] == [str(daemon.socket), str(ckpt), "tp0/1", "bfloat16", "disk", "10.0", "MB"], row
+    fingerprint = WeightCacheKey.from_checkpoint(ckpt).resolve().fingerprint[:12]
+    assert cells[:8] == [str(daemon.socket), str(ckpt), fingerprint, "tp0/1", "bfloat16", "disk", "10.0", "MB"], row
     assert "host:cpu" in cells
     js = run_cli("status", "--socket-path", str(daemon.socket), "--json")
     doc = json.loads(js.stdout)[str(daemon.socket)]

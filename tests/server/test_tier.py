@@ -122,9 +122,9 @@ def test_status_shows_tier_and_last_use(
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 0, out.stderr
     head, row = out.stdout.splitlines()[:2]
-    assert head.split()[:6] == ["SOCKET", "CHECKPOINT", "RANK", "ORIGIN", "SIZE", "TIER"]
+    assert head.split()[:7] == ["SOCKET", "CHECKPOINT", "FINGERPRINT", "RANK", "ORIGIN", "SIZE", "TIER"]
     assert " host " in row and "never" in row
-    assert "host tier 0.01 of 1.07 GB in 1 entries" in out.stdout
+    assert "host tier 0.01 of 1.07 GB in 1 entry" in out.stdout
 
 
 def _complete_entries(tier: Path) -> int:
