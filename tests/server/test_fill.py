@@ -328,12 +328,8 @@ async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path,
     svc.store.close()
 
 
-async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Path, agent: Agent) -> None:
-    """A source that stops answering PEER_READ: the fill fails at its deadline with a FillError that says which
-    source and how far it got (it was ``TimeoutError:`` with no message), and the slab is freed."""
-    m = _load(ckpt)
-    before = _memfds()
-    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
+def _never_grant(svc: PeerService) -> None:
+    """``svc`` answers every request but PEER_READ, which it never answers (a source that stops granting)."""
     original = svc.handle
 
     async def silent(request: Any, fds: list[int], ctx: Any) -> Any:
@@ -342,6 +338,15 @@ async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Pa
         return await original(request, fds, ctx)
 
     svc.handle = silent  # type: ignore[method-assign]
+
+
+async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Path, agent: Agent) -> None:
+    """A source that stops answering PEER_READ: the fill fails at its deadline with a FillError that says which
+    source and how far it got (it was ``TimeoutError:`` with no message), and the slab is freed."""
+    m = _load(ckpt)
+    before = _memfds()
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
+    _never_grant(svc)
     try:
         async with _listening(svc) as port:
             with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
@@ -499,14 +504,7 @@ async def test_a_capped_source_that_stops_granting_fails_soon_and_the_error_name
     m = _load(ckpt)
     size = m.slabs[0].size
     svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 4)
-    original = svc.handle
-
-    async def silent(request: Any, fds: list[int], ctx: Any) -> Any:
-        if type(request).__name__ == "PeerRead":
-            await asyncio.sleep(3600)
-        return await original(request, fds, ctx)
-
-    svc.handle = silent  # type: ignore[method-assign]
+    _never_grant(svc)
     try:
         async with _listening(svc) as port:
             with plan_rank(RankSpec(ckpt)) as rp:
