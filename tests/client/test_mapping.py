@@ -227,3 +227,37 @@ def test_fetches_that_fail_on_a_later_slab_leave_no_mapping_or_descriptor_behind
         gc.enable()
         os.close(good)
         os.close(bad)
+
+
+#: run in a child: reading memory that was unmapped under a tensor kills the process (SIGSEGV), not just a test
+_VIEW_PAST_CLOSE = """
+import gc
+gc.disable()
+from tests.client.fake_daemon import memfd
+from tests.client.test_mapping import _held, _memfd_desc, _state
+from wcache.client.mapping import map_slabs
+
+(slab,) = map_slabs(_state(_memfd_desc(16, offset=4)), [memfd(4096, data=bytes(range(32)))])
+view = slab.base[2:6]
+slab.close()  # a failed fetch closes the slabs it mapped while a view of one is still referenced somewhere
+assert view.tolist() == [6, 7, 8, 9], view.tolist()
+assert _held()[0] == 1, _held()  # the view keeps the mapping
+del view
+assert _held()[0] == 0, _held()  # the last view gone: unmapped at once, the collector off
+print("ok")
+"""
+
+
+def test_a_view_of_a_closed_slab_keeps_its_mapping_until_it_goes() -> None:
+    """MappedSlab.close lets a slab go without unmapping it under a tensor that still views it: the view reads the
+    slab's bytes, and the mapping goes with the last view. Before, close unmapped at once (mmap.close does not know
+    of torch.frombuffer's tensors): reading the view was a segmentation fault — what printing a failed fetch's
+    traceback with its arguments did."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _VIEW_PAST_CLOSE], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]

@@ -16,7 +16,7 @@ import mmap
 import time
 import warnings
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -71,30 +71,31 @@ def _unmappable(i: int, desc: MappedDescriptor, exc: Exception) -> Exception:
 
 
 class MappedSlab:
-    """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping, ``close`` (None:
-    nothing to unmap) unmaps it."""
+    """A slab mapped into this process as a flat uint8 tensor; ``keepalive`` owns the mapping, which goes when the
+    last tensor viewing it does (``torch.frombuffer`` holds the mmap, ``torch.as_tensor`` the DeviceBuffer)."""
 
-    def __init__(self, base: torch.Tensor, keepalive: Any, close: Callable[[], None] | None = None) -> None:
+    def __init__(self, base: torch.Tensor, keepalive: Any) -> None:
         self.base = base
         self.keepalive = keepalive
-        self._close = close
+        self._closed = False
 
     def close(self) -> None:
-        """Unmap the slab now, not when the collector gets to it: a fetch that failed (its traceback holds the
-        slabs mapped so far, in a cycle in an asyncio task, which ``gc_paused(keep=True)`` moves to the oldest
+        """Let the slab go now, not when the collector gets to this object: a fetch that failed (its traceback holds
+        the slabs mapped so far, in a cycle in an asyncio task, which ``gc_paused(keep=True)`` moves to the oldest
         generation: each failed fetch kept its mapping and a descriptor until a full collection) and copy mode
-        once copied. A lease's slabs are not closed: they live as long as their views. ``base`` goes first: a
-        memfd slab's is torch.frombuffer's view of the mmap, whose buffer export keeps the mmap from closing; a
-        view of it kept elsewhere keeps the mapping (mmap's BufferError), which then goes with the last view."""
-        close, self._close = self._close, None
-        if close is None:
+        once copied. A lease's slabs are not closed: they live as long as their views.
+
+        It drops this object's references (``base``, the mapping's owner) and unmaps nothing itself: a tensor
+        that still views the slab (a view built from it, a frame of a traceback holding one) keeps the mapping,
+        which goes with the last of them. It used to unmap at once (``mmap.close``, ``cuMemUnmap``): neither
+        knows of torch's views, so such a tensor was left on unmapped memory — reading it (printing a failed
+        fetch's traceback with its arguments) was a segmentation fault on the host and an illegal address on the
+        GPU. Without such a tensor, dropping the references unmaps at once, as before."""
+        if self._closed:
             return
+        self._closed = True
         del self.base
         self.keepalive = None
-        try:
-            close()
-        except BufferError:
-            pass
 
 
 def _map_memfd(i: int, desc: MappedDescriptor, fd: int) -> MappedSlab:
@@ -120,7 +121,7 @@ def _map_memfd(i: int, desc: MappedDescriptor, fd: int) -> MappedSlab:
     except BaseException:
         mm.close()
         raise
-    return MappedSlab(base, mm, mm.close)
+    return MappedSlab(base, mm)
 
 
 def map_slabs(
@@ -151,7 +152,8 @@ def map_slabs(
                     except BaseException:
                         buf.close()
                         raise
-                    slabs.append(MappedSlab(base, buf, buf.close))
+                    slabs.append(MappedSlab(base, buf))
+                    del base, buf  # the slabs hold them: a later slab's failure must not keep this one mapped
                     if timings is not None:
                         timings["as_tensor"] = timings.get("as_tensor", 0.0) + (time.perf_counter() - t0) * 1e3
                 else:  # pragma: no cover - the decoder admits only known kinds
