@@ -261,3 +261,41 @@ def test_a_view_of_a_closed_slab_keeps_its_mapping_until_it_goes() -> None:
         [sys.executable, "-c", _VIEW_PAST_CLOSE], cwd=root, capture_output=True, text=True, timeout=120, check=False
     )
     assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_a_copy_that_does_not_fit_the_engine_is_cache_unavailable_and_unmaps(
+    blocking: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copy mode copies each mapped slab into the engine's own memory; a copy that does not fit (torch's
+    OutOfMemoryError, here raised by the copy itself) is CacheUnavailableError naming the slab — a WCacheError, which
+    the engine's fallback catches — and the slab's mapping is gone when it is raised. Before, torch's error escaped
+    the fetch as it was and ``wcache.nn.load_weights`` did not fall back."""
+    import torch
+
+    slab = memfd(4096, data=bytes(range(16)))
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        peer.send(state(request, [memfd_slab(0, 16)], [TensorEntry("w", "float32", (4,), (1,), 0, 0)]), [slab])
+        peer.hold()
+
+    def no_room(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16 bytes")
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    try:
+        with FakeDaemon(sock, scenario):
+            before = _held()
+            monkeypatch.setattr(torch.Tensor, "clone", no_room)
+            with pytest.raises(CacheUnavailableError, match=r"copy mode: slab 0 \(16 bytes\)") as info:
+                client.fetch_sync(KEY, "copy") if blocking else asyncio.run(client.fetch(KEY, "copy"))
+            monkeypatch.undo()
+            assert "OutOfMemoryError: CUDA out of memory" in str(info.value)
+            assert info.value.__cause__ is None and info.value.__suppress_context__  # torch's frames not kept
+            assert info.value.details == {"slab": 0, "size": 16}
+            del info
+            assert _held() == before
+    finally:
+        os.close(slab)

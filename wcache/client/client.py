@@ -436,7 +436,7 @@ class WCacheClient:
                 keepalive: list[Any] = list(slabs)
                 if mode == "copy":
                     t1 = time.perf_counter()
-                    bases = [b.clone() for b in bases]
+                    bases = _copies(bases)
                     if any(b.is_cuda for b in bases):
                         torch.cuda.synchronize()  # the copies must land before the mappings go away
                     for s in slabs:
@@ -751,6 +751,32 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
             timings["ahead"] = (time.perf_counter() - t0) * 1e3
 
     return ahead
+
+
+def _copies(bases: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy mode's copies of the mapped slabs; a copy that does not fit this process's memory (torch's
+    OutOfMemoryError on the GPU, MemoryError on the host) is CacheUnavailableError naming the slab: like a slab
+    that cannot be mapped (wcache.client.mapping), the cache is then of no use to this engine, which loads from
+    disk (``wcache.nn.load_weights`` falls back on WCacheError only). It is raised from a frame that holds no
+    tensor of the slabs (``from None``: torch's error and its frames are not kept), so that nothing of a failed
+    fetch keeps a mapping alive."""
+    out = []
+    failed: tuple[int, int, str] | None = None
+    for i in range(len(bases)):
+        try:
+            out.append(bases[i].clone())
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            failed = (i, bases[i].numel(), f"{type(exc).__name__}: {exc}")
+            break
+    if failed is None:
+        return out
+    from wcache.errors import CacheUnavailableError
+
+    i, size, why = failed
+    raise CacheUnavailableError(
+        f"copy mode: slab {i} ({size} bytes) cannot be copied into this process: {why}",
+        details={"slab": i, "size": size},
+    ) from None
 
 
 def _handshake_timings(timings: dict[str, float], ch: Channel[Any], t0: float, t1: float, t_state: float) -> None:
