@@ -881,6 +881,57 @@ async def test_a_kept_deposit_older_than_a_commit_the_keeper_missed_is_not_serve
     assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
 
 
+async def test_a_keep_racing_an_evict_hands_the_keeper_the_models_own_slab(
+    ckpt: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KEEP waits for the keeper's handshake; meanwhile the model is evicted (its memfd closed) and the next
+    slab the daemon allocates gets the freed descriptor number. The keeper must get the model's own slab or
+    nothing — not whatever file has the number by then. Before, the KEEP carried the slab's own numbers, taken
+    before the await: the keeper held another deposit's bytes (here 0xAB) under this model's key, which a
+    daemon restarted after a crash served (the keeper's sealed-memfd check passes for any other slab). A KEEP
+    whose model was closed before its turn sends nothing."""
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
+
+    backend = HostBackend()
+    m = load_model(RankSpec(ckpt), backend=backend, threads=2)
+    original = m.slabs[0].read(0, m.slabs[0].size)
+    other = backend.allocate(m.slabs[0].size)  # the next slab: another deposit, sealed like any served one
+    _, (other_fd,) = other.export()
+    os.pwrite(other_fd, b"\xab" * other.size, 0)
+    other.seal()
+    stolen: list[int] = []
+    real_keep = kl.keep
+
+    async def keep_racing_an_evict(path: Path, *, fds: list[int], **kw: object) -> tuple[Kept, int]:
+        m.close()  # evicted while the KEEP waits for the keeper's handshake
+        for fd in fds:
+            try:
+                fcntl.fcntl(fd, fcntl.F_GETFD)
+            except OSError:  # the number is free again: the next slab's memfd gets it
+                stolen.append(os.dup2(other_fd, fd))
+        return await real_keep(path, fds=fds, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kl, "keep", keep_racing_an_evict)
+    try:
+        async with _keeper_here(socket_dir) as keeper:
+            with _holding_lock(socket_dir / "wcache-rank0.sock") as owner:
+                link = kl.KeeperLink(keeper.socket_path, owner=Path(owner), backend="host", device_uuid="")
+                await link.keep(m)
+                state, fds, _ = await kl.reclaim(keeper.socket_path, owner=owner, backend="host", device_uuid="")
+                try:
+                    assert [dict(x.key) for x in state.models] == [m.key.to_wire()]
+                    assert os.pread(fds[0], len(original), 0) == original  # the model's bytes, not 0xAB
+                finally:
+                    close_fds(fds)
+                keeps = keeper.keeps
+                await link.keep(m)  # closed by now: no KEEP at all (before: one of no slab, a fatal PROTOCOL_ERROR)
+                assert keeper.keeps == keeps
+    finally:
+        close_fds(stolen)
+        other.close()
+
+
 def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) -> None:
     """``<socket>.deposits`` that cannot be parsed says nothing of which generation is the last: every kept deposit
     is dropped (stale), never served on a guess; a RECLAIM's reset rewrites it. A readable one names the key's

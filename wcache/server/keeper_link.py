@@ -202,33 +202,55 @@ class KeeperLink:
             await self._keep(model)
 
     async def _keep(self, model: ServedModel) -> str:
-        """KEEP ``model``: "kept", "unkeepable" (a slab without an fd), "refused" (an ERROR from the keeper)
-        or "unreachable"."""
-        fds: list[int] = []
-        descs = model.export(fds)  # the slabs' own descriptors: nothing to close here
+        """KEEP ``model``: "kept", "closed" (evicted before this KEEP's turn: nothing to keep), "unkeepable" (a
+        slab without an fd), "refused" (an ERROR from the keeper) or "unreachable".
+
+        The KEEP carries duplicates of the slabs' descriptors, taken before the first await: the slabs' own
+        numbers, sent after the keeper's handshake, named whatever file had the number by then — an evict closes
+        a slab meanwhile and the next deposit's memfd gets its number, and the keeper held that deposit's bytes
+        (or its writable slab) under this model's key and generation, which a daemon restarted after a crash
+        served (docs/reliability.md, "a KEEP racing an evict")."""
         if model.generation:  # a deposit: its generation on disk before the keeper may hold it or an older one
             self.record.committed(model.key, model.generation)
-        if any(d.fd < 0 for d in descs):
-            log.info(
-                "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)", model.key.short(), descs[0].kind
-            )
-            self._skip[model.key] = 0
-            return "unkeepable"
+        if not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued after, settles it)
+            return "closed"
+        own: list[int] = []
+        fds: list[int] = []
         try:
-            kept, pid = await keep(
-                self.path,
-                owner=self.owner,
-                backend=self.backend,
-                device_uuid=self.device_uuid,
-                model=model.handed(descs),
-                fds=fds,
-            )
-        except (WCacheError, OSError, TimeoutError) as exc:
-            log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
-            if not isinstance(exc, (CacheUnavailableError, OSError, TimeoutError)):
-                return "refused"
-            self._gone()
-            return "unreachable"
+            descs = model.export(own)
+            for fd in own:
+                fds.append(os.dup(fd))
+        except BaseException:
+            close_fds(fds)
+            raise
+        finally:
+            model.release_hold()
+        try:
+            if any(d.fd < 0 for d in descs):
+                log.info(
+                    "not kept key=%s: a %s slab cannot be kept (use --cuda-export vmm)",
+                    model.key.short(),
+                    descs[0].kind,
+                )
+                self._skip[model.key] = 0
+                return "unkeepable"
+            try:
+                kept, pid = await keep(
+                    self.path,
+                    owner=self.owner,
+                    backend=self.backend,
+                    device_uuid=self.device_uuid,
+                    model=model.handed(descs),
+                    fds=fds,
+                )
+            except (WCacheError, OSError, TimeoutError) as exc:
+                log.warning("keeper %s did not keep key=%s: %s", self.path, model.key.short(), exc)
+                if not isinstance(exc, (CacheUnavailableError, OSError, TimeoutError)):
+                    return "refused"
+                self._gone()
+                return "unreachable"
+        finally:
+            close_fds(fds)
         self.kept_in[model.key] = self._keeper_now = pid
         self.record.settled(model.key)
         log.info(
