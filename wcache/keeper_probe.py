@@ -38,10 +38,10 @@ async def keeper_kept(
         return 0
     if not isinstance(frame, StatusReply):
         return 0
-    mine = os.path.abspath(owner) if owner is not None else None
+    mine = os.path.realpath(owner) if owner is not None else None  # the keeper's owners are real paths
 
     def counts(m: ModelInfo) -> bool:
-        if m.owner and mine is not None and os.path.abspath(m.owner) != mine:
+        if m.owner and mine is not None and os.path.realpath(m.owner) != mine:
             return False  # kept for another daemon
         return rank is None or m.key.get("tp_rank") == rank
 

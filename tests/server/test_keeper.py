@@ -881,6 +881,37 @@ async def test_a_kept_deposit_older_than_a_commit_the_keeper_missed_is_not_serve
     assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
 
 
+async def test_one_socket_spelled_two_ways_is_one_owner_in_the_keeper(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """The socket directory reached through a symlink (``/var/run/wcache`` and ``/run/wcache`` on most systems) is
+    the same socket, its lock and its ``.deposits`` record the same files: the keeper's owner is the socket's real
+    path, so a daemon started on either spelling reclaims what the other kept. Before, the owner was the path as
+    spelled: the daemon on the second spelling reclaimed nothing, its deposit v2 was kept beside v1, and the
+    daemon restarted on the first spelling served v1 although v2 was committed on that socket after it."""
+    from wcache.plan.recipe import RecipeKey
+
+    alias = tmp_path / "alias"
+    alias.symlink_to(socket_dir.parent, target_is_directory=True)
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+
+    async def served(d: DaemonProc) -> float:
+        async with await WCacheClient(d.socket).fetch(key, mode="copy") as w:
+            return float(torch.unique(w["w"]).item())
+
+    first = daemon_factory(model, "--keeper")
+    await WCacheClient(first.socket).deposit(key, {"w": torch.full((64, 64), 1.0)})
+    assert len(await _kept_models(keeper.socket, n=2)) == 2
+    first.stop()
+    second = daemon_factory(model, "--keeper", sdir=alias / socket_dir.name)
+    assert await served(second) == 1.0  # reclaimed through the other spelling
+    await WCacheClient(second.socket).deposit(key, {"w": torch.full((64, 64), 2.0)})
+    assert len(await _kept_models(keeper.socket, n=2)) == 2  # v2 replaced v1: one owner
+    second.stop()
+    third = daemon_factory(model, "--keeper")
+    assert await served(third) == 2.0
+
+
 async def test_a_keep_racing_an_evict_hands_the_keeper_the_models_own_slab(
     ckpt: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

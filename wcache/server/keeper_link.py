@@ -172,7 +172,9 @@ class KeeperLink:
     one line and serves on."""
 
     def __init__(self, path: Path, *, owner: Path, backend: str, device_uuid: str) -> None:
-        self.path, self.owner, self.backend, self.device_uuid = path, str(owner), backend, device_uuid
+        # the owner is the socket's real path: one socket reached through a symlinked directory (/var/run and /run)
+        # is one owner, as its lock and its record are one file each
+        self.path, self.owner, self.backend, self.device_uuid = path, os.path.realpath(owner), backend, device_uuid
         #: model key -> the keeper process that holds it (a restarted keeper holds nothing)
         self.kept_in: dict[WeightCacheKey, int] = {}
         self._unreachable = False
