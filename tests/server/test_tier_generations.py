@@ -165,3 +165,57 @@ async def test_generations_are_kept_only_while_they_matter(served: InProcess, ck
         await client.evict(key)
     await _saved(served)
     assert served.store.generations == {} and not served.store.restoring
+
+
+def _filled(value: int, size: int) -> Any:
+    """A sealed host slab of ``size`` bytes of one value (the caller closes it)."""
+    import os
+
+    slab = HostBackend().allocate(size)
+    _, (fd,) = slab.export()
+    os.pwrite(fd, bytes([value]) * size, 0)
+    slab.seal()
+    return slab
+
+
+def test_a_lookup_racing_a_commit_leaves_the_commits_tombstone_and_its_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Daemon Y looks a recipe key up while daemon X, on the same tier directory, commits a new generation of it:
+    Y has read g1's meta when X's ``supersede`` replaces it by g2's tombstone and removes g1's slab, so Y finds the
+    slab file missing and refuses the entry. Y removes only the files it examined (none of them is left): g2's
+    tombstone stays, the tier records g2, and X's save of g2 is published. Before, Y removed the files by path —
+    g2's tombstone —, the tier recorded no generation of the key (a kept g1 then passed the reclaim's check) and
+    X's save found no tombstone of its generation and published nothing: the deposit was lost from the tier."""
+    from wcache.plan.recipe import RecipeKey
+    from wcache.proto.table import TensorEntry, TensorTable
+
+    size = 1 << 16
+    table = TensorTable.from_entries([TensorEntry("w", "uint8", (size,), (1,), 0, 0)])
+    x = HostTier(tmp_path / "tier", 1 << 30)
+    y = HostTier(tmp_path / "tier", 1 << 30)
+    key = RecipeKey.of(WeightCacheKey("f" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
+    g1, g2 = _filled(1, size), _filled(2, size)
+    x.supersede(key, "g1")
+    assert x.save(key, g1, table, {}, size, generation="g1")
+    from wcache.server import tier as tier_mod
+
+    open_own = tier_mod._open_own
+    slab_path, _ = y._paths(key)
+    fired: list[bool] = []
+
+    def x_commits_before_y_opens_the_slab(path: Path) -> int | None:
+        if path == slab_path and not fired:  # Y has read g1's meta; X commits g2 before Y opens g1's slab
+            fired.append(True)
+            x.supersede(key, "g2")
+        return open_own(path)
+
+    monkeypatch.setattr(tier_mod, "_open_own", x_commits_before_y_opens_the_slab)
+    assert y.lookup(key) is None and fired
+    monkeypatch.undo()
+    assert x.generation_of(key) == "g2"
+    assert x.save(key, g2, table, {}, size, generation="g2")
+    entry = y.lookup(key)
+    assert entry is not None and entry.generation == "g2"
+    g1.close()
+    g2.close()

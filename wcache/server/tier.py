@@ -84,6 +84,8 @@ CHECK_BLOCK = 1 << 20
 MAX_META_BYTES = 256 << 20
 #: how long a save or a commit waits for another process's publish to finish before giving up on the lock
 LOCK_WAIT_S = 2.0
+#: an inode number no file has: the file was absent when examined (``HostTier._refuse``)
+ABSENT = -1
 
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _ERRORS = (WCacheError, ProtocolError, OSError, KeyError, TypeError, ValueError, msgpack.UnpackException)
@@ -136,6 +138,7 @@ class TierEntry:
     generation: str = ""  # the deposit's generation ("" for a checkpoint's entry)
     check: BlockCrcs | None = None  # every block's checksum, verified as the restore reads it
     inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the slab file verified at lookup: the restore reads that
+    meta_inode: int | None = None  # the inode of the meta file lookup read (``discard`` removes only that one)
 
 
 def tier_holds(tier: HostTier | None, key: WeightCacheKey) -> bool:
@@ -394,15 +397,36 @@ class HostTier:
         for p in (meta, slab):  # meta first: the entry stops existing before its bytes go
             _unlink(p)
 
-    def _refuse(self, slab: Path, meta: Path, why: object) -> None:
+    def _refuse(self, slab: Path, meta: Path, why: object, seen: tuple[int | None, int | None] = (None, None)) -> None:
         """An entry that cannot be used: its files removed (those the daemon may remove: not a directory, which
         is left in place) and one log line; a path left in place is logged once, not at every lookup. Under the
-        directory lock where it can be had (a save of another process may be publishing the entry anew)."""
+        directory lock where it can be had (a save of another process may be publishing the entry anew).
+
+        ``seen``: the (meta, slab) inodes the caller examined — only those files are removed; another file at the
+        path now (a tombstone or an entry published since, by a COMMIT or a save of this daemon or another) is
+        left, and ``ABSENT`` (the file was missing) leaves whatever is there now. None: removed whatever it is
+        (a file the daemon did not write: a symlink, another uid's). Before, a lookup that found the slab file
+        missing — a COMMIT's tombstone had just replaced the entry — removed that tombstone by path: the tier
+        recorded no generation of the key and the COMMIT's save was never published."""
+
+        def ours(p: Path, ino: int | None) -> bool:
+            if ino is None:
+                return True
+            try:
+                return os.lstat(p).st_ino == ino
+            except FileNotFoundError:
+                return False
+
+        def remove() -> list[Path]:
+            return [
+                p for p, ino in ((meta, seen[0]), (slab, seen[1])) if ours(p, ino) and not self._remove_one(p, slab)
+            ]
+
         try:
             with self._publishing():
-                left = [p for p in (meta, slab) if not self._remove_one(p, slab)]
+                left = remove()
         except (OSError, TimeoutError):
-            left = [p for p in (meta, slab) if not self._remove_one(p, slab)]
+            left = remove()
         if left and set(left) <= self._reported:
             return
         self._reported.update(left)
@@ -416,10 +440,15 @@ class HostTier:
 
     def _read_meta(self, meta: Path) -> dict[str, Any] | None:
         """The meta's body (format and checksum verified); None if there is none. _Foreign, TierEntryError."""
+        return self._read_meta_seen(meta)[0]
+
+    def _read_meta_seen(self, meta: Path) -> tuple[dict[str, Any] | None, int]:
+        """``_read_meta``, and the inode of the file read (``ABSENT`` if none)."""
         fd = _open_own(meta)
         if fd is None:
-            return None
+            return None, ABSENT
         try:
+            ino = os.fstat(fd).st_ino
             raw = read_at_most(fd, MAX_META_BYTES + 1)
             if len(raw) > MAX_META_BYTES:
                 raise TierEntryError(f"the meta file is over {MAX_META_BYTES} bytes")
@@ -427,7 +456,7 @@ class HostTier:
             os.utime(fd)  # least recently used goes first (through the descriptor: never a path followed)
         finally:
             os.close(fd)
-        return body
+        return body, ino
 
     def lookup(self, key: WeightCacheKey, *, generation: str | None = None) -> TierEntry | None:
         """The entry for ``key`` if it is whole and as the daemon wrote it (the module docstring says what is
@@ -436,8 +465,9 @@ class HostTier:
         too, and left in place."""
         slab, meta = self._paths(key)
         fd = -1
+        seen: list[int | None] = [None, None]  # the meta's and the slab's inodes, as examined (``_refuse``)
         try:
-            body = self._read_meta(meta)
+            body, seen[0] = self._read_meta_seen(meta)
             if body is None:
                 return None
             if body.get("key") != key.to_wire():
@@ -453,9 +483,11 @@ class HostTier:
             size = int(body["size"])
             opened = _open_own(slab)
             if opened is None:
+                seen[1] = ABSENT
                 raise TierEntryError("its slab file is missing")
             fd = opened
             st = os.fstat(fd)
+            seen[1] = st.st_ino
             if st.st_size != size:
                 raise TierEntryError(f"slab file has {st.st_size} bytes, the entry says {size}")
             if _digest(fd, size) != body.get("digest"):
@@ -492,11 +524,12 @@ class HostTier:
                 found,
                 BlockCrcs(crcs, size),
                 (st.st_dev, st.st_ino),
+                seen[0],
             )
         except _Foreign as exc:
-            self._refuse(slab, meta, exc)
+            self._refuse(slab, meta, exc, (seen[0], seen[1]))
         except _ERRORS as exc:
-            self._refuse(slab, meta, f"{type(exc).__name__}: {exc}")
+            self._refuse(slab, meta, f"{type(exc).__name__}: {exc}", (seen[0], seen[1]))
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -538,7 +571,7 @@ class HostTier:
                 return
         except FileNotFoundError:
             return
-        self._refuse(entry.slab_path, entry.meta_path, why)
+        self._refuse(entry.slab_path, entry.meta_path, why, (entry.meta_inode, entry.inode[1]))
 
     def supersede(self, key: WeightCacheKey, generation: str) -> None:
         """A deposit of ``generation`` was committed under ``key``: from now on the tier holds nothing of the key
