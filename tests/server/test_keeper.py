@@ -881,6 +881,33 @@ async def test_a_kept_deposit_older_than_a_commit_the_keeper_missed_is_not_serve
     assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
 
 
+async def test_a_deposit_committed_without_a_keeper_makes_the_kept_one_stale(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """v1 deposited and kept; the daemon restarted without ``--keeper`` and without a host tier commits v2 and stops;
+    restarted with ``--keeper``, it reclaimed v1 and served it under the key, although v2 was committed on this
+    socket after it (docs/security.md listed it as open). A daemon without a keeper records every COMMIT's
+    generation beside its socket (``<socket>.deposits``): the next daemon with a keeper drops the kept v1 — the key
+    is absent, never older — and the RECLAIM settles the record."""
+    from wcache.plan.recipe import RecipeKey
+
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+    first = daemon_factory(model, "--keeper")
+    await WCacheClient(first.socket).deposit(key, {"w": torch.full((64, 64), 1.0)})
+    assert len(await _kept_models(keeper.socket, n=2)) == 2
+    first.stop()
+    second = daemon_factory(model)
+    await WCacheClient(second.socket).deposit(key, {"w": torch.full((64, 64), 2.0)})
+    record = Path(f"{second.socket}.deposits")
+    assert record.exists()
+    second.stop()
+    third = daemon_factory(model, "--keeper")
+    with pytest.raises(KeyMismatchError, match="served nothing"):
+        await WCacheClient(third.socket).fetch(key, mode="copy")
+    assert not record.exists()
+    assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
+
+
 async def test_one_socket_spelled_two_ways_is_one_owner_in_the_keeper(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path, tmp_path: Path
 ) -> None:
@@ -966,7 +993,9 @@ async def test_a_keep_racing_an_evict_hands_the_keeper_the_models_own_slab(
 def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) -> None:
     """``<socket>.deposits`` that cannot be parsed says nothing of which generation is the last: every kept deposit
     is dropped (stale), never served on a guess; a RECLAIM's reset rewrites it. A readable one names the key's
-    generation: another is stale, that one is not; settled entries leave no file."""
+    generation: another is stale, that one is not; settled entries leave no file. The damage outlives a COMMIT
+    made before a RECLAIM acted on it: before, that COMMIT wrote a valid record of its one key, and the next
+    daemon served the other kept deposits on its word."""
     from wcache.plan.recipe import RecipeKey
 
     k1 = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
@@ -982,8 +1011,11 @@ def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) 
     path.write_text('{"format": "wcache-deposits/1", "keys": [')
     damaged = kl.CommitRecord(path)
     assert not damaged.known and damaged.stale(k2, "g1") is not None
-    damaged.reset({})
-    assert damaged.known and not path.exists()
+    damaged.committed(k1, "g3")  # a COMMIT before any RECLAIM acted on the damage (the keeper unreachable)
+    again = kl.CommitRecord(path)  # the next daemon: still every kept deposit stale, not k2's "g1" vouched for
+    assert not again.known and again.stale(k2, "g1") is not None and again.stale(k1, "g3") is not None
+    again.reset({})
+    assert again.known and not path.exists()
 
 
 def test_status_counts_kept_models_for_the_socket_they_were_kept_for(

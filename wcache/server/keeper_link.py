@@ -76,14 +76,19 @@ def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
 
 
 class CommitRecord:
-    """``<socket>.deposits``: the generation of each deposit this daemon's keeper may hold an older generation of
-    (docs/reliability.md, "a kept deposit older than the last COMMIT"). A deposit's generation is written here
-    before it is offered to the keeper (KEEP) and removed once the keeper holds it or holds nothing of its key
-    (KEEP, UNKEEP, or a RECLAIM that shows it): while the keeper does not answer — stopped, hung — a COMMIT's
-    generation stays here, across a crash of the daemon, and the next daemon on the socket drops a kept deposit
-    of another generation instead of serving bytes older than the last COMMIT. The file exists only while
-    such an entry does (a daemon whose keeper answers leaves none); JSON ``{"format", "keys": {key id:
-    generation}}``, replaced atomically. An unreadable file makes every kept deposit suspect (``known`` False)."""
+    """``<socket>.deposits``: the generation of each deposit committed on this socket that a keeper may hold an
+    older generation of (docs/reliability.md, "a kept deposit older than the last COMMIT"). A daemon with a keeper
+    writes a deposit's generation here before it offers it to the keeper (KEEP) and removes it once the keeper
+    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that shows it): while the keeper does not
+    answer — stopped, hung — a COMMIT's generation stays here, across a crash of the daemon. A daemon without a
+    keeper writes every COMMIT's generation here (no keeper settles it): a keeper the socket's daemons used before
+    may still hold an older deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another
+    generation instead of serving bytes older than the last COMMIT. The file exists only while such an entry
+    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, replaced atomically.
+
+    A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
+    (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
+    acted on it (``reset``): a COMMIT meanwhile must not turn it into a record that vouches for the others."""
 
     FORMAT = "wcache-deposits/1"
 
@@ -110,6 +115,8 @@ class CommitRecord:
             self.known = False
             return
         self.keys = {str(k): v for k, v in keys.items()}
+        if doc.get("damaged"):
+            self.known = False  # an earlier daemon found it damaged; no RECLAIM has acted on it since
 
     @staticmethod
     def key_id(key: WeightCacheKey) -> str:
@@ -150,11 +157,14 @@ class CommitRecord:
         """Replace the file atomically (removed when empty). A failure is logged, not raised: the entries stay
         in memory and the next change writes them again."""
         try:
-            if not self.keys:
+            if not self.keys and self.known:
                 self.path.unlink(missing_ok=True)
                 return
+            doc: dict[str, object] = {"format": self.FORMAT, "keys": self.keys}
+            if not self.known:
+                doc["damaged"] = True
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps({"format": self.FORMAT, "keys": self.keys}, sort_keys=True) + "\n")
+            tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning(
