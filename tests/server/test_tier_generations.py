@@ -178,17 +178,22 @@ def _filled(value: int, size: int) -> Any:
     return slab
 
 
+@pytest.mark.parametrize("moment", ["the slab opened", "the meta opened"])
 def test_a_lookup_racing_a_commit_leaves_the_commits_tombstone_and_its_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    moment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Daemon Y looks a recipe key up while daemon X, on the same tier directory, commits a new generation of it:
-    Y has read g1's meta when X's ``supersede`` replaces it by g2's tombstone and removes g1's slab, so Y finds the
-    slab file missing and refuses the entry. Y removes only the files it examined (none of them is left): g2's
-    tombstone stays, the tier records g2, and X's save of g2 is published. Before, Y removed the files by path —
-    g2's tombstone —, the tier recorded no generation of the key (a kept g1 then passed the reclaim's check) and
-    X's save found no tombstone of its generation and published nothing: the deposit was lost from the tier."""
+    X's ``supersede`` replaces g1's meta by g2's tombstone and removes g1's slab either after Y read the meta and
+    before it opens the slab (Y finds the slab missing), or while Y opens the meta (Y holds the replaced file: no
+    link left). Y refuses the entry and removes only the files it examined: g2's tombstone stays, the tier records
+    g2, and X's save of g2 is published. Before, Y removed the files by path — g2's tombstone —, the tier recorded
+    no generation of the key (a kept g1 then passed the reclaim's check) and X's save found no tombstone of its
+    generation and published nothing: the deposit was lost from the tier."""
+    import os
+
     from wcache.plan.recipe import RecipeKey
     from wcache.proto.table import TensorEntry, TensorTable
+    from wcache.server import tier as tier_mod
 
     size = 1 << 16
     table = TensorTable.from_entries([TensorEntry("w", "uint8", (size,), (1,), 0, 0)])
@@ -198,21 +203,32 @@ def test_a_lookup_racing_a_commit_leaves_the_commits_tombstone_and_its_save(
     g1, g2 = _filled(1, size), _filled(2, size)
     x.supersede(key, "g1")
     assert x.save(key, g1, table, {}, size, generation="g1")
-    from wcache.server import tier as tier_mod
-
-    open_own = tier_mod._open_own
-    slab_path, _ = y._paths(key)
+    slab_path, meta_path = y._paths(key)
     fired: list[bool] = []
+    if moment == "the slab opened":
+        open_own = tier_mod._open_own
 
-    def x_commits_before_y_opens_the_slab(path: Path) -> int | None:
-        if path == slab_path and not fired:  # Y has read g1's meta; X commits g2 before Y opens g1's slab
-            fired.append(True)
-            x.supersede(key, "g2")
-        return open_own(path)
+        def x_commits_before_y_opens_the_slab(path: Path) -> int | None:
+            if path == slab_path and not fired:
+                fired.append(True)
+                x.supersede(key, "g2")
+            return open_own(path)
 
-    monkeypatch.setattr(tier_mod, "_open_own", x_commits_before_y_opens_the_slab)
-    assert y.lookup(key) is None and fired
-    monkeypatch.undo()
+        monkeypatch.setattr(tier_mod, "_open_own", x_commits_before_y_opens_the_slab)
+    else:
+        fstat = os.fstat
+
+        def x_commits_while_y_opens_the_meta(fd: int) -> os.stat_result:
+            if not fired and os.readlink(f"/proc/self/fd/{fd}") == str(meta_path):
+                fired.append(True)
+                x.supersede(key, "g2")  # Y's descriptor now names the replaced meta (no link left)
+            return fstat(fd)
+
+        monkeypatch.setattr(os, "fstat", x_commits_while_y_opens_the_meta)
+    try:
+        assert y.lookup(key) is None and fired
+    finally:
+        monkeypatch.undo()
     assert x.generation_of(key) == "g2"
     assert x.save(key, g2, table, {}, size, generation="g2")
     entry = y.lookup(key)

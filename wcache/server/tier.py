@@ -97,7 +97,13 @@ def default_tier_dir() -> Path:
 
 class _Foreign(Exception):
     """A file under an entry's name that the daemon did not write (a symlink, a FIFO, a directory, a hard link,
-    another owner or mode): the entry is absent."""
+    another owner or mode): the entry is absent. ``ino``: the inode of the file found (None: unknown), so that
+    only that file is removed (``HostTier._refuse``) — a file removed or replaced while it was opened (an entry
+    superseded or published meanwhile) leaves the new one in place."""
+
+    def __init__(self, message: str, ino: int | None = None) -> None:
+        super().__init__(message)
+        self.ino = ino
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ def _open_own(path: Path) -> int | None:
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(before.st_mode):
-        raise _Foreign(f"{path.name} is {file_kind(before.st_mode)}")
+        raise _Foreign(f"{path.name} is {file_kind(before.st_mode)}", before.st_ino)
     try:
         fd = os.open(path, _OPEN)
     except FileNotFoundError:
@@ -168,11 +174,12 @@ def _open_own(path: Path) -> int | None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-            raise _Foreign(f"{path.name} was replaced while being opened")
+            raise _Foreign(f"{path.name} was replaced while being opened", before.st_ino)
         if st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_nlink != 1:
             raise _Foreign(
                 f"{path.name} is not as the daemon writes entries (uid {st.st_uid}, mode "
-                f"{stat.S_IMODE(st.st_mode):04o}, {st.st_nlink} links; written: this uid, 0600, 1 link)"
+                f"{stat.S_IMODE(st.st_mode):04o}, {st.st_nlink} links; written: this uid, 0600, 1 link)",
+                st.st_ino,
             )
     except BaseException:
         os.close(fd)
@@ -440,15 +447,17 @@ class HostTier:
 
     def _read_meta(self, meta: Path) -> dict[str, Any] | None:
         """The meta's body (format and checksum verified); None if there is none. _Foreign, TierEntryError."""
-        return self._read_meta_seen(meta)[0]
+        return self._read_meta_seen(meta, [None])
 
-    def _read_meta_seen(self, meta: Path) -> tuple[dict[str, Any] | None, int]:
-        """``_read_meta``, and the inode of the file read (``ABSENT`` if none)."""
+    def _read_meta_seen(self, meta: Path, seen: list[int | None]) -> dict[str, Any] | None:
+        """``_read_meta``; ``seen[0]`` becomes the inode of the file it opened (``ABSENT`` if none) before it reads
+        it, so that a caller refusing what it read removes that file only (``_refuse``)."""
         fd = _open_own(meta)
         if fd is None:
-            return None, ABSENT
+            seen[0] = ABSENT
+            return None
         try:
-            ino = os.fstat(fd).st_ino
+            seen[0] = os.fstat(fd).st_ino
             raw = read_at_most(fd, MAX_META_BYTES + 1)
             if len(raw) > MAX_META_BYTES:
                 raise TierEntryError(f"the meta file is over {MAX_META_BYTES} bytes")
@@ -456,7 +465,7 @@ class HostTier:
             os.utime(fd)  # least recently used goes first (through the descriptor: never a path followed)
         finally:
             os.close(fd)
-        return body, ino
+        return body
 
     def lookup(self, key: WeightCacheKey, *, generation: str | None = None) -> TierEntry | None:
         """The entry for ``key`` if it is whole and as the daemon wrote it (the module docstring says what is
@@ -467,7 +476,7 @@ class HostTier:
         fd = -1
         seen: list[int | None] = [None, None]  # the meta's and the slab's inodes, as examined (``_refuse``)
         try:
-            body, seen[0] = self._read_meta_seen(meta)
+            body = self._read_meta_seen(meta, seen)
             if body is None:
                 return None
             if body.get("key") != key.to_wire():
@@ -527,6 +536,10 @@ class HostTier:
                 seen[0],
             )
         except _Foreign as exc:
+            if seen[0] is None:  # the meta's: the file found, no other one published at its path since
+                seen[0] = exc.ino
+            elif seen[1] is None:
+                seen[1] = exc.ino
             self._refuse(slab, meta, exc, (seen[0], seen[1]))
         except _ERRORS as exc:
             self._refuse(slab, meta, f"{type(exc).__name__}: {exc}", (seen[0], seen[1]))
