@@ -235,3 +235,38 @@ def test_a_lookup_racing_a_commit_leaves_the_commits_tombstone_and_its_save(
     assert entry is not None and entry.generation == "g2"
     g1.close()
     g2.close()
+
+
+def test_an_eviction_racing_a_commit_leaves_the_commits_tombstone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Daemon X saves key B and must evict key A's entry to fit its budget; between X listing the entries and
+    removing A's, daemon Y (same directory) commits g2 of A: its tombstone replaces A's meta. X removes the files
+    it listed only: g2's tombstone stays and the tier still records g2 of A. Before, X removed A's paths — the
+    tombstone —, and the tier recorded no generation of A (a kept older deposit of A then passed the check)."""
+    from wcache.plan.recipe import RecipeKey
+    from wcache.proto.table import TensorEntry, TensorTable
+
+    size = 1 << 16
+    table = TensorTable.from_entries([TensorEntry("w", "uint8", (size,), (1,), 0, 0)])
+    x = HostTier(tmp_path / "tier", size + size // 2)  # room for one entry
+    y = HostTier(tmp_path / "tier", size + size // 2)
+    base = WeightCacheKey("f" * 64, "LlamaForCausalLM", 1, 0, "bfloat16")
+    a, b = RecipeKey.of(base, engine="a"), RecipeKey.of(base, engine="b")
+    s1, s2 = _filled(1, size), _filled(2, size)
+    x.supersede(a, "g1")
+    assert x.save(a, s1, table, {}, size, generation="g1")
+    listing = x._listing
+
+    def y_commits_after_x_listed() -> list[tuple[Path, Path, int, tuple[int, int]]]:
+        out = listing()
+        y.supersede(a, "g2")
+        return out
+
+    monkeypatch.setattr(x, "_listing", y_commits_after_x_listed)
+    x.supersede(b, "h1")
+    assert x.save(b, s2, table, {}, size, generation="h1")
+    monkeypatch.undo()
+    assert x.generation_of(a) == "g2"
+    s1.close()
+    s2.close()

@@ -325,6 +325,10 @@ class HostTier:
     def entries(self) -> list[tuple[Path, Path, int]]:
         """(slab, meta, bytes) of every complete entry, least recently used first: both regular files (a
         tombstone has no slab; a symlink or FIFO is not counted)."""
+        return [(s, m, n) for s, m, n, _ in self._listing()]
+
+    def _listing(self) -> list[tuple[Path, Path, int, tuple[int, int]]]:
+        """``entries``, each with the (meta, slab) inodes listed: an eviction removes those files only."""
         out = []
         for meta in self.dir.glob("*.meta"):
             slab = meta.with_suffix(".slab")
@@ -333,8 +337,8 @@ class HostTier:
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(ms.st_mode) and stat.S_ISREG(ss.st_mode):
-                out.append((ms.st_mtime, slab, meta, ss.st_size))
-        return [(s, m, n) for _, s, m, n in sorted(out)]
+                out.append((ms.st_mtime, slab, meta, ss.st_size, (ms.st_ino, ss.st_ino)))
+        return [(s, m, n, ino) for _, s, m, n, ino in sorted(out)]
 
     def _pin_in_background(self, slab: Path, size: int, inode: tuple[int, int]) -> None:
         """Page-lock the slab file ``inode`` (the one this daemon wrote or checked whole), through a descriptor
@@ -416,6 +420,18 @@ class HostTier:
         missing — a COMMIT's tombstone had just replaced the entry — removed that tombstone by path: the tier
         recorded no generation of the key and the COMMIT's save was never published."""
 
+        left = self._remove_examined(slab, meta, seen)
+        if left and set(left) <= self._reported:
+            return
+        self._reported.update(left)
+        kept = f"; left in place (not the daemon's to remove): {', '.join(p.name for p in left)}" if left else ""
+        log.warning("host tier entry %s refused (%s)%s; treated as absent", meta.stem, why, kept)
+
+    def _remove_examined(self, slab: Path, meta: Path, seen: tuple[int | None, int | None]) -> list[Path]:
+        """Remove an entry's meta and slab if they are still the files of inodes ``seen`` (None: whatever is there;
+        ``ABSENT``: nothing), under the directory lock where it can be had; returns the paths left in place that
+        should have gone (not the daemon's to remove: a directory)."""
+
         def ours(p: Path, ino: int | None) -> bool:
             if ino is None:
                 return True
@@ -431,14 +447,9 @@ class HostTier:
 
         try:
             with self._publishing():
-                left = remove()
+                return remove()
         except (OSError, TimeoutError):
-            left = remove()
-        if left and set(left) <= self._reported:
-            return
-        self._reported.update(left)
-        kept = f"; left in place (not the daemon's to remove): {', '.join(p.name for p in left)}" if left else ""
-        log.warning("host tier entry %s refused (%s)%s; treated as absent", meta.stem, why, kept)
+            return remove()
 
     def _remove_one(self, p: Path, slab: Path) -> bool:
         if p == slab:
@@ -655,12 +666,15 @@ class HostTier:
             log.info("host tier skip key=%s bytes=%d over --host-tier %d", key.short(), size, self.budget)
             return False
         slab_path, meta_path = self._paths(key)
-        entries = [e for e in self.entries() if e[0] != slab_path]
-        used = sum(n for _, _, n in entries)
-        for old_slab, old_meta, n in entries:
+        entries = [e for e in self._listing() if e[0] != slab_path]
+        used = sum(n for _, _, n, _ in entries)
+        for old_slab, old_meta, n, seen in entries:
             if used + size <= self.budget:
                 break
-            self.remove(old_slab, old_meta)
+            self._unpin(old_slab)
+            # the files listed only: a tombstone or an entry published at the path since (another daemon's
+            # COMMIT or save) is not this eviction's to remove
+            self._remove_examined(old_slab, old_meta, seen)
             used -= n
             log.info("host tier evict entry=%s bytes=%d", old_meta.stem, n)
         t0 = time.perf_counter()
