@@ -579,6 +579,51 @@ async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt
             got.close()
 
 
+async def test_a_silent_peer_holding_a_fill_is_closed_after_its_time_and_frees_its_slot(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that takes a fill lease (PEER_QUERY) and goes silent — hung, SIGSTOPped, a host gone without a reset
+    — holds the fill only ``max_fill_seconds``; then the shell's idle timeout ends its connection, the fill and its
+    hold on the slab end, and the ``--peer-max-fills`` slot it took serves the next peer. Before, the shell asked
+    ``holds`` once before an unbounded wait: the connection, the fill, the slot and the slab were held for ever.
+    (Times scaled down: 0.5 s to fill, 0.5 s idle, ``holds`` asked again every 0.2 s.)"""
+    from wcache.channel import expect
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery
+    from wcache.server.peer_channel import connect_peer
+    from wcache.server.service import ConnectionLimits
+
+    m = _load(ckpt)
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_fills=1)
+    monkeypatch.setattr(svc, "max_fill_seconds", 0.5)
+    limits = ConnectionLimits(connections=8, handshake_timeout=5.0, idle_timeout=0.5, hold_recheck=0.2)
+    listener = PeerListener(svc, "127.0.0.1", 0, limits=limits)
+    _, port = listener.start()
+    try:
+        silent, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+        try:
+            await silent.send(PeerQuery(id=1, key=m.key.to_wire()))
+            assert isinstance((await expect(silent))[0], PeerOffer)
+            assert svc.fills and m.held
+            deadline = time.monotonic() + 10
+            while (svc.fills or m.held) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not svc.fills and not m.held  # the fill ended with its connection; the slab is free
+            with pytest.raises(EOFError):
+                await asyncio.wait_for(silent.receive(), 5)  # the source closed it
+        finally:
+            silent.close()
+        nxt, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+        try:
+            await nxt.send(PeerQuery(id=1, key=m.key.to_wire()))
+            assert isinstance((await expect(nxt))[0], PeerOffer)  # the one slot is free again
+        finally:
+            nxt.close()
+    finally:
+        await listener.stop()
+        svc.close()
+        svc.store.close()
+
+
 async def test_a_peer_connection_holds_at_most_64_fill_leases(ckpt: Path) -> None:
     """A local connection holds at most 64 leases (docs/protocol.md §7); a peer connection repeating PEER_QUERY
     got a lease (a hold on the slab) per query without bound, and every frame then walked them all."""

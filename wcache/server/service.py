@@ -41,7 +41,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from wcache.channel import SERVER_READ_BUDGET, Channel, ReadBudget, close_fds, peer_credentials
 from wcache.errors import (
@@ -81,6 +81,11 @@ __all__ = [
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """What one service's connections may hold and how long they may stall (docs/security.md, "Who can
@@ -92,6 +97,9 @@ class ConnectionLimits:
     handshake_timeout: float = 3.0
     #: an open connection that holds nothing (``Handler.holds``) and is silent this long is closed (None: never)
     idle_timeout: float | None = None
+    #: while a silent connection holds something, ``Handler.holds`` is asked again this often (a fill held past
+    #: its time holds nothing: the idle timeout then counts)
+    hold_recheck: float = 5.0
     #: once part of a frame has arrived, the rest must arrive within this many seconds
     frame_timeout: float = 10.0
     #: a reply must be taken by the peer within this many seconds, else the peer is closed (None: no deadline)
@@ -457,6 +465,34 @@ class Shell:
         return pinned
 
     # ------------------------------------------------------------------ one connection
+    async def _next_request(self, ch: Channel[Connection], ctx: Context) -> tuple[Frame, list[int]]:
+        """The connection's next request. A connection that holds what the service serves (``handler.holds``: a
+        lease, a fill) may be silent as long as it holds it; once it holds nothing, ``idle_timeout`` counts and
+        ends it (TimeoutError). ``holds`` is asked again every ``hold_recheck`` seconds while it says yes: it was asked
+        once before the wait, so a peer that took a fill and went silent was never asked again and held its
+        fill, its ``--peer-max-fills`` slot and the slab for ever, past ``max_fill_seconds``."""
+        idle = self.limits.idle_timeout
+        loop = asyncio.get_running_loop()
+        recv = asyncio.ensure_future(ch.receive(frame_timeout=self.limits.frame_timeout))
+        quiet_from: float | None = None  # since when it holds nothing
+        step: float | None
+        try:
+            while not recv.done():
+                if self.handler.holds(ctx):
+                    quiet_from, step = None, self.limits.hold_recheck
+                else:
+                    now = loop.time()
+                    quiet_from = now if quiet_from is None else quiet_from
+                    step = None if idle is None else quiet_from + idle - now
+                    if step is not None and step <= 0:
+                        raise TimeoutError(f"idle for {idle} s holding no {self.handler.holding}")
+                await asyncio.wait({recv}, timeout=step)
+        finally:
+            if not recv.done():
+                recv.cancel()
+            recv.add_done_callback(_retrieved)  # an EOF that lost the race with a timeout or a stop is not news
+        return recv.result()
+
     async def _serve(self, sock: socket.socket, slot: Peer, ctx: Context, *, refuse: bool) -> None:
         lim, log, tag = self.limits, self.log, self.tag
         conn = Connection(
@@ -474,11 +510,7 @@ class Shell:
             slot.open = True
             slot.touch()
             while True:
-                idle = None if self.handler.holds(ctx) else lim.idle_timeout
-                try:
-                    frame, fds = await asyncio.wait_for(ch.receive(frame_timeout=lim.frame_timeout), idle)
-                except TimeoutError as exc:
-                    raise TimeoutError(str(exc) or f"idle for {idle} s holding no {self.handler.holding}") from None
+                frame, fds = await self._next_request(ch, ctx)
                 slot.touch()
                 slot.busy = True
                 try:
