@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.plan.test_rank import plan_file
-from wcache.errors import CheckpointError, FillError, LimitExceededError
+from wcache.errors import CheckpointError, FillError, LimitExceededError, WCacheError
 from wcache.peer_files import MARKER, refuse_stubs, write_files
 from wcache.plan.key import RankSpec
 from wcache.plan.rank import RankPlan, plan_rank
@@ -622,6 +622,33 @@ async def test_a_silent_peer_holding_a_fill_is_closed_after_its_time_and_frees_i
         await listener.stop()
         svc.close()
         svc.store.close()
+
+
+async def test_a_refused_offer_holds_nothing_of_the_slab(ckpt: Path) -> None:
+    """A source whose NIXL is missing (a daemon started with ``--peer-listen`` without the fleet extra: it starts,
+    its registration logged and skipped) refuses every PEER_QUERY; each refusal held the slab once more and no fill
+    recorded the hold, so an evict of the model freed nothing. A refused offer now holds nothing."""
+    from wcache.channel import expect
+    from wcache.proto.fleet_frames import PeerQuery
+    from wcache.server.peer_channel import connect_peer
+
+    def no_nixl() -> Agent:
+        raise FillError("NIXL is not installed: pip install -e '.[fleet]'", details={"reason": "nixl-missing"})
+
+    m = _load(ckpt)
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", agent=no_nixl)
+    async with _listening(svc) as port:
+        ch, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+        try:
+            for i in range(3):
+                await ch.send(PeerQuery(id=1 + i, key=m.key.to_wire()))
+                with pytest.raises(WCacheError):
+                    await asyncio.wait_for(expect(ch), 5)
+                assert not svc.fills and not m.held
+        finally:
+            ch.close()
+    svc.close()
+    svc.store.close()
 
 
 async def test_a_peer_connection_holds_at_most_64_fill_leases(ckpt: Path) -> None:

@@ -287,30 +287,42 @@ class PeerService:
             )
         models: list[PeerModel] = []
         regs: list[Registration] = []
-        for m in held:
-            if not m.hold():  # closed meanwhile
-                continue
-            reg = self.register(m)
-            lease = self._next_lease
-            self._next_lease += 1
-            self.fills[lease] = _Fill(lease, ctx.id, m)
-            regs.append(reg)
-            r = reg.region
-            models.append(
-                PeerModel(
-                    lease=lease,
-                    key=m.key.to_wire(),
-                    size=r.length,
-                    memory=r.kind,
-                    address=r.address,
-                    tensors=m.table,
-                    aliases=m.aliases,
-                    buffers=m.buffers,
-                    payload=m.payload_bytes,
-                    device=r.device,
-                    register_seconds=reg.seconds,
+        offered: list[_Fill] = []
+        try:
+            for m in held:
+                if not m.hold():  # closed meanwhile
+                    continue
+                try:
+                    reg = self.register(m)
+                except BaseException:  # NIXL missing or refusing: no fill records this hold, so nothing would end it
+                    m.release_hold()
+                    raise
+                lease = self._next_lease
+                self._next_lease += 1
+                f = self.fills[lease] = _Fill(lease, ctx.id, m)
+                offered.append(f)
+                regs.append(reg)
+                r = reg.region
+                models.append(
+                    PeerModel(
+                        lease=lease,
+                        key=m.key.to_wire(),
+                        size=r.length,
+                        memory=r.kind,
+                        address=r.address,
+                        tensors=m.table,
+                        aliases=m.aliases,
+                        buffers=m.buffers,
+                        payload=m.payload_bytes,
+                        device=r.device,
+                        register_seconds=reg.seconds,
+                    )
                 )
-            )
+            agent = self.agent.metadata(regs) if models else b""
+        except BaseException:  # the peer gets an ERROR, not these leases: they end now, not with the connection
+            for f in offered:
+                self._end(f, "offer failed")
+            raise
         if not models:
             raise NotFoundError("the slabs that fill that key were evicted meanwhile")
         log.info(
@@ -322,7 +334,7 @@ class PeerService:
         )
         return PeerOffer(
             id=req.id,
-            agent=self.agent.metadata(regs),
+            agent=agent,
             models=tuple(models),
             max_rate=self.cap.rate,
             max_fills=self.max_fills,
