@@ -299,3 +299,60 @@ def test_a_copy_that_does_not_fit_the_engine_is_cache_unavailable_and_unmaps(
             assert _held() == before
     finally:
         os.close(slab)
+
+
+#: run in a child: RLIMIT_AS leaves this process room to map a 128 MiB slab, not to copy it too
+_COPY_PAST_RLIMIT_AS = """
+import asyncio, gc, os, resource, sys
+from pathlib import Path
+from tests.client.fake_daemon import FakeDaemon, memfd, memfd_slab, state
+from tests.client.test_mapping import KEY, _held
+from wcache import CacheUnavailableError, WCacheClient
+from wcache.proto.table import TensorEntry
+
+SIZE = 128 << 20
+slab = memfd(SIZE, data=bytes(range(16)))
+
+def scenario(peer):
+    request = peer.opening()
+    peer.send(state(request, [memfd_slab(0, SIZE)], [TensorEntry("w", "uint8", (SIZE,), (1,), 0, 0)]), [slab])
+    peer.released()
+
+with FakeDaemon(Path(sys.argv[1]), scenario):
+    client = WCacheClient(Path(sys.argv[1]), wait_for_daemon=0, timeout=30)
+    assert client.fetch_sync(KEY, "copy")["w"][:16].tolist() == list(range(16))  # it fits without the limit
+    asyncio.run(client.fetch(KEY, "copy"))  # the event loop's first use, before the limit
+    gc.collect()
+    before = _held()
+    with open("/proc/self/status") as f:
+        vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
+    resource.setrlimit(resource.RLIMIT_AS, (vm + SIZE + (32 << 20), resource.RLIM_INFINITY))
+    for blocking in (True, False):
+        try:
+            client.fetch_sync(KEY, "copy") if blocking else asyncio.run(client.fetch(KEY, "copy"))
+            print("fetched")
+        except CacheUnavailableError as e:
+            print(e.details, _held() == before)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+"""
+
+
+def test_a_copy_past_the_engines_address_space_is_cache_unavailable(tmp_path: Path) -> None:
+    """A copy-mode fetch in an engine whose RLIMIT_AS has room for the slab's mapping but not for its copy: torch's
+    CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory"), neither
+    OutOfMemoryError nor MemoryError. Both fetches are CacheUnavailableError naming the slab, the mapping gone; before,
+    the RuntimeError escaped them and ``wcache.nn.load_weights`` did not fall back to disk."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _COPY_PAST_RLIMIT_AS, str(tmp_path / "fake.sock")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    expected = "{'slab': 0, 'size': 134217728} True"
+    assert (r.returncode, r.stdout.split("\n")) == (0, [expected, expected, ""]), r.stderr[-2000:]

@@ -754,18 +754,19 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
 
 
 def _copies(bases: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy mode's copies of the mapped slabs; a copy that does not fit this process's memory (torch's
-    OutOfMemoryError on the GPU, MemoryError on the host) is CacheUnavailableError naming the slab: like a slab
-    that cannot be mapped (wcache.client.mapping), the cache is then of no use to this engine, which loads from
-    disk (``wcache.nn.load_weights`` falls back on WCacheError only). It is raised from a frame that holds no
-    tensor of the slabs (``from None``: torch's error and its frames are not kept), so that nothing of a failed
-    fetch keeps a mapping alive."""
+    """Copy mode's copies of the mapped slabs; a copy that does not fit this process's memory is
+    CacheUnavailableError naming the slab. torch says so with OutOfMemoryError on the GPU but, on the host, with its
+    CPU allocator's plain RuntimeError ("DefaultCPUAllocator: can't allocate memory") or MemoryError, so any
+    RuntimeError of the copy counts. Like a slab that cannot be mapped (wcache.client.mapping), the cache is then of
+    no use to this engine, which loads from disk (``wcache.nn.load_weights`` falls back on WCacheError only). It is
+    raised from a frame that holds no tensor of the slabs (``from None``: torch's error and its frames are not
+    kept), so that nothing of a failed fetch keeps a mapping alive."""
     out = []
     failed: tuple[int, int, str] | None = None
     for i in range(len(bases)):
         try:
             out.append(bases[i].clone())
-        except (torch.OutOfMemoryError, MemoryError) as exc:
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             failed = (i, bases[i].numel(), f"{type(exc).__name__}: {exc}")
             break
     if failed is None:
