@@ -356,3 +356,73 @@ def test_a_copy_past_the_engines_address_space_is_cache_unavailable(tmp_path: Pa
     )
     expected = "{'slab': 0, 'size': 134217728} True"
     assert (r.returncode, r.stdout.split("\n")) == (0, [expected, expected, ""]), r.stderr[-2000:]
+
+
+#: run in a child: a tensor left on a deposit slab unmapped under it kills the process (SIGSEGV) when read
+_DEPOSIT_FAILS = """
+import gc, sys
+gc.disable()
+import torch
+from tests.client.fake_daemon import memfd
+from tests.client.test_mapping import _held
+from wcache.client.mapping import write_deposit
+from wcache.errors import RemoteProtocolError
+from wcache.proto.daemon_frames import SlabDescriptor
+from wcache.proto.deposit_frames import DepositSlab
+from wcache.proto.table import TensorEntry, TensorTable
+
+# the daemon lays out "a" and "b"; the engine deposits "a" only: the write fails after "a" is copied
+table = TensorTable.from_entries(
+    [TensorEntry("a", "float32", (4,), (1,), 0, 0), TensorEntry("b", "float32", (4,), (1,), 0, 256)]
+)
+slab = DepositSlab(id=1, deposit=5, slabs=(SlabDescriptor(size=4096, kind="memfd", fd=0),), tensors=table)
+fd = memfd(4096, seals=0)
+held = []
+
+class Held(dict):  # a view of the slab taken while the write runs (a debugger's, a profiler's) and kept
+    def get(self, name, default=None):
+        if name == "b":
+            frame = sys._getframe()
+            while frame.f_code.co_name != "_write_memfd":
+                frame = frame.f_back
+            held.append(frame.f_locals["base"][:16])
+        return super().get(name, default)
+
+for tensors in ({"a": torch.ones(4)}, Held(a=torch.ones(4))):
+    try:
+        write_deposit(slab, fd, tensors)
+        raise AssertionError("the write succeeded")
+    except RemoteProtocolError as exc:
+        err = exc
+    # every tensor the failure's traceback keeps reads what it views
+    tb = err.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            if isinstance(value, torch.Tensor):
+                value.float().sum().item()
+        tb = tb.tb_next
+    if held:
+        assert held[0].view(torch.float32).tolist() == [1.0] * 4, held[0]
+        assert _held()[0] == 1, _held()  # the view keeps the mapping
+        held.clear()
+    assert _held()[0] == 0, _held()  # no tensor of the slab left: unmapped at once, the failure still alive
+    del err
+print("ok")
+"""
+
+
+def test_a_deposit_that_fails_unmaps_its_slab_under_no_tensor() -> None:
+    """A write-back whose DEPOSIT_SLAB names a tensor the deposit did not list fails after the first copy. Every
+    tensor its traceback keeps reads what it views, a view of the slab kept elsewhere reads the bytes written and
+    keeps the mapping until it goes, and with no such view the slab is unmapped at once. Before, the writer's
+    ``mmap.close`` unmapped the slab under its own ``base`` tensor, which the traceback keeps (and under any view
+    of it): reading it was a segmentation fault (``torch.frombuffer`` holds the mmap, not a buffer export, so
+    ``close`` did not refuse)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _DEPOSIT_FAILS], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
