@@ -426,3 +426,54 @@ def test_a_deposit_that_fails_unmaps_its_slab_under_no_tensor() -> None:
         [sys.executable, "-c", _DEPOSIT_FAILS], cwd=root, capture_output=True, text=True, timeout=120, check=False
     )
     assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["failed", "written"])
+def test_a_cuda_deposit_slab_is_unmapped_under_no_tensor(fails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA writer (wcache.client.cuda.write_vmm_deposit), its driver stood in for: the slab's mapping is
+    released exactly once, when no tensor of it is left — after a write (before COMMIT) and, while the failure is
+    still alive, after a write that fails. Before, a failed write released it (``cuMemUnmap``) while its ``base``
+    tensor was still alive in the frame the traceback keeps: reading that tensor was an illegal address."""
+    import weakref
+
+    import torch
+
+    from wcache.client import cuda, driver
+    from wcache.client.mapping import write_deposit
+    from wcache.proto.daemon_frames import SlabDescriptor
+    from wcache.proto.deposit_frames import DepositSlab
+
+    made: list[weakref.ref[torch.Tensor]] = []  # the slab's tensor
+    released: list[bool] = []  # per release: whether it was still alive
+
+    class Buffer(driver.DeviceBuffer):
+        """A host tensor as the mapped range; as ``torch.as_tensor``'s would, the tensor holds its buffer."""
+
+        def tensor(self) -> torch.Tensor:
+            t = torch.zeros(self.size, dtype=torch.uint8)
+            t._buffer = self  # type: ignore[attr-defined]
+            made.append(weakref.ref(t))
+            return t
+
+    def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[Buffer, bool]:
+        return Buffer(0, size, index, lambda: released.append(made[0]() is not None)), read_only
+
+    monkeypatch.setattr(cuda, "_slab_device", lambda desc: 0)
+    monkeypatch.setattr(cuda, "vmm_import", vmm_import)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: None)
+    entries = [TensorEntry("a", "float32", (4,), (1,), 0, 0)]
+    if fails:  # laid out, not deposited: the write fails after "a" is copied
+        entries.append(TensorEntry("b", "float32", (4,), (1,), 0, 256))
+    desc = SlabDescriptor(size=4096, kind="cuda_vmm", fd=0, device_uuid="GPU-x")
+    slab = DepositSlab(id=1, deposit=5, slabs=(desc,), tensors=TensorTable.from_entries(entries))
+    gc.disable()
+    try:
+        if fails:
+            with pytest.raises(RemoteProtocolError, match="'b'") as info:
+                write_deposit(slab, 3, {"a": torch.ones(4)})
+            assert info.value.__traceback__ is not None and released == [False]
+        else:
+            write_deposit(slab, 3, {"a": torch.ones(4)})
+            assert released == [False]
+    finally:
+        gc.enable()
