@@ -442,7 +442,7 @@ class Channel(Generic[C]):
         """Write frames' bytes (no descriptors) for callers without an event loop, all of them within ``timeout``
         seconds (``sendall``'s timeout bounds the whole call)."""
         try:
-            self.sock.settimeout(timeout)
+            self.sock.settimeout(_socket_timeout(timeout))
             self.sock.sendall(data)
             self._sent += len(data)
         finally:
@@ -494,6 +494,17 @@ def time_left(deadline: float) -> float:
     return left
 
 
+#: a blocking step's timeout (seconds) above which it has no limit: a socket's timeout is nanoseconds in an int64
+#: (OverflowError from ~9.2e9 s, math.inf included), and 30 years is for ever to a request
+_NO_LIMIT_S = 1e9
+
+
+def _socket_timeout(timeout: float) -> float | None:
+    """``timeout`` for ``socket.settimeout``: None (no limit) for one past ``_NO_LIMIT_S``, ``math.inf`` among
+    them — what the asynchronous calls' ``asyncio.timeout`` makes of it."""
+    return None if timeout > _NO_LIMIT_S else timeout
+
+
 def _socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
 
@@ -535,7 +546,7 @@ def dial_blocking(path: Path, timeout: float, peer: str = "wcache daemon") -> so
     """``dial()`` for callers without an event loop (TimeoutError after ``timeout`` seconds)."""
     sock = _socket()
     try:
-        sock.settimeout(timeout)
+        sock.settimeout(_socket_timeout(timeout))
         sock.connect(str(path))
         _check_peer(sock, path)
     except TimeoutError:

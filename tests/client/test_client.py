@@ -4,8 +4,10 @@ of a daemon's answers."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +172,69 @@ def test_a_release_whose_answer_trickles_in_returns_at_the_timeout(blocking: boo
         w.release_sync(timeout=TIMEOUT) if blocking else asyncio.run(w.release(timeout=TIMEOUT))
         took = time.monotonic() - t0
     assert w.released and TIMEOUT <= took < BOUND
+
+
+def _leases(peer: Peer) -> None:
+    """A daemon serving a 16-byte slab (``w``: 0, 1, 2, 3 as float32) and answering RELEASE."""
+    request = peer.opening()
+    fd = memfd(16, data=bytes(memoryview(array("f", [0, 1, 2, 3]))))
+    try:
+        peer.send(state(request, [memfd_slab(0, 16)], ONE), [fd])
+    finally:
+        os.close(fd)
+    peer.released()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("timeout", [math.inf, 1e12], ids=["inf", "1e12"])
+def test_a_timeout_of_no_limit_is_taken_by_the_blocking_calls_too(
+    timeout: float, blocking: bool, tmp_path: Path
+) -> None:
+    """``math.inf``, or any timeout past what a socket's clock holds (~9.2e9 s), is no limit: the client's, a
+    fetch's, a release's, copy mode's. fetch_sync and release_sync raised OverflowError from
+    ``socket.settimeout`` — not a WCacheError, so the engine's fallback did not catch it — where fetch and release
+    took the same value."""
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, _leases):
+        for client, per_call in (
+            (WCacheClient(sock, wait_for_daemon=0, timeout=timeout), None),
+            (WCacheClient(sock, wait_for_daemon=0), timeout),
+        ):
+            for mode in ("zero_copy", "copy"):
+                if blocking:
+                    w = client.fetch_sync(KEY, mode, timeout=per_call)
+                else:
+                    w = asyncio.run(client.fetch(KEY, mode, timeout=per_call))
+                assert w["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+                assert w.released == (mode == "copy")
+                release = timeout if per_call is None else per_call
+                w.release_sync(timeout=release) if blocking else asyncio.run(w.release(timeout=release))
+                assert w.released
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_a_timeout_that_is_not_a_number_is_a_value_error(blocking: bool, tmp_path: Path) -> None:
+    """A NaN timeout is ValueError before anything is sent, for the blocking and the asynchronous calls alike; a
+    release refused so keeps its lease. Before, the client took it, fetch() timed out at once
+    (CacheUnavailableError "did not answer within nan s") and release() dropped the lease as timed out, where
+    fetch_sync raised ``socket.settimeout``'s ValueError and release_sync did too, having dropped the lease."""
+    connections: list[int] = []
+
+    def scenario(peer: Peer) -> None:
+        connections.append(1)
+        _leases(peer)
+
+    sock = tmp_path / "fake.sock"
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        WCacheClient(sock, wait_for_daemon=0, timeout=math.nan)
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    with FakeDaemon(sock, scenario):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            client.fetch_sync(KEY, timeout=math.nan) if blocking else asyncio.run(client.fetch(KEY, timeout=math.nan))
+        assert connections == []
+        w = _fetch(client, KEY, blocking)
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            w.release_sync(timeout=math.nan) if blocking else asyncio.run(w.release(timeout=math.nan))
+        assert not w.released
+        w.release_sync() if blocking else asyncio.run(w.release())
+        assert w.released
