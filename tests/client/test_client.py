@@ -4,6 +4,7 @@ of a daemon's answers."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import os
 import time
@@ -238,3 +239,64 @@ def test_a_timeout_that_is_not_a_number_is_a_value_error(blocking: bool, tmp_pat
         assert not w.released
         w.release_sync() if blocking else asyncio.run(w.release())
         assert w.released
+
+
+#: run in a child, an engine as it starts: wcache's client and its error tree imported (``wcache.nn`` imports it, as
+#: does an engine catching WCacheError), nothing else of wcache, the default wait_for_daemon
+_OUT_OF_DESCRIPTORS = """
+import asyncio, os, resource, sys
+from wcache import WCacheClient, WeightCacheKey
+from wcache.errors import WCacheError
+
+client = WCacheClient(sys.argv[1], timeout=3)
+key = WeightCacheKey("0" * 32, "LlamaForCausalLM", 1, 0, "float32")
+for blocking in (True, False):
+    loop = asyncio.new_event_loop()  # its own descriptors taken before the limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+    taken = []
+    try:
+        while True:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        client.fetch_sync(key) if blocking else loop.run_until_complete(client.fetch(key))
+        result = "fetched"
+    except WCacheError as exc:
+        result = f"{type(exc).__name__}: {exc} {exc.details} {type(exc.__cause__).__name__} {exc.__cause__.errno}"
+    except Exception as exc:
+        result = f"escaped: {type(exc).__name__}: {exc}"
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        loop.close()
+    print(result)
+"""
+
+
+def test_an_engine_out_of_descriptors_is_cache_unavailable_naming_the_socket(tmp_path: Path) -> None:
+    """An engine at its descriptor limit (RLIMIT_NOFILE, every descriptor taken) fetches: ``socket()`` fails with
+    EMFILE, and both fetches are CacheUnavailableError naming the socket and the errno, which the engine's fallback
+    catches — with nothing more to import, as a process without descriptors cannot. Before, the socket was made
+    outside the dial's ``try`` and the bare OSError escaped both fetches; the check for a daemon coming back
+    (``wait_for_daemon``) imported its module first, which failed with EMFILE too."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "wcache-rank0.sock"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(sock)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    expected = (
+        f"CacheUnavailableError: cannot open a socket to the wcache daemon at {sock} in this process: EMFILE "
+        f"(Too many open files) {{'socket': '{sock}', 'errno': 'EMFILE'}} OSError {errno.EMFILE}"
+    )
+    assert (r.returncode, r.stdout.splitlines()) == (0, [expected, expected]), r.stderr[-2000:]

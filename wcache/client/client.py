@@ -726,7 +726,11 @@ class _Request:
 
 
 def _absent(exc: BaseException) -> bool:
-    """A connect that found no socket file, or a socket nobody listens on (a daemon may be coming back)."""
+    """A connect that found no socket file, or a socket nobody listens on (a daemon may be coming back). Any other
+    failure is told without importing anything: a process out of descriptors (a socket it could not open) cannot
+    import the waiting's module, and its fetch must still be the CacheUnavailableError that it raised."""
+    if not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)):  # wait.is_absent's causes
+        return False
     from wcache.client import wait
     from wcache.errors import CacheUnavailableError
 
