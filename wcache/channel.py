@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import errno
 import fcntl
 import os
 import select
@@ -442,7 +443,7 @@ class Channel(Generic[C]):
         """Write frames' bytes (no descriptors) for callers without an event loop, all of them within ``timeout``
         seconds (``sendall``'s timeout bounds the whole call)."""
         try:
-            self.sock.settimeout(timeout)
+            self.sock.settimeout(_socket_timeout(timeout))
             self.sock.sendall(data)
             self._sent += len(data)
         finally:
@@ -494,8 +495,39 @@ def time_left(deadline: float) -> float:
     return left
 
 
+#: a blocking step's timeout (seconds) above which it has no limit: a socket's timeout is nanoseconds in an int64
+#: (OverflowError from ~9.2e9 s, math.inf included), and 30 years is for ever to a request
+_NO_LIMIT_S = 1e9
+
+
+def _socket_timeout(timeout: float) -> float | None:
+    """``timeout`` for ``socket.settimeout``: None (no limit) for one past ``_NO_LIMIT_S``, ``math.inf`` among
+    them — what the asynchronous calls' ``asyncio.timeout`` makes of it."""
+    return None if timeout > _NO_LIMIT_S else timeout
+
+
 def _socket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+
+
+def _dialling_socket(path: Path, peer: str) -> socket.socket:
+    """A fresh socket to dial ``path`` with. A process that cannot open one — at its descriptor limit (EMFILE),
+    the system's (ENFILE), out of memory (ENOMEM, ENOBUFS) — gets CacheUnavailableError naming the socket and the
+    errno: the cache is then as unusable to it as a slab it cannot map, and an engine's fallback catches
+    WCacheError only (``socket()``'s bare OSError crashed its load instead of loading from disk). The error tree
+    is imported here, as everywhere on the fetch path: an engine that catches WCacheError has it loaded already
+    (``wcache.nn`` imports it); one that has not gets the import's own OSError, a process without descriptors
+    being unable to read a module."""
+    try:
+        return _socket()
+    except OSError as exc:
+        from wcache.errors import CacheUnavailableError
+
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        raise CacheUnavailableError(
+            f"cannot open a socket to the {peer} at {path} in this process: {code} ({exc.strerror or exc})",
+            details={"socket": str(path), "errno": code},
+        ) from exc
 
 
 def _unavailable(path: Path, exc: OSError, peer: str) -> CacheUnavailableError:
@@ -515,9 +547,10 @@ def _check_peer(sock: socket.socket, path: Path) -> None:
 
 async def dial(path: Path, peer: str = "wcache daemon") -> socket.socket:
     """A non-blocking socket connected to the wcache socket at ``path`` whose process runs as this user (or root).
-    CacheUnavailableError when nothing answers there ("no ``peer`` at PATH"), or another user's process does."""
+    CacheUnavailableError when nothing answers there ("no ``peer`` at PATH"), or another user's process does, or
+    this process cannot open a socket (``_dialling_socket``)."""
     loop = asyncio.get_running_loop()
-    sock = _socket()
+    sock = _dialling_socket(path, peer)
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, str(path))
@@ -533,9 +566,9 @@ async def dial(path: Path, peer: str = "wcache daemon") -> socket.socket:
 
 def dial_blocking(path: Path, timeout: float, peer: str = "wcache daemon") -> socket.socket:
     """``dial()`` for callers without an event loop (TimeoutError after ``timeout`` seconds)."""
-    sock = _socket()
+    sock = _dialling_socket(path, peer)
     try:
-        sock.settimeout(timeout)
+        sock.settimeout(_socket_timeout(timeout))
         sock.connect(str(path))
         _check_peer(sock, path)
     except TimeoutError:

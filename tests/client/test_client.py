@@ -4,8 +4,11 @@ of a daemon's answers."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import math
 import os
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +173,130 @@ def test_a_release_whose_answer_trickles_in_returns_at_the_timeout(blocking: boo
         w.release_sync(timeout=TIMEOUT) if blocking else asyncio.run(w.release(timeout=TIMEOUT))
         took = time.monotonic() - t0
     assert w.released and TIMEOUT <= took < BOUND
+
+
+def _leases(peer: Peer) -> None:
+    """A daemon serving a 16-byte slab (``w``: 0, 1, 2, 3 as float32) and answering RELEASE."""
+    request = peer.opening()
+    fd = memfd(16, data=bytes(memoryview(array("f", [0, 1, 2, 3]))))
+    try:
+        peer.send(state(request, [memfd_slab(0, 16)], ONE), [fd])
+    finally:
+        os.close(fd)
+    peer.released()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("timeout", [math.inf, 1e12], ids=["inf", "1e12"])
+def test_a_timeout_of_no_limit_is_taken_by_the_blocking_calls_too(
+    timeout: float, blocking: bool, tmp_path: Path
+) -> None:
+    """``math.inf``, or any timeout past what a socket's clock holds (~9.2e9 s), is no limit: the client's, a
+    fetch's, a release's, copy mode's. fetch_sync and release_sync raised OverflowError from
+    ``socket.settimeout`` — not a WCacheError, so the engine's fallback did not catch it — where fetch and release
+    took the same value."""
+    sock = tmp_path / "fake.sock"
+    with FakeDaemon(sock, _leases):
+        for client, per_call in (
+            (WCacheClient(sock, wait_for_daemon=0, timeout=timeout), None),
+            (WCacheClient(sock, wait_for_daemon=0), timeout),
+        ):
+            for mode in ("zero_copy", "copy"):
+                if blocking:
+                    w = client.fetch_sync(KEY, mode, timeout=per_call)
+                else:
+                    w = asyncio.run(client.fetch(KEY, mode, timeout=per_call))
+                assert w["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+                assert w.released == (mode == "copy")
+                release = timeout if per_call is None else per_call
+                w.release_sync(timeout=release) if blocking else asyncio.run(w.release(timeout=release))
+                assert w.released
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+def test_a_timeout_that_is_not_a_number_is_a_value_error(blocking: bool, tmp_path: Path) -> None:
+    """A NaN timeout is ValueError before anything is sent, for the blocking and the asynchronous calls alike; a
+    release refused so keeps its lease. Before, the client took it, fetch() timed out at once
+    (CacheUnavailableError "did not answer within nan s") and release() dropped the lease as timed out, where
+    fetch_sync raised ``socket.settimeout``'s ValueError and release_sync did too, having dropped the lease."""
+    connections: list[int] = []
+
+    def scenario(peer: Peer) -> None:
+        connections.append(1)
+        _leases(peer)
+
+    sock = tmp_path / "fake.sock"
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        WCacheClient(sock, wait_for_daemon=0, timeout=math.nan)
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    with FakeDaemon(sock, scenario):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            client.fetch_sync(KEY, timeout=math.nan) if blocking else asyncio.run(client.fetch(KEY, timeout=math.nan))
+        assert connections == []
+        w = _fetch(client, KEY, blocking)
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            w.release_sync(timeout=math.nan) if blocking else asyncio.run(w.release(timeout=math.nan))
+        assert not w.released
+        w.release_sync() if blocking else asyncio.run(w.release())
+        assert w.released
+
+
+#: run in a child, an engine as it starts: wcache's client and its error tree imported (``wcache.nn`` imports it, as
+#: does an engine catching WCacheError), nothing else of wcache, the default wait_for_daemon
+_OUT_OF_DESCRIPTORS = """
+import asyncio, os, resource, sys
+from wcache import WCacheClient, WeightCacheKey
+from wcache.errors import WCacheError
+
+client = WCacheClient(sys.argv[1], timeout=3)
+key = WeightCacheKey("0" * 32, "LlamaForCausalLM", 1, 0, "float32")
+for blocking in (True, False):
+    loop = asyncio.new_event_loop()  # its own descriptors taken before the limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+    taken = []
+    try:
+        while True:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        client.fetch_sync(key) if blocking else loop.run_until_complete(client.fetch(key))
+        result = "fetched"
+    except WCacheError as exc:
+        result = f"{type(exc).__name__}: {exc} {exc.details} {type(exc.__cause__).__name__} {exc.__cause__.errno}"
+    except Exception as exc:
+        result = f"escaped: {type(exc).__name__}: {exc}"
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        loop.close()
+    print(result)
+"""
+
+
+def test_an_engine_out_of_descriptors_is_cache_unavailable_naming_the_socket(tmp_path: Path) -> None:
+    """An engine at its descriptor limit (RLIMIT_NOFILE, every descriptor taken) fetches: ``socket()`` fails with
+    EMFILE, and both fetches are CacheUnavailableError naming the socket and the errno, which the engine's fallback
+    catches — with nothing more to import, as a process without descriptors cannot. Before, the socket was made
+    outside the dial's ``try`` and the bare OSError escaped both fetches; the check for a daemon coming back
+    (``wait_for_daemon``) imported its module first, which failed with EMFILE too."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "wcache-rank0.sock"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(sock)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    expected = (
+        f"CacheUnavailableError: cannot open a socket to the wcache daemon at {sock} in this process: EMFILE "
+        f"(Too many open files) {{'socket': '{sock}', 'errno': 'EMFILE'}} OSError {errno.EMFILE}"
+    )
+    assert (r.returncode, r.stdout.splitlines()) == (0, [expected, expected]), r.stderr[-2000:]

@@ -299,3 +299,181 @@ def test_a_copy_that_does_not_fit_the_engine_is_cache_unavailable_and_unmaps(
             assert _held() == before
     finally:
         os.close(slab)
+
+
+#: run in a child: RLIMIT_AS leaves this process room to map a 128 MiB slab, not to copy it too
+_COPY_PAST_RLIMIT_AS = """
+import asyncio, gc, os, resource, sys
+from pathlib import Path
+from tests.client.fake_daemon import FakeDaemon, memfd, memfd_slab, state
+from tests.client.test_mapping import KEY, _held
+from wcache import CacheUnavailableError, WCacheClient
+from wcache.proto.table import TensorEntry
+
+SIZE = 128 << 20
+slab = memfd(SIZE, data=bytes(range(16)))
+
+def scenario(peer):
+    request = peer.opening()
+    peer.send(state(request, [memfd_slab(0, SIZE)], [TensorEntry("w", "uint8", (SIZE,), (1,), 0, 0)]), [slab])
+    peer.released()
+
+with FakeDaemon(Path(sys.argv[1]), scenario):
+    client = WCacheClient(Path(sys.argv[1]), wait_for_daemon=0, timeout=30)
+    assert client.fetch_sync(KEY, "copy")["w"][:16].tolist() == list(range(16))  # it fits without the limit
+    asyncio.run(client.fetch(KEY, "copy"))  # the event loop's first use, before the limit
+    gc.collect()
+    before = _held()
+    with open("/proc/self/status") as f:
+        vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) << 10
+    resource.setrlimit(resource.RLIMIT_AS, (vm + SIZE + (32 << 20), resource.RLIM_INFINITY))
+    for blocking in (True, False):
+        try:
+            client.fetch_sync(KEY, "copy") if blocking else asyncio.run(client.fetch(KEY, "copy"))
+            print("fetched")
+        except CacheUnavailableError as e:
+            print(e.details, _held() == before)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+"""
+
+
+def test_a_copy_past_the_engines_address_space_is_cache_unavailable(tmp_path: Path) -> None:
+    """A copy-mode fetch in an engine whose RLIMIT_AS has room for the slab's mapping but not for its copy: torch's
+    CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory"), neither
+    OutOfMemoryError nor MemoryError. Both fetches are CacheUnavailableError naming the slab, the mapping gone; before,
+    the RuntimeError escaped them and ``wcache.nn.load_weights`` did not fall back to disk."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _COPY_PAST_RLIMIT_AS, str(tmp_path / "fake.sock")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    expected = "{'slab': 0, 'size': 134217728} True"
+    assert (r.returncode, r.stdout.split("\n")) == (0, [expected, expected, ""]), r.stderr[-2000:]
+
+
+#: run in a child: a tensor left on a deposit slab unmapped under it kills the process (SIGSEGV) when read
+_DEPOSIT_FAILS = """
+import gc, sys
+gc.disable()
+import torch
+from tests.client.fake_daemon import memfd
+from tests.client.test_mapping import _held
+from wcache.client.mapping import write_deposit
+from wcache.errors import RemoteProtocolError
+from wcache.proto.daemon_frames import SlabDescriptor
+from wcache.proto.deposit_frames import DepositSlab
+from wcache.proto.table import TensorEntry, TensorTable
+
+# the daemon lays out "a" and "b"; the engine deposits "a" only: the write fails after "a" is copied
+table = TensorTable.from_entries(
+    [TensorEntry("a", "float32", (4,), (1,), 0, 0), TensorEntry("b", "float32", (4,), (1,), 0, 256)]
+)
+slab = DepositSlab(id=1, deposit=5, slabs=(SlabDescriptor(size=4096, kind="memfd", fd=0),), tensors=table)
+fd = memfd(4096, seals=0)
+held = []
+
+class Held(dict):  # a view of the slab taken while the write runs (a debugger's, a profiler's) and kept
+    def get(self, name, default=None):
+        if name == "b":
+            frame = sys._getframe()
+            while frame.f_code.co_name != "_write_memfd":
+                frame = frame.f_back
+            held.append(frame.f_locals["base"][:16])
+        return super().get(name, default)
+
+for tensors in ({"a": torch.ones(4)}, Held(a=torch.ones(4))):
+    try:
+        write_deposit(slab, fd, tensors)
+        raise AssertionError("the write succeeded")
+    except RemoteProtocolError as exc:
+        err = exc
+    # every tensor the failure's traceback keeps reads what it views
+    tb = err.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            if isinstance(value, torch.Tensor):
+                value.float().sum().item()
+        tb = tb.tb_next
+    if held:
+        assert held[0].view(torch.float32).tolist() == [1.0] * 4, held[0]
+        assert _held()[0] == 1, _held()  # the view keeps the mapping
+        held.clear()
+    assert _held()[0] == 0, _held()  # no tensor of the slab left: unmapped at once, the failure still alive
+    del err
+print("ok")
+"""
+
+
+def test_a_deposit_that_fails_unmaps_its_slab_under_no_tensor() -> None:
+    """A write-back whose DEPOSIT_SLAB names a tensor the deposit did not list fails after the first copy. Every
+    tensor its traceback keeps reads what it views, a view of the slab kept elsewhere reads the bytes written and
+    keeps the mapping until it goes, and with no such view the slab is unmapped at once. Before, the writer's
+    ``mmap.close`` unmapped the slab under its own ``base`` tensor, which the traceback keeps (and under any view
+    of it): reading it was a segmentation fault (``torch.frombuffer`` holds the mmap, not a buffer export, so
+    ``close`` did not refuse)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _DEPOSIT_FAILS], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["failed", "written"])
+def test_a_cuda_deposit_slab_is_unmapped_under_no_tensor(fails: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA writer (wcache.client.cuda.write_vmm_deposit), its driver stood in for: the slab's mapping is
+    released exactly once, when no tensor of it is left — after a write (before COMMIT) and, while the failure is
+    still alive, after a write that fails. Before, a failed write released it (``cuMemUnmap``) while its ``base``
+    tensor was still alive in the frame the traceback keeps: reading that tensor was an illegal address."""
+    import weakref
+
+    import torch
+
+    from wcache.client import cuda, driver
+    from wcache.client.mapping import write_deposit
+    from wcache.proto.daemon_frames import SlabDescriptor
+    from wcache.proto.deposit_frames import DepositSlab
+
+    made: list[weakref.ref[torch.Tensor]] = []  # the slab's tensor
+    released: list[bool] = []  # per release: whether it was still alive
+
+    class Buffer(driver.DeviceBuffer):
+        """A host tensor as the mapped range; as ``torch.as_tensor``'s would, the tensor holds its buffer."""
+
+        def tensor(self) -> torch.Tensor:
+            t = torch.zeros(self.size, dtype=torch.uint8)
+            t._buffer = self  # type: ignore[attr-defined]
+            made.append(weakref.ref(t))
+            return t
+
+    def vmm_import(fd: int, offset: int, size: int, index: int, *, read_only: bool) -> tuple[Buffer, bool]:
+        return Buffer(0, size, index, lambda: released.append(made[0]() is not None)), read_only
+
+    monkeypatch.setattr(cuda, "_slab_device", lambda desc: 0)
+    monkeypatch.setattr(cuda, "vmm_import", vmm_import)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: None)
+    entries = [TensorEntry("a", "float32", (4,), (1,), 0, 0)]
+    if fails:  # laid out, not deposited: the write fails after "a" is copied
+        entries.append(TensorEntry("b", "float32", (4,), (1,), 0, 256))
+    desc = SlabDescriptor(size=4096, kind="cuda_vmm", fd=0, device_uuid="GPU-x")
+    slab = DepositSlab(id=1, deposit=5, slabs=(desc,), tensors=TensorTable.from_entries(entries))
+    gc.disable()
+    try:
+        if fails:
+            with pytest.raises(RemoteProtocolError, match="'b'") as info:
+                write_deposit(slab, 3, {"a": torch.ones(4)})
+            assert info.value.__traceback__ is not None and released == [False]
+        else:
+            write_deposit(slab, 3, {"a": torch.ones(4)})
+            assert released == [False]
+    finally:
+        gc.enable()

@@ -128,6 +128,15 @@ def _one(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, *, n: int
         (_one((0,), (1,), 4097), "runs past the end"),
         # a group of empty tensors whose last one is past the slab (torch: TypeError)
         (_one((0,), (1,), 0, n=2, step=(1 << 64) - 1), "runs past the end"),
+        # four tensors of 2**62 bytes each, each within the bound: their stacked view has 2**64 elements (torch:
+        # "numel: integer multiplication overflow" on any name's look-up, groups(), materialize())
+        (_one((1 << 47, 1 << 15), (0, 0), 0, n=4, step=1), "below 2\\*\\*63"),
+        (_one((1 << 47, 1 << 15), (0, 0), 0, n=2, step=1), "below 2\\*\\*63"),  # 2**63 bytes exactly
+        # a group of one whose step, its stacked view's first stride, is no int64 (torch: TypeError "Overflow when
+        # unpacking long long" from groups()), or any step but 0 (§4.6)
+        (_one((4,), (1,), 0, step=(1 << 64) - 1), "a group of one tensor has step 0"),
+        (_one((4,), (1,), 0, step=1 << 63), "a group of one tensor has step 0"),
+        (_one((4,), (1,), 0, step=256), "a group of one tensor has step 0"),
     ],
 )
 def test_decoder_rejects_tables_torch_cannot_view(wire: dict[str, Any], match: str) -> None:
@@ -136,6 +145,8 @@ def test_decoder_rejects_tables_torch_cannot_view(wire: dict[str, Any], match: s
     with pytest.raises(RemoteProtocolError, match=match):
         TensorTable.from_wire(wire, [4096])
     TensorTable.from_wire(_one((1 << 20, 1 << 20), (0, 0), 0), [4096])  # zero strides within the int64 bound
+    # a group's bytes just below the bound: two tensors of 2**62 - 2**47 bytes
+    TensorTable.from_wire(_one((1 << 47, (1 << 15) - 1), (0, 0), 0, n=2, step=1), [4096])
 
 
 def test_version_1_clients_get_unsupported_version() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -163,8 +164,10 @@ class CachedWeights(Mapping[str, torch.Tensor]):
     async def release(self, timeout: float = 5.0) -> None:
         """End the lease (RELEASE, await RELEASED) and close the connection. Idempotent.
 
-        If the daemon is gone the lease is gone with it; that is not an error.
+        If the daemon is gone the lease is gone with it; that is not an error. ``timeout``: seconds,
+        ``math.inf`` for no limit (ValueError for NaN).
         """
+        _checked_timeout(timeout)
         ch, self._channel = self._channel, None
         if ch is None or ch.closed:
             return
@@ -181,6 +184,7 @@ class CachedWeights(Mapping[str, torch.Tensor]):
     def release_sync(self, timeout: float = 5.0) -> None:
         """Blocking release() for code without an event loop; as release(), it returns within ``timeout`` (one
         deadline for sending RELEASE and reading RELEASED), leaving the lease to the connection's close."""
+        _checked_timeout(timeout)
         ch, self._channel = self._channel, None
         if ch is None or ch.closed:
             return
@@ -236,7 +240,7 @@ class WCacheClient:
             raise ValueError("give socket_path or socket_dir, not both")
         self.socket_path = Path(socket_path) if socket_path is not None else None
         self.socket_dir = Path(socket_dir) if socket_dir is not None else None
-        self.timeout = timeout
+        self.timeout = _checked_timeout(timeout)
         self.name = name or f"pid{os.getpid()}"
         self.device = torch.device(device) if device is not None else None
         if not wait_for_daemon >= 0:
@@ -331,7 +335,8 @@ class WCacheClient:
         """Lease and map the weights for ``key``. See the module docstring for errors.
 
         ``mode="zero_copy"``: read-only views of the daemon's memory (a write crashes the engine,
-        see CachedWeights); ``mode="copy"``: the engine's own, writable copy.
+        see CachedWeights); ``mode="copy"``: the engine's own, writable copy. ``timeout``: seconds for the whole
+        call (None: the client's), ``math.inf`` for no limit, as for every call of the client; NaN is ValueError.
         """
         return await self._fetch(key, mode, timeout)
 
@@ -389,7 +394,7 @@ class WCacheClient:
         connection)."""
         from wcache.errors import CacheUnavailableError  # what every failure below becomes
 
-        limit = self.timeout if timeout is None else timeout
+        limit = _checked_timeout(self.timeout if timeout is None else timeout)
         session = _Session()
         try:
             async with asyncio.timeout(limit if deadline is None else deadline - time.monotonic()):
@@ -603,7 +608,7 @@ class WCacheClient:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         path = self.socket_for(key)
-        limit = self.timeout if timeout is None else timeout
+        limit = _checked_timeout(self.timeout if timeout is None else timeout)
         deadline = time.monotonic() + limit
         ch: Channel[EngineConnection] | None = None
         try:
@@ -721,7 +726,11 @@ class _Request:
 
 
 def _absent(exc: BaseException) -> bool:
-    """A connect that found no socket file, or a socket nobody listens on (a daemon may be coming back)."""
+    """A connect that found no socket file, or a socket nobody listens on (a daemon may be coming back). Any other
+    failure is told without importing anything: a process out of descriptors (a socket it could not open) cannot
+    import the waiting's module, and its fetch must still be the CacheUnavailableError that it raised."""
+    if not isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError)):  # wait.is_absent's causes
+        return False
     from wcache.client import wait
     from wcache.errors import CacheUnavailableError
 
@@ -753,19 +762,29 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
     return ahead
 
 
+def _checked_timeout(timeout: float) -> float:
+    """A request's ``timeout`` in seconds, as every call takes it, blocking or not: ``math.inf`` (or any value
+    past what a clock holds) for no limit, 0 or less for one that has run out at once. NaN is no timeout — the
+    asynchronous calls' ``asyncio.timeout`` ran out at once and a blocking socket refused it —: ValueError."""
+    if math.isnan(timeout):
+        raise ValueError(f"timeout must be a number of seconds (math.inf: no limit), got {timeout!r}")
+    return timeout
+
+
 def _copies(bases: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy mode's copies of the mapped slabs; a copy that does not fit this process's memory (torch's
-    OutOfMemoryError on the GPU, MemoryError on the host) is CacheUnavailableError naming the slab: like a slab
-    that cannot be mapped (wcache.client.mapping), the cache is then of no use to this engine, which loads from
-    disk (``wcache.nn.load_weights`` falls back on WCacheError only). It is raised from a frame that holds no
-    tensor of the slabs (``from None``: torch's error and its frames are not kept), so that nothing of a failed
-    fetch keeps a mapping alive."""
+    """Copy mode's copies of the mapped slabs; a copy that does not fit this process's memory is
+    CacheUnavailableError naming the slab. torch says so with OutOfMemoryError on the GPU but, on the host, with its
+    CPU allocator's plain RuntimeError ("DefaultCPUAllocator: can't allocate memory") or MemoryError, so any
+    RuntimeError of the copy counts. Like a slab that cannot be mapped (wcache.client.mapping), the cache is then of
+    no use to this engine, which loads from disk (``wcache.nn.load_weights`` falls back on WCacheError only). It is
+    raised from a frame that holds no tensor of the slabs (``from None``: torch's error and its frames are not
+    kept), so that nothing of a failed fetch keeps a mapping alive."""
     out = []
     failed: tuple[int, int, str] | None = None
     for i in range(len(bases)):
         try:
             out.append(bases[i].clone())
-        except (torch.OutOfMemoryError, MemoryError) as exc:
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             failed = (i, bases[i].numel(), f"{type(exc).__name__}: {exc}")
             break
     if failed is None:

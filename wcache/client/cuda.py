@@ -204,16 +204,23 @@ def write_vmm_deposit(desc: daemon_frames.SlabDescriptor, fd: int, sources: Iter
         raise RemoteProtocolError("cuda_vmm deposit slab without a file descriptor")
     index = _slab_device(desc)
     buf, _ = vmm_import(fd, desc.offset, desc.size, index, read_only=False)
+    base: torch.Tensor | None = None
+    src: torch.Tensor | None = None
     try:
         base = buf.tensor()
-        src: torch.Tensor | None = None
         for offset, src in sources:
             base[offset : offset + src.numel()].copy_(src, non_blocking=True)
-        del src
         torch.cuda.synchronize(index)  # every copy has landed before the mapping goes (and before COMMIT)
-        del base
     except BaseException:
-        torch.cuda.synchronize(index)  # no copy may still target the range once it is unmapped
+        try:
+            torch.cuda.synchronize(index)  # no copy may still target the range once it is unmapped
+        finally:
+            # the traceback keeps this frame: its tensor of the slab goes, and the mapping with the last tensor
+            # holding the buffer (DeviceBuffer's own deallocation unmaps it), not under one (cuMemUnmap does not
+            # know of torch's tensors: reading one would be an illegal address); none made, it is unmapped now
+            if base is None:
+                buf.close()
+            del base, buf
         raise
-    finally:
-        buf.close()
+    del base, src
+    buf.close()

@@ -327,15 +327,27 @@ def deposit_sources(slab: DepositSlab, tensors: Mapping[str, torch.Tensor]) -> I
 
 
 def _write_memfd(slab: DepositSlab, desc: SlabDescriptor, fd: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The memfd deposit slab mapped writable, each tensor copied in, the mapping gone when this returns (COMMIT
+    requires it: the daemon's seal fails while a writable mapping exists).
+
+    ``torch.frombuffer`` holds a reference to the mmap object, not a buffer export, so ``mmap.close`` does not know
+    of its tensors and unmaps under them: a tensor of the slab left alive (``base`` in this frame, which the
+    traceback of a failure keeps, or a view of it taken meanwhile) then read unmapped memory, a segmentation
+    fault. So the tensors go before the mapping: on success ``base`` (no other tensor of the slab is made) and
+    then ``close``; on failure this frame's references go (``base`` and the mmap) and the mapping goes with the
+    last of its tensors — at once, unless one is still held elsewhere, which then keeps it."""
     mm = mmap.mmap(fd, desc.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    base: torch.Tensor | None = None
+    src: torch.Tensor | None = None
     try:
         base = torch.frombuffer(mm, dtype=torch.uint8)
-        src: torch.Tensor | None = None
         for offset, src in deposit_sources(slab, tensors):
             base[offset : offset + src.numel()].copy_(src)  # from any device: a GPU tensor comes down here
-        del base, src
-    finally:
-        mm.close()  # BufferError here would mean a view escaped: the seal would then fail with IN_USE
+    except BaseException:
+        del base, mm  # the mmap's own deallocation unmaps it when no tensor holds it any more
+        raise
+    del base, src
+    mm.close()
 
 
 def write_deposit(slab: DepositSlab, fd: int, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -278,8 +278,9 @@ class TensorTable:
         Checks: consistent column lengths; unique names of 1..1024 characters; group counts
         >= 1 summing to the number of names; known dtypes; rank <= 16; dimensions and strides
         in [0, 2**48); slab indices in range; offsets and steps multiples of the element size,
-        steps > 0 in groups of several; every tensor's extent inside its slab (an empty one's offset too); every
-        tensor's elements times its element size below 2**63.
+        steps > 0 in groups of several and 0 in groups of one; every tensor's extent inside its slab (an empty
+        one's offset too); every group's elements (its stacked view's: count times each tensor's) times its element
+        size below 2**63.
         """
         if type(m) is not dict:
             raise fail("TensorTable", "", f"expected a map, got {type(m).__name__}")
@@ -342,8 +343,12 @@ class TensorTable:
         sizes = tuple(map(DTYPE_SIZES.__getitem__, dtypes))
         if any(map(operator.mod, offsets, sizes)) or any(map(operator.mod, steps, sizes)):
             raise fail("TensorTable", "offsets", "an offset or step is not a multiple of its element size")
-        if any(c > 1 and s == 0 for c, s in zip(counts, steps)):
-            raise fail("TensorTable", "steps", "a group of several tensors needs a step > 0")
+        # a group of several tensors is spaced (step > 0), a group of one is not (step 0: its stacked view's first
+        # stride, step / s, must be an int64 too, and nothing else bounds it): a group has one tensor iff step is 0
+        if any(map(operator.ne, map((1).__eq__, counts), map(operator.not_, steps))):
+            if any(c > 1 and s == 0 for c, s in zip(counts, steps)):
+                raise fail("TensorTable", "steps", "a group of several tensors needs a step > 0")
+            raise fail("TensorTable", "steps", "a group of one tensor has step 0")
         shapes = _split(flat_shape.tolist(), ranks)
         strides = _split(flat_stride.tolist(), ranks)
         spans = _spans(flat_shape, flat_stride, ranks, shapes, strides, dtypes)
@@ -352,9 +357,14 @@ class TensorTable:
         lasts = map(operator.add, offsets, map(operator.mul, steps, map(operator.sub, counts, repeat(1))))
         if not all(map(operator.le, map(operator.add, lasts, spans), map(slab_sizes.__getitem__, slabs))):
             raise fail("TensorTable", "offsets", "a tensor runs past the end of its slab")
-        # a view's size in bytes is an int64 (torch's numel): zero strides could make a huge tensor of a small extent
-        if max(map(operator.mul, map(math.prod, shapes), sizes)) >= _MAX_BYTES:
-            raise fail("TensorTable", "shapes", "a tensor's elements times its element size must be below 2**63")
+        # a view's size in bytes is an int64 (torch's numel): zero strides could make a huge tensor of a small
+        # extent, and a group's stacked view holds count of them
+        if max(map(operator.mul, map(operator.mul, map(math.prod, shapes), sizes), counts)) >= _MAX_BYTES:
+            raise fail(
+                "TensorTable",
+                "shapes",
+                "a group's elements (count x each tensor's) times its element size must be below 2**63",
+            )
         groups = tuple(map(_new_group, zip(dtypes, shapes, strides, slabs, offsets, steps, counts)))
         return cls(names, groups)
 
