@@ -100,6 +100,28 @@ async def _listening(svc: PeerService) -> AsyncIterator[int]:
         await listener.stop()
 
 
+@pytest.mark.parametrize("rate", [0, 4_000_000], ids=["uncapped", "capped"])
+async def test_one_peer_holding_both_tp2_ranks_fills_a_tp1_target(ckpt: Path, agent: Agent, rate: int) -> None:
+    """One source daemon serving both ranks of TP=2 offers two slabs on one connection; the TP=1 target reads from
+    both at once, bit-identical to a disk load, capped or not. Before, the two pulls each awaited the channel's next
+    frame for their grants: one's wait replaced the other's, grants went to the pull of the other lease, and the
+    fill failed (``deadline``) and loaded from disk."""
+    r0, r1 = _load(ckpt, 0, 2), _load(ckpt, 1, 2)
+    want = _bytes(_load(ckpt))
+    svc = PeerService(Store(HostBackend(), [r0, r1]), NONE, software="wcache/test", max_rate=rate)
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                got = await asyncio.wait_for(_fill(rp, agent, _cfg([port], timeout=5.0)), 60)
+            try:
+                assert _bytes(got) == want
+            finally:
+                got.close()
+    finally:
+        svc.close()
+        svc.store.close()
+
+
 async def test_a_listener_on_port_0_names_the_port_it_bound() -> None:
     """``--peer-listen HOST:0`` takes any free port: the shell's tag, which starts every peer log line, names that
     port (it named port 0, built before the bind)."""

@@ -30,6 +30,7 @@ from wcache.errors import (
     OutOfMemoryError,
     PermissionDeniedError,
     ProtocolError,
+    RemoteProtocolError,
     WCacheError,
 )
 from wcache.plan.checkpoint import SAMPLE_BLOCK, Checkpoint, _sample_offsets
@@ -124,6 +125,56 @@ class FillConfig:
     samples: int = 64
 
 
+class _Grants:
+    """A source's channel during a fill, shared by the pulls of its leases (a peer holding several slabs of one
+    fill: a TP=1 target filled from one peer's TP=2 ranks): one PEER_READ sent at a time, and one reader routing
+    each PEER_READ_OK to the pull of its lease (the source answers in order, so each lease's grants come in
+    order). Before, each pull awaited the channel's next frame itself: the second pull's wait replaced the
+    first's, grants went to the pull of another lease, and the fill waited until ``--fill-timeout`` and loaded
+    from disk. A failure of the channel (an ERROR, EOF) fails every pull of the source."""
+
+    def __init__(self, ch: StreamChannel) -> None:
+        self.ch = ch
+        self._sending = asyncio.Lock()
+        self._queues: dict[int, asyncio.Queue[PeerReadOk | BaseException]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def ask(self, lease: int, nbytes: int) -> None:
+        self._queues.setdefault(lease, asyncio.Queue())
+        async with self._sending:  # a frame's bytes are not interleaved with another pull's
+            await self.ch.send(PeerRead(id=self.ch.conn.next_request_id(), lease=lease, bytes=nbytes))
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+
+    async def next(self, lease: int) -> PeerReadOk:
+        got = await self._queues[lease].get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    async def _read(self) -> None:
+        from wcache.channel import expect
+
+        try:
+            while True:
+                ok, _ = await expect(self.ch)
+                queue = self._queues.get(ok.lease) if isinstance(ok, PeerReadOk) else None
+                if queue is None or not isinstance(ok, PeerReadOk):
+                    raise RemoteProtocolError(f"{ok.TYPE} answered a PEER_READ of this fill's leases")
+                queue.put_nowait(ok)
+        except BaseException as exc:
+            for queue in self._queues.values():
+                queue.put_nowait(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    async def close(self) -> None:
+        """Stop the reader (every grant asked for has come, or the fill failed)."""
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
 @dataclass
 class _Source:
     addr: str
@@ -131,6 +182,8 @@ class _Source:
     offer: PeerOffer | None = None
     agent_name: str | None = None
     leases: set[int] = field(default_factory=set)
+    #: the fill's PEER_READs and their grants on ``ch`` (every pull of this source's leases)
+    grants: _Grants | None = None
 
 
 @dataclass(frozen=True)
@@ -331,6 +384,8 @@ async def fill(
             assert s.offer is not None
             grant = grant_bytes(s.offer.max_rate, cfg.chunk)
             dl = deadlines[k]
+            if s.grants is None:
+                s.grants = _Grants(s.ch)
             jobs.append(functools.partial(_pull, agent, s, m.lease, copies, region, remote, grant, start, dl))
         done = await _all_or_none(jobs)
         agent.deregister(reg)
@@ -382,6 +437,10 @@ async def fill(
             agent.deregister(reg)
         if slab is not None:
             slab.close()  # never a half-filled slab served
+        for s in sources:
+            if s.grants is not None:
+                await s.grants.close()
+                s.grants = None
         await _release(sources)
 
 
@@ -567,8 +626,8 @@ async def _pull(
     at a time), so neither the grants' round trips nor the posting leaves the link idle. All by ``start`` +
     ``limit.seconds``, each grant within ``limit.stall`` seconds: else FillError (reason ``deadline``) naming
     the source, how far it got and the deadline's terms (a capped source's rate among them)."""
-    from wcache.channel import expect
-
+    assert src.grants is not None
+    grants = src.grants
     todo = batches(copies, grant)
     done = 0
     inflight: list[Transfer] = []
@@ -582,8 +641,7 @@ async def _pull(
         )
 
     async def ask(k: int) -> None:
-        rid = src.ch.conn.next_request_id()
-        await src.ch.send(PeerRead(id=rid, lease=lease, bytes=sum(c.nbytes for c in todo[k])))
+        await grants.ask(lease, sum(c.nbytes for c in todo[k]))
 
     try:
         for k in range(min(AHEAD, len(todo))):
@@ -594,13 +652,12 @@ async def _pull(
                 raise late(f"the fill from {src.addr} passed its deadline")
             wait = min(left, limit.stall)
             try:
-                ok, _ = await asyncio.wait_for(expect(src.ch), wait)  # the grant of batch k (answered in order)
+                await asyncio.wait_for(grants.next(lease), wait)  # the grant of batch k (answered in order)
             except TimeoutError:
                 within = "the fill's deadline" if wait == left else f"{wait:.1f} s of waiting for it"
                 raise late(
                     f"no grant of {sum(c.nbytes for c in batch)} bytes came from {src.addr} within {within}"
                 ) from None
-            assert isinstance(ok, PeerReadOk)
             assert src.agent_name is not None
             for part, strided in (
                 ([c for c in batch if c.count == 1], False),
