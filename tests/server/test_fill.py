@@ -26,6 +26,7 @@ from wcache.plan.key import RankSpec
 from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy
+from wcache.proto import Release
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import (
     ASSUMED_FILLS,
@@ -568,37 +569,106 @@ def test_a_fills_deadline_follows_the_cap_its_source_announces() -> None:
 
 async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: Agent) -> None:
     """One PEER_READ of 2**50 bytes from a peer of a capped source booked the cap's clock for years: no other peer
-    got a grant again. A read asks for at most its slab's size, twice that in all; more is LIMIT_EXCEEDED, and the
-    next peer's grant comes at the cap's pace."""
+    got a grant again. A capped source grants at most its grain per read (a hundredth of a second of its rate, at
+    least 64 KiB); an uncapped one at most its slab's size per read, twice that in all. More is LIMIT_EXCEEDED,
+    booking nothing: the next peer's fill comes at the cap's pace."""
     from wcache.channel import expect
     from wcache.proto.fleet_frames import PeerOffer, PeerQuery, PeerRead, PeerReadOk
     from wcache.server.peer_channel import connect_peer
 
+    want = _load(ckpt)
+    size = want.slabs[0].size
+    rate = size * 4
+    grain = max(64 << 10, int(rate * GRANT_SECONDS))
+    for cap in (0, rate):
+        m = _load(ckpt)  # the source's store closes it
+        async with sources(m, max_rate=cap) as ports:
+            ch, _ = await connect_peer("127.0.0.1", ports[0], NONE, timeout=5, software="t")
+            try:
+                await ch.send(PeerQuery(id=1, key=m.key.to_wire()))
+                offer, _ = await expect(ch)
+                assert isinstance(offer, PeerOffer)
+                lease = offer.models[0].lease
+                for n in (2**50, size + 1) + ((grain + 1,) if cap else ()):
+                    await ch.send(PeerRead(id=ch.conn.next_request_id(), lease=lease, bytes=n))
+                    with pytest.raises(LimitExceededError):
+                        await asyncio.wait_for(expect(ch), 5)
+                each = grain if cap else size
+                for _ in range(2 if not cap else 4):  # granted: twice the slab in all uncapped; grains capped
+                    await ch.send(PeerRead(id=ch.conn.next_request_id(), lease=lease, bytes=each))
+                    assert isinstance((await asyncio.wait_for(expect(ch), 5))[0], PeerReadOk)
+                if not cap:
+                    await ch.send(PeerRead(id=ch.conn.next_request_id(), lease=lease, bytes=1))
+                    with pytest.raises(LimitExceededError):
+                        await asyncio.wait_for(expect(ch), 5)
+            finally:
+                ch.close()
+            if cap:
+                with plan_rank(RankSpec(ckpt)) as rp:  # another peer fills at the cap's pace
+                    got = await asyncio.wait_for(_fill(rp, agent, _cfg(ports)), 20)
+                    assert _bytes(got) == _bytes(want)
+                    got.close()
+    want.close()
+
+
+async def test_a_peer_reading_all_it_may_from_a_capped_source_leaves_the_others_their_share(
+    ckpt: Path, agent: Agent
+) -> None:
+    """At a capped source (4 MB/s, a 10 MB slab), a peer asks for all it may — whole-slab PEER_READs, then grains
+    back to back, a new lease (PEER_QUERY, RELEASE) whenever one is used up — while a target fills with a 2 s
+    ``--fill-timeout``: the target's fill completes. Before, the source granted a whole slab per read (2.5 s of
+    its cap booked at once, the others' grants queued behind it past their stall deadlines: they failed and
+    loaded from disk), for ever, as each new lease started its count again."""
+    from wcache.channel import expect
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery, PeerRead
+    from wcache.server.peer import READS_PER_FILL
+
     m = _load(ckpt)
     size = m.slabs[0].size
-    async with sources(m, max_rate=size * 4) as ports:
-        ch, _ = await connect_peer("127.0.0.1", ports[0], NONE, timeout=5, software="t")
+    rate = 4_000_000
+    grain = max(64 << 10, int(rate * GRANT_SECONDS))
+    stop = asyncio.Event()
+
+    async def greedy(port: int) -> None:
+        from wcache.server.peer_channel import connect_peer
+
+        ch, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="greedy")
         try:
-            await ch.send(PeerQuery(id=1, key=m.key.to_wire()))
-            offer, _ = await expect(ch)
-            assert isinstance(offer, PeerOffer)
-            lease = offer.models[0].lease
-            for i, n in enumerate((2**50, size + 1)):
-                await ch.send(PeerRead(id=2 + i, lease=lease, bytes=n))
-                with pytest.raises(LimitExceededError):
-                    await asyncio.wait_for(expect(ch), 5)
-            for i in range(2):  # twice the slab in all: granted
-                await ch.send(PeerRead(id=4 + i, lease=lease, bytes=size))
-                assert isinstance((await asyncio.wait_for(expect(ch), 5))[0], PeerReadOk)
-            await ch.send(PeerRead(id=6, lease=lease, bytes=1))
-            with pytest.raises(LimitExceededError):
-                await asyncio.wait_for(expect(ch), 5)
+            while not stop.is_set():
+                await ch.send(PeerQuery(id=ch.conn.next_request_id(), key=m.key.to_wire()))
+                offer, _ = await expect(ch)
+                assert isinstance(offer, PeerOffer)
+                lease, granted = offer.models[0].lease, 0
+                while granted + size <= READS_PER_FILL * size and not stop.is_set():  # whole slabs, while granted
+                    await ch.send(PeerRead(id=ch.conn.next_request_id(), lease=lease, bytes=size))
+                    try:
+                        await asyncio.wait_for(expect(ch), 30)
+                    except LimitExceededError:
+                        break  # refused: grains
+                    granted += size
+                while granted + grain <= READS_PER_FILL * size and not stop.is_set():
+                    await ch.send(PeerRead(id=ch.conn.next_request_id(), lease=lease, bytes=grain))
+                    await asyncio.wait_for(expect(ch), 30)
+                    granted += grain
+                await ch.send(Release(id=ch.conn.next_request_id(), lease=lease))
+                await asyncio.wait_for(expect(ch), 30)
         finally:
             ch.close()
-        with plan_rank(RankSpec(ckpt)) as rp:  # another peer fills at the cap's pace
-            got = await asyncio.wait_for(_fill(rp, agent, _cfg(ports)), 20)
-            assert _bytes(got) == _bytes(m)
-            got.close()
+
+    async with sources(m, max_rate=rate) as ports:
+        hog = asyncio.ensure_future(greedy(ports[0]))
+        try:
+            await asyncio.sleep(0.5)  # the greedy peer is reading
+            with plan_rank(RankSpec(ckpt)) as rp:
+                got = await asyncio.wait_for(_fill(rp, agent, _cfg(ports, timeout=2.0)), 60)
+            try:
+                assert _bytes(got) == _bytes(m)
+            finally:
+                got.close()
+            assert not hog.done()  # it was reading all along
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(hog, return_exceptions=True), 30)
 
 
 async def test_a_silent_peer_holding_a_fill_is_closed_after_its_time_and_frees_its_slot(

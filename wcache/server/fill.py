@@ -44,7 +44,7 @@ from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats
 from wcache.server.nixl import Agent, Transfer
 from wcache.server.peer_auth import PeerSecurity
-from wcache.server.peer_channel import GRANT_SECONDS, StreamChannel, connect_peer, parse_address
+from wcache.server.peer_channel import GRANT_SECONDS, MIN_GRANT, StreamChannel, connect_peer, parse_address
 from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
 
@@ -68,10 +68,6 @@ log = logging.getLogger("wcache.fleet")
 #: dim-1 shards go as NIXL's strided lists (benchmarks/fleet_fill_bench.py, "strided"; docs/fleet.md)
 STRIDED = True
 
-#: a capped source (PEER_OFFER's ``max_rate``) is asked for GRANT_SECONDS of its rate per PEER_READ, never less
-#: than this many bytes: what the target READs then follows the cap at that grain, not in bursts of a whole
-#: batch (docs/fleet.md, "Bandwidth policy")
-MIN_GRANT = 64 << 10
 #: grants a target has asked for and not yet used, per source (``_pull``)
 AHEAD = 2
 #: the fills a source's cap is taken to be shared by when its offer does not say (``--peer-max-fills``'s default)

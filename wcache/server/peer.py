@@ -45,7 +45,7 @@ from wcache.proto.frames import Frame
 from wcache.server.metrics import Metrics
 from wcache.server.nixl import Agent, Registration
 from wcache.server.peer_auth import PeerSecurity, SecretServer
-from wcache.server.peer_channel import GRANT_SECONDS, StreamChannel
+from wcache.server.peer_channel import GRANT_SECONDS, MIN_GRANT, StreamChannel
 from wcache.server.service import ConnectionLimits, PeerIdentity, Refusal, Reply, Shell
 from wcache.server.store import ServedModel, Store
 
@@ -100,6 +100,12 @@ class RateCap:
         self.rate = rate
         self.burst = burst
         self._free = 0.0  # time.monotonic() at which the bytes granted so far are paid for
+
+    @property
+    def grain(self) -> int:
+        """The most one grant may book (0: uncapped, any): a hundredth of a second of the rate, at least
+        ``MIN_GRANT`` — what a target asks for per PEER_READ from a capped source (docs/protocol.md §10.3)."""
+        return max(MIN_GRANT, int(self.rate * GRANT_SECONDS)) if self.rate > 0 else 0
 
     def delay(self, n: int) -> float:
         """Seconds to wait before ``n`` more bytes may go (and books them)."""
@@ -349,6 +355,16 @@ class PeerService:
     async def _grant(self, req: PeerRead, ctx: _Ctx) -> PeerReadOk:
         f = self._mine(req.lease, ctx)
         size = f.model.slab_bytes
+        grain = self.cap.grain
+        if grain and req.bytes > grain:
+            # a capped source's grants are books on one clock: a grant of the whole slab held every other fill's
+            # next grant behind it for size/rate seconds (past their stall deadlines: they failed), and a target
+            # cycling PEER_QUERY and RELEASE did so for ever. At a grain, the fills' grants interleave.
+            raise LimitExceededError(
+                f"PEER_READ of {req.bytes} bytes: this daemon's cap ({self.cap.rate} bytes/s) grants at most "
+                f"{grain} bytes per PEER_READ (a hundredth of a second of it, at least {MIN_GRANT})",
+                details={"bytes": req.bytes, "grain": grain},
+            )
         if req.bytes > size or f.granted + req.bytes > READS_PER_FILL * size:
             # a fill reads its slab once (a stripe read again after a failure at most): more would book the rate
             # cap's clock for everyone — one PEER_READ of 2**50 bytes held every other peer's grants for years

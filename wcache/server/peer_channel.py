@@ -22,7 +22,7 @@ from wcache.proto import PROTOCOL_VERSION, Connection, Hello, HelloOk, Role, Ser
 from wcache.proto.fleet_frames import PeerAuthOk, PeerChallenge
 from wcache.server.peer_auth import PeerSecurity, SecretClient
 
-__all__ = ["GRANT_SECONDS", "StreamChannel", "connect_peer", "parse_address"]
+__all__ = ["GRANT_SECONDS", "MIN_GRANT", "StreamChannel", "connect_peer", "parse_address"]
 
 RECV_SIZE = 1 << 18
 
@@ -30,6 +30,10 @@ RECV_SIZE = 1 << 18
 #: most this many seconds of its ``max_rate`` per PEER_READ, and the source's cap lends at most as much to a
 #: grant answered or asked for late, so the cap is reached and never exceeded by more than that over any window
 GRANT_SECONDS = 0.01
+#: a capped source (PEER_OFFER's ``max_rate``) is asked for GRANT_SECONDS of its rate per PEER_READ, never less
+#: than this many bytes: what the target READs then follows the cap at that grain, not in bursts of a whole
+#: batch; the source refuses more (docs/protocol.md §10.3)
+MIN_GRANT = 64 << 10
 #: how long a side that refused the TLS handshake waits for the other to close after telling it why (its alert, or
 #: a peer without TLS a plaintext ERROR): a socket closed with unread bytes sends a reset, which may overtake them
 REFUSAL_SECONDS = 1.0
