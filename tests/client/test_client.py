@@ -300,3 +300,45 @@ def test_an_engine_out_of_descriptors_is_cache_unavailable_naming_the_socket(tmp
         f"(Too many open files) {{'socket': '{sock}', 'errno': 'EMFILE'}} OSError {errno.EMFILE}"
     )
     assert (r.returncode, r.stdout.splitlines()) == (0, [expected, expected]), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["release", "release_sync", "copy"])
+def test_a_fatal_error_read_with_the_state_ends_the_lease_without_a_release(how: str, tmp_path: Path) -> None:
+    """The daemon sends STATE and, in the same read, a fatal ERROR (it closes the connection: a stop, a limit):
+    the lease ended with the connection. release() and release_sync() return, as for a daemon that is gone, and a
+    copy-mode fetch keeps its copy. Before, the RELEASE they sent raised LocalProtocolError ("RELEASE frame not
+    allowed in phase closed", blaming this end), and the copy-mode fetch failed after its copy was made."""
+    import socket as socket_mod
+
+    import torch
+
+    from wcache.error_codes import ErrorCode
+    from wcache.proto.engine import pack
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        fd = memfd(4096, data=bytes(range(16)))
+        gone = {
+            "type": "ERROR",
+            "id": 0,
+            "code": int(ErrorCode.UNAVAILABLE),
+            "message": "the daemon is stopping",
+            "fatal": True,
+            "details": {},
+        }
+        try:
+            data = pack(state(request, [memfd_slab(0, 16)], ONE)) + pack(gone)
+            peer.sock.sendmsg([data], [(socket_mod.SOL_SOCKET, socket_mod.SCM_RIGHTS, array("i", [fd]))])
+        finally:
+            os.close(fd)
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
+    with FakeDaemon(sock, scenario):
+        w = client.fetch_sync(KEY, "copy" if how == "copy" else "zero_copy")
+        assert w["w"].view(torch.uint8).tolist() == list(range(16))
+        if how == "release":
+            asyncio.run(w.release())
+        else:
+            w.release_sync()

@@ -45,7 +45,7 @@ from wcache.channel import (
     time_left,
 )
 from wcache.proto.codec import gc_paused
-from wcache.proto.engine import EngineConnection, HelloOk, Released, State, get_state, release
+from wcache.proto.engine import CLOSED, EngineConnection, HelloOk, Released, State, get_state, release
 
 if TYPE_CHECKING:  # imported where used (tests/client/test_imports.py): the mapping by a fetch while the daemon
     # answers (_ahead), the errors where raised, the others by the methods that need them
@@ -169,7 +169,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         """
         _checked_timeout(timeout)
         ch, self._channel = self._channel, None
-        if ch is None or ch.closed:
+        if ch is None or ch.closed or _ended(ch):
+            if ch is not None:
+                ch.close()
             return
         try:
             async with asyncio.timeout(timeout):
@@ -186,7 +188,9 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         deadline for sending RELEASE and reading RELEASED), leaving the lease to the connection's close."""
         _checked_timeout(timeout)
         ch, self._channel = self._channel, None
-        if ch is None or ch.closed:
+        if ch is None or ch.closed or _ended(ch):
+            if ch is not None:
+                ch.close()
             return
         deadline = time.monotonic() + timeout
         try:
@@ -769,6 +773,13 @@ def _checked_timeout(timeout: float) -> float:
     if math.isnan(timeout):
         raise ValueError(f"timeout must be a number of seconds (math.inf: no limit), got {timeout!r}")
     return timeout
+
+
+def _ended(ch: Channel[EngineConnection]) -> bool:
+    """Whether the daemon ended the connection with a fatal ERROR (read with the STATE, or after it): its leases
+    ended with it, so a RELEASE is neither needed nor allowed — release() returns, as for a daemon that is gone
+    (it raised LocalProtocolError, and a copy-mode fetch failed after its copy was made)."""
+    return ch.conn.phase == CLOSED
 
 
 def _copies(bases: list[torch.Tensor]) -> list[torch.Tensor]:
