@@ -106,7 +106,11 @@ class Peer:
 
     def send(self, frame: dict[str, Any], fds: Sequence[int] = ()) -> None:
         """One frame, ``fds`` on its first byte (as a daemon sends them, docs/protocol.md §2.2)."""
-        data = pack(frame)
+        self.send_frames([frame], fds)
+
+    def send_frames(self, frames: Sequence[dict[str, Any]], fds: Sequence[int] = ()) -> None:
+        """Frames in one write (the client reads them together), ``fds`` on the first byte."""
+        data = b"".join(pack(f) for f in frames)
         if fds:
             self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         else:

@@ -308,12 +308,9 @@ def test_a_fatal_error_read_with_the_state_ends_the_lease_without_a_release(how:
     the lease ended with the connection. release() and release_sync() return, as for a daemon that is gone, and a
     copy-mode fetch keeps its copy. Before, the RELEASE they sent raised LocalProtocolError ("RELEASE frame not
     allowed in phase closed", blaming this end), and the copy-mode fetch failed after its copy was made."""
-    import socket as socket_mod
-
     import torch
 
     from wcache.error_codes import ErrorCode
-    from wcache.proto.engine import pack
 
     def scenario(peer: Peer) -> None:
         request = peer.opening()
@@ -326,17 +323,14 @@ def test_a_fatal_error_read_with_the_state_ends_the_lease_without_a_release(how:
             "fatal": True,
             "details": {},
         }
-        try:
-            data = pack(state(request, [memfd_slab(0, 16)], ONE)) + pack(gone)
-            peer.sock.sendmsg([data], [(socket_mod.SOL_SOCKET, socket_mod.SCM_RIGHTS, array("i", [fd]))])
-        finally:
-            os.close(fd)
+        peer.send_frames([state(request, [memfd_slab(0, 16)], ONE), gone], [fd])
+        os.close(fd)
         peer.hold()
 
-    sock = tmp_path / "fake.sock"
-    client = WCacheClient(sock, wait_for_daemon=0, timeout=10)
-    with FakeDaemon(sock, scenario):
-        w = client.fetch_sync(KEY, "copy" if how == "copy" else "zero_copy")
+    with FakeDaemon(tmp_path / "fake.sock", scenario):
+        w = WCacheClient(tmp_path / "fake.sock", wait_for_daemon=0, timeout=10).fetch_sync(
+            KEY, "copy" if how == "copy" else "zero_copy"
+        )
         assert w["w"].view(torch.uint8).tolist() == list(range(16))
         if how == "release":
             asyncio.run(w.release())
