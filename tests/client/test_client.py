@@ -218,7 +218,8 @@ def test_a_timeout_that_is_not_a_number_is_a_value_error(blocking: bool, tmp_pat
     """A NaN timeout is ValueError before anything is sent, for the blocking and the asynchronous calls alike; a
     release refused so keeps its lease. Before, the client took it, fetch() timed out at once
     (CacheUnavailableError "did not answer within nan s") and release() dropped the lease as timed out, where
-    fetch_sync raised ``socket.settimeout``'s ValueError and release_sync did too, having dropped the lease."""
+    fetch_sync raised ``socket.settimeout``'s ValueError and release_sync did too, having dropped the lease. None is
+    no limit, as ``asyncio.timeout`` takes it."""
     connections: list[int] = []
 
     def scenario(peer: Peer) -> None:
@@ -237,7 +238,7 @@ def test_a_timeout_that_is_not_a_number_is_a_value_error(blocking: bool, tmp_pat
         with pytest.raises(ValueError, match="timeout must be a number of seconds"):
             w.release_sync(timeout=math.nan) if blocking else asyncio.run(w.release(timeout=math.nan))
         assert not w.released
-        w.release_sync() if blocking else asyncio.run(w.release())
+        w.release_sync(timeout=None) if blocking else asyncio.run(w.release(timeout=None))  # None: no limit
         assert w.released
 
 

@@ -161,13 +161,13 @@ class CachedWeights(Mapping[str, torch.Tensor]):
     def released(self) -> bool:
         return self._channel is None or self._channel.closed
 
-    async def release(self, timeout: float = 5.0) -> None:
+    async def release(self, timeout: float | None = 5.0) -> None:
         """End the lease (RELEASE, await RELEASED) and close the connection. Idempotent.
 
         If the daemon is gone the lease is gone with it; that is not an error. ``timeout``: seconds,
-        ``math.inf`` for no limit (ValueError for NaN).
+        ``math.inf`` or None for no limit (ValueError for NaN).
         """
-        _checked_timeout(timeout)
+        timeout = _checked_timeout(timeout)
         ch, self._channel = self._channel, None
         if ch is None or ch.closed or _ended(ch):
             if ch is not None:
@@ -183,10 +183,10 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         finally:
             ch.close()
 
-    def release_sync(self, timeout: float = 5.0) -> None:
+    def release_sync(self, timeout: float | None = 5.0) -> None:
         """Blocking release() for code without an event loop; as release(), it returns within ``timeout`` (one
         deadline for sending RELEASE and reading RELEASED), leaving the lease to the connection's close."""
-        _checked_timeout(timeout)
+        timeout = _checked_timeout(timeout)
         ch, self._channel = self._channel, None
         if ch is None or ch.closed or _ended(ch):
             if ch is not None:
@@ -766,10 +766,13 @@ def _ahead(timings: dict[str, float] | None) -> Meanwhile:
     return ahead
 
 
-def _checked_timeout(timeout: float) -> float:
+def _checked_timeout(timeout: float | None) -> float:
     """A request's ``timeout`` in seconds, as every call takes it, blocking or not: ``math.inf`` (or any value
-    past what a clock holds) for no limit, 0 or less for one that has run out at once. NaN is no timeout — the
-    asynchronous calls' ``asyncio.timeout`` ran out at once and a blocking socket refused it —: ValueError."""
+    past what a clock holds; None, as ``asyncio.timeout`` takes it) for no limit, 0 or less for one that has run
+    out at once. NaN is no timeout — the asynchronous calls' ``asyncio.timeout`` ran out at once and a blocking
+    socket refused it —: ValueError."""
+    if timeout is None:
+        return math.inf
     if math.isnan(timeout):
         raise ValueError(f"timeout must be a number of seconds (math.inf: no limit), got {timeout!r}")
     return timeout
