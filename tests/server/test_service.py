@@ -352,3 +352,45 @@ async def test_drain_lets_a_request_in_flight_finish(socket_dir: Path) -> None:
     finally:
         ch.close()
         os.unlink(path)
+
+
+async def test_a_frame_received_as_its_connection_is_cancelled_has_its_descriptors_closed() -> None:
+    """A connection's task cancelled (a stop, an eviction) in the loop turn in which its next request arrived: the
+    request is answered by nobody, and the descriptors it carried are closed, not leaked."""
+    import os
+
+    from wcache.server.service import ConnectionLimits, Shell
+
+    class Holder:
+        holding = "lease"
+
+        def holds(self, ctx: object) -> bool:
+            return False
+
+    class Quiet:
+        limits = ConnectionLimits(idle_timeout=None)
+        handler = Holder()
+
+    class Arriving:
+        def __init__(self) -> None:
+            self.go = asyncio.Event()
+            self.fd = os.open("/dev/null", os.O_RDONLY)
+
+        async def receive(self, frame_timeout: float | None = None) -> tuple[str, list[int]]:
+            await self.go.wait()
+            return "FRAME", [self.fd]
+
+    ch = Arriving()
+    shell: Any = Quiet()
+    task = asyncio.ensure_future(Shell._next_request(shell, ch, None))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    (recv,) = [t for t in asyncio.all_tasks() if t is not task and t is not asyncio.current_task()]
+    ch.go.set()
+    while not recv.done():
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.01)
+    with pytest.raises(OSError):
+        os.fstat(ch.fd)  # closed

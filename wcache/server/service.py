@@ -82,8 +82,11 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
+    """A receive whose caller went away (a timeout, a stop, an eviction): its exception is not news, and the
+    descriptors of a frame it did receive are closed, not leaked."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    close_fds(task.result()[1])
 
 
 @dataclass(frozen=True)
@@ -487,10 +490,11 @@ class Shell:
                     if step is not None and step <= 0:
                         raise TimeoutError(f"idle for {idle} s holding no {self.handler.holding}")
                 await asyncio.wait({recv}, timeout=step)
-        finally:
+        except BaseException:
             if not recv.done():
                 recv.cancel()
-            recv.add_done_callback(_retrieved)  # an EOF that lost the race with a timeout or a stop is not news
+            recv.add_done_callback(_retrieved)  # nobody takes what it got
+            raise
         return recv.result()
 
     async def _serve(self, sock: socket.socket, slot: Peer, ctx: Context, *, refuse: bool) -> None:
