@@ -270,3 +270,46 @@ def test_an_eviction_racing_a_commit_leaves_the_commits_tombstone(
     assert x.generation_of(a) == "g2"
     s1.close()
     s2.close()
+
+
+def test_a_meta_refused_while_a_save_publishes_leaves_the_new_entry_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Daemon Y reads a damaged meta (refused on the meta alone, its slab never opened) while daemon X publishes a
+    new entry of the key (slab and meta, under the directory lock). Y removes what it examined only: X's new meta
+    and its new slab stay, and the entry is whole. Before, a refusal on the meta alone removed whatever slab was at
+    the path — X's — leaving X's meta without its bytes: the next lookup dropped the entry, X's save lost."""
+    import os
+
+    from wcache.proto.table import TensorEntry, TensorTable
+
+    size = 1 << 16
+    table = TensorTable.from_entries([TensorEntry("w", "uint8", (size,), (1,), 0, 0)])
+    x = HostTier(tmp_path / "tier", 1 << 30)
+    y = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("e" * 64, "LlamaForCausalLM", 1, 0, "bfloat16")
+    old, new = _filled(1, size), _filled(2, size)
+    assert x.save(key, old, table, {}, size, generation="")
+    slab_path, meta_path = y._paths(key)
+    with open(meta_path, "r+b") as f:  # damaged: its checksum fails
+        f.seek(20)
+        f.write(b"\xff" * 8)
+    read = y._read_meta_seen
+    fired: list[bool] = []
+
+    def read_while_x_publishes(meta: Path, seen: list[int | None]) -> dict[str, Any] | None:
+        try:
+            return read(meta, seen)
+        finally:
+            if not fired:
+                fired.append(True)
+                assert x.save(key, new, table, {}, size, generation="")  # X publishes a whole new entry
+
+    monkeypatch.setattr(y, "_read_meta_seen", read_while_x_publishes)
+    assert y.lookup(key) is None and fired  # the damaged meta: refused
+    monkeypatch.undo()
+    assert os.path.exists(slab_path)
+    entry = x.lookup(key)
+    assert entry is not None and entry.size == size
+    old.close()
+    new.close()

@@ -420,17 +420,21 @@ class HostTier:
         missing — a COMMIT's tombstone had just replaced the entry — removed that tombstone by path: the tier
         recorded no generation of the key and the COMMIT's save was never published."""
 
-        left = self._remove_examined(slab, meta, seen)
+        left = self._remove_examined(slab, meta, seen) or []
         if left and set(left) <= self._reported:
             return
         self._reported.update(left)
         kept = f"; left in place (not the daemon's to remove): {', '.join(p.name for p in left)}" if left else ""
         log.warning("host tier entry %s refused (%s)%s; treated as absent", meta.stem, why, kept)
 
-    def _remove_examined(self, slab: Path, meta: Path, seen: tuple[int | None, int | None]) -> list[Path]:
+    def _remove_examined(
+        self, slab: Path, meta: Path, seen: tuple[int | None, int | None], *, evicting: bool = False
+    ) -> list[Path] | None:
         """Remove an entry's meta and slab if they are still the files of inodes ``seen`` (None: whatever is there;
         ``ABSENT``: nothing), under the directory lock where it can be had; returns the paths left in place that
-        should have gone (not the daemon's to remove: a directory)."""
+        should have gone (not the daemon's to remove: a directory), or None (``evicting``) when the slab
+        at the path is not the one examined: nothing of it was freed (this daemon's page-locked copy
+        of a slab goes only with that slab)."""
 
         def ours(p: Path, ino: int | None) -> bool:
             if ino is None:
@@ -440,7 +444,9 @@ class HostTier:
             except FileNotFoundError:
                 return False
 
-        def remove() -> list[Path]:
+        def remove() -> list[Path] | None:
+            if evicting and not ours(slab, seen[1]):
+                return None
             return [
                 p for p, ino in ((meta, seen[0]), (slab, seen[1])) if ours(p, ino) and not self._remove_one(p, slab)
             ]
@@ -487,6 +493,12 @@ class HostTier:
         fd = -1
         seen: list[int | None] = [None, None]  # the meta's and the slab's inodes, as examined (``_refuse``)
         try:
+            # the slab at the path before the meta is read: refused on the meta alone, that slab goes, not one a
+            # save published meanwhile (it leaves the meta, so the new entry would be left without its bytes)
+            try:
+                seen[1] = os.lstat(slab).st_ino
+            except FileNotFoundError:
+                seen[1] = ABSENT
             body = self._read_meta_seen(meta, seen)
             if body is None:
                 return None
@@ -501,6 +513,7 @@ class HostTier:
                 )
                 return None
             size = int(body["size"])
+            seen[1] = None  # examined anew: the file opened now
             opened = _open_own(slab)
             if opened is None:
                 seen[1] = ABSENT
@@ -549,7 +562,7 @@ class HostTier:
         except _Foreign as exc:
             if seen[0] is None:  # the meta's: the file found, no other one published at its path since
                 seen[0] = exc.ino
-            elif seen[1] is None:
+            elif seen[1] is None:  # the slab's, as opened
                 seen[1] = exc.ino
             self._refuse(slab, meta, exc, (seen[0], seen[1]))
         except _ERRORS as exc:
@@ -671,10 +684,10 @@ class HostTier:
         for old_slab, old_meta, n, seen in entries:
             if used + size <= self.budget:
                 break
-            self._unpin(old_slab)
             # the files listed only: a tombstone or an entry published at the path since (another daemon's
-            # COMMIT or save) is not this eviction's to remove
-            self._remove_examined(old_slab, old_meta, seen)
+            # COMMIT or save) is not this eviction's to remove, nor are its bytes freed
+            if self._remove_examined(old_slab, old_meta, seen, evicting=True) is None:
+                continue
             used -= n
             log.info("host tier evict entry=%s bytes=%d", old_meta.stem, n)
         t0 = time.perf_counter()
