@@ -881,6 +881,23 @@ async def test_a_kept_deposit_older_than_a_commit_the_keeper_missed_is_not_serve
     assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
 
 
+def test_a_damaged_record_stays_damaged_while_a_stale_deposits_unkeep_is_unconfirmed() -> None:
+    """The RECLAIM's drops of stale deposits: how many the keeper did not confirm decides whether a damaged record
+    may become a known one (``reclaim.admit``). Before, it always did: a deposit dropped as stale because the record
+    was damaged, whose UNKEEP the keeper did not answer, was still kept, and the next daemon served it."""
+    from wcache.server import reclaim
+
+    class Link:
+        def __init__(self, answers: list[bool]) -> None:
+            self.answers = answers
+
+        async def drop(self, key: object) -> bool:
+            return self.answers.pop(0)
+
+    assert asyncio.run(reclaim._unkeep_all(Link([True, False, True]), ["a", "b", "c"])) == 1  # type: ignore[arg-type,list-item]
+    assert asyncio.run(reclaim._unkeep_all(Link([True]), ["a"])) == 0  # type: ignore[arg-type,list-item]
+
+
 async def test_a_deposit_committed_without_a_keeper_makes_the_kept_one_stale(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
 ) -> None:
@@ -1014,6 +1031,8 @@ def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) 
     damaged.committed(k1, "g3")  # a COMMIT before any RECLAIM acted on the damage (the keeper unreachable)
     again = kl.CommitRecord(path)  # the next daemon: still every kept deposit stale, not k2's "g1" vouched for
     assert not again.known and again.stale(k2, "g1") is not None and again.stale(k1, "g3") is not None
+    again.reset({}, known=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
+    assert not kl.CommitRecord(path).known  # still damaged: that deposit may still be kept
     again.reset({})
     assert again.known and not path.exists()
 

@@ -147,10 +147,12 @@ class CommitRecord:
         if self.keys.pop(self.key_id(key), None) is not None:
             self._write()
 
-    def reset(self, keys: dict[str, str]) -> None:
-        """After a RECLAIM: the entries still unsettled (``keys``), the file rewritten (or removed)."""
-        if keys != self.keys or not self.known:
-            self.keys, self.known = dict(keys), True
+    def reset(self, keys: dict[str, str], *, known: bool = True) -> None:
+        """After a RECLAIM: the entries still unsettled (``keys``), the file rewritten (or removed). ``known``
+        False keeps a damaged record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm
+        may still be held, and nothing says which generation of its key is the last."""
+        if keys != self.keys or known != self.known:
+            self.keys, self.known = dict(keys), known
             self._write()
 
     def _write(self) -> None:
@@ -299,10 +301,11 @@ class KeeperLink:
                     return
             await self._keep(model)
 
-    async def drop(self, key: WeightCacheKey) -> None:
-        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks)."""
+    async def drop(self, key: WeightCacheKey) -> bool:
+        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks); whether the keeper
+        confirmed it holds nothing of it now."""
         async with self._lock:
-            await self._unkeep_key(key)
+            return await self._unkeep_key(key) == "gone"
 
     async def _unkeep_key(self, key: WeightCacheKey) -> str:
         """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable"."""

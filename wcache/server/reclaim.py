@@ -144,17 +144,19 @@ def admit(
     finally:
         for fd in fds:
             os.close(fd)
-    if rejected:
-        asyncio.run(_unkeep_all(link, [k for k, _ in rejected]))
-    # what the keeper holds is known now: the record keeps only the drops it did not confirm
+    unconfirmed = asyncio.run(_unkeep_all(link, [k for k, _ in rejected])) if rejected else 0
+    # what the keeper holds is known now: the record keeps only the drops it did not confirm — and a damaged
+    # record stays damaged while one is unconfirmed (it names no generation that would make that deposit stale)
     dropped = {link.record.key_id(k) for k, _ in rejected}
-    link.record.reset({i: g for i, g in link.record.keys.items() if i in dropped})
+    link.record.reset(
+        {i: g for i, g in link.record.keys.items() if i in dropped}, known=link.record.known or not unconfirmed
+    )
     return served, len(rejected)
 
 
-async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey]) -> None:
-    for key in keys:
-        await link.drop(key)
+async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey]) -> int:
+    """UNKEEP each of ``keys``: how many the keeper did not confirm."""
+    return sum([not await link.drop(key) for key in keys])
 
 
 def _check_generation(model: ServedModel, tier: HostTier) -> Check:
