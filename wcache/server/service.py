@@ -491,9 +491,12 @@ class Shell:
                         raise TimeoutError(f"idle for {idle} s holding no {self.handler.holding}")
                 await asyncio.wait({recv}, timeout=step)
         except BaseException:
+            recv.add_done_callback(_retrieved)  # nobody takes what it got
             if not recv.done():
                 recv.cancel()
-            recv.add_done_callback(_retrieved)  # nobody takes what it got
+                # its cleanup (the channel's reader removed) runs before the caller closes the socket: after,
+                # it could remove the reader of a new connection given the same descriptor number
+                await asyncio.wait({recv})
             raise
         return recv.result()
 
