@@ -161,7 +161,7 @@ class _Grants:
         except BaseException as exc:
             for queue in self._queues.values():
                 queue.put_nowait(exc)
-            if isinstance(exc, asyncio.CancelledError):
+            if not isinstance(exc, Exception):  # a cancellation (close), KeyboardInterrupt, SystemExit
                 raise
 
     async def close(self) -> None:
@@ -433,11 +433,13 @@ async def fill(
             agent.deregister(reg)
         if slab is not None:
             slab.close()  # never a half-filled slab served
-        for s in sources:
-            if s.grants is not None:
-                await s.grants.close()
-                s.grants = None
-        await _release(sources)
+        try:
+            for s in sources:
+                if s.grants is not None:
+                    await s.grants.close()
+                    s.grants = None
+        finally:  # a cancellation meanwhile must not leave the sources' connections open
+            await _release(sources)
 
 
 @dataclass(frozen=True)
