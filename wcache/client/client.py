@@ -168,10 +168,8 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         ``math.inf`` or None for no limit (ValueError for NaN).
         """
         timeout = _checked_timeout(timeout)
-        ch, self._channel = self._channel, None
-        if ch is None or ch.closed or _ended(ch):
-            if ch is not None:
-                ch.close()
+        ch = self._take_channel()
+        if ch is None:
             return
         try:
             async with asyncio.timeout(timeout):
@@ -183,14 +181,23 @@ class CachedWeights(Mapping[str, torch.Tensor]):
         finally:
             ch.close()
 
+    def _take_channel(self) -> Channel[EngineConnection] | None:
+        """The lease's connection, taken (a second release finds none), if a RELEASE is still to be sent on it:
+        None once it closed, or once the daemon ended it with a fatal ERROR (``_ended``: closed here too)."""
+        ch, self._channel = self._channel, None
+        if ch is None or ch.closed:
+            return None
+        if _ended(ch):
+            ch.close()
+            return None
+        return ch
+
     def release_sync(self, timeout: float | None = 5.0) -> None:
         """Blocking release() for code without an event loop; as release(), it returns within ``timeout`` (one
         deadline for sending RELEASE and reading RELEASED), leaving the lease to the connection's close."""
         timeout = _checked_timeout(timeout)
-        ch, self._channel = self._channel, None
-        if ch is None or ch.closed or _ended(ch):
-            if ch is not None:
-                ch.close()
+        ch = self._take_channel()
+        if ch is None:
             return
         deadline = time.monotonic() + timeout
         try:
