@@ -177,9 +177,9 @@ class Daemon:
         self._tier_saves: set[asyncio.Task[None]] = set()
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
-        #: the generations of the deposits committed here that a keeper may hold older ones of
-        #: (``<socket>.deposits``): the keeper link's, or, without a keeper, every COMMIT's (keeper_link.CommitRecord)
-        self.commits = keeper.record if keeper is not None else CommitRecord(Path(f"{self.socket_path}.deposits"))
+        #: without a keeper, every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord): a keeper
+        #: this socket's daemons used before may hold an older one (with a keeper, ``keeper.commit`` records it)
+        self._commits = CommitRecord(Path(f"{self.socket_path}.deposits")) if keeper is None else None
         self.keeper_check = keeper_check
         #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
         #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
@@ -438,8 +438,8 @@ class Daemon:
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             await self.keeper.commit(model, old)
-        else:  # a keeper this socket's daemons used may hold an older generation: the next one to reclaim drops it
-            self.commits.committed(model.key, model.generation)
+        elif self._commits is not None:  # the next daemon with a keeper drops an older generation it holds
+            self._commits.committed(model.key, model.generation)
         log.info(
             "deposited %s pid=%d deposit=%d key=%s tensors=%d bytes=%d seconds=%.3f replaced=%s resident=%d",
             self._tag,
