@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy
 from wcache.proto import Release
+from wcache.server.agent_process import AgentProcess
 from wcache.server.backends.host import HostBackend
 from wcache.server.fill import (
     ASSUMED_FILLS,
@@ -61,8 +63,9 @@ def _bytes(m: ServedModel) -> bytes:
 
 
 @pytest.fixture
-def agent() -> Iterator[Agent]:
-    a = Agent(f"t-fill-{os.getpid()}-{time.monotonic_ns()}")
+def agent() -> Iterator[AgentProcess]:
+    """The fill's agent as a daemon makes it: in a child process (wcache/server/agent_process.py)."""
+    a = AgentProcess(f"t-fill-{os.getpid()}-{time.monotonic_ns()}")
     yield a
     a.close()
 
@@ -102,7 +105,7 @@ async def _listening(svc: PeerService) -> AsyncIterator[int]:
 
 
 @pytest.mark.parametrize("rate", [0, 4_000_000], ids=["uncapped", "capped"])
-async def test_one_peer_holding_both_tp2_ranks_fills_a_tp1_target(ckpt: Path, agent: Agent, rate: int) -> None:
+async def test_one_peer_holding_both_tp2_ranks_fills_a_tp1_target(ckpt: Path, agent: AgentProcess, rate: int) -> None:
     """One source daemon serving both ranks of TP=2 offers two slabs on one connection; the TP=1 target reads from
     both at once, bit-identical to a disk load, capped or not. Before, the two pulls each awaited the channel's next
     frame for their grants: one's wait replaced the other's, grants went to the pull of the other lease, and the
@@ -141,11 +144,11 @@ def _cfg(ports: list[int], security: PeerSecurity = NONE, **kw: object) -> FillC
     return FillConfig(tuple(("127.0.0.1", p) for p in ports), security, "wcache/test", **kw)  # type: ignore[arg-type]
 
 
-async def _fill(rp: RankPlan, agent: Agent, cfg: FillConfig) -> ServedModel:
+async def _fill(rp: RankPlan, agent: AgentProcess, cfg: FillConfig) -> ServedModel:
     return await fill(rp.key, rp, HostBackend(), agent, cfg)
 
 
-async def test_tp1_fills_tp1_and_both_tp2_ranks_bit_identical(ckpt: Path, agent: Agent) -> None:
+async def test_tp1_fills_tp1_and_both_tp2_ranks_bit_identical(ckpt: Path, agent: AgentProcess) -> None:
     whole = _load(ckpt)
     want = {(r, n): _bytes(m) for r, n in ((0, 2), (1, 2)) for m in [_load(ckpt, r, n)]}
     want[(0, 1)] = _bytes(whole)
@@ -161,7 +164,7 @@ async def test_tp1_fills_tp1_and_both_tp2_ranks_bit_identical(ckpt: Path, agent:
                 got.close()
 
 
-async def test_two_tp2_peers_fill_a_tp1_daemon_and_three_peers_are_striped(ckpt: Path, agent: Agent) -> None:
+async def test_two_tp2_peers_fill_a_tp1_daemon_and_three_peers_are_striped(ckpt: Path, agent: AgentProcess) -> None:
     ranks = [_load(ckpt, r, 2) for r in range(2)]
     want = _bytes(_load(ckpt))
     async with sources(*ranks) as ports:
@@ -178,7 +181,9 @@ async def test_two_tp2_peers_fill_a_tp1_daemon_and_three_peers_are_striped(ckpt:
         got.close()
 
 
-async def test_slabs_sharded_by_a_plan_file_fill_its_other_layouts(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
+async def test_slabs_sharded_by_a_plan_file_fill_its_other_layouts(
+    ckpt: Path, tmp_path: Path, agent: AgentProcess
+) -> None:
     """A plan file's rules hold at any size: two TP=2 peers sharded by it fill a TP=1 target keyed by the same
     file, and a TP=1 peer fills both TP=2 ranks (the target plans the peers' layouts with its own plan)."""
     plan = plan_file(tmp_path)
@@ -200,7 +205,7 @@ async def test_slabs_sharded_by_a_plan_file_fill_its_other_layouts(ckpt: Path, t
             got.close()
 
 
-async def test_a_deposit_fills_by_its_recipe_key_byte_for_byte(ckpt: Path, agent: Agent) -> None:
+async def test_a_deposit_fills_by_its_recipe_key_byte_for_byte(ckpt: Path, agent: AgentProcess) -> None:
     m = _load(ckpt)
     recipe = RecipeKey.of(m.key, engine="vllm", postprocess=1)
     deposit = dataclasses.replace(m, key=recipe, origin="deposit", buffers=("model.norm.weight",))
@@ -225,7 +230,7 @@ class _Unplannable(PeerService):
         return dataclasses.replace(o, models=tuple(dataclasses.replace(m, key={**m.key, **bad}) for m in o.models))
 
 
-async def test_an_offer_of_a_layout_that_cannot_be_planned_is_skipped(ckpt: Path, agent: Agent) -> None:
+async def test_an_offer_of_a_layout_that_cannot_be_planned_is_skipped(ckpt: Path, agent: AgentProcess) -> None:
     """One peer offers its slab under a key naming TP=3, which this checkpoint cannot be split into: that offer is
     skipped (as any offer the target cannot use) and the peer offering the exact key fills, whichever answers
     first. The planner's ShardingError failed the whole fill (reason ``transfer``) and dropped the honest offer."""
@@ -253,7 +258,7 @@ async def test_an_offer_of_a_layout_that_cannot_be_planned_is_skipped(ckpt: Path
             svc.store.close()
 
 
-async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
+async def test_a_lying_peer_is_detected_and_nothing_is_served(ckpt: Path, tmp_path: Path, agent: AgentProcess) -> None:
     """The peer serves another checkpoint's bytes (same shapes and names, other values) under the real key."""
     other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
     real = _load(ckpt)
@@ -270,26 +275,26 @@ def _fds_and_threads() -> tuple[int, int]:
     return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
-async def test_a_failed_fill_destroys_its_nixl_agent_at_once(
+async def test_a_failed_fill_ends_its_agent_process_at_once(
     ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``PeerFill``'s agent (a UCX worker: threads, sockets, pipes) is destroyed when its fill ends, failed or not.
-    A failed fill's FillError traceback holds the fill's frames in a cycle with the event loop's task, and the
-    agent lived until the next full garbage collection: with the collector off, every failed fill kept ~5
-    descriptors and a thread."""
+    """``PeerFill``'s agent (a child process with a UCX worker: threads, sockets, pipes) is gone when its fill ends,
+    failed or not: the process has exited and been reaped, and the daemon keeps none of its descriptors or threads.
+    In-process, a failed fill's FillError traceback held the fill's frames in a cycle with the event loop's task,
+    and the agent lived until the next full garbage collection: with the collector off, every failed fill kept
+    ~5 descriptors and a thread."""
     import gc
-    import weakref
 
     from wcache.server import fill as fill_mod
 
-    natives: list[weakref.ref[Any]] = []
+    procs: list[AgentProcess] = []
 
-    class Watched(Agent):
-        def __init__(self, name: str) -> None:
-            super().__init__(name)
-            natives.append(weakref.ref(self._agent))
+    class Watched(AgentProcess):
+        def __init__(self, name: str, **kw: Any) -> None:
+            super().__init__(name, **kw)
+            procs.append(self)
 
-    monkeypatch.setattr(fill_mod, "Agent", Watched)
+    monkeypatch.setattr(fill_mod, "AgentProcess", Watched)
     other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
     real = _load(ckpt)
     liar = dataclasses.replace(_load(other), key=real.key)  # fails verification: reason ``verify``
@@ -297,20 +302,22 @@ async def test_a_failed_fill_destroys_its_nixl_agent_at_once(
     async with sources(liar) as ports:
         pf = fill_mod.PeerFill(_cfg(ports), HostBackend())
         with plan_rank(RankSpec(ckpt)) as rp, ThreadPoolExecutor(1) as worker:  # as the daemon: off its loop
-            assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"  # NIXL and UCX set up
+            assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"
             gc.collect()
             before = _fds_and_threads()
             gc.disable()
             try:
                 for _ in range(6):
                     assert (await loop.run_in_executor(worker, pf.rank, rp)).reason == "verify"
-                    assert natives[-1]() is None  # destroyed, the collector off
+                    proc = procs[-1]._proc
+                    assert procs[-1].closed and proc is not None and proc.returncode == 0  # exited, reaped
                 deadline = time.monotonic() + 10  # the source ends its side of each connection a moment later
                 while _fds_and_threads() > before and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 after = _fds_and_threads()
             finally:
                 gc.enable()
+    assert len(procs) == 7
     assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
@@ -325,7 +332,7 @@ def _link(fd: str) -> str:
         return ""
 
 
-async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path, agent: Agent) -> None:
+async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path, agent: AgentProcess) -> None:
     """The source's handler fails on the second grant (the shell answers INTERNAL): the target gives up,
     releases its lease and frees its slab. (A source SIGKILLed mid-fill: tests/server/test_fill_daemon.py.)"""
     m = _load(ckpt)
@@ -351,6 +358,42 @@ async def test_a_source_failing_mid_fill_fails_it_and_frees_the_slab(ckpt: Path,
     svc.store.close()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGABRT, signal.SIGSTOP], ids=["aborted", "stopped"])
+async def test_the_agent_process_dying_mid_fill_fails_the_fill_and_frees_the_slab(
+    ckpt: Path, sig: signal.Signals
+) -> None:
+    """The fill's NIXL agent runs in a child process (wcache/server/agent_process.py), so UCX aborting it (its
+    assertion when a source dies during the connection setup: docs/fleet.md) ends the fill, not the process
+    that fills. Aborted at its first READ, the fill fails with reason ``nixl`` and names the signal. Stopped
+    there, it fails once the child has not answered in ``timeout`` seconds, and the child is killed. Either way
+    the slab is freed, the source's lease released and the child reaped. Before, the agent ran in the daemon:
+    the abort was the daemon's, with every model it served."""
+    m = _load(ckpt)
+    before = _memfds()
+    agent = AgentProcess(f"t-dies-{os.getpid()}-{time.monotonic_ns()}", timeout=2.0)
+    pid = agent.pid
+    assert pid is not None
+
+    def die(n: int) -> None:
+        os.kill(pid, sig)
+        time.sleep(0.2)  # an abort's core and exit, before the READ is sent
+
+    agent.on_post = die
+    try:
+        async with sources(m) as ports:
+            with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
+                await asyncio.wait_for(_fill(rp, agent, _cfg(ports)), 30)
+        assert err.value.details["reason"] == "nixl"
+        if sig == signal.SIGABRT:
+            assert err.value.details["status"] == -signal.SIGABRT and "SIGABRT" in err.value.message
+        else:
+            assert err.value.details["status"] is None and "did not answer" in err.value.message
+        assert agent.closed and agent._proc is not None and agent._proc.returncode is not None  # reaped
+        assert _memfds() <= before
+    finally:
+        agent.close()
+
+
 def _never_grant(svc: PeerService) -> None:
     """``svc`` answers every request but PEER_READ, which it never answers (a source that stops granting)."""
     original = svc.handle
@@ -363,7 +406,7 @@ def _never_grant(svc: PeerService) -> None:
     svc.handle = silent  # type: ignore[method-assign]
 
 
-async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Path, agent: Agent) -> None:
+async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Path, agent: AgentProcess) -> None:
     """A source that stops answering PEER_READ: the fill fails at its deadline with a FillError that says which
     source and how far it got (it was ``TimeoutError:`` with no message), and the slab is freed."""
     m = _load(ckpt)
@@ -382,7 +425,7 @@ async def test_a_grant_that_never_comes_is_a_deadline_naming_the_source(ckpt: Pa
         svc.store.close()
 
 
-async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Path, agent: Agent) -> None:
+async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Path, agent: AgentProcess) -> None:
     with plan_rank(RankSpec(ckpt)) as rp:
         with pytest.raises(FillError) as err:
             await _fill(rp, agent, _cfg([1]))  # nothing listens on port 1
@@ -403,7 +446,7 @@ async def test_no_peer_and_auth_refused_are_fill_errors(ckpt: Path, tmp_path: Pa
 
 
 async def test_a_target_the_source_refuses_by_certificate_fails_with_reason_auth(
-    ckpt: Path, tmp_path: Path, agent: Agent
+    ckpt: Path, tmp_path: Path, agent: AgentProcess
 ) -> None:
     """A mutual-TLS source refuses the target's certificate (another CA's, an expired one, none: the shared-secret
     mode) or its plain TCP: the fill's reason is ``auth`` and its message names why. The source's TLS alert stayed
@@ -429,7 +472,7 @@ async def test_a_target_the_source_refuses_by_certificate_fails_with_reason_auth
             got.close()
 
 
-async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: Agent) -> None:
+async def test_the_rate_cap_paces_the_grants(ckpt: Path, agent: AgentProcess) -> None:
     m = _load(ckpt)
     size = m.slabs[0].size
     rate = size * 4  # bytes/s: a quarter of a second for the whole slab
@@ -454,7 +497,7 @@ async def test_the_rate_cap_holds_over_windows_shorter_than_a_batch(ckpt: Path) 
     window = 0.1
     grant = grant_bytes(rate, DEFAULT_CHUNK)
     assert grant < size * window  # many grants per window
-    agent = Agent(f"t-posts-{os.getpid()}-{time.monotonic_ns()}")
+    agent = AgentProcess(f"t-posts-{os.getpid()}-{time.monotonic_ns()}")
     posts: list[tuple[float, int]] = []
     agent.on_post = lambda n: posts.append((time.monotonic(), n))
     try:
@@ -478,7 +521,7 @@ async def test_a_capped_source_is_given_the_time_its_cap_needs(ckpt: Path) -> No
     spending the source's bandwidth."""
     m = _load(ckpt)
     size, want = m.slabs[0].size, _bytes(m)
-    agents = [Agent(f"t-cap-{os.getpid()}-{i}-{time.monotonic_ns()}") for i in range(2)]
+    agents = [AgentProcess(f"t-cap-{os.getpid()}-{i}-{time.monotonic_ns()}") for i in range(2)]
     try:
         async with sources(m, max_rate=size, max_fills=2) as ports:
             with plan_rank(RankSpec(ckpt)) as rp:
@@ -495,7 +538,7 @@ async def test_a_capped_source_is_given_the_time_its_cap_needs(ckpt: Path) -> No
             a.close()
 
 
-async def test_a_cap_too_slow_for_a_fill_refuses_it_before_anything_is_read(ckpt: Path, agent: Agent) -> None:
+async def test_a_cap_too_slow_for_a_fill_refuses_it_before_anything_is_read(ckpt: Path, agent: AgentProcess) -> None:
     """A source whose cap would need longer than ``max_capped_seconds`` for its share even unshared is not waited
     for: the fill fails at once (reason ``deadline``, naming the cap), before a slab is allocated or a byte
     granted."""
@@ -519,7 +562,7 @@ async def test_a_cap_too_slow_for_a_fill_refuses_it_before_anything_is_read(ckpt
 
 
 async def test_a_capped_source_that_stops_granting_fails_soon_and_the_error_names_its_cap(
-    ckpt: Path, agent: Agent
+    ckpt: Path, agent: AgentProcess
 ) -> None:
     """A capped source's deadline is long (its share at the cap, shared by its max fills: 16.5 s here), but a grant
     that does not come within ``--fill-timeout`` plus what the shared cap makes it wait ends the fill then, and
@@ -567,7 +610,7 @@ def test_a_fills_deadline_follows_the_cap_its_source_announces() -> None:
     assert err.value.details["reason"] == "deadline"
 
 
-async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: Agent) -> None:
+async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: AgentProcess) -> None:
     """One PEER_READ of 2**50 bytes from a peer of a capped source booked the cap's clock for years: no other peer
     got a grant again. A capped source grants at most its grain per read (a hundredth of a second of its rate, at
     least 64 KiB); an uncapped one at most its slab's size per read, twice that in all. More is LIMIT_EXCEEDED,
@@ -612,7 +655,7 @@ async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt
 
 
 async def test_a_peer_reading_all_it_may_from_a_capped_source_leaves_the_others_their_share(
-    ckpt: Path, agent: Agent
+    ckpt: Path, agent: AgentProcess
 ) -> None:
     """At a capped source (4 MB/s, a 10 MB slab), a peer asks for all it may — whole-slab PEER_READs, then grains
     back to back, a new lease (PEER_QUERY, RELEASE) whenever one is used up — while a target fills with a 2 s
@@ -890,7 +933,7 @@ def test_rate_cap_books_grants_on_a_virtual_clock(monkeypatch: pytest.MonkeyPatc
     assert RateCap(0).delay(1 << 40) == 0.0
 
 
-async def test_the_concurrent_fill_cap_refuses_a_second_target(ckpt: Path, agent: Agent) -> None:
+async def test_the_concurrent_fill_cap_refuses_a_second_target(ckpt: Path, agent: AgentProcess) -> None:
     from wcache.proto.fleet_frames import PeerQuery
     from wcache.server.peer_channel import connect_peer
 
@@ -910,7 +953,7 @@ async def test_the_concurrent_fill_cap_refuses_a_second_target(ckpt: Path, agent
 
 
 async def test_a_node_without_the_checkpoint_gets_files_keys_and_weights(
-    ckpt: Path, tmp_path: Path, agent: Agent
+    ckpt: Path, tmp_path: Path, agent: AgentProcess
 ) -> None:
     from wcache.channel import expect
     from wcache.plan.key import WeightCacheKey

@@ -118,8 +118,8 @@ def _slabs_of(pid: int) -> int:
 
 def _slabs_with_bytes(pid: int) -> int:
     """Slabs of the process holding a byte other than zero: a slab a fill allocated counts once one of its READs
-    landed, past UCX's connection setup — a source dying inside it can abort the target (docs/fleet.md, "A fill,
-    step by step": the one failure that is not the disk path)."""
+    landed, past UCX's connection setup (a source dying inside it aborts the fill's agent process: docs/fleet.md,
+    "A fill, step by step")."""
     n = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -202,6 +202,50 @@ def test_a_source_sigkilled_mid_fill_leaves_the_target_on_the_disk_path(
     assert _origin(target) == "disk"
     _assert_slices(target, ckpt, ckpt)
     assert _slabs_of(target.pid) == 1  # the half-filled slab was freed, only the loaded one remains
+
+
+def _agent_processes(pid: int) -> list[int]:
+    """The fill agents' child processes of ``pid`` (``python -m wcache.server.agent_process``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"wcache.server.agent_process" in cmd:
+            found.append(int(entry))
+    return found
+
+
+def test_the_fill_agent_aborted_mid_fill_leaves_the_target_daemon_serving_from_disk(
+    ckpt: Path, daemons: Callable[..., DaemonProcess]
+) -> None:
+    """UCX aborts the process it runs in when a source dies during its connection setup (docs/fleet.md, "A
+    fill, step by step"). The fill's agent runs in a child process, so the abort, here sent to that child once
+    the fill's READs are landing, ends the fill and not the daemon: it loads from disk, serves, and has freed the
+    half-filled slab; the source serves on. Before, the agent ran in the daemon, and the abort ended the daemon
+    with every model it served."""
+    rate = 2_000_000  # 10 MB in ~5 s: the abort lands in them
+    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    target = daemons(ckpt, "--fill-from", peer, "--fill-timeout", "60", wait=False)
+    deadline = time.monotonic() + 60
+    while _slabs_with_bytes(target.pid) == 0:
+        assert time.monotonic() < deadline, target.log_text()[-2000:]
+        time.sleep(0.02)
+    (child,) = _agent_processes(target.pid)
+    os.kill(child, signal.SIGABRT)
+    target.wait_ready(120)
+    assert target.proc.poll() is None
+    assert _origin(target) == "disk"
+    _assert_slices(target, ckpt, ckpt)
+    assert _slabs_of(target.pid) == 1  # the half-filled slab was freed, only the loaded one remains
+    assert not _agent_processes(target.pid)  # reaped
+    assert _origin(src) == "disk" and src.proc.poll() is None
 
 
 def _origins(d: DaemonProcess) -> dict[str, str]:

@@ -40,6 +40,7 @@ from wcache.plan.rank import RankPlan
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy, plan_fill, plan_same
 from wcache.proto import DTYPE_SIZES, Frame, Release
 from wcache.proto.fleet_frames import PeerModel, PeerOffer, PeerQuery, PeerRead, PeerReadOk
+from wcache.server.agent_process import AgentProcess, RemoteTransfer
 from wcache.server.backends.base import Backend, MemoryRegion, Slab
 from wcache.server.loader import LoadStats
 from wcache.server.nixl import Agent, Transfer
@@ -283,7 +284,7 @@ async def fill(
     key: WeightCacheKey,
     rp: RankPlan | None,
     backend: Backend,
-    agent: Agent,
+    agent: Agent | AgentProcess,
     cfg: FillConfig,
     *,
     room: Callable[[int], None] | None = None,
@@ -365,8 +366,8 @@ async def fill(
             except WCacheError as exc:
                 raise FillError(f"no room for {total} bytes: {exc.message}", details={"reason": "room"}) from exc
         slab = backend.allocate(total)
-        region = slab.region()
-        reg = agent.register(region)
+        reg = agent.register_slab(slab)
+        region = reg.region
         start = time.monotonic()
         jobs: list[Callable[[], Coroutine[Any, Any, int]]] = []
         for k, (s, m, _) in enumerate(usable):
@@ -510,10 +511,11 @@ class PeerFill:
         room: Callable[[int], None] | None,
         then: str,
     ) -> Filled:
-        agent: Agent | None = None
+        agent: AgentProcess | None = None
         cfg = self._config()
         try:
-            agent = Agent(self._agent_name())
+            # in a child process: a NIXL/UCX abort there fails this fill, not the daemon (agent_process.py)
+            agent = AgentProcess(self._agent_name(), timeout=max(60.0, 2 * cfg.timeout))
             coro = fill(key, rp, self.backend, agent, cfg, room=room)
             return Filled(asyncio.run(coro))
         except FillError as exc:
@@ -606,7 +608,7 @@ async def _all_or_none(jobs: list[Callable[[], Coroutine[Any, Any, int]]]) -> in
 
 
 async def _pull(
-    agent: Agent,
+    agent: Agent | AgentProcess,
     src: _Source,
     lease: int,
     copies: list[Copy],
@@ -628,7 +630,7 @@ async def _pull(
     grants = src.grants
     todo = batches(copies, grant)
     done = 0
-    inflight: list[Transfer] = []
+    inflight: list[Transfer | RemoteTransfer] = []
     deadline = start + limit.seconds
     whole = sum(c.nbytes for b in todo for c in b)
 
@@ -682,7 +684,7 @@ async def _pull(
     return done
 
 
-async def _landed(t: Transfer) -> None:
+async def _landed(t: Transfer | RemoteTransfer) -> None:
     """Wait for one posted READ (polling, sleeping between polls), then release it."""
     try:
         pause = 1e-4

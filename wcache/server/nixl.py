@@ -27,7 +27,7 @@ from typing import Any
 
 from wcache.errors import FillError
 from wcache.plan.reshard import Copy
-from wcache.server.backends.base import MemoryRegion
+from wcache.server.backends.base import MemoryRegion, Slab
 
 __all__ = ["MODULES", "Agent", "ReadStats", "Registration", "Transfer", "nixl_module"]
 
@@ -133,6 +133,10 @@ class Agent:
                 details={"reason": "register"},
             ) from exc
         return Registration(region, time.perf_counter() - t0, reg)
+
+    def register_slab(self, slab: Slab) -> Registration:
+        """Register ``slab`` where this process maps it (``Slab.region()``: writable until sealed)."""
+        return self.register(slab.region())
 
     def deregister(self, reg: Registration) -> None:
         """Drop ``reg`` (a no-op once closed: the agent's end dropped every registration)."""
