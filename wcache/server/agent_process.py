@@ -3,7 +3,7 @@
 UCX, under NIXL, aborts the process it runs in on some failures that it meets on its own threads. The one seen
 (docs/fleet.md): a source that dies while the target's agent connects to it trips an assertion in UCX's TCP
 transport, and the process gets SIGABRT. In the daemon, that abort ended every model the daemon served. A
-target's agent therefore runs in a child process (``python -m wcache.server.agent_process``); the daemon
+target's agent therefore runs in a child process (this module's ``main``, on the daemon's sys.path); the daemon
 keeps only a socket to it. If the child dies, the fill fails with reason ``nixl``, naming the signal, and takes
 the disk path like any other failed fill. The daemon and its slabs are not touched.
 
@@ -23,6 +23,7 @@ child that does not answer in time is killed, and the fill fails (reason ``nixl`
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -44,6 +44,12 @@ from wcache.server.backends.base import MemoryRegion, Slab
 from wcache.server.nixl import ReadStats, Registration
 
 __all__ = ["AgentProcess", "RemoteTransfer", "main"]
+
+#: the child's command (``python -c``): the daemon's sys.path, then this module's main
+_BOOT = (
+    "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('WCACHE_AGENT_SYS_PATH')); "
+    "from wcache.server.agent_process import main; main()"
+)
 
 log = logging.getLogger("wcache.fleet")
 
@@ -107,12 +113,11 @@ class AgentProcess:
         self._regs: dict[MemoryRegion, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         try:
-            env = dict(os.environ)
-            # the child imports this wcache, wherever the daemon found it (an install, a checkout on PYTHONPATH)
-            root = str(Path(__file__).resolve().parents[2])
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+            # the child imports the modules the daemon imported: its sys.path, in its order (an install, a checkout
+            # on PYTHONPATH), and not the daemon's working directory, which ``-m`` would put first
+            env = dict(os.environ, WCACHE_AGENT_SYS_PATH=json.dumps(sys.path))
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "wcache.server.agent_process", str(child.fileno())],
+                [sys.executable, "-c", _BOOT, str(child.fileno())],
                 pass_fds=[child.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -395,13 +400,15 @@ class _Child:
             except (EOFError, OSError):
                 return  # the daemon went (or closed its end): nothing left to fill
             try:
-                ok = self.handle(req, fds)
+                reply = {"ok": self.handle(req, fds)}
             except Exception as exc:
                 details = dict(exc.details) if isinstance(exc, FillError) else {"reason": "nixl"}
                 text = exc.message if isinstance(exc, FillError) else f"{type(exc).__name__}: {exc}"
-                send_message(self.sock, {"error": text, "type": type(exc).__name__, "details": details})
-                continue
-            send_message(self.sock, {"ok": ok})
+                reply = {"error": text, "type": type(exc).__name__, "details": details}
+            try:
+                send_message(self.sock, reply)
+            except OSError:
+                return  # the daemon went
             if req.get("op") == "close":
                 return
 
@@ -484,6 +491,7 @@ class _Child:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The child: serve the daemon's requests on the socket whose descriptor is the first argument."""
     args = list(sys.argv[1:] if argv is None else argv)
     sock = socket.socket(fileno=int(args[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the daemon's terminal is the daemon's to handle
