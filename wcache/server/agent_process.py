@@ -27,11 +27,13 @@ import json
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -108,30 +110,34 @@ class AgentProcess:
         self.name = name
         self.timeout = timeout
         self.on_post: Callable[[int], None] | None = None
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock: socket.socket | None = parent
+        self._sock: socket.socket | None = None
         self._regs: dict[MemoryRegion, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        #: the child's end, once seen (it died, or was killed for not answering): every later call raises it again
+        self._gone: FillError | None = None
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = parent
         try:
             # the child imports the modules the daemon imported: its sys.path, in its order (an install, a checkout
-            # on PYTHONPATH), and not the daemon's working directory, which ``-m`` would put first
-            env = dict(os.environ, WCACHE_AGENT_SYS_PATH=json.dumps(sys.path))
+            # on PYTHONPATH); isolated (-I), so nothing of the daemon's working directory or PYTHON* variables
+            env = dict(os.environ, WCACHE_AGENT_SYS_PATH=json.dumps([str(p) for p in sys.path]))
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(child.fileno())],
+                [sys.executable, "-I", "-c", _BOOT, str(child.fileno())],
                 pass_fds=[child.fileno()],
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # NIXL's own prints; UCX's errors go to stderr, the daemon's log
                 env=env,
             )
-        except OSError as exc:
-            parent.close()
-            self._sock = None
+            send_message(parent, {"op": "start", "name": name, "threads": threads})
+        except BaseException as exc:
+            self._kill()
             raise FillError(
-                f"the fill's NIXL agent process could not start: {exc}", details={"reason": "nixl"}
+                f"the fill's NIXL agent process could not start: {type(exc).__name__}: {exc}",
+                details={"reason": "nixl"},
             ) from exc
         finally:
             child.close()
-        self._started = False
-        send_message(parent, {"op": "start", "name": name, "threads": threads})
 
     @property
     def closed(self) -> bool:
@@ -144,16 +150,19 @@ class AgentProcess:
     def _call(self, request: dict[str, Any], fds: Sequence[int] = (), *, timeout: float | None = None) -> Any:
         sock = self._sock
         if sock is None:
-            raise FillError(f"NIXL agent {self.name} is closed", details={"reason": "nixl"})
-        sock.settimeout(timeout if timeout is not None else self.timeout)
+            raise self._gone or FillError(f"NIXL agent {self.name} is closed", details={"reason": "nixl"})
+        limit = timeout if timeout is not None else self.timeout
+        sock.settimeout(limit)
         try:
             if not self._started:
-                self._reply(sock)
-                self._started = True
+                try:
+                    self._reply(sock)  # the start's: an agent the child could not make fails this call
+                finally:
+                    self._started = True
             send_message(sock, request, fds)
             return self._reply(sock)
         except (OSError, EOFError) as exc:  # TimeoutError is an OSError
-            raise self._died(request["op"], exc) from None
+            raise self._died(request["op"], exc, limit) from None
 
     def _reply(self, sock: socket.socket) -> Any:
         reply, fds = recv_message(sock)
@@ -167,31 +176,38 @@ class AgentProcess:
         details.setdefault("reason", "nixl")
         raise FillError(text, details=details)
 
-    def _died(self, op: str, exc: BaseException) -> FillError:
+    def _died(self, op: str, exc: BaseException, limit: float) -> FillError:
         """What a fill raises when the child broke off: it died (the signal or status named) or did not answer in
-        time (then it is killed). Either way it is gone afterwards, and so is this object's socket."""
+        ``limit`` seconds (then it is killed). Either way it is gone afterwards, and so is this object's socket;
+        every later call raises the same error."""
         proc = self._proc
         status = None
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                status = proc.wait(0.5 if not isinstance(exc, TimeoutError) else 0.0)
+                status = proc.wait(0.0 if isinstance(exc, TimeoutError) else 0.5)
         self._kill()
         if status is None:
-            what = f"did not answer {op} within {self.timeout:.0f} s and was killed"
+            what = f"did not answer {op} within {limit:.1f} s and was killed"
         elif status < 0:
-            what = f"died of {signal.Signals(-status).name} during {op}"
+            what = f"died of {_signal_name(-status)} during {op}"
         else:
             what = f"exited with status {status} during {op}"
-        return FillError(f"the fill's NIXL agent process {what}", details={"reason": "nixl", "status": status})
+        self._gone = FillError(f"the fill's NIXL agent process {what}", details={"reason": "nixl", "status": status})
+        return self._gone
 
     def _kill(self) -> None:
+        """Close the socket; kill and reap the child. Once this returns the child maps nothing of any slab (a
+        process's mappings go when it exits), unless it is stuck in the kernel past 10 s, which is logged."""
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
         proc = self._proc
         if proc is not None and proc.returncode is None:
             proc.kill()
-            proc.wait()
+            try:
+                proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                log.error("the fill's NIXL agent process %d did not exit 10 s after SIGKILL", proc.pid)
 
     # ------------------------------------------------------------------ memory
     def register_slab(self, slab: Slab) -> Registration:
@@ -204,14 +220,17 @@ class AgentProcess:
         return Registration(region, time.perf_counter() - t0, int(got["id"]))
 
     def deregister(self, reg: Registration) -> None:
-        """Drop ``reg`` and the child's mapping of it (nothing once closed: the child's end dropped them all)."""
+        """Drop ``reg`` and the child's mapping of it. Never raises: a child that does not confirm (it died, did not
+        answer, or failed to deregister, a READ still holding the region) is killed, so that once this returns no
+        process writes into the slab, which its owner may free next."""
         self._regs.pop(reg.region, None)
         if self._sock is None:
             return
         try:
             self._call({"op": "deregister", "id": reg.handle})
-        except FillError as exc:  # the child died: its mapping and registration went with it
-            log.debug("deregistering in the fill's agent process: %s", exc.message)
+        except (FillError, ValueError) as exc:
+            log.debug("deregistering in the fill's agent process: %s; killing it", exc)
+            self._kill()
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, metadata: bytes) -> str:
@@ -247,23 +266,36 @@ class AgentProcess:
                 "copies": rows,
                 "deadline": deadline,  # CLOCK_MONOTONIC: one clock for every process of the machine
                 "strided": strided,
-            }
+            },
+            timeout=self._within(deadline),
         )
         return RemoteTransfer(self, peer, int(got["id"]), nbytes, int(got["descriptors"]), deadline)
 
+    def _within(self, deadline: float) -> float:
+        """A READ's call limit: what is left of its deadline and a grace of 5 s, at most ``timeout``."""
+        return max(1.0, min(self.timeout, deadline - time.monotonic() + 5.0))
+
     def close(self) -> None:
-        """Ask the child to destroy its agent and exit (killed if it does not within ``timeout``). Idempotent."""
-        sock = self._sock
-        if sock is None:
+        """Ask the child to destroy its agent and exit (killed if it does not within 10 s); a child never used
+        (its fill found nothing to READ) is killed at once rather than waited for. Idempotent."""
+        if self._sock is None:
             return
-        with contextlib.suppress(FillError):
-            self._call({"op": "close"}, timeout=min(self.timeout, 10.0))
-        proc = self._proc
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(min(self.timeout, 10.0))
+        if self._started:
+            with contextlib.suppress(FillError, ValueError):
+                self._call({"op": "close"}, timeout=min(self.timeout, 10.0))
+            proc = self._proc
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(min(self.timeout, 10.0))
         self._kill()
         self._regs.clear()
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {n}"
 
 
 def _late(peer: str, nbytes: int) -> FillError:
@@ -292,7 +324,7 @@ class RemoteTransfer:
             return True
         if time.monotonic() > self.deadline:
             raise _late(self.peer, self.nbytes)
-        got = self._agent._call({"op": "poll", "id": self._id})
+        got = self._agent._call({"op": "poll", "id": self._id}, timeout=self._agent._within(self.deadline))
         if got is not None:
             self._done, self._seconds = True, float(got)
         return self._done
@@ -442,8 +474,10 @@ class _Child:
             return {"id": rid, "address": r.address, "length": r.length, "kind": r.kind, "device": r.device}
         if op == "deregister":
             m, reg = self.maps.pop(int(req["id"]))
-            agent.deregister(reg)
-            m.close()
+            try:
+                agent.deregister(reg)
+            finally:
+                m.close()  # the mapping goes whatever NIXL said: the daemon frees the slab next
             return True
         if op == "add_peer":
             return agent.add_peer(bytes(req["metadata"]))
@@ -481,13 +515,27 @@ class _Child:
         self.transfers.clear()
         agent = self.agent
         for m, reg in self.maps.values():
-            if agent is not None:
-                agent.deregister(reg)
-            m.close()
+            try:
+                if agent is not None:
+                    agent.deregister(reg)
+            finally:
+                m.close()
         self.maps.clear()
         if agent is not None:
             agent.close()
         self.agent = None
+
+
+def _watch(fd: int) -> None:
+    """Exit the moment the daemon's end of the socket closes (the daemon exited or killed us), even while the main
+    thread is inside a NIXL call that does not return: a child must not outlive its daemon holding a slab's
+    mapping (on a GPU, its memory and a context)."""
+    p = select.poll()
+    p.register(fd, select.POLLRDHUP)  # POLLHUP and POLLERR come unasked
+    while True:
+        for _, events in p.poll():
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -495,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     sock = socket.socket(fileno=int(args[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the daemon's terminal is the daemon's to handle
+    threading.Thread(target=_watch, args=(sock.fileno(),), name="wcache-agent-watch", daemon=True).start()
     child = _Child(sock)
     try:
         child.serve()

@@ -430,17 +430,23 @@ async def fill(
             raise
         raise FillError(f"{type(exc).__name__}: {exc}", details={"reason": _reason(exc)}) from exc
     finally:
-        if reg is not None:
-            agent.deregister(reg)
-        if slab is not None:
-            slab.close()  # never a half-filled slab served
         try:
-            for s in sources:
-                if s.grants is not None:
-                    await s.grants.close()
-                    s.grants = None
-        finally:  # a cancellation meanwhile must not leave the sources' connections open
-            await _release(sources)
+            if reg is not None:
+                agent.deregister(
+                    reg
+                )  # nothing writes into the slab after this (a child agent that cannot say so is killed)
+        finally:
+            try:
+                if slab is not None:
+                    slab.close()  # never a half-filled slab served
+            finally:
+                try:
+                    for s in sources:
+                        if s.grants is not None:
+                            await s.grants.close()
+                            s.grants = None
+                finally:  # a cancellation meanwhile must not leave the sources' connections open
+                    await _release(sources)
 
 
 @dataclass(frozen=True)
