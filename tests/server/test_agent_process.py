@@ -93,9 +93,9 @@ def test_a_death_seen_first_in_a_cleanup_is_what_every_later_call_says(sig: int)
 def test_the_child_imports_nothing_from_the_daemons_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A daemon started in a directory holding a ``json.py`` (or any module name the child imports): the child is
-    isolated and imports the daemon's own modules. Before, ``python -c`` put the working directory first and the
-    child exited (status 3 here) at its first import."""
+    """A daemon started in a directory holding a ``json.py`` (or any module name the child imports): the child
+    imports the daemon's own modules (``-P``, then the daemon's sys.path). Before, ``python -c`` put the working
+    directory first and the child exited (status 3 here) at its first import."""
     (tmp_path / "json.py").write_text("raise SystemExit(3)\n")
     (tmp_path / "msgpack.py").write_text("raise SystemExit(3)\n")
     monkeypatch.chdir(tmp_path)

@@ -43,7 +43,7 @@ import msgpack
 from wcache.errors import FillError
 from wcache.plan.reshard import Copy
 from wcache.server.backends.base import MemoryRegion, Slab
-from wcache.server.nixl import ReadStats, Registration
+from wcache.server.nixl import ReadStats, Registration, late
 
 __all__ = ["AgentProcess", "RemoteTransfer", "main"]
 
@@ -119,11 +119,11 @@ class AgentProcess:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = parent
         try:
-            # the child imports the modules the daemon imported: its sys.path, in its order (an install, a checkout
-            # on PYTHONPATH); isolated (-I), so nothing of the daemon's working directory or PYTHON* variables
+            # the child imports the modules the daemon imported: its sys.path, in its order (an install, a user
+            # site's editable install, a checkout on PYTHONPATH); -P: nothing from the daemon's working directory
             env = dict(os.environ, WCACHE_AGENT_SYS_PATH=json.dumps([str(p) for p in sys.path]))
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, str(child.fileno())],
+                [sys.executable, "-P", "-c", _BOOT, str(child.fileno())],
                 pass_fds=[child.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # NIXL's own prints; UCX's errors go to stderr, the daemon's log
@@ -229,7 +229,7 @@ class AgentProcess:
         try:
             self._call({"op": "deregister", "id": reg.handle})
         except (FillError, ValueError) as exc:
-            log.debug("deregistering in the fill's agent process: %s; killing it", exc)
+            log.warning("fill agent process pid=%s did not confirm deregistering (%s): killed", self.pid, exc)
             self._kill()
 
     # ------------------------------------------------------------------ peers
@@ -253,7 +253,7 @@ class AgentProcess:
             raise ValueError(f"{local} is not a region registered with {self.name}")
         nbytes = sum(c.nbytes for c in copies)
         if time.monotonic() > deadline:
-            raise _late(peer, nbytes)
+            raise late(peer, nbytes)
         if self.on_post is not None:
             self.on_post(nbytes)
         rows = [[c.source, c.src, c.dst, c.length, c.count, c.src_stride, c.dst_stride] for c in copies]
@@ -298,15 +298,9 @@ def _signal_name(n: int) -> str:
         return f"signal {n}"
 
 
-def _late(peer: str, nbytes: int) -> FillError:
-    return FillError(
-        f"READ of {nbytes} bytes from {peer} passed its deadline", details={"reason": "deadline", "peer": peer}
-    )
-
-
 class RemoteTransfer:
     """One posted READ request of the child (:meth:`AgentProcess.start_read`): :class:`wcache.server.nixl.Transfer`'s
-    ``done``, ``stats`` and ``release``."""
+    ``done``, ``stats`` and ``release`` (a fill polls it: ``fill._landed``)."""
 
     def __init__(
         self, agent: AgentProcess, peer: str, tid: int, nbytes: int, descriptors: int, deadline: float
@@ -323,7 +317,7 @@ class RemoteTransfer:
         if self._done:
             return True
         if time.monotonic() > self.deadline:
-            raise _late(self.peer, self.nbytes)
+            raise late(self.peer, self.nbytes)
         got = self._agent._call({"op": "poll", "id": self._id}, timeout=self._agent._within(self.deadline))
         if got is not None:
             self._done, self._seconds = True, float(got)
@@ -331,17 +325,6 @@ class RemoteTransfer:
 
     def stats(self) -> ReadStats:
         return ReadStats(self.nbytes, self.descriptors, self._seconds)
-
-    def wait(self) -> ReadStats:
-        """Block until done (sleeping between polls), then release."""
-        pause = 1e-5
-        try:
-            while not self.done():
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-        finally:
-            self.release()
-        return self.stats()
 
     def release(self) -> None:
         """Free the request in the child (nothing to free once the child is gone: its requests went with it)."""

@@ -430,23 +430,25 @@ async def fill(
             raise
         raise FillError(f"{type(exc).__name__}: {exc}", details={"reason": _reason(exc)}) from exc
     finally:
+        freed = True
+        if reg is not None:
+            # nothing writes into the slab after this (a child agent that cannot say so is killed)
+            try:
+                agent.deregister(reg)
+            except Exception as exc:  # an in-process agent: its UCX may still hold the slab, which is then kept
+                log.warning("fill key=%s: NIXL could not deregister the slab (%s); not freeing it", key.short(), exc)
+                freed = False
         try:
-            if reg is not None:
-                agent.deregister(
-                    reg
-                )  # nothing writes into the slab after this (a child agent that cannot say so is killed)
+            if slab is not None and freed:
+                slab.close()  # never a half-filled slab served
         finally:
             try:
-                if slab is not None:
-                    slab.close()  # never a half-filled slab served
-            finally:
-                try:
-                    for s in sources:
-                        if s.grants is not None:
-                            await s.grants.close()
-                            s.grants = None
-                finally:  # a cancellation meanwhile must not leave the sources' connections open
-                    await _release(sources)
+                for s in sources:
+                    if s.grants is not None:
+                        await s.grants.close()
+                        s.grants = None
+            finally:  # a cancellation meanwhile must not leave the sources' connections open
+                await _release(sources)
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ class Agent:
         nbytes = sum(c.nbytes for c in copies)
         blocks = copies
         if time.monotonic() > deadline:
-            raise _late(peer, nbytes)
+            raise late(peer, nbytes)
         if self.on_post is not None:
             self.on_post(nbytes)
         t0 = time.perf_counter()
@@ -269,7 +269,8 @@ class Agent:
         self._agent = None  # the last reference wcache holds (a Transfer holds this object, not NIXL's)
 
 
-def _late(peer: str, nbytes: int) -> FillError:
+def late(peer: str, nbytes: int) -> FillError:
+    """A READ past its deadline (reason ``deadline``), in-process or in a fill's agent process."""
     return FillError(
         f"READ of {nbytes} bytes from {peer} passed its deadline", details={"reason": "deadline", "peer": peer}
     )
@@ -294,7 +295,7 @@ class Transfer:
         """True once every byte landed; FillError when NIXL reports a failure or the deadline passed."""
         if self._state == "PROC":
             if time.monotonic() > self.deadline:
-                raise _late(self.peer, self.nbytes)
+                raise late(self.peer, self.nbytes)
             self._state = self._agent._nixl.check_xfer_state(self._handle)
             self._check()
         return self._state == "DONE"
