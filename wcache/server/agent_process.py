@@ -1,4 +1,4 @@
-"""A fill's NIXL agent in a child process (docs/fleet.md, "The fill's agent runs in a child process").
+"""A fill's NIXL agent in a child process (docs/fleet.md, "A fill, step by step": the fill's agent).
 
 UCX, under NIXL, aborts the process it runs in on some failures that it meets on its own threads. The one seen
 (docs/fleet.md): a source that dies while the target's agent connects to it trips an assertion in UCX's TCP
@@ -42,8 +42,9 @@ import msgpack
 
 from wcache.errors import FillError
 from wcache.plan.reshard import Copy
+from wcache.proto import SlabDescriptor
 from wcache.server.backends.base import MemoryRegion, Slab
-from wcache.server.nixl import ReadStats, Registration, late
+from wcache.server.nixl import Agent, ReadStats, Registration, Transfer, admit, late
 
 __all__ = ["AgentProcess", "RemoteTransfer", "main"]
 
@@ -110,14 +111,13 @@ class AgentProcess:
         self.name = name
         self.timeout = timeout
         self.on_post: Callable[[int], None] | None = None
-        self._sock: socket.socket | None = None
         self._regs: dict[MemoryRegion, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._started = False
         #: the child's end, once seen (it died, or was killed for not answering): every later call raises it again
         self._gone: FillError | None = None
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock = parent
+        self._sock: socket.socket | None = parent
         try:
             # the child imports the modules the daemon imported: its sys.path, in its order (an install, a user
             # site's editable install, a checkout on PYTHONPATH); -P: nothing from the daemon's working directory
@@ -251,11 +251,7 @@ class AgentProcess:
         reg = self._regs.get(local)
         if reg is None:
             raise ValueError(f"{local} is not a region registered with {self.name}")
-        nbytes = sum(c.nbytes for c in copies)
-        if time.monotonic() > deadline:
-            raise late(peer, nbytes)
-        if self.on_post is not None:
-            self.on_post(nbytes)
+        nbytes = admit(peer, copies, deadline, self.on_post)
         rows = [[c.source, c.src, c.dst, c.length, c.count, c.src_stride, c.dst_stride] for c in copies]
         got = self._call(
             {
@@ -339,13 +335,14 @@ class RemoteTransfer:
             log.debug("releasing a READ in the fill's agent process: %s", exc.message)
 
 
-def _descriptor(desc: Any) -> dict[str, Any]:
+def _descriptor(desc: SlabDescriptor) -> dict[str, Any]:
+    """What the child maps a slab from (its descriptors travel beside it)."""
     return {
         "kind": desc.kind,
         "size": desc.size,
-        "device_uuid": getattr(desc, "device_uuid", "") or "",
-        "handle": bytes(getattr(desc, "handle", b"") or b""),
-        "offset": int(getattr(desc, "offset", 0) or 0),
+        "device_uuid": desc.device_uuid,
+        "handle": desc.handle,
+        "offset": desc.offset,
     }
 
 
@@ -400,8 +397,6 @@ def _map(desc: dict[str, Any], fds: list[int]) -> _Mapping:
 
 class _Child:
     def __init__(self, sock: socket.socket) -> None:
-        from wcache.server.nixl import Agent, Transfer
-
         self.sock = sock
         self.agent: Agent | None = None
         self.maps: dict[int, tuple[_Mapping, Registration]] = {}
@@ -432,8 +427,6 @@ class _Child:
         return self.next_id
 
     def handle(self, req: dict[str, Any], fds: list[int]) -> Any:
-        from wcache.server.nixl import Agent
-
         op = req.get("op")
         if op != "register":
             for fd in fds:

@@ -199,12 +199,8 @@ class Agent:
         for c in copies:
             _inside(c.src, c.src_stride, c, remote, "remote")
             _inside(c.dst, c.dst_stride, c, local, "local")
-        nbytes = sum(c.nbytes for c in copies)
+        nbytes = admit(peer, copies, deadline, self.on_post)
         blocks = copies
-        if time.monotonic() > deadline:
-            raise late(peer, nbytes)
-        if self.on_post is not None:
-            self.on_post(nbytes)
         t0 = time.perf_counter()
         handle, prepped, n = self._request(peer, blocks, local, remote, strided)
         t = Transfer(self, peer, handle, prepped, nbytes, n, deadline, t0)
@@ -267,6 +263,17 @@ class Agent:
             self.remove_peer(peer)
         self._peers.clear()
         self._agent = None  # the last reference wcache holds (a Transfer holds this object, not NIXL's)
+
+
+def admit(peer: str, copies: Sequence[Copy], deadline: float, on_post: Callable[[int], None] | None) -> int:
+    """The bytes of a READ about to be posted (``Agent.start_read``, or its agent process's): a deadline already
+    passed is ``late``; else ``on_post`` is told the bytes."""
+    nbytes = sum(c.nbytes for c in copies)
+    if time.monotonic() > deadline:
+        raise late(peer, nbytes)
+    if on_post is not None:
+        on_post(nbytes)
+    return nbytes
 
 
 def late(peer: str, nbytes: int) -> FillError:
