@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 from tests.server.deposit_engine import recipe_key, tensors
+from tests.server.fleet_daemons import agent_processes, assert_slices, origin
 from wcache import WCacheClient, WeightCacheKey
 from wcache.plan.key import RACY_NS, RankSpec
-from wcache.plan.rank import plan_rank
 from wcache.plan.recipe import key_from_wire
 from wcache.server.peer_channel import GRANT_SECONDS
 from wcache.server.process import DaemonProcess, spawn_daemon
@@ -76,35 +75,6 @@ def _source(daemons: Callable[..., DaemonProcess], ckpt: Path, *args: str) -> tu
     return d, str(json.loads(d.ready_file.read_text())["peer"])
 
 
-def _full(ckpt: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _assert_slices(d: DaemonProcess, key_dir: Path, ckpt: Path, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """What an engine fetches (its key computed from ``key_dir``) is the safetensors slices of ``ckpt``."""
-    key = WeightCacheKey.from_checkpoint(key_dir, tp_rank=tp_rank, tp_size=tp_size)
-    full = _full(ckpt)
-
-    async def check() -> None:
-        async with await WCacheClient(d.socket).fetch(key) as w:
-            with plan_rank(RankSpec(ckpt, tp_rank=tp_rank, tp_size=tp_size)) as rp:
-                for p in rp.layout.placements:
-                    t = full[p.source.name]
-                    if p.shard is not None:
-                        t = t.narrow(p.shard.dim, p.shard.start, p.shard.length)
-                    assert torch.equal(w[p.source.name], t), p.source.name
-
-    asyncio.run(check())
-
-
-def _origin(d: DaemonProcess) -> str:
-    (m,) = asyncio.run(WCacheClient(d.socket).status()).models
-    return m.origin
-
-
 def _slabs_of(pid: int) -> int:
     """Shared-memory slabs the process holds (memfds of slabs)."""
     n = 0
@@ -139,8 +109,8 @@ def test_tp1_daemon_fills_a_tp2_rank_and_operators_see_it(ckpt: Path, daemons: C
     sport, tport = _free_port(), _free_port()
     src, peer = _source(daemons, ckpt, "--metrics-port", str(sport))
     target = daemons(ckpt, "--tp-rank", "1", "--tp-size", "2", "--fill-from", peer, "--metrics-port", str(tport))
-    assert _origin(target) == f"peer {peer}"
-    _assert_slices(target, ckpt, ckpt, 1, 2)
+    assert origin(target) == f"peer {peer}"
+    assert_slices(target, ckpt, ckpt, 1, 2)
     assert 'wcache_fills_total{outcome="filled",reason=""} 1' in _metrics(tport)
     assert _metric(_metrics(sport), "wcache_peer_served_bytes_total") > 0
     table = run_cli("status", "--socket-dir", str(target.socket.parent))
@@ -152,8 +122,8 @@ def test_tp1_daemon_fills_a_tp2_rank_and_operators_see_it(ckpt: Path, daemons: C
 def test_two_tp2_daemons_fill_a_tp1_daemon(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
     peers = [_source(daemons, ckpt, "--tp-rank", str(r), "--tp-size", "2")[1] for r in range(2)]
     target = daemons(ckpt, "--fill-from", ",".join(peers))
-    assert _origin(target) == f"peer {min(peers)} +1"  # each source served its own half
-    _assert_slices(target, ckpt, ckpt)
+    assert origin(target) == f"peer {min(peers)} +1"  # each source served its own half
+    assert_slices(target, ckpt, ckpt)
 
 
 def test_a_node_without_the_checkpoint_serves_an_engine(
@@ -163,7 +133,7 @@ def test_a_node_without_the_checkpoint_serves_an_engine(
     empty = tmp_path / "model"
     target = daemons(empty, "--fill-from", peer)
     assert WeightCacheKey.from_checkpoint(empty) == WeightCacheKey.from_checkpoint(ckpt)
-    _assert_slices(target, empty, ckpt)  # the engine computed its key on the directory without weights
+    assert_slices(target, empty, ckpt)  # the engine computed its key on the directory without weights
 
 
 def test_an_engine_proves_the_files_of_a_filled_rank(
@@ -175,7 +145,7 @@ def test_an_engine_proves_the_files_of_a_filled_rank(
     time.sleep(RACY_NS / 1e9 + 0.1)  # no file changed within RACY_NS of the target's read
     _, peer = _source(daemons, ckpt)
     target = daemons(settled, "--fill-from", peer)
-    assert _origin(target) == f"peer {peer}"
+    assert origin(target) == f"peer {peer}"
     key = WeightCacheKey.from_checkpoint(settled)
     w = WCacheClient(target.socket).fetch_sync(key)
     try:
@@ -199,27 +169,9 @@ def test_a_source_sigkilled_mid_fill_leaves_the_target_on_the_disk_path(
     os.kill(src.pid, signal.SIGKILL)
     src.proc.wait(30)
     target.wait_ready(120)
-    assert _origin(target) == "disk"
-    _assert_slices(target, ckpt, ckpt)
+    assert origin(target) == "disk"
+    assert_slices(target, ckpt, ckpt)
     assert _slabs_of(target.pid) == 1  # the half-filled slab was freed, only the loaded one remains
-
-
-def _agent_processes(pid: int) -> list[int]:
-    """The fill agents' child processes of ``pid`` (``python -m wcache.server.agent_process``)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and b"wcache.server.agent_process" in cmd:
-            found.append(int(entry))
-    return found
 
 
 def test_the_fill_agent_aborted_mid_fill_leaves_the_target_daemon_serving_from_disk(
@@ -237,15 +189,15 @@ def test_the_fill_agent_aborted_mid_fill_leaves_the_target_daemon_serving_from_d
     while _slabs_with_bytes(target.pid) == 0:
         assert time.monotonic() < deadline, target.log_text()[-2000:]
         time.sleep(0.02)
-    (child,) = _agent_processes(target.pid)
+    (child,) = agent_processes(target.pid)
     os.kill(child, signal.SIGABRT)
     target.wait_ready(120)
     assert target.proc.poll() is None
-    assert _origin(target) == "disk"
-    _assert_slices(target, ckpt, ckpt)
+    assert origin(target) == "disk"
+    assert_slices(target, ckpt, ckpt)
     assert _slabs_of(target.pid) == 1  # the half-filled slab was freed, only the loaded one remains
-    assert not _agent_processes(target.pid)  # reaped
-    assert _origin(src) == "disk" and src.proc.poll() is None
+    assert not agent_processes(target.pid)  # reaped
+    assert origin(src) == "disk" and src.proc.poll() is None
 
 
 def _origins(d: DaemonProcess) -> dict[str, str]:
@@ -284,7 +236,7 @@ def test_a_preload_and_a_recipe_key_are_filled_from_a_peer_daemon(
         rank.short(): f"peer {peer}",
         recipe.short(): f"peer {peer}",
     }
-    _assert_slices(target, ckpt, ckpt, 1, 2)
+    assert_slices(target, ckpt, ckpt, 1, 2)
     table = run_cli("status", "--socket-dir", str(target.socket.parent)).stdout
     assert sum(f"peer {peer}" in row for row in table.splitlines()) == 2
     text = _metrics(tport)
@@ -318,7 +270,7 @@ def test_a_peer_sigkilled_mid_preload_fill_leaves_the_target_on_the_disk_path(
         return m.origin
 
     assert asyncio.run(preload_while_the_peer_dies()) == "disk"
-    _assert_slices(target, ckpt, ckpt)
+    assert_slices(target, ckpt, ckpt)
     assert _slabs_of(target.pid) == 2  # the two models served; the half-filled slab was freed
     text = _metrics(tport)
     failed = [ln for ln in text.splitlines() if ln.startswith('wcache_fills_total{outcome="failed"')]
@@ -337,10 +289,10 @@ def test_a_wrong_secret_is_refused_and_the_target_loads_from_disk(
     _, peer = _source(daemons, ckpt, "--peer-secret-file", secrets[0])
     tport = _free_port()
     target = daemons(ckpt, "--fill-from", peer, "--peer-secret-file", secrets[1], "--metrics-port", str(tport))
-    assert _origin(target) == "disk"
+    assert origin(target) == "disk"
     assert 'wcache_fills_total{outcome="failed",reason="auth"} 1' in _metrics(tport)
     good = daemons(ckpt, "--fill-from", peer, "--peer-secret-file", secrets[0])
-    assert _origin(good) == f"peer {peer}"
+    assert origin(good) == f"peer {peer}"
 
 
 def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
@@ -355,7 +307,7 @@ def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProce
 def test_without_a_peer_the_daemon_loads_from_disk(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
     tport = _free_port()
     target = daemons(ckpt, "--fill-from", "127.0.0.1:1", "--fill-timeout", "5", "--metrics-port", str(tport))
-    assert _origin(target) == "disk"
+    assert origin(target) == "disk"
     assert 'wcache_fills_total{outcome="failed",reason="no-peer"} 1' in _metrics(tport)
 
 
