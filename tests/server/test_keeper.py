@@ -1037,6 +1037,35 @@ def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) 
     assert again.known and not path.exists()
 
 
+def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon without a keeper records every COMMIT's generation and settles none, so ``<socket>.deposits`` grew
+    by one entry per recipe key it was ever written back under. It holds ``MAX_KEYS`` at most: one more gives up
+    the entries and marks the record damaged — every kept deposit stale at the next RECLAIM, none served on a
+    record that forgot its key — and the file stays that small; a RECLAIM's reset makes it a record again."""
+    from wcache.plan.recipe import RecipeKey
+
+    monkeypatch.setattr(kl.CommitRecord, "MAX_KEYS", 3)
+    base = WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16")
+    keys = [RecipeKey.of(base, engine="test", variant=str(i)) for i in range(5)]
+    path = tmp_path / "wcache-rank0.sock.deposits"
+    rec = kl.CommitRecord(path)
+    for k in keys[:3]:
+        rec.committed(k, "g1")
+    rec.committed(keys[0], "g2")  # a key it holds: recorded, not one more
+    assert rec.known and kl.CommitRecord(path).stale(keys[0], "g1") is not None
+    assert kl.CommitRecord(path).stale(keys[4], "g0") is None
+    rec.committed(keys[3], "g1")  # one more than it holds
+    full = kl.CommitRecord(path)
+    assert not full.known and full.keys == {}
+    assert all(full.stale(k, "g1") is not None for k in keys)
+    rec.committed(keys[4], "g1")
+    assert rec.keys == {} and len(path.read_bytes()) < 100
+    rec.reset({})
+    assert rec.known and not path.exists()
+
+
 def test_status_counts_kept_models_for_the_socket_they_were_kept_for(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path
 ) -> None:

@@ -84,18 +84,24 @@ class CommitRecord:
     keeper writes every COMMIT's generation here (no keeper settles it): a keeper the socket's daemons used before
     may still hold an older deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another
     generation instead of serving bytes older than the last COMMIT. The file exists only while such an entry
-    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, replaced atomically.
+    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, replaced atomically. It holds at most
+    ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe keys
+    settles none) gives up the entries and marks the record damaged instead, the conservative side: every kept
+    deposit is then stale at the next RECLAIM, none served on a record that forgot its key.
 
     A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
     (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
     acted on it (``reset``): a COMMIT meanwhile must not turn it into a record that vouches for the others."""
 
     FORMAT = "wcache-deposits/1"
+    #: keys recorded at most (~100 bytes each in the file)
+    MAX_KEYS = 4096
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.keys: dict[str, str] = {}
-        #: whether the file (if any) could be read: False makes every kept deposit stale at RECLAIM
+        #: whether the record names the last generation of every key (False: unreadable, damaged or full),
+        #: else every kept deposit is stale at RECLAIM
         self.known = True
         try:
             raw = path.read_bytes()
@@ -127,7 +133,9 @@ class CommitRecord:
     def stale(self, key: WeightCacheKey, generation: str) -> str | None:
         """Why a kept deposit of ``key`` and ``generation`` must not be served (None: it may)."""
         if not self.known:
-            return f"{self.path.name} could not be read: the deposit last committed under its key is not known"
+            return (
+                f"{self.path.name} could not be read or was full: the deposit last committed under its key is not known"
+            )
         recorded = self.keys.get(self.key_id(key))
         if recorded is not None and recorded != generation:
             return (
@@ -138,9 +146,22 @@ class CommitRecord:
 
     def committed(self, key: WeightCacheKey, generation: str) -> None:
         """Before ``generation`` of ``key`` is offered to the keeper: from now on no other one may be served."""
-        if self.keys.get(self.key_id(key)) != generation:
-            self.keys[self.key_id(key)] = generation
-            self._write()
+        kid = self.key_id(key)
+        if self.keys.get(kid) == generation:
+            return
+        if kid not in self.keys and len(self.keys) >= self.MAX_KEYS:
+            log.warning(
+                "%s holds %d keys, its most: every deposit a keeper holds for this socket will be dropped at its "
+                "next reclaim instead of recording more",
+                self.path,
+                len(self.keys),
+            )
+            self.keys, self.known = {}, False
+        elif self.known:
+            self.keys[kid] = generation
+        else:
+            return  # damaged or full: no entry can make a kept deposit less stale than it already is
+        self._write()
 
     def settled(self, key: WeightCacheKey) -> None:
         """The keeper holds ``key``'s recorded generation, or nothing of the key."""
