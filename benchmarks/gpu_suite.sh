@@ -108,8 +108,9 @@ sys.exit(0 if out["ok"] else 1)
 PY
 }
 FP8_TESTS="test_fp8|test_deposit_cuda"
-if want tests; then  # 37 tests: 99 s on a warm machine, over 240 s first thing on a fresh VM (2026-12-02: every
-  # daemon process then reads torch from a cold disk); the FP8 ones' JSON from the same run
+if want tests; then  # 39 tests: 99 s on a warm machine, over 240 s first thing on a fresh VM (2026-12-02: every
+  # daemon process then reads torch from a cold disk); the FP8 ones' JSON from the same run. The two fleet-fill
+  # ones (tests/gpu/test_fill_cuda.py) need NIXL: carry the nixl-cu13 wheel in .whl/, else they skip
   step gpu_tests "${TESTS_TIMEOUT:-330}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --strict-markers -ra \
     -W default --junitxml="$RAW/gpu_tests.xml"
   [ -f "$RAW/gpu_tests.xml" ] && junit_json "$RAW/gpu_tests.xml" "$RAW/fp8_checkpoint.json" "$FP8_TESTS"
