@@ -28,8 +28,10 @@ from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy
 from wcache.proto import Release
+from wcache.server import agent_process
+from wcache.server import fill as fill_mod
 from wcache.server.agent_process import AgentProcess
-from wcache.server.backends.host import HostBackend
+from wcache.server.backends.host import HostBackend, HostSlab
 from wcache.server.fill import (
     ASSUMED_FILLS,
     MIN_GRANT,
@@ -392,6 +394,39 @@ async def test_the_agent_process_dying_mid_fill_fails_the_fill_and_frees_the_sla
         assert _memfds() <= before
     finally:
         agent.close()
+
+
+async def test_a_slab_the_agent_process_may_still_map_is_kept_not_freed(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fill's agent stops answering mid-fill and SIGKILL does not end it (a process stuck in the kernel: here
+    stopped, its kill made a no-op, the wait for it cut short): it may still map the slab, so the failed fill
+    keeps the slab for the daemon's life (``fill.KEPT``) instead of freeing it. Before, the slab was freed after
+    the 10 s wait: a CUDA IPC slab went back to torch's allocator with the child's mapping live."""
+    m = _load(ckpt)
+    before = _memfds()
+    monkeypatch.setattr(agent_process, "KILL_WAIT_S", 0.2)
+    agent = AgentProcess(f"t-stuck-{os.getpid()}-{time.monotonic_ns()}", timeout=2.0)
+    proc = agent._proc
+    assert proc is not None
+    monkeypatch.setattr(proc, "kill", lambda: None)
+    agent.on_post = lambda n: os.kill(proc.pid, signal.SIGSTOP)
+    kept = len(fill_mod.KEPT)
+    try:
+        async with sources(m) as ports:
+            with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
+                await asyncio.wait_for(_fill(rp, agent, _cfg(ports)), 30)
+        assert err.value.details["reason"] == "nixl" and "did not answer" in err.value.message
+        (slab,) = fill_mod.KEPT[kept:]
+        assert isinstance(slab, HostSlab) and "memfd:wcache-slab" in _link(str(slab.fd))  # kept open, not freed
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        for slab in fill_mod.KEPT[kept:]:
+            slab.close()
+        del fill_mod.KEPT[kept:]
+        agent.close()
+    assert _memfds() <= before
 
 
 def _never_grant(svc: PeerService) -> None:

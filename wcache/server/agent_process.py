@@ -60,6 +60,8 @@ _LEN = struct.Struct(">I")
 #: the largest message either side accepts: a READ batch's copies (64 MiB of 4 KiB runs: ~16k copies, ~0.5 MB)
 MAX_MESSAGE = 64 << 20
 MAX_FDS = 4
+#: how long a killed child is waited for before it counts as stuck in the kernel (``AgentProcess.deregister``)
+KILL_WAIT_S = 10.0
 
 
 # ---------------------------------------------------------------------------------------------------- framing
@@ -197,7 +199,8 @@ class AgentProcess:
 
     def _kill(self) -> None:
         """Close the socket; kill and reap the child. Once this returns the child maps nothing of any slab (a
-        process's mappings go when it exits), unless it is stuck in the kernel past 10 s, which is logged."""
+        process's mappings go when it exits), unless it is stuck in the kernel ``KILL_WAIT_S`` after SIGKILL,
+        which is logged, and which ``deregister`` then raises."""
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -205,9 +208,9 @@ class AgentProcess:
         if proc is not None and proc.returncode is None:
             proc.kill()
             try:
-                proc.wait(10.0)
+                proc.wait(KILL_WAIT_S)
             except subprocess.TimeoutExpired:
-                log.error("the fill's NIXL agent process %d did not exit 10 s after SIGKILL", proc.pid)
+                log.error("the fill's NIXL agent process %d did not exit %.0f s after SIGKILL", proc.pid, KILL_WAIT_S)
 
     # ------------------------------------------------------------------ memory
     def register_slab(self, slab: Slab) -> Registration:
@@ -220,17 +223,26 @@ class AgentProcess:
         return Registration(region, time.perf_counter() - t0, int(got["id"]))
 
     def deregister(self, reg: Registration) -> None:
-        """Drop ``reg`` and the child's mapping of it. Never raises: a child that does not confirm (it died, did not
-        answer, or failed to deregister, a READ still holding the region) is killed, so that once this returns no
-        process writes into the slab, which its owner may free next."""
+        """Drop ``reg`` and the child's mapping of it. A child that does not confirm (it died, did not answer, or
+        failed to deregister, a READ still holding the region) is killed, so that once this returns no process
+        writes into the slab, which its owner may free next. FillError only where the child, killed, has not
+        exited (stuck in the kernel): it may still map the slab, so its owner must keep it — a CUDA IPC slab,
+        freed, goes back to torch's allocator, and a later model's bytes could be written through the child's
+        mapping."""
         self._regs.pop(reg.region, None)
-        if self._sock is None:
-            return
-        try:
-            self._call({"op": "deregister", "id": reg.handle})
-        except (FillError, ValueError) as exc:
-            log.warning("fill agent process pid=%s did not confirm deregistering (%s): killed", self.pid, exc)
-            self._kill()
+        if self._sock is not None:
+            try:
+                self._call({"op": "deregister", "id": reg.handle})
+                return
+            except (FillError, ValueError) as exc:
+                log.warning("fill agent process pid=%s did not confirm deregistering (%s): killed", self.pid, exc)
+                self._kill()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            raise FillError(
+                f"the fill's NIXL agent process {proc.pid} did not exit after SIGKILL: it may still map the slab",
+                details={"reason": "nixl"},
+            )
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, metadata: bytes) -> str:

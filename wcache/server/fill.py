@@ -66,6 +66,11 @@ __all__ = [
 
 log = logging.getLogger("wcache.fleet")
 
+#: slabs of failed fills that a NIXL agent may still map (it could not deregister them): held, never freed, for the
+#: daemon's life — freed, a CUDA IPC slab would go back to torch's allocator, and a later model's memory could be
+#: written through that mapping
+KEPT: list[Slab] = []
+
 #: dim-1 shards go as NIXL's strided lists (benchmarks/fleet_fill_bench.py, "strided"; docs/fleet.md)
 STRIDED = True
 
@@ -435,9 +440,16 @@ async def fill(
             # nothing writes into the slab after this (a child agent that cannot say so is killed)
             try:
                 agent.deregister(reg)
-            except Exception as exc:  # an in-process agent: its UCX may still hold the slab, which is then kept
-                log.warning("fill key=%s: NIXL could not deregister the slab (%s); not freeing it", key.short(), exc)
+            except Exception as exc:  # UCX may still hold the slab (an in-process agent, a child stuck in the kernel)
                 freed = False
+                if slab is not None:
+                    KEPT.append(slab)
+                log.error(
+                    "fill key=%s: NIXL could not deregister the slab (%s); keeping it (%d bytes) for the daemon's life",
+                    key.short(),
+                    exc,
+                    slab.size if slab is not None else 0,
+                )
         try:
             if slab is not None and freed:
                 slab.close()  # never a half-filled slab served
