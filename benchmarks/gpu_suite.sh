@@ -212,7 +212,7 @@ if want fleet; then
     step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 4 --chunk 64M \
       --reps 1 --fill $W/llama3-8b --targets 1 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-cuda.json"
     step fleet_host "${FLEET_HOST_TIMEOUT:-180}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 4 --chunk 64M \
-      --reps 1 --fill $W/llama3-8b --targets 1,2 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-host.json"
+      --reps "${FLEET_HOST_REPS:-1}" --fill $W/llama3-8b --targets 1,2 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-host.json"
     if [ "${FLEET_TCP:-0}" = 1 ]; then
       step fleet_gpu_tcp "${FLEET_TCP_TIMEOUT:-60}" env UCX_TLS=tcp,cuda_copy python3 benchmarks/fleet_fill_bench.py \
         --device cuda:0 --gib 2 --chunk 64M --reps 1 --out "$RAW/fleet_fill-cuda-tcp.json"
