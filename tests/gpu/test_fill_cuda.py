@@ -6,7 +6,6 @@ mid-fill ends the fill, not the daemon: it loads from disk and serves."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import time
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.fleet_daemons import agent_processes, assert_slices, origin
+from tests.server.fleet_daemons import agent_processes, assert_slices, daemon_starter, origin, source
 from wcache.server.nixl import MODULES
-from wcache.server.process import DaemonProcess, spawn_daemon
+from wcache.server.process import DaemonProcess
 
 if not any(importlib.util.find_spec(m) for m in MODULES):
     pytest.skip("NIXL (nixl-cu12 or nixl-cu13) is not installed", allow_module_level=True)
@@ -25,30 +24,15 @@ if not any(importlib.util.find_spec(m) for m in MODULES):
 
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    """Start CUDA daemons, each in a socket directory of its own; all stopped at the end."""
-    started: list[DaemonProcess] = []
-
-    def start(model: Path, *args: str, wait: bool = True) -> DaemonProcess:
-        d = tmp_path / f"sock{len(started)}"
-        d.mkdir(mode=0o700)
-        p = spawn_daemon(model, d, "--device", "cuda:0", *args, timeout=180 if wait else None)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.stop()
-
-
-def _source(daemons: Callable[..., DaemonProcess], ckpt: Path, *args: str) -> tuple[DaemonProcess, str]:
-    d = daemons(ckpt, "--peer-listen", "127.0.0.1:0", *args)
-    return d, str(json.loads(d.ready_file.read_text())["peer"])
+    """CUDA daemons, each in a socket directory of its own; all stopped at the end."""
+    with daemon_starter(tmp_path, "--device", "cuda:0", timeout=180.0) as start:
+        yield start
 
 
 def test_a_cuda_daemon_fills_a_resharded_rank_from_a_cuda_peer(
     ckpt: Path, daemons: Callable[..., DaemonProcess]
 ) -> None:
-    src, peer = _source(daemons, ckpt)
+    src, peer = source(daemons, ckpt)
     target = daemons(ckpt, "--tp-rank", "1", "--tp-size", "2", "--fill-from", peer)
     assert origin(target) == f"peer {peer}"
     assert_slices(target, ckpt, ckpt, 1, 2)
@@ -59,7 +43,7 @@ def test_a_cuda_daemon_fills_a_resharded_rank_from_a_cuda_peer(
 def test_the_fill_agent_aborted_mid_fill_leaves_the_cuda_daemon_serving_from_disk(
     ckpt: Path, daemons: Callable[..., DaemonProcess]
 ) -> None:
-    _, peer = _source(daemons, ckpt, "--peer-max-rate", "2000000")  # ~5 s for the tiny rank's 10 MB
+    _, peer = source(daemons, ckpt, "--peer-max-rate", "2000000")  # ~5 s for the tiny rank's 10 MB
     target = daemons(ckpt, "--fill-from", peer, "--fill-timeout", "120", wait=False)
     deadline = time.monotonic() + 120
     while not (children := agent_processes(target.pid)):

@@ -4,7 +4,10 @@ tests/gpu/test_fill_cuda.py): the bytes an engine fetches from a filled rank, an
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -13,7 +16,35 @@ from safetensors.torch import load_file
 from wcache import WCacheClient, WeightCacheKey
 from wcache.plan.key import RankSpec
 from wcache.plan.rank import plan_rank
-from wcache.server.process import DaemonProcess
+from wcache.server.process import DaemonProcess, spawn_daemon
+
+#: starts a daemon on a model with more arguments (``wait=False``: not waited for ready)
+Starter = Callable[..., DaemonProcess]
+
+
+@contextmanager
+def daemon_starter(tmp_path: Path, *common: str, timeout: float = 120.0) -> Iterator[Starter]:
+    """Start daemons (``common`` arguments first), each in a socket directory of its own; all stopped at the end."""
+    started: list[DaemonProcess] = []
+
+    def start(model: Path, *args: str, wait: bool = True) -> DaemonProcess:
+        d = tmp_path / f"sock{len(started)}"
+        d.mkdir(mode=0o700)
+        p = spawn_daemon(model, d, *common, *args, timeout=timeout if wait else None)
+        started.append(p)
+        return p
+
+    try:
+        yield start
+    finally:
+        for p in started:
+            p.stop()
+
+
+def source(daemons: Starter, ckpt: Path, *args: str) -> tuple[DaemonProcess, str]:
+    """A source daemon on ``ckpt`` serving peers on loopback, and its peer address."""
+    d = daemons(ckpt, "--peer-listen", "127.0.0.1:0", *args)
+    return d, str(json.loads(d.ready_file.read_text())["peer"])
 
 
 def full_checkpoint(ckpt: Path) -> dict[str, torch.Tensor]:

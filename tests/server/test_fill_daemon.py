@@ -8,7 +8,6 @@ show where the bytes came from."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -23,12 +22,12 @@ import torch
 
 from tests.conftest import run_cli
 from tests.server.deposit_engine import recipe_key, tensors
-from tests.server.fleet_daemons import agent_processes, assert_slices, origin
+from tests.server.fleet_daemons import agent_processes, assert_slices, daemon_starter, origin, source
 from wcache import WCacheClient, WeightCacheKey
 from wcache.plan.key import RACY_NS, RankSpec
 from wcache.plan.recipe import key_from_wire
 from wcache.server.peer_channel import GRANT_SECONDS
-from wcache.server.process import DaemonProcess, spawn_daemon
+from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
@@ -55,24 +54,8 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    """Start daemons, each in a socket directory of its own; all stopped at the end."""
-    started: list[DaemonProcess] = []
-
-    def start(model: Path, *args: str, wait: bool = True) -> DaemonProcess:
-        d = tmp_path / f"sock{len(started)}"
-        d.mkdir(mode=0o700)
-        p = spawn_daemon(model, d, *args, timeout=120 if wait else None)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.stop()
-
-
-def _source(daemons: Callable[..., DaemonProcess], ckpt: Path, *args: str) -> tuple[DaemonProcess, str]:
-    d = daemons(ckpt, "--peer-listen", "127.0.0.1:0", *args)
-    return d, str(json.loads(d.ready_file.read_text())["peer"])
+    with daemon_starter(tmp_path) as start:
+        yield start
 
 
 def _slabs_of(pid: int) -> int:
@@ -107,7 +90,7 @@ def _slabs_with_bytes(pid: int) -> int:
 
 def test_tp1_daemon_fills_a_tp2_rank_and_operators_see_it(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
     sport, tport = _free_port(), _free_port()
-    src, peer = _source(daemons, ckpt, "--metrics-port", str(sport))
+    src, peer = source(daemons, ckpt, "--metrics-port", str(sport))
     target = daemons(ckpt, "--tp-rank", "1", "--tp-size", "2", "--fill-from", peer, "--metrics-port", str(tport))
     assert origin(target) == f"peer {peer}"
     assert_slices(target, ckpt, ckpt, 1, 2)
@@ -120,7 +103,7 @@ def test_tp1_daemon_fills_a_tp2_rank_and_operators_see_it(ckpt: Path, daemons: C
 
 
 def test_two_tp2_daemons_fill_a_tp1_daemon(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
-    peers = [_source(daemons, ckpt, "--tp-rank", str(r), "--tp-size", "2")[1] for r in range(2)]
+    peers = [source(daemons, ckpt, "--tp-rank", str(r), "--tp-size", "2")[1] for r in range(2)]
     target = daemons(ckpt, "--fill-from", ",".join(peers))
     assert origin(target) == f"peer {min(peers)} +1"  # each source served its own half
     assert_slices(target, ckpt, ckpt)
@@ -129,7 +112,7 @@ def test_two_tp2_daemons_fill_a_tp1_daemon(ckpt: Path, daemons: Callable[..., Da
 def test_a_node_without_the_checkpoint_serves_an_engine(
     ckpt: Path, daemons: Callable[..., DaemonProcess], tmp_path: Path
 ) -> None:
-    _, peer = _source(daemons, ckpt)
+    _, peer = source(daemons, ckpt)
     empty = tmp_path / "model"
     target = daemons(empty, "--fill-from", peer)
     assert WeightCacheKey.from_checkpoint(empty) == WeightCacheKey.from_checkpoint(ckpt)
@@ -143,7 +126,7 @@ def test_an_engine_proves_the_files_of_a_filled_rank(
     §4.3.1): an engine whose files are unchanged gets the key from their identity, reading no header."""
     settled = shutil.copytree(ckpt, tmp_path / "settled")
     time.sleep(RACY_NS / 1e9 + 0.1)  # no file changed within RACY_NS of the target's read
-    _, peer = _source(daemons, ckpt)
+    _, peer = source(daemons, ckpt)
     target = daemons(settled, "--fill-from", peer)
     assert origin(target) == f"peer {peer}"
     key = WeightCacheKey.from_checkpoint(settled)
@@ -160,7 +143,7 @@ def test_a_source_sigkilled_mid_fill_leaves_the_target_on_the_disk_path(
     # bytes/s: the source grants the fill 64 KiB every ~30 ms, so the 10 MB take ~5 s and the kill lands in
     # them, once the first of them landed in the slab it fills
     rate = 2_000_000
-    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    src, peer = source(daemons, ckpt, "--peer-max-rate", str(rate))
     target = daemons(ckpt, "--fill-from", peer, "--fill-timeout", "60", wait=False)
     deadline = time.monotonic() + 60
     while _slabs_with_bytes(target.pid) == 0:  # the fill's READs are landing
@@ -183,7 +166,7 @@ def test_the_fill_agent_aborted_mid_fill_leaves_the_target_daemon_serving_from_d
     half-filled slab; the source serves on. Before, the agent ran in the daemon, and the abort ended the daemon
     with every model it served."""
     rate = 2_000_000  # 10 MB in ~5 s: the abort lands in them
-    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    src, peer = source(daemons, ckpt, "--peer-max-rate", str(rate))
     target = daemons(ckpt, "--fill-from", peer, "--fill-timeout", "60", wait=False)
     deadline = time.monotonic() + 60
     while _slabs_with_bytes(target.pid) == 0:
@@ -212,7 +195,7 @@ def test_a_preload_and_a_recipe_key_are_filled_from_a_peer_daemon(
     fills a PRELOAD of rank 1 of 2 from the peer's TP=1 slab, and a GET_STATE of a recipe key it never held
     from the peer's deposit; STATUS, `wcache status` and its metrics say so. On main's code the PRELOAD loaded
     from disk and the recipe key was NOT_FOUND."""
-    src, peer = _source(daemons, ckpt)
+    src, peer = source(daemons, ckpt)
     recipe = recipe_key(WeightCacheKey.from_checkpoint(ckpt))
     deposited = tensors()
     asyncio.run(WCacheClient(src.socket).deposit(recipe, deposited, timeout=60))
@@ -251,7 +234,7 @@ def test_a_peer_sigkilled_mid_preload_fill_leaves_the_target_on_the_disk_path(
     """The source dies while a PRELOAD fills from it (its cap keeps the fill going for seconds): the PRELOAD
     loads from disk instead, serves the safetensors slices, and the half-filled slab is freed."""
     rate = 2_000_000  # bytes/s: 10 MB take five seconds, in grants of 64 KiB
-    src, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    src, peer = source(daemons, ckpt, "--peer-max-rate", str(rate))
     other = make_llama_checkpoint(tmp_path / "other", TINY, shards=2, seed=7)
     tport = _free_port()
     target = daemons(other, "--fill-from", peer, "--metrics-port", str(tport))
@@ -289,7 +272,7 @@ def test_a_wrong_secret_is_refused_and_the_target_loads_from_disk(
         p.write_bytes(value)
         p.chmod(0o600)
         secrets.append(str(p))
-    _, peer = _source(daemons, ckpt, "--peer-secret-file", secrets[0])
+    _, peer = source(daemons, ckpt, "--peer-secret-file", secrets[0])
     tport = _free_port()
     target = daemons(ckpt, "--fill-from", peer, "--peer-secret-file", secrets[1], "--metrics-port", str(tport))
     assert origin(target) == "disk"
@@ -300,7 +283,7 @@ def test_a_wrong_secret_is_refused_and_the_target_loads_from_disk(
 
 def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:
     rate = 4_000_000
-    _, peer = _source(daemons, ckpt, "--peer-max-rate", str(rate))
+    _, peer = source(daemons, ckpt, "--peer-max-rate", str(rate))
     target = daemons(ckpt, "--fill-from", peer)
     (m,) = asyncio.run(WCacheClient(target.socket).status()).models
     assert m.origin == f"peer {peer}"
