@@ -106,3 +106,20 @@ def test_a_checkpoint_name_of_255_bytes_is_written(tmp_path: Path) -> None:
     name = "n" * 250 + ".txt"
     assert write_files(tmp_path / "node", [PeerFile(name=name, size=3, data=b"abc")]) == [name]
     assert (tmp_path / "node" / name).read_bytes() == b"abc"
+
+
+def test_a_peer_file_named_as_the_marker_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    """A peer's file named ``wcache-peer-fill.json`` was written over the marker that ``write_files`` had written
+    first: the stubs were no longer named, and a daemon there loaded their zeros as weights. The frame refuses the
+    name (a PEER_FILES_REPLY holding it does not decode), and ``write_files`` refuses it before writing anything."""
+    from wcache.errors import RemoteProtocolError
+    from wcache.proto.fleet_frames import PeerFilesReply
+
+    hostile = PeerFile(name=MARKER, size=13, data=b'{"stubs": {}}')
+    reply = PeerFilesReply(id=1, files=(_stub_of(_real()), hostile))
+    with pytest.raises(RemoteProtocolError, match="stub marker"):
+        PeerFilesReply.from_wire(reply.to_wire())
+    node = tmp_path / "node"
+    with pytest.raises(ValueError, match="stub marker"):
+        write_files(node, [_stub_of(_real()), hostile])
+    assert not node.exists() or not any(node.iterdir())

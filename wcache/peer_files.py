@@ -23,11 +23,11 @@ from pathlib import Path
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
 from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
-from wcache.proto.fleet_frames import MAX_FILE_BYTES, PeerBlock, PeerFile
+from wcache.proto.fleet_frames import MAX_FILE_BYTES, STUB_MARKER, PeerBlock, PeerFile
 
 __all__ = ["MARKER", "checkpoint_files", "probes", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
 
-MARKER = "wcache-peer-fill.json"
+MARKER = STUB_MARKER
 
 
 def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFile]:
@@ -99,7 +99,11 @@ def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
     record the stubs in the marker — first, before any stub exists, so that a write cut short (a crash, a full
     disk, a name too long) leaves no stub the marker does not name. Returns the names written. Each file is
     written to a temporary name and renamed, so an interrupted write leaves no half file under a checkpoint name.
-    OSError when a file cannot be written (its temporary file removed)."""
+    OSError when a file cannot be written (its temporary file removed); ValueError, before anything is written, for
+    a file named as the marker (a PeerFile refuses that name; this is the last line of that rule: written over the
+    marker, it would unname the stubs, and their zeros would be loaded as weights)."""
+    if any(f.name == MARKER for f in files):
+        raise ValueError(f"a peer's file is named {MARKER!r}, the stub marker's name")
     root.mkdir(parents=True, exist_ok=True)
     todo = [f for f in files if not ((root / f.name).exists() or (root / f.name).is_symlink())]
     marker = _read_marker(root)

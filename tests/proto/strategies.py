@@ -58,6 +58,7 @@ from wcache.proto import (
     Unkeep,
     tensor_extent,
 )
+from wcache.proto.fleet_frames import STUB_MARKER
 
 text = st.text(max_size=40)
 backends = st.sampled_from(BACKENDS)
@@ -296,7 +297,9 @@ def peer_offers(draw: st.DrawFn) -> PeerOffer:
 def peer_files(draw: st.DrawFn) -> PeerFilesReply:
     names = draw(
         st.lists(
-            st.text(min_size=1, max_size=20).filter(lambda n: "/" not in n and "\0" not in n and n[0] != "."),
+            st.text(min_size=1, max_size=20).filter(
+                lambda n: "/" not in n and "\0" not in n and n[0] != "." and n != STUB_MARKER
+            ),
             max_size=3,
             unique=True,
         )

@@ -1027,6 +1027,32 @@ async def test_a_node_without_the_checkpoint_gets_files_keys_and_weights(
             load_from_disk(empty)  # nor does an engine's own disk fallback
 
 
+async def test_a_source_sending_a_file_named_as_the_stub_marker_writes_nothing(ckpt: Path, tmp_path: Path) -> None:
+    """A source whose PEER_FILES_REPLY holds a file named as the stub marker (wcache-peer-fill.json, sorted after
+    the safetensors files): before, it was written over the marker the target had just written, the stubs were
+    no longer named, and a daemon there loaded their zeros as weights. Now the reply does not decode: the fetch
+    fails naming the source, and nothing is written."""
+    from wcache.peer_files import checkpoint_files
+    from wcache.proto.fleet_frames import PeerFile
+    from wcache.server.fill import fetch_files
+
+    m = _load(ckpt)
+
+    def hostile(root: Path) -> list[PeerFile]:
+        return [*checkpoint_files(root), PeerFile(name=MARKER, size=13, data=b'{"stubs": {}}')]
+
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", files=hostile)
+    empty = tmp_path / "model"
+    try:
+        async with _listening(svc) as port:
+            with pytest.raises(FillError, match="stub marker"):
+                await fetch_files(empty, _cfg([port]), m.key.to_wire())
+    finally:
+        svc.close()
+        svc.store.close()
+    assert not empty.exists() or not any(empty.iterdir())
+
+
 def test_fill_from_specs() -> None:
     assert resolve_peers("10.0.0.1:7070, 10.0.0.2:7071") == [("10.0.0.1", 7070), ("10.0.0.2", 7071)]
     assert resolve_peers("dns:localhost:7070")[0] in (("127.0.0.1", 7070), ("::1", 7070))

@@ -53,6 +53,7 @@ __all__ = [
     "PeerQuery",
     "PeerRead",
     "PeerReadOk",
+    "STUB_MARKER",
 ]
 
 #: bytes of each side's random nonce and of an HMAC-SHA256 proof (docs/protocol.md §10.2)
@@ -214,6 +215,10 @@ class PeerBlock(Message):
     data: bytes = wire(Bin(4096))
 
 
+#: the stub marker a target writes beside the files it received (wcache/peer_files.py): never a peer's file
+STUB_MARKER = "wcache-peer-fill.json"
+
+
 @message()
 class PeerFile(Message):
     """One file of the checkpoint directory: ``data`` is its first bytes (all of a small file; a safetensors
@@ -228,6 +233,8 @@ class PeerFile(Message):
         n = self.name
         if "/" in n or "\0" in n or n in ("", ".", "..") or n.startswith("."):
             raise fail("PeerFile", "name", f"{n[:64]!r} is not a plain file name")
+        if n == STUB_MARKER:  # written over the target's own, it would unname the stubs: their zeros loaded
+            raise fail("PeerFile", "name", f"{n!r} is the stub marker's name, which the target writes itself")
         if len(self.data) > self.size:
             raise fail("PeerFile", "data", "more bytes than the file's size")
         end = len(self.data)

@@ -581,7 +581,7 @@ async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) ->
             continue
         try:
             written = await asyncio.to_thread(write_files, root, reply.files)
-        except OSError as exc:  # a name too long for this filesystem, a size past its limit, a full disk
+        except (OSError, ValueError) as exc:  # a name too long here, a size past its limit, a full disk; the marker
             last = FillError(
                 f"writing the files peer {src.addr} sent into {root} failed: {exc}", details={"reason": "write"}
             )
