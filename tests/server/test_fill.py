@@ -1053,6 +1053,25 @@ async def test_a_source_sending_a_file_named_as_the_stub_marker_writes_nothing(c
     assert not empty.exists() or not any(empty.iterdir())
 
 
+async def test_a_peer_that_accepts_and_never_answers_is_named_as_not_answering(ckpt: Path, agent: AgentProcess) -> None:
+    """A peer that accepts the TCP connection and never speaks (a hung daemon, a port another program holds): the
+    fill fails with reason ``no-peer`` and a message naming the peer, the time it had and where it stopped. Before,
+    the reason was ``deadline`` (a READ too slow, to an operator) and the message ``no peer answered: ``, empty."""
+    import socket
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)  # the kernel accepts; nobody ever speaks
+    port = lsock.getsockname()[1]
+    try:
+        with plan_rank(RankSpec(ckpt)) as rp, pytest.raises(FillError) as err:
+            await _fill(rp, agent, _cfg([port], connect_timeout=0.5))
+    finally:
+        lsock.close()
+    assert err.value.details["reason"] == "no-peer", err.value.details
+    assert f"peer 127.0.0.1:{port} did not answer within 0.5 s (HELLO)" in err.value.message, err.value.message
+
+
 def test_fill_from_specs() -> None:
     assert resolve_peers("10.0.0.1:7070, 10.0.0.2:7071") == [("10.0.0.1", 7070), ("10.0.0.2", 7071)]
     assert resolve_peers("dns:localhost:7070")[0] in (("127.0.0.1", 7070), ("::1", 7070))

@@ -194,48 +194,60 @@ async def connect_peer(
     host: str, port: int, security: PeerSecurity, *, timeout: float, software: str, name: str = ""
 ) -> tuple[StreamChannel, HelloOk]:
     """The target's connection to a source: TCP, TLS, HELLO, and the shared-secret proofs (§10.2), all within
-    ``timeout``. CacheUnavailableError when nothing answers; PermissionDeniedError when the authentication
+    ``timeout``. CacheUnavailableError when nothing answers, or the peer stops answering within ``timeout``
+    (``details``: ``peer``, ``phase``: where it stopped); PermissionDeniedError when the authentication
     fails: TLS refused either way (``details.reason`` ``"tls"``, the message naming why: the alert the source
     sent, or what was wrong with its certificate), a peer that speaks no TLS or refuses ours for speaking none,
     or a proof that failed (the source's, checked here, or ours, refused there)."""
     security.check_peer(host)
     loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout):
-        try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise CacheUnavailableError(f"peer {host}:{port}: {exc}") from exc
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, addr)
-        except OSError as exc:
-            sock.close()
-            raise CacheUnavailableError(f"no wcache peer at {host}:{port}: {exc.strerror or exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        auth = security.mode == "secret"
-        conn = Connection(Role.CLIENT, service=Service.PEER, auth=auth)
-        ch = StreamChannel(sock, conn, context=security.client_context(), server_side=False)
-        try:
-            await ch.handshake()
-            await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
-            hello, _ = await expect(ch)
-            assert isinstance(hello, HelloOk)
-            if auth:
-                client = SecretClient(security.secret, ch.peer_certificate())
-                await ch.send(client.start(conn.next_request_id()))
-                ch_frame, _ = await expect(ch)
-                assert isinstance(ch_frame, PeerChallenge)
-                await ch.send(client.challenged(ch_frame, conn.next_request_id()))
-                ok, _ = await expect(ch)
-                assert isinstance(ok, PeerAuthOk)
-        except ssl.SSLError as exc:  # in TLS 1.3 the source's refusal of our certificate comes after the handshake
-            ch.close()
-            raise tls_refused(f"{host}:{port}", exc) from exc
-        except BaseException:
-            ch.close()
-            raise
+    phase = "connecting"
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise CacheUnavailableError(f"peer {host}:{port}: {exc}") from exc
+            family, kind, proto, _, addr = infos[0]
+            sock = socket.socket(family, kind | socket.SOCK_CLOEXEC, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, addr)
+            except OSError as exc:
+                sock.close()
+                raise CacheUnavailableError(f"no wcache peer at {host}:{port}: {exc.strerror or exc}") from exc
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            auth = security.mode == "secret"
+            conn = Connection(Role.CLIENT, service=Service.PEER, auth=auth)
+            context = security.client_context()
+            ch = StreamChannel(sock, conn, context=context, server_side=False)
+            try:
+                phase = "the TLS handshake" if context is not None else "HELLO"
+                await ch.handshake()
+                phase = "HELLO"
+                await ch.send(Hello(versions=(PROTOCOL_VERSION,), software=software, name=name))
+                hello, _ = await expect(ch)
+                assert isinstance(hello, HelloOk)
+                if auth:
+                    phase = "the shared-secret proofs"
+                    client = SecretClient(security.secret, ch.peer_certificate())
+                    await ch.send(client.start(conn.next_request_id()))
+                    ch_frame, _ = await expect(ch)
+                    assert isinstance(ch_frame, PeerChallenge)
+                    await ch.send(client.challenged(ch_frame, conn.next_request_id()))
+                    ok, _ = await expect(ch)
+                    assert isinstance(ok, PeerAuthOk)
+            except ssl.SSLError as exc:  # in TLS 1.3 the source's refusal of our certificate comes after the handshake
+                ch.close()
+                raise tls_refused(f"{host}:{port}", exc) from exc
+            except BaseException:
+                ch.close()
+                raise
+    except TimeoutError:  # asyncio.timeout's, bare: the peer named, and where it stopped answering
+        raise CacheUnavailableError(
+            f"peer {host}:{port} did not answer within {timeout:g} s ({phase})",
+            details={"peer": f"{host}:{port}", "phase": phase},
+        ) from None
     return ch, hello
 
 
