@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.client.fake_daemon import HELLO_OK, FakeDaemon, Peer, memfd, memfd_slab, state
+from tests.client.fake_daemon import HELLO_OK, PROVEN, FakeDaemon, Peer, memfd, memfd_slab, state
 from wcache import CacheUnavailableError, WCacheClient, WeightCacheKey
 from wcache.errors import RemoteProtocolError
 from wcache.proto.table import TensorEntry
@@ -72,6 +72,39 @@ def test_a_state_for_another_key_than_the_one_asked_for_is_refused(
     with FakeDaemon(sock, scenario), pytest.raises(RemoteProtocolError, match="the daemon served key"):
         _fetch(WCacheClient(sock, wait_for_daemon=0, timeout=10), KEY, blocking)
     assert _open_memfds() == before  # the STATE's descriptor closed (the fake daemon's own closed before it returns)
+
+
+#: keys other than the one proven: fields the daemon does not supply for a proof (FROM_FILES it does)
+OTHER_THAN_PROVEN = {k: v for k, v in OTHER_MODELS.items() if not set(v) & set(PROVEN)}
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("served", list(OTHER_THAN_PROVEN.values()), ids=list(OTHER_THAN_PROVEN))
+def test_a_state_for_another_key_than_the_one_proven_is_refused(
+    served: dict[str, Any], blocking: bool, ckpt: Path, tmp_path: Path
+) -> None:
+    """A proven key (its files only stated): the STATE supplies the fields read from the files, and every other
+    field must be the key's. A STATE whose key carries a field the proven key has not (a recipe's ``engine``: a
+    deposit's weights) was accepted as the checkpoint's: ``adopt`` looked only at the fields it knew. It is
+    RemoteProtocolError, as for a full key, the slab's descriptor closed."""
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        assert "proof" in request
+        fd = memfd(16)
+        try:
+            peer.send(state(request, [memfd_slab(0, 16)], ONE, key={**PROVEN, **request["key"], **served}), [fd])
+        finally:
+            os.close(fd)
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    key = WeightCacheKey.from_checkpoint(ckpt)
+    assert key.proof() is not None
+    before = _open_memfds()
+    with FakeDaemon(sock, scenario), pytest.raises(RemoteProtocolError, match="the daemon served key"):
+        _fetch(WCacheClient(sock, wait_for_daemon=0, timeout=10), key, blocking)
+    assert _open_memfds() == before
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])

@@ -456,6 +456,15 @@ class _DeferredKey(WeightCacheKey):
                     f"({', '.join(f'{n}={getattr(self, n)!r}' for n in _FIELDS if n not in FROM_FILES)})",
                     details={"served": served, "field": name},
                 )
+        extra = sorted(n for n in served if n not in _DEFAULTS)
+        if extra:  # a recipe's or a newer key's field: another key than this checkpoint's, as diff_wire says
+            from wcache.errors import RemoteProtocolError
+
+            raise RemoteProtocolError(
+                f"the daemon served key {served} for a proof of {self._spec.checkpoint}: it names {', '.join(extra)}, "
+                "which this key does not have",
+                details={"served": served, "field": extra[0]},
+            )
         for name in FROM_FILES:
             object.__setattr__(self, name, served[name])
 
