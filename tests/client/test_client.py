@@ -38,7 +38,7 @@ def _open_memfds() -> int:
     return n
 
 
-OTHER_MODELS = {
+OTHER_MODELS: dict[str, dict[str, Any]] = {
     "another fingerprint": {"fingerprint": "f" * 32},
     "another dtype": {"dtype": "bfloat16"},
     "another rank": {"tp_rank": 1, "tp_size": 2},
