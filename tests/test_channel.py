@@ -55,6 +55,19 @@ def test_a_frame_with_the_most_descriptors_a_frame_may_carry_arrives_whole() -> 
             close_fds(got)
 
 
+def test_received_descriptors_are_not_inherited_by_a_program_this_process_runs() -> None:
+    """Descriptors received with a frame are close-on-exec from the moment they arrive, as every descriptor
+    Python makes is (PEP 446): a program the engine (or a daemon) runs meanwhile — ``os.system``, another thread's
+    fork and exec — does not inherit a slab's memfd and hold its memory for its own life. SCM_RIGHTS
+    descriptors are so only when received with MSG_CMSG_CLOEXEC; before, they were inheritable."""
+    with _state_sent_with(2) as (ch, _):
+        frame, got = ch.receive_blocking(5.0)
+        try:
+            assert len(got) == 2 and not any(os.get_inheritable(fd) for fd in got)
+        finally:
+            close_fds(got)
+
+
 def test_descriptors_past_a_reads_room_are_refused_and_none_leak() -> None:
     """17 descriptors on one frame (one more than a frame may carry): the read finds them truncated, the channel
     raises RemoteProtocolError and closes the 16 that did arrive (none stays open in this process)."""

@@ -353,17 +353,20 @@ class Channel(Generic[C]):
     # ---------------------------------------------------------------- receive
     def _recv_once(self) -> None:
         """One recvmsg into the connection (b'' marks EOF); BlockingIOError when a non-blocking socket has
-        nothing to read. The rest of a big frame goes straight where the connection assembles it
+        nothing to read. Descriptors arrive close-on-exec (MSG_CMSG_CLOEXEC): no program this process runs
+        inherits a slab's. The rest of a big frame goes straight where the connection assembles it
         (``Connection.receive_space``: a client's STATE), other reads through a buffer of their own."""
         space = socket.CMSG_SPACE(MAX_FDS_PER_RECV * 4)
         target = self.conn.receive_space()
         if target is not None:
             with target:
-                n, anc, flags, _ = self.sock.recvmsg_into([target], space)
+                n, anc, flags, _ = self.sock.recvmsg_into([target], space, socket.MSG_CMSG_CLOEXEC)
         else:
             # never more than the frame limit now allows (small before the handshake): what one read
             # brings in is held before the length prefix in it can be checked
-            data, anc, flags, _ = self.sock.recvmsg(min(RECV_SIZE, self.conn.frame_limit + 4), space)
+            data, anc, flags, _ = self.sock.recvmsg(
+                min(RECV_SIZE, self.conn.frame_limit + 4), space, socket.MSG_CMSG_CLOEXEC
+            )
         fds: list[int] = []
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

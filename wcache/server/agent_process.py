@@ -76,7 +76,7 @@ def send_message(sock: socket.socket, obj: Any, fds: Sequence[int] = ()) -> None
 
 def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
     """One message and the descriptors that came with it; EOFError when the other side closed."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS)
+    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
     try:
         if not head:
             raise EOFError("closed")
