@@ -16,6 +16,8 @@ __all__ = ["KEEPER_PROBE_TIMEOUT", "keeper_kept"]
 
 #: a keeper that does not answer within this holds nothing, as far as a caller waiting on it knows
 KEEPER_PROBE_TIMEOUT = 0.5
+#: owner names resolved at most per probe (a keeper holds models for 64 owners at most, docs/protocol.md §4.11)
+MAX_RESOLVED = 64
 
 
 async def keeper_kept(
@@ -39,9 +41,26 @@ async def keeper_kept(
     if not isinstance(frame, StatusReply):
         return 0
     mine = os.path.realpath(owner) if owner is not None else None  # the keeper's owners are real paths
+    resolved: dict[str, bool] = {}
+
+    def same_owner(name: str) -> bool:
+        """Whether the keeper's ``name`` is ``mine``: the same string (a keeper records real paths), or another
+        spelling of it (an older keeper's) — resolved only for a name of the same socket file, at most
+        ``MAX_RESOLVED`` distinct ones, and anything that cannot be resolved (a NUL byte: ValueError) is not
+        mine. What a keeper says costs the caller bounded work: a fetch waits on this within its timeout."""
+        if name == mine:
+            return True
+        if name not in resolved:
+            if mine is None or len(resolved) >= MAX_RESOLVED or os.path.basename(name) != os.path.basename(mine):
+                return False
+            try:
+                resolved[name] = os.path.realpath(name) == mine
+            except (OSError, ValueError):
+                resolved[name] = False
+        return resolved[name]
 
     def counts(m: ModelInfo) -> bool:
-        if m.owner and mine is not None and os.path.realpath(m.owner) != mine:
+        if m.owner and mine is not None and not same_owner(m.owner):
             return False  # kept for another daemon
         return rank is None or m.key.get("tp_rank") == rank
 
