@@ -143,3 +143,14 @@ def test_fp8_dtype_rules_hold_on_the_scanned_path(tmp_path: Path) -> None:
     assert WeightCacheKey.from_checkpoint(model).dtype == "bfloat16"
     with pytest.raises(CheckpointError, match="FP8 checkpoint"):
         WeightCacheKey.from_checkpoint(model, dtype="float16").resolve()
+
+
+@pytest.mark.parametrize(
+    "name", ["a" * 300, "a/" * 3000, "absent", "bad\0name"], ids=["name too long", "path too long", "absent", "NUL"]
+)
+def test_a_directory_the_os_refuses_is_a_checkpoint_error(tmp_path: Path, name: str) -> None:
+    """A key's directory the system refuses to look up (ENAMETOOLONG; a NUL byte) is a CheckpointError, which an
+    engine's fallback catches, as an absent one is; it was a bare OSError (pathlib's ``is_dir`` passes on only
+    some errnos as False)."""
+    with pytest.raises(CheckpointError, match="checkpoint directory"):
+        WeightCacheKey.from_checkpoint(tmp_path / name)

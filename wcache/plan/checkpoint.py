@@ -32,6 +32,7 @@ import struct
 import weakref
 from dataclasses import field
 from pathlib import Path
+from stat import S_ISDIR
 from types import TracebackType
 from typing import Any
 
@@ -189,7 +190,13 @@ class Checkpoint:
         """Open and validate ``path``. ``tensors=False``: only what a key needs (config, raw headers, bytes
         per dtype; the module docstring) — ``tensors`` is left empty and the tensors are not validated."""
         root = Path(path)
-        if not root.is_dir():
+        try:
+            is_dir = S_ISDIR(os.stat(root).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            is_dir = False
+        except (OSError, ValueError) as exc:  # a name too long, a directory not searchable, a NUL byte
+            raise CheckpointError(f"checkpoint directory {root} cannot be read: {exc}") from exc
+        if not is_dir:
             raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
         cfg_path = root / CONFIG_NAME
         cfg = read_metadata(cfg_path, MAX_CONFIG_BYTES, what="config.json")

@@ -365,7 +365,7 @@ def stated_files(path: str | os.PathLike[str]) -> tuple[FileId, ...] | None:
         from wcache.errors import CheckpointError
 
         raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory") from exc
-    except OSError:
+    except (OSError, ValueError):  # not searchable, a name too long, a NUL byte: the scan says which
         return None
     if not names or len(names) > MAX_PROOF_FILES or sum(len(n) + 100 for n in names) > PROOF_BUDGET:
         return None
