@@ -1072,6 +1072,32 @@ async def test_a_peer_that_accepts_and_never_answers_is_named_as_not_answering(c
     assert f"peer 127.0.0.1:{port} did not answer within 0.5 s (HELLO)" in err.value.message, err.value.message
 
 
+async def test_the_sources_are_released_before_the_verification(
+    ckpt: Path, agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every READ landed, the source's bytes are no longer needed: its lease (here its only
+    ``--peer-max-fills`` slot) goes back before the target verifies — with ``--verify-content`` a read of the whole
+    rank from the target's disk, minutes on a large model, during which other targets were refused."""
+    svc = PeerService(Store(HostBackend(), [_load(ckpt)]), NONE, software="wcache/test", max_fills=1)
+    seen: list[int] = []
+    real = fill_mod._verify
+
+    def verify(*args: Any, **kwargs: Any) -> None:
+        seen.append(len(svc.fills))  # the source's fills while the target verifies
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(fill_mod, "_verify", verify)
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                got = await _fill(rp, agent, _cfg([port], verify_content=True))
+            got.close()
+    finally:
+        svc.close()
+        svc.store.close()
+    assert seen == [0]
+
+
 def test_fill_from_specs() -> None:
     assert resolve_peers("10.0.0.1:7070, 10.0.0.2:7071") == [("10.0.0.1", 7070), ("10.0.0.2", 7071)]
     assert resolve_peers("dns:localhost:7070")[0] in (("127.0.0.1", 7070), ("::1", 7070))

@@ -392,6 +392,10 @@ async def fill(
         done = await _all_or_none(jobs)
         agent.deregister(reg)
         reg = None
+        # every READ landed: the sources' leases (a --peer-max-fills slot each, and what keeps a slab the source
+        # evicted in its memory) go back now, not after the verification, which reads this node's checkpoint
+        # (the whole rank with --verify-content: minutes on a large one)
+        await _let_go(sources)
         first = usable[0][1]
         if layout is not None and ckpt is not None:
             _verify(slab, layout, ckpt, cfg)
@@ -454,13 +458,7 @@ async def fill(
             if slab is not None and freed:
                 slab.close()  # never a half-filled slab served
         finally:
-            try:
-                for s in sources:
-                    if s.grants is not None:
-                        await s.grants.close()
-                        s.grants = None
-            finally:  # a cancellation meanwhile must not leave the sources' connections open
-                await _release(sources)
+            await _let_go(sources)
 
 
 @dataclass(frozen=True)
@@ -758,9 +756,22 @@ def _split(c: Copy, limit: int) -> Iterator[Copy]:
             yield Copy(c.source, src + off, dst + off, min(limit, c.length - off))
 
 
+async def _let_go(sources: list[_Source]) -> None:
+    """Stop the sources' grants, RELEASE their leases and close their connections. Idempotent."""
+    try:
+        for s in sources:
+            if s.grants is not None:
+                await s.grants.close()
+                s.grants = None
+    finally:  # a cancellation meanwhile must not leave the sources' connections open
+        await _release(sources)
+
+
 async def _release(sources: list[_Source]) -> None:
     """RELEASE every lease still held (best effort: a dead peer's end with its connection), then close."""
     for s in sources:
+        if s.ch.closed:
+            continue
         try:
             for lease in sorted(s.leases):
                 if lease in s.ch.conn.leases:
