@@ -31,6 +31,7 @@ from wcache.proto.fields import (
     message,
     wire,
 )
+from wcache.proto.limits import MAX_DEPOSIT_TENSORS
 from wcache.proto.table import TensorTable
 
 __all__ = [
@@ -157,7 +158,8 @@ class PeerModel(Message):
     address: int = wire(Int(hi=2**64 - 1))  # where the slab starts in the source's NIXL registration
     tensors: TensorTable = wire(_SlabTable())
     aliases: dict[str, str] = wire(Aliases("tensors"), default_factory=dict)
-    buffers: tuple[str, ...] = wire(Array(Str()), default=())
+    #: as STATE's (a filled model's are served in its STATE: more would make every engine's decoder refuse it)
+    buffers: tuple[str, ...] = wire(Array(Str(), max_items=MAX_DEPOSIT_TENSORS), default=())
     payload: int = wire(Int(), default=0)
     device: int = wire(Int(hi=1 << 16), default=0)  # CUDA ordinal on the source (0 for host memory)
     register_seconds: float = wire(Float(), default=0.0)  # what registering it with NIXL cost the source
