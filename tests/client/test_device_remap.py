@@ -46,6 +46,9 @@ def test_the_daemons_gpu_is_found_at_its_local_index(permuted: None) -> None:
     assert cuda.local_uuid(torch.device("cuda", 1), A) == A
     with pytest.raises(DeviceMismatchError, match="not visible"):
         cuda.local_uuid(None, C)
+    # an engine asked for a GPU this process does not see: refused by name, not an IndexError past its fallback
+    with pytest.raises(DeviceMismatchError, match="cuda:5"):
+        cuda.local_uuid(torch.device("cuda", 5), A)
 
 
 def test_an_engine_on_another_local_gpu_is_refused(permuted: None) -> None:

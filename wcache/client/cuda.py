@@ -63,7 +63,16 @@ def local_uuid(device: torch.device | None, daemon_uuid: str) -> str:
     """The UUID this client sends in GET_STATE: its chosen device's, or the daemon's GPU if visible."""
     visible = visible_uuids()
     if device is not None and device.type == "cuda":
-        return visible[device.index if device.index is not None else torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not 0 <= index < len(visible):
+            from wcache.errors import DeviceMismatchError
+
+            raise DeviceMismatchError(
+                f"this process was asked to map onto {device}, but it sees {len(visible)} GPU(s) (visible: "
+                f"{visible}); check the device and CUDA_VISIBLE_DEVICES",
+                details={"device": str(device), "visible": visible},
+            )
+        return visible[index]
     if daemon_uuid not in visible:
         from wcache.errors import DeviceMismatchError
 
