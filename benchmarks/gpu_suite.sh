@@ -15,7 +15,7 @@
 # (the disk's read patterns, ~3 min), driver_order (start-up order vs copy speed, ~1 min), and fleet (the
 # fleet fill over NIXL, docs/fleet.md "What is measured": ~7 min with the checkpoint's generation, so a call
 # of its own; needs NIXL for CUDA 13, its wheel carried in .whl/):
-#   PARTS=fleet bash benchmarks/gpu_suite.sh              # one device call, ~7 min (untimed on the H200 so far)
+#   PARTS=fleet bash benchmarks/gpu_suite.sh              # one device call: 319 s on the H200 (2026-12-02, FLEET_TCP=1)
 #
 # Every step runs under its own limit (NAME_TIMEOUT, defaults below: each fits its default work with margin)
 # and under the suite's deadline, SUITE_SECONDS (default 570) from the start: a step gets at most what is left,
