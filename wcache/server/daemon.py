@@ -432,14 +432,17 @@ class Daemon:
         keeper (before DEPOSITED: no older generation of the key survives in either, a crash included; the
         keeper's record, ``KeeperLink.commit``, covers a keeper that does not answer)."""
         reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
+        # the generation on disk before the first await, i.e. before any engine can lease it: a crash after one
+        # was served never brings back an older generation a keeper holds (the next daemon's reclaim drops it)
+        record = self.keeper.record if self.keeper is not None else self._commits
+        if record is not None:
+            record.committed(model.key, model.generation)
         if self.tier is not None:
             await asyncio.to_thread(self.tier.supersede, model.key, model.generation)
         self.store.settled(model.key)  # not reached when the supersede fails: the generation is then kept
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             await self.keeper.commit(model, old)
-        elif self._commits is not None:  # the next daemon with a keeper drops an older generation it holds
-            self._commits.committed(model.key, model.generation)
         log.info(
             "deposited %s pid=%d deposit=%d key=%s tensors=%d bytes=%d seconds=%.3f replaced=%s resident=%d",
             self._tag,
@@ -615,6 +618,16 @@ class Daemon:
             if self.keeper is not None:
                 await self.keeper.unkeep(m)
 
+    def _recorded_generation(self, key: WeightCacheKey) -> str | None:
+        """The generation last committed under ``key`` on this socket that the socket's record still names
+        (``<socket>.deposits``: written at COMMIT before any engine could lease it, across crashes), else None.
+        A daemon that crashed between serving a deposit and the host tier's tombstone of the older one restores
+        only that generation from the tier, never the older entry still there."""
+        record = self.keeper.record if self.keeper is not None else self._commits
+        if record is None or not record.known:
+            return None
+        return record.keys.get(record.key_id(key))
+
     async def _restore_deposit(self, req: GetState, pid: int) -> bool:
         """A recipe key this daemon does not serve (a deposit evicted, lost with a restart, or made on another
         node): filled from the peers that serve it (--fill-from, origin "peer ADDR"), else from a host-tier entry
@@ -633,7 +646,8 @@ class Daemon:
             with self.store.restore(key) as since:  # a deposit committed meanwhile drops this restore
                 model: ServedModel | None = None
                 if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
-                    entry = await asyncio.to_thread(tier.lookup, key, generation=since)
+                    want = since if since is not None else self._recorded_generation(key)
+                    entry = await asyncio.to_thread(tier.lookup, key, generation=want)
                     if entry is not None:
                         # the room is held until the model is added, below: no await between
                         with self.store.loading(entry.size) as evicted:

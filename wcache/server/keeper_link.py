@@ -245,10 +245,10 @@ class KeeperLink:
         a slab meanwhile and the next deposit's memfd gets its number, and the keeper held that deposit's bytes
         (or its writable slab) under this model's key and generation, which a daemon restarted after a crash
         served (docs/reliability.md, "a KEEP racing an evict")."""
+        if not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued after, settles it)
+            return "closed"  # and records nothing: a later COMMIT of the key may have recorded (and settled) its own
         if model.generation:  # a deposit: its generation on disk before the keeper may hold it or an older one
             self.record.committed(model.key, model.generation)
-        if not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued after, settles it)
-            return "closed"
         own: list[int] = []
         fds: list[int] = []
         try:
@@ -309,6 +309,8 @@ class KeeperLink:
         the last ``check`` found unreachable: ``check`` keeps the deposit once the keeper answers, and until then
         the record stops the older generation the keeper holds from being served after a crash."""
         async with self._lock:
+            if model.closed:  # replaced or evicted while this waited for the lock: the newer one's COMMIT records
+                return
             if self._unreachable:
                 self.record.committed(model.key, model.generation)
                 self.kept_in.pop(model.key, None)  # the keeper holds an older one, if any: ``check`` keeps this one

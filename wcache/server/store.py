@@ -111,6 +111,11 @@ class ServedModel:
             return True
 
     @property
+    def closed(self) -> bool:
+        """Whether the model was closed (evicted, replaced): never served again."""
+        return self._closing
+
+    @property
     def held(self) -> bool:
         """Whether a reader holds the slabs now (a peer's fill, a host-tier save): closing them frees nothing yet."""
         return self._readers > 0

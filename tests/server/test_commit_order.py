@@ -1,0 +1,182 @@
+"""The order of a COMMIT's records against the engines it serves (docs/protocol.md §4.13, docs/reliability.md):
+once an engine was served a deposit, no crash brings back an older generation of its key — from the keeper or from
+the host tier — and the last deposit committed is never dropped as stale. Real daemons and a keeper on the host
+backend; a stopped keeper or a held tier lock only widens windows that exist anyway."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from wcache import WCacheClient, WeightCacheKey
+from wcache.errors import KeyMismatchError
+from wcache.plan.recipe import RecipeKey
+from wcache.server.process import DaemonProcess
+
+
+@pytest.fixture
+def model(ckpt: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ckpt, tmp_path / "model"))
+
+
+async def test_a_commit_overtaken_in_the_keeper_queue_does_not_make_the_last_deposit_stale(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """Two engines deposit the same recipe key back to back while the first COMMIT is still telling the keeper
+    to UNKEEP the model it evicted. The second COMMIT's keeper work overtakes the first's (asyncio.Lock FIFO), and the
+    first COMMIT's late ``_keep`` of its (already replaced, closed) model writes its generation into
+    ``<socket>.deposits`` *after* the keeper took the second one. The record then names a generation that is not the
+    last committed: a daemon crash afterwards dropped the last committed deposit (the one the keeper holds) as
+    stale. Now a model closed before its keeper work's turn records nothing."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+    ckpt_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    n = 2 << 20  # 8 MiB of float32
+    budget = ckpt_bytes + (4 << 20)  # the checkpoint fits, the checkpoint and one deposit do not
+    d = daemon_factory(model, "--keeper", "--keeper-check", "3600", "--memory-budget", str(budget))
+    record = Path(f"{d.socket}.deposits")
+    client = WCacheClient(d.socket, timeout=60)
+    v1, v2 = torch.full((n,), 1.0), torch.full((n,), 2.0)
+
+    keeper.proc.send_signal(signal.SIGSTOP)  # a slow keeper: the UNKEEP of the evicted checkpoint takes a while
+    try:
+        a = asyncio.ensure_future(client.deposit(key, {"w": v1}))
+        for _ in range(200):  # A's COMMIT is published (the checkpoint evicted), its UNKEEP waits on the keeper
+            models = (await WCacheClient(d.socket).status()).models
+            if any("engine" in m.key for m in models):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("A's commit was not published")
+        b = asyncio.ensure_future(client.deposit(key, {"w": v2}))  # engine B, same key
+        await asyncio.sleep(1.5)  # B's COMMIT published (A replaced), its keeper work queued behind A's UNKEEP
+    finally:
+        keeper.proc.send_signal(signal.SIGCONT)
+    await asyncio.wait_for(a, 30)
+    done_b = await asyncio.wait_for(b, 30)
+    assert done_b.replaced
+    async with await client.fetch(key, mode="copy") as w:
+        assert torch.equal(w["w"], v2)
+    await asyncio.sleep(0.5)
+    recorded = json.loads(record.read_text()) if record.exists() else None
+    d.stop(signal.SIGKILL)  # crash: the keeper holds v2, the last deposit committed (DEPOSITED)
+    second = daemon_factory(model, "--keeper", "--keeper-check", "3600")  # room for both
+    try:
+        async with await WCacheClient(second.socket, timeout=60).fetch(key, mode="copy") as w:
+            assert torch.equal(w["w"], v2)
+    except KeyMismatchError as exc:
+        raise AssertionError(
+            f"the last committed deposit (v2, kept) was dropped after the crash: {exc}; "
+            f"<socket>.deposits before the crash: {recorded}; restarted daemon: "
+            + " | ".join(line for line in second.log_text().splitlines() if "dropping kept" in line)
+        ) from None
+
+
+async def _kept(path: Path, n: int) -> None:
+    """Until the keeper holds ``n`` models."""
+    for _ in range(200):
+        if len((await WCacheClient(path).status()).models) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the keeper never held {n} models")
+
+
+async def test_a_deposit_served_before_a_crash_is_not_followed_by_an_older_one(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path
+) -> None:
+    """A COMMIT publishes the new deposit (engines lease it at once) before its keeper work: with the keeper slow
+    (SIGSTOP, under its 10 s timeout), v2 is served to another engine while v2's COMMIT still waits on the UNKEEP
+    of what it evicted; the daemon then crashes. Before, v2's generation reached ``<socket>.deposits`` only in
+    ``KeeperLink.commit``, after that UNKEEP, and the restarted daemon reclaimed v1 from the keeper and served it.
+    Now the generation is recorded at COMMIT before the first await, so before any engine can lease it: v1 is
+    dropped as stale."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+    ckpt_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    budget = ckpt_bytes + (6 << 20)  # the checkpoint and v1 (1 MiB) fit; the checkpoint and v2 (8 MiB) do not
+    d = daemon_factory(model, "--keeper", "--keeper-check", "3600", "--memory-budget", str(budget))
+    client = WCacheClient(d.socket, timeout=60)
+    v1, v2 = torch.full((1 << 18,), 1.0), torch.full((2 << 20,), 2.0)
+    await client.deposit(key, {"w": v1})
+    await _kept(keeper.socket, 2)  # the checkpoint and v1
+
+    keeper.proc.send_signal(signal.SIGSTOP)  # slow, not dead: its answers come before the 10 s timeout
+    try:
+        commit = asyncio.ensure_future(client.deposit(key, {"w": v2}))
+        served = None
+        for _ in range(200):  # v2 published (STATUS), its COMMIT waiting on the evicted checkpoint's UNKEEP
+            ms = (await WCacheClient(d.socket).status()).models
+            if any("engine" in m.key and m.bytes >= v2.numel() * 4 for m in ms):
+                break
+            await asyncio.sleep(0.02)
+        async with await WCacheClient(d.socket, timeout=60).fetch(key, mode="copy") as w:  # another engine
+            served = w["w"].clone()
+        assert served is not None and torch.equal(served, v2), (
+            commit.done() and commit.exception(),
+            d.log_text()[-3000:],
+        )  # v2 is served
+        assert not commit.done()
+        d.stop(signal.SIGKILL)  # crash before the COMMIT reached the keeper (no DEPOSITED yet)
+        commit.cancel()
+    finally:
+        keeper.proc.send_signal(signal.SIGCONT)
+    second = daemon_factory(model, "--keeper", "--keeper-check", "3600")
+    try:
+        async with await WCacheClient(second.socket, timeout=60).fetch(key, mode="copy") as w:
+            got = w["w"].clone()
+    except Exception:  # the key absent (KEY_MISMATCH): the engine deposits again, never older
+        return
+    assert not torch.equal(got, v1), "v1 served after a crash although v2 had already been served under the key"
+
+
+async def test_a_deposit_served_before_a_crash_is_not_followed_by_the_tiers_older_one(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """A COMMIT publishes the new deposit (engines lease it at once) before the host tier's entry of the
+    older generation is replaced by the tombstone (``HostTier.supersede`` runs after ``Store.commit_deposit`` and
+    takes the tier directory's flock, which another daemon sharing the directory may hold for up to LOCK_WAIT_S).
+    v2 is served to another engine inside that window, the daemon crashes; the restarted daemon restores v1 from
+    the tier: bytes older than a generation engines were already served. Now the restarted daemon restores only
+    the generation its ``<socket>.deposits`` names for the key (recorded at COMMIT, before any lease): the key is
+    absent, never older."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    tier_dir = tmp_path / "tier"
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    d = daemon_factory(ckpt, *tier)
+    client = WCacheClient(d.socket, timeout=60)
+    v1, v2 = torch.full((1 << 18,), 1.0), torch.full((1 << 18,), 2.0)
+    await client.deposit(key, {"w": v1})
+    for _ in range(200):  # v1's background save published (the checkpoint's entry and v1's)
+        if len(list(tier_dir.glob("*.slab"))) >= 2 and not list(tier_dir.glob(".*tmp")):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+
+    lock = os.open(tier_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another daemon of the directory publishing: supersede waits (<= 2 s)
+    try:
+        commit = asyncio.ensure_future(client.deposit(key, {"w": v2}))
+        await asyncio.sleep(0.3)
+        async with await WCacheClient(d.socket, timeout=60).fetch(key, mode="copy") as w:  # another engine
+            served = w["w"].clone()
+        assert torch.equal(served, v2)  # v2 is served
+        assert not commit.done()
+        d.stop(signal.SIGKILL)  # crash before the tombstone (no DEPOSITED yet)
+        commit.cancel()
+    finally:
+        os.close(lock)
+    second = daemon_factory(ckpt, *tier)
+    try:
+        async with await WCacheClient(second.socket, timeout=60).fetch(key, mode="copy") as w:
+            got = w["w"].clone()
+    except Exception:  # the key absent (KEY_MISMATCH): the engine deposits again, never older
+        return
+    assert not torch.equal(got, v1), "v1 restored from the tier after a crash although v2 had already been served"
