@@ -177,9 +177,10 @@ class Daemon:
         self._tier_saves: set[asyncio.Task[None]] = set()
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
-        #: without a keeper, every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord): a keeper
-        #: this socket's daemons used before may hold an older one (with a keeper, ``keeper.commit`` records it)
-        self._commits = CommitRecord(Path(f"{self.socket_path}.deposits")) if keeper is None else None
+        #: every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord), written before any engine can
+        #: lease the deposit: the keeper's own record, or without a keeper one this daemon keeps (a keeper this
+        #: socket's daemons used before may hold an older generation), which nothing settles
+        self._commits = keeper.record if keeper is not None else CommitRecord(Path(f"{self.socket_path}.deposits"))
         self.keeper_check = keeper_check
         #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
         #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
@@ -430,13 +431,11 @@ class Daemon:
     async def _commit(self, req: Commit, conn_id: int, pid: int) -> Reply:
         """COMMIT: seal the slab read-only, make room, serve it under the recipe key, tell the host tier and the
         keeper (before DEPOSITED: no older generation of the key survives in either, a crash included; the
-        keeper's record, ``KeeperLink.commit``, covers a keeper that does not answer)."""
+        generation is recorded in ``<socket>.deposits`` before the first await, so before any engine leases it)."""
         reply, model, old, evicted = self.store.commit_deposit(conn_id, req)
         # the generation on disk before the first await, i.e. before any engine can lease it: a crash after one
         # was served never brings back an older generation a keeper holds (the next daemon's reclaim drops it)
-        record = self.keeper.record if self.keeper is not None else self._commits
-        if record is not None:
-            record.committed(model.key, model.generation)
+        self._commits.committed(model.key, model.generation)
         if self.tier is not None:
             await asyncio.to_thread(self.tier.supersede, model.key, model.generation)
         self.store.settled(model.key)  # not reached when the supersede fails: the generation is then kept
@@ -623,8 +622,8 @@ class Daemon:
         (``<socket>.deposits``: written at COMMIT before any engine could lease it, across crashes), else None.
         A daemon that crashed between serving a deposit and the host tier's tombstone of the older one restores
         only that generation from the tier, never the older entry still there."""
-        record = self.keeper.record if self.keeper is not None else self._commits
-        if record is None or not record.known:
+        record = self._commits
+        if not record.known:
             return None
         return record.keys.get(record.key_id(key))
 
