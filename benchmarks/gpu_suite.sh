@@ -14,7 +14,8 @@
 # one call's time: what does not fit SUITE_SECONDS is skipped and says so). Extra steps, in no set: disk
 # (the disk's read patterns, ~3 min), driver_order (start-up order vs copy speed, ~1 min), and fleet (the
 # fleet fill over NIXL, docs/fleet.md "What is measured": ~7 min with the checkpoint's generation, so a call
-# of its own; needs NIXL for CUDA 13, its wheel carried in .whl/):
+# of its own; needs NIXL for CUDA 13, its wheel carried in .whl/), and fleet_host (its host-slab half alone, e.g.
+# with FLEET_HOST_REPS=3 FLEET_HOST_TIMEOUT=300):
 #   PARTS=fleet bash benchmarks/gpu_suite.sh              # one device call: 319 s on the H200 (2026-12-02, FLEET_TCP=1)
 #
 # Every step runs under its own limit (NAME_TIMEOUT, defaults below: each fits its default work with margin)
@@ -199,7 +200,7 @@ if want driver_order; then
   # start-up order (cuda-bindings / ctypes driver calls before torch) against host-to-device copy speed
   step driver_order "${DRIVER_ORDER_TIMEOUT:-120}" python3 benchmarks/driver_order_probe.py --out "$RAW/driver_order.json"
 fi
-if want fleet; then
+if want fleet || want fleet_host; then
   # fleet fill over NIXL (docs/fleet.md, "What is measured"), GPU first: raw NIXL READ between two processes of
   # 4 GiB VMM slabs and the dim-1 shard comparison, then the fill itself — a source daemon (--peer-listen) with
   # the 16 GB Llama, a raw READ of its slab and a fill of the same bytes (fill_over_nixl_raw), then one target
@@ -209,7 +210,7 @@ if want fleet; then
   # one progress line per phase to stderr (the step's log shows where time went).
   if timeout 60 python3 -c 'import nixl_cu13' >/dev/null 2>&1; then
     checkpoint
-    step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 4 --chunk 64M \
+    want fleet && step fleet_gpu "${FLEET_GPU_TIMEOUT:-200}" python3 benchmarks/fleet_fill_bench.py --device cuda:0 --gib 4 --chunk 64M \
       --reps 1 --fill $W/llama3-8b --targets 1 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-cuda.json"
     step fleet_host "${FLEET_HOST_TIMEOUT:-180}" python3 benchmarks/fleet_fill_bench.py --device cpu --gib 4 --chunk 64M \
       --reps "${FLEET_HOST_REPS:-1}" --fill $W/llama3-8b --targets 1,2 --work /tmp/wcache-fleet --out "$RAW/fleet_fill-host.json"
