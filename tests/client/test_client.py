@@ -107,6 +107,55 @@ def test_a_state_for_another_key_than_the_one_proven_is_refused(
     assert _open_memfds() == before
 
 
+#: (the request's dtype, tp_size, the file-derived fields served): values the request rules out (§4.3's rules)
+RULED_OUT: dict[str, tuple[str | None, int, dict[str, Any]]] = {
+    "another dtype than the one asked for": ("float16", 1, {"dtype": "bfloat16"}),
+    "a dtype auto cannot give": (None, 1, {"dtype": "float8_e4m3fn"}),
+    "a plan at tp_size 1": ("float16", 1, {"dtype": "float16", "plan": "builtin:llama/1"}),
+    "no plan at tp_size 2": (None, 2, {"plan": "none"}),
+    "a plan file's plan without one": (None, 2, {"plan": "file:0123456789abcdef"}),
+    "a fingerprint of another form": (None, 1, {"fingerprint": "F" * 32}),
+}
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
+@pytest.mark.parametrize("case", list(RULED_OUT.values()), ids=list(RULED_OUT))
+def test_a_proven_key_refuses_file_derived_fields_its_request_rules_out(
+    case: tuple[str | None, int, dict[str, Any]], blocking: bool, ckpt: Path, tmp_path: Path
+) -> None:
+    """The STATE supplies a proven key's file-derived fields, but the request already fixes some of them: an
+    explicit dtype is served as itself and ``"auto"`` as a floating dtype, the plan is ``"none"`` at tp_size 1 and a
+    built-in plan's id above it (no plan file: a proof is never sent with one), the fingerprint is 32 lowercase hex
+    digits. ``adopt`` checked only their types, so a daemon serving float16 weights under a bfloat16 key was taken
+    at its word; the same STATE for the scanned full key was refused. RemoteProtocolError now, the slab closed."""
+    asked, tp_size, served = case
+
+    def scenario(peer: Peer) -> None:
+        request = peer.opening()
+        assert request["proof"]["dtype"] == (asked or "auto")
+        fd = memfd(16)
+        try:
+            peer.send(state(request, [memfd_slab(0, 16)], ONE, key={**PROVEN, **request["key"], **served}), [fd])
+        finally:
+            os.close(fd)
+        peer.hold()
+
+    sock = tmp_path / "fake.sock"
+    key = WeightCacheKey.from_checkpoint(ckpt, dtype=asked, tp_size=tp_size)
+    assert key.proof() is not None
+    before = _open_memfds()
+    with FakeDaemon(sock, scenario), pytest.raises(RemoteProtocolError, match="the daemon served key"):
+        _fetch(WCacheClient(sock, wait_for_daemon=0, timeout=10), key, blocking)
+    assert _open_memfds() == before
+
+
+def test_the_floating_dtypes_a_proven_key_takes_for_auto_are_the_checkpoints() -> None:
+    from wcache.plan import key
+    from wcache.plan.checkpoint import FLOATING
+
+    assert set(key._FLOATING) == FLOATING
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["fetch_sync", "fetch"])
 def test_the_full_key_sent_after_a_refused_proof_is_checked_too(blocking: bool, ckpt: Path, tmp_path: Path) -> None:
     """A daemon refuses the proof (KEY_UNPROVEN), the client scans the headers and asks for the full key on the same

@@ -258,3 +258,40 @@ def test_adopt_takes_the_served_file_fields_and_refuses_another_rank(settled: Pa
     assert key.to_wire() == full and not key.scanned
     with pytest.raises(RemoteProtocolError):  # known fields: a served key must equal them
         key.adopt({**full, "fingerprint": "0" * 32})
+
+
+def _shards_named_in_cjk(root: Path, shards: int = 254) -> Path:
+    """``shards`` one-tensor files whose names are 81 characters, 237 bytes of UTF-8 (CJK: 3 bytes a character)."""
+    import struct
+
+    root.mkdir()
+    stem = "\u6a21" * 78
+    for i in range(shards):
+        header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, separators=(",", ":"))
+        raw = header.encode() + b" " * (-len(header) % 8)
+        (root / f"{i:03d}{stem}.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + struct.pack("<f", i))
+    return root
+
+
+def test_a_proof_of_names_beyond_ascii_keeps_the_pipelined_get_state_inside_its_frame(tmp_path: Path) -> None:
+    """The proof's budget counted a name's characters, the frame carries its UTF-8 bytes: 254 shards named in CJK
+    passed it with an 80 KB GET_STATE, past the 64 KiB a frame pipelined behind HELLO may take (docs/protocol.md
+    §4.3.1, §7), which a daemon ends the connection for. Counted in bytes, such a checkpoint is scanned instead."""
+    from wcache.proto.codec import MAX_HANDSHAKE_FRAME
+    from wcache.proto.engine import get_state, pack
+
+    key = WeightCacheKey.from_checkpoint(_shards_named_in_cjk(tmp_path / "model"))
+    proof = key.proof()
+    if proof is not None:
+        partial, files, dtype = proof
+        assert len(pack(get_state(1, partial, "zero_copy", proof=(files, dtype)))) - 4 <= MAX_HANDSHAKE_FRAME
+    assert key.fingerprint  # the scan (or the daemon) gives the key
+
+
+def test_a_proof_of_a_transform_the_protocol_cannot_carry_is_not_deferred(settled: Path) -> None:
+    """A transform over 1024 characters is refused where the key is computed, with the scan's error (TransformError,
+    as for any key), not sent in a proof for the daemon to end the connection over."""
+    from wcache.errors import TransformError
+
+    with pytest.raises(TransformError, match="1024"):
+        WeightCacheKey.from_spec(RankSpec(settled, transform="m:" + "f" * 1100))

@@ -214,7 +214,13 @@ class WeightCacheKey:
 
         Raises CheckpointError / ShardingError, and for a key string the protocol cannot carry (over
         1024 characters, docs/protocol.md §7) the class of whatever it came from (``_TOO_LONG``)."""
-        if checkpoint is None and isinstance(plan, _Unset) and spec.plan_file is None and not spec.verify_content:
+        if (
+            checkpoint is None
+            and isinstance(plan, _Unset)
+            and spec.plan_file is None
+            and not spec.verify_content
+            and len(spec.transform) <= MAX_NAME  # else the scan's error names it (_TOO_LONG), as for any key
+        ):
             files = stated_files(spec.checkpoint)
             if files is not None:
                 return _DeferredKey.of(spec, files)
@@ -339,8 +345,11 @@ _TYPES.update((n, str) for n in _FIELDS if n not in _TYPES)
 FROM_FILES = ("fingerprint", "architecture", "dtype", "plan")
 #: Names whose files the proof covers, besides every ``*.safetensors`` entry: all a key reads.
 PROOF_NAMES = frozenset({"config.json", "model.safetensors.index.json"})
+#: The key dtypes of "auto" (docs/protocol.md §4.3, the dtype rule): the floating ones (wcache.plan.checkpoint's
+#: FLOATING, which a proven key does not import).
+_FLOATING = ("float64", "float32", "float16", "bfloat16")
 #: The reference client sends a proof only while its GET_STATE stays well inside the 64 KiB that a pipelined
-#: frame may take (docs/protocol.md §7): names plus ~100 bytes of fields and msgpack per file.
+#: frame may take (docs/protocol.md §7): the names' UTF-8 bytes plus ~100 bytes of fields and msgpack per file.
 PROOF_BUDGET = 48 << 10
 #: A file changed less than this long before the daemon read it (its ctime) is not recorded: a later change
 #: within the same timestamp tick would leave its stat unchanged. 2 s covers the coarsest timestamps of
@@ -367,14 +376,18 @@ def stated_files(path: str | os.PathLike[str]) -> tuple[FileId, ...] | None:
         raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory") from exc
     except (OSError, ValueError):  # not searchable, a name too long, a NUL byte: the scan says which
         return None
-    if not names or len(names) > MAX_PROOF_FILES or sum(len(n) + 100 for n in names) > PROOF_BUDGET:
+    if not names or len(names) > MAX_PROOF_FILES:
+        return None
+    try:  # the budget in the bytes the frame carries (a name's UTF-8), not its characters
+        if sum(len(n.encode()) + 100 for n in names) > PROOF_BUDGET:
+            return None
+    except UnicodeEncodeError:
         return None
     out = []
     for name in names:
         try:
-            name.encode()
             st = os.stat(os.path.join(root, name))
-        except (OSError, UnicodeEncodeError):
+        except OSError:
             return None
         if not stat.S_ISREG(st.st_mode):
             return None
@@ -456,6 +469,14 @@ class _DeferredKey(WeightCacheKey):
                     f"({', '.join(f'{n}={getattr(self, n)!r}' for n in _FIELDS if n not in FROM_FILES)})",
                     details={"served": served, "field": name},
                 )
+        ruled_out = self._ruled_out(served)
+        if ruled_out is not None:
+            from wcache.errors import RemoteProtocolError
+
+            raise RemoteProtocolError(
+                f"the daemon served key {served} for a proof of {self._spec.checkpoint}: {ruled_out[1]}",
+                details={"served": served, "field": ruled_out[0]},
+            )
         extra = sorted(n for n in served if n not in _DEFAULTS)
         if extra:  # a recipe's or a newer key's field: another key than this checkpoint's, as diff_wire says
             from wcache.errors import RemoteProtocolError
@@ -467,6 +488,26 @@ class _DeferredKey(WeightCacheKey):
             )
         for name in FROM_FILES:
             object.__setattr__(self, name, served[name])
+
+    def _ruled_out(self, served: dict[str, Any]) -> tuple[str, str] | None:
+        """(field, why) for a file-derived field whose served value this request rules out without reading a
+        header (docs/protocol.md §4.3: the fingerprint's form; the dtype rule — an explicit dtype comes back as
+        itself, ``"auto"`` as a floating dtype; the plan rule — ``"none"`` at tp_size 1 without a plan file, a
+        built-in plan's id above it); None when none is."""
+        fp = served["fingerprint"]
+        if len(fp) != 32 or fp.strip("0123456789abcdef"):
+            return "fingerprint", f"fingerprint {fp!r} is not 32 lowercase hex digits"
+        dtype, asked = served["dtype"], self._spec.dtype
+        if asked is not None and dtype != asked:
+            return "dtype", f"dtype {dtype!r} for a request of {asked!r} (an explicit dtype is served as itself)"
+        if asked is None and dtype not in _FLOATING:
+            return "dtype", f'dtype {dtype!r} for "auto", which is a floating dtype ({", ".join(_FLOATING)})'
+        plan = served["plan"]
+        if self.tp_size == 1 and plan != "none":
+            return "plan", f'plan {plan!r} at tp_size 1 without a plan file ("none")'
+        if self.tp_size > 1 and not plan.startswith("builtin:"):
+            return "plan", f"plan {plan!r} at tp_size {self.tp_size} without a plan file (a built-in plan's id)"
+        return None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, WeightCacheKey):
