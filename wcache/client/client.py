@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
 import os
 import time
@@ -422,6 +423,11 @@ class WCacheClient:
         except (EOFError, ConnectionError) as exc:
             session.close()
             raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
+        except OSError as exc:
+            session.close()
+            if exc.errno not in _EXHAUSTED:
+                raise
+            raise _exhausted(path, exc) from exc
         except BaseException:
             session.close()
             raise
@@ -668,6 +674,12 @@ class WCacheClient:
             from wcache.errors import CacheUnavailableError
 
             raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
+        except OSError as exc:
+            if ch is not None:
+                ch.close()
+            if exc.errno not in _EXHAUSTED:
+                raise
+            raise _exhausted(path, exc) from exc
         except BaseException:
             if ch is not None:
                 ch.close()
@@ -746,6 +758,25 @@ def _absent(exc: BaseException) -> bool:
     from wcache.errors import CacheUnavailableError
 
     return isinstance(exc, CacheUnavailableError) and wait.is_absent(exc)
+
+
+#: errnos of a process out of descriptors (its own limit, the system's) or memory
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def _exhausted(path: Path, exc: OSError) -> Exception:
+    """A fetch that ran out of descriptors or memory after its socket was open — a module it imports (the mapping's
+    in its window, the declarations for an ERROR), a descriptor it receives — as CacheUnavailableError: the cache
+    is then as unusable to this process as a socket it cannot open (``channel._dialling_socket``), and an engine's
+    fallback catches WCacheError only. Called with the fetch's connection closed, so the error tree's import, where
+    the engine has not loaded it, has a descriptor to read it with."""
+    from wcache.errors import CacheUnavailableError
+
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return CacheUnavailableError(
+        f"this process ran out of resources fetching from the wcache daemon at {path}: {code} ({exc.strerror or exc})",
+        details={"socket": str(path), "errno": code},
+    )
 
 
 def _ahead(timings: dict[str, float] | None) -> Meanwhile:
