@@ -477,3 +477,18 @@ def test_a_cuda_deposit_slab_is_unmapped_under_no_tensor(fails: bool, monkeypatc
             assert released == [False]
     finally:
         gc.enable()
+
+
+def test_an_empty_tensor_the_table_accepts_has_its_view_made() -> None:
+    """The table decoder bounds an empty tensor's non-zero dimensions (docs/protocol.md §4.6), so that torch, which
+    multiplies every dimension, makes its view: one at the bound's edge is looked up, grouped and materialized."""
+    import torch
+
+    from wcache.client.mapping import TensorViews
+    from wcache.proto.table import TensorGroup
+
+    wire = TensorTable(("e",), (TensorGroup("uint8", (1 << 30, 1 << 29, 0), (0, 0, 1), 0, 0, 0, 1),)).to_wire()
+    views = TensorViews(TensorTable.from_wire(wire, [4096]), {}, [torch.zeros(4096, dtype=torch.uint8)])
+    assert views["e"].shape == (1 << 30, 1 << 29, 0)
+    assert views.groups()[0].tensor.numel() == 0
+    views.materialize()

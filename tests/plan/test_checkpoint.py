@@ -313,3 +313,20 @@ def test_direct_reads_reopen_the_validated_inode_not_the_path(tmp_path: Path) ->
             files.close()
         with pytest.raises(CheckpointError, match="not a file of checkpoint"):
             Files(c).fd(tmp_path / "elsewhere.safetensors")  # never opened by path
+
+
+def test_an_empty_tensor_whose_other_dimensions_overflow_a_view_is_refused(tmp_path: Path) -> None:
+    """Shape ``[2**47, 2**47, 0]`` is empty, but torch multiplies every dimension and refuses to make its view: the
+    daemon refuses to load it (CheckpointError) rather than serve a table every engine refuses (docs/protocol.md
+    §4.6)."""
+    root = tmp_path / "m"
+    root.mkdir()
+    header = {
+        "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "e": {"dtype": "F32", "shape": [1 << 47, 1 << 47, 0], "data_offsets": [16, 16]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + struct.pack("<4f", 1, 2, 3, 4))
+    with pytest.raises(CheckpointError, match="2\\*\\*60 elements"):
+        Checkpoint.open(root)

@@ -132,6 +132,10 @@ def _one(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, *, n: int
         # "numel: integer multiplication overflow" on any name's look-up, groups(), materialize())
         (_one((1 << 47, 1 << 15), (0, 0), 0, n=4, step=1), "below 2\\*\\*63"),
         (_one((1 << 47, 1 << 15), (0, 0), 0, n=2, step=1), "below 2\\*\\*63"),  # 2**63 bytes exactly
+        # an empty tensor whose other dimensions multiply past 2**63 (torch multiplies them one at a time:
+        # "numel: integer multiplication overflow" on the look-up, after a fetch that succeeded)
+        (_one((1 << 47, 1 << 47, 0), (0, 0, 1), 0), "below 2\\*\\*63"),
+        (_one((0, 1 << 32, 1 << 31), (0, 0, 1), 0), "below 2\\*\\*63"),
         # a group of one whose step, its stacked view's first stride, is no int64 (torch: TypeError "Overflow when
         # unpacking long long" from groups()), or any step but 0 (§4.6)
         (_one((4,), (1,), 0, step=(1 << 64) - 1), "a group of one tensor has step 0"),
@@ -147,6 +151,8 @@ def test_decoder_rejects_tables_torch_cannot_view(wire: dict[str, Any], match: s
     TensorTable.from_wire(_one((1 << 20, 1 << 20), (0, 0), 0), [4096])  # zero strides within the int64 bound
     # a group's bytes just below the bound: two tensors of 2**62 - 2**47 bytes
     TensorTable.from_wire(_one((1 << 47, (1 << 15) - 1), (0, 0), 0, n=2, step=1), [4096])
+    # an empty tensor whose non-zero dimensions stay within it (tests/client/test_mapping.py makes its view)
+    TensorTable.from_wire(_one((1 << 30, 1 << 29, 0), (0, 0, 1), 0), [4096])
 
 
 def test_version_1_clients_get_unsupported_version() -> None:

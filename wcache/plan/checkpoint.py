@@ -71,6 +71,8 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 #: Dimensions and strides a STATE table can carry (docs/protocol.md §4.6: entries below 2**48).
 MAX_EXTENT = 1 << 48
+#: a tensor's elements (its non-zero dimensions multiplied) are below this: 8-byte elements stay below 2**63 bytes
+MAX_ELEMENTS = 1 << 60
 
 
 @record
@@ -518,7 +520,9 @@ def _check_name(where: str, name: str) -> None:
 
 
 def _check_shape(where: str, shape: list[int]) -> None:
-    """Rank <= MAX_DIMS; every dimension and C-order stride below 2**48 (§4.6)."""
+    """Rank <= MAX_DIMS; every dimension and C-order stride below 2**48 (§4.6); the product of the non-zero
+    dimensions below 2**60, so that its bytes, in any dtype, are below the 2**63 a view's size takes (an empty
+    tensor's other dimensions too: torch multiplies them all, docs/protocol.md §4.6)."""
     if len(shape) > MAX_DIMS:
         raise CheckpointError(
             f"{where}: rank {len(shape)} is over the protocol's limit of {MAX_DIMS} dimensions (docs/protocol.md §7)"
@@ -531,3 +535,8 @@ def _check_shape(where: str, shape: list[int]) -> None:
                 "(docs/protocol.md §4.6)"
             )
         stride *= max(s, 1)
+    if stride >= MAX_ELEMENTS:
+        raise CheckpointError(
+            f"{where}: shape {shape} has 2**60 elements or more (its non-zero dimensions multiplied), over what a "
+            "view's size in bytes may take (docs/protocol.md §4.6)"
+        )

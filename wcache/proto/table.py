@@ -279,8 +279,8 @@ class TensorTable:
         >= 1 summing to the number of names; known dtypes; rank <= 16; dimensions and strides
         in [0, 2**48); slab indices in range; offsets and steps multiples of the element size,
         steps > 0 in groups of several and 0 in groups of one; every tensor's extent inside its slab (an empty
-        one's offset too); every group's elements (its stacked view's: count times each tensor's) times its element
-        size below 2**63.
+        one's offset too); every group's elements (its stacked view's: count times each tensor's, an empty tensor's
+        non-zero dimensions multiplied) times its element size below 2**63.
         """
         if type(m) is not dict:
             raise fail("TensorTable", "", f"expected a map, got {type(m).__name__}")
@@ -358,12 +358,18 @@ class TensorTable:
         if not all(map(operator.le, map(operator.add, lasts, spans), map(slab_sizes.__getitem__, slabs))):
             raise fail("TensorTable", "offsets", "a tensor runs past the end of its slab")
         # a view's size in bytes is an int64 (torch's numel): zero strides could make a huge tensor of a small
-        # extent, and a group's stacked view holds count of them
-        if max(map(operator.mul, map(operator.mul, map(math.prod, shapes), sizes), counts)) >= _MAX_BYTES:
+        # extent, and a group's stacked view holds count of them. torch multiplies the dimensions one at a time,
+        # so an empty tensor's other dimensions count too: the product of the non-zero ones (shape (2**47, 2**47, 0)
+        # is empty, and torch refuses to make it)
+        elements = list(map(math.prod, shapes))
+        if 0 in elements:
+            elements = [e or math.prod(filter(None, shape)) for e, shape in zip(elements, shapes)]
+        if max(map(operator.mul, map(operator.mul, elements, sizes), counts)) >= _MAX_BYTES:
             raise fail(
                 "TensorTable",
                 "shapes",
-                "a group's elements (count x each tensor's) times its element size must be below 2**63",
+                "a group's elements (count x each tensor's, an empty tensor's non-zero dimensions multiplied) "
+                "times its element size must be below 2**63",
             )
         groups = tuple(map(_new_group, zip(dtypes, shapes, strides, slabs, offsets, steps, counts)))
         return cls(names, groups)
