@@ -82,3 +82,71 @@ def test_a_deposit_that_does_not_fit_this_build_falls_back_to_the_checkpoint(mon
     model_config = SimpleNamespace(quantization=None, hf_config=SimpleNamespace(), model="m")
     assert loader.load_model(vllm_config, model_config) is model
     assert calls == ["deposit", "cache", "redeposit"]
+
+
+def _bare_loader(monkeypatch: pytest.MonkeyPatch, keys: list[WeightCacheKey]) -> tuple[Any, list[Any]]:
+    """A loader whose steps are stood in for, recording (step, key) calls; ``_key`` hands out ``keys`` in turn (the
+    checkpoint as it is at each computation)."""
+    from wcache.integrations.vllm import loader as loader_module
+
+    loader = WCacheModelLoader.__new__(WCacheModelLoader)
+    loader.options = parse_extra_config({})
+    loader.load_config = SimpleNamespace(device="cpu")
+    calls: list[Any] = []
+    handed = iter(keys)
+    monkeypatch.setattr(loader, "_key", lambda model_config: next(handed), raising=False)
+    monkeypatch.setattr(loader_module, "recipe_key", lambda base, *args: ("recipe", base))
+    monkeypatch.setattr(loader, "_deposit", lambda m, key: calls.append(("deposit", key)), raising=False)
+    return loader, calls
+
+
+VLLM_CONFIG = SimpleNamespace(parallel_config=None, device_config=SimpleNamespace(device="cpu"))
+MODEL_CONFIG = SimpleNamespace(quantization=None, hf_config=SimpleNamespace(), model="m")
+OLD, NEW = WeightCacheKey("0" * 32, "A", 1, 0, "bfloat16"), WeightCacheKey("1" * 32, "A", 1, 0, "bfloat16")
+
+
+def test_one_checkpoint_key_serves_the_recipe_the_fetch_and_the_deposit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's base, the checkpoint tensors fetched for a deposit's rebuilt modules or for the load, and the
+    deposit's recipe are one key: computed again for the fetch, a checkpoint changed in between mixed its tensors
+    with the other's recipe (a deposit of the old checkpoint's post-processed weights beside the new one's rebuilt
+    modules, or the new one's weights deposited under the old one's recipe)."""
+    from wcache import KeyMismatchError
+
+    loader, calls = _bare_loader(monkeypatch, [OLD, NEW])
+    model = object()
+
+    def deposit(vllm_config: Any, model_config: Any, prefix: str, key: Any, device: Any, base: Any) -> Any:
+        calls.append(("from_deposit", key, base))
+        raise KeyMismatchError("not deposited yet")
+
+    def from_cache(vllm_config: Any, model_config: Any, prefix: str, base: Any) -> Any:
+        calls.append(("from_cache", base))
+        return model
+
+    monkeypatch.setattr(loader, "_load_from_deposit", deposit, raising=False)
+    monkeypatch.setattr(loader, "_load_from_cache", from_cache, raising=False)
+    assert loader.load_model(VLLM_CONFIG, MODEL_CONFIG) is model
+    assert calls == [("from_deposit", ("recipe", OLD), OLD), ("from_cache", OLD), ("deposit", ("recipe", OLD))]
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "changed"])
+def test_a_checkpoint_that_changed_while_it_loaded_from_disk_is_not_deposited(
+    changed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon lacks the recipe and refuses the checkpoint (KEY_MISMATCH: it serves another), so vLLM loads
+    from disk, then deposits under the recipe made from the key computed before the load. A checkpoint changed
+    meanwhile would deposit its weights under the older one's recipe: it is computed again, and deposited only if
+    it is the same."""
+    from wcache import KeyMismatchError
+
+    loader, calls = _bare_loader(monkeypatch, [OLD, NEW if changed else OLD])
+    model = object()
+
+    def refused(*args: Any) -> Any:
+        raise KeyMismatchError("not served")
+
+    monkeypatch.setattr(loader, "_load_from_deposit", refused, raising=False)
+    monkeypatch.setattr(loader, "_load_from_cache", refused, raising=False)
+    monkeypatch.setattr(loader, "_load_from_disk", lambda *args: model, raising=False)
+    assert loader.load_model(VLLM_CONFIG, MODEL_CONFIG) is model
+    assert calls == ([] if changed else [("deposit", ("recipe", OLD))])

@@ -100,8 +100,11 @@ class WCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
     def _client(self, device: torch.device | None = None) -> WCacheClient:
         return WCacheClient(self.options["socket"], timeout=self.options["timeout"], device=device)
 
-    def _fetch(self, model_config: Any, mode: str, device: torch.device | None = None) -> CachedWeights:
-        return self._client(device).fetch_sync(self._key(model_config), mode=mode)
+    def _fetch(
+        self, model_config: Any, mode: str, device: torch.device | None = None, key: WeightCacheKey | None = None
+    ) -> CachedWeights:
+        """The checkpoint's tensors for ``key`` (the load's one checkpoint key; computed here when None)."""
+        return self._client(device).fetch_sync(key if key is not None else self._key(model_config), mode=mode)
 
     def _build(self, vllm_config: Any, model_config: Any, prefix: str, device: torch.device) -> nn.Module:
         """The model with its parameters on meta (buffers computed at init, like rotary caches, are real)."""
@@ -127,31 +130,52 @@ class WCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         check_engine(vllm_config, model_config)
         device = torch.device(self.load_config.device or vllm_config.device_config.device)
         recipe = None  # set when the daemon lacks the recipe: deposit after loading
+        # one checkpoint key for the whole load: the recipe's base, the tensors fetched for it or for the deposit's
+        # rebuilt modules (a key computed again could name a checkpoint changed meanwhile, mixed with the other's)
+        base = self._key(model_config)
         try:
             if self.options["deposit"]:
-                model, recipe = self._try_deposit(vllm_config, model_config, prefix, device)
+                model, recipe = self._try_deposit(vllm_config, model_config, prefix, device, base)
                 if model is not None:
                     return model
-            model = self._load_from_cache(vllm_config, model_config, prefix)
+            model = self._load_from_cache(vllm_config, model_config, prefix, base)
         except WCacheError as exc:
             if not self.options["fallback"]:
                 raise
             model = self._load_from_disk(vllm_config, model_config, prefix, exc)
             if isinstance(exc, CacheUnavailableError):
                 recipe = None  # no daemon to deposit into
+            elif recipe is not None and not self._unchanged(model_config, base):
+                recipe = None
         if recipe is not None:
             self._deposit(model, recipe)
         return model
 
+    def _unchanged(self, model_config: Any, base: WeightCacheKey) -> bool:
+        """Whether the checkpoint vLLM just loaded from disk still has the key ``base`` that the recipe to deposit
+        was made from: a checkpoint changed meanwhile would deposit its weights under the older one's recipe. A
+        change is one WARNING and no deposit (the next start deposits)."""
+        try:
+            was = base.resolve()  # a key only stated so far is scanned now (the files as they are now)
+            now = self._key(model_config).resolve()
+        except WCacheError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            if now == was:
+                return True
+            why = f"its key was {was.short()}, is {now.short()}"
+        log.warning("wcache: %s changed while it loaded from disk (%s); not depositing it", model_config.model, why)
+        return False
+
     def _try_deposit(
-        self, vllm_config: Any, model_config: Any, prefix: str, device: torch.device
+        self, vllm_config: Any, model_config: Any, prefix: str, device: torch.device, base: WeightCacheKey
     ) -> tuple[nn.Module | None, RecipeKey | None]:
         """The model mapped from its deposit, or None and the recipe to deposit once it is loaded otherwise:
         the daemon lacks the recipe, or its deposit did not fit this build (any error but a WCacheError, which
         propagates: the daemon is absent or refused). An unusable deposit holds no lease now and is replaced."""
-        wanted = recipe_key(self._key(model_config), model_config, device, vllm.__version__, vllm_config)
+        wanted = recipe_key(base, model_config, device, vllm.__version__, vllm_config)
         try:
-            return self._load_from_deposit(vllm_config, model_config, prefix, wanted, device), None
+            return self._load_from_deposit(vllm_config, model_config, prefix, wanted, device, base), None
         except (KeyMismatchError, NotFoundError):
             return None, wanted  # not deposited yet: this start loads, post-processes, deposits
         except WCacheError:
@@ -188,11 +212,17 @@ class WCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         write_back(model, key, self._client(), self.options["timeout"])
 
     def _load_from_deposit(
-        self, vllm_config: Any, model_config: Any, prefix: str, key: RecipeKey, device: torch.device
+        self,
+        vllm_config: Any,
+        model_config: Any,
+        prefix: str,
+        key: RecipeKey,
+        device: torch.device,
+        base: WeightCacheKey,
     ) -> nn.Module:
         """Build on meta, register every deposited tensor, give the ``rebuild`` modules their checkpoint
-        tensors, post-process each module as the deposit's plan says. KeyMismatchError / NotFoundError
-        when the daemon lacks the recipe."""
+        tensors (those of ``base``, the recipe's checkpoint key), post-process each module as the deposit's plan
+        says. KeyMismatchError / NotFoundError when the daemon lacks the recipe."""
         started = time.perf_counter()
         mode = self.options["mode"]
         weights = self._client(device).fetch_sync(key, mode=mode)
@@ -207,7 +237,7 @@ class WCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             wanted = rebuild_names(model, plan, registered)
             from_checkpoint = 0
             if wanted:
-                raw = self._fetch(model_config, mode, device)
+                raw = self._fetch(model_config, mode, device, base)
                 from_checkpoint = attach_rebuilt(model, raw, wanted)
             restore_attributes(model, attrs)
             with following_plan(model, plan, _is_method, weights_already_processed) as ms:
@@ -250,13 +280,15 @@ class WCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         )
         return model.eval()
 
-    def _load_from_cache(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
-        """The checkpoint tensors (vLLM's load layout) from the daemon onto the model built on meta, then vLLM's
-        post-processing, observed for the deposit."""
+    def _load_from_cache(
+        self, vllm_config: Any, model_config: Any, prefix: str, base: WeightCacheKey | None = None
+    ) -> nn.Module:
+        """The checkpoint tensors of ``base`` (vLLM's load layout; computed here when None) from the daemon onto
+        the model built on meta, then vLLM's post-processing, observed for the deposit."""
         started = time.perf_counter()
         device = torch.device(self.load_config.device or vllm_config.device_config.device)
         mode = self.options["mode"]
-        weights = self._fetch(model_config, mode, device)
+        weights = self._fetch(model_config, mode, device, base)
         try:
             model = self._build(vllm_config, model_config, prefix, device)
             # vLLM's loaders and post-processing read attributes it set on each Parameter, and the
