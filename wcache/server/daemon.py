@@ -547,6 +547,11 @@ class Daemon:
             self.store.resident_bytes,
             len(self.store.leases),
         )
+        # the socket's record and its keeper entries are the new daemon's from now on: nothing here writes the
+        # record or asks the keeper again (before the lock goes: the new daemon reads the record once it holds it)
+        self._commits.hand_over()
+        if self.keeper is not None:
+            self.keeper.hand_over()
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()
@@ -640,6 +645,8 @@ class Daemon:
         except (TypeError, ValueError):
             return False
         async with self._preload_lock:
+            if self._handed_over:  # queued behind a load that ended after the hand-off: the new daemon serves it
+                raise _HandedOver
             if key in self.store.models:
                 return True
             with self.store.restore(key) as since:  # a deposit committed meanwhile drops this restore
@@ -660,6 +667,9 @@ class Daemon:
                         model.source = self.store.source_for(key.to_wire())
                 if model is None:
                     return False
+                if self._handed_over:  # restored after the hand-off: nothing is added here any more
+                    model.close()
+                    raise _HandedOver
                 if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
                     log.info(
                         "deposit restore dropped %s pid=%d key=%s (committed anew meanwhile)",
@@ -740,6 +750,8 @@ class Daemon:
             raise NotFoundError("this daemon was started without a loader for PRELOAD")
         loader = self.loader
         async with self._preload_lock:
+            if self._handed_over:  # queued behind a load that ended after the hand-off: nothing is loaded here
+                raise _HandedOver
             rp = await asyncio.to_thread(self.planner, spec)
             with rp:
                 key = rp.key

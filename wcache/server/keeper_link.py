@@ -6,6 +6,7 @@ starts, and deposit everything again when the keeper has restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -84,14 +85,18 @@ class CommitRecord:
     keeper writes every COMMIT's generation here (no keeper settles it): a keeper the socket's daemons used before
     may still hold an older deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another
     generation instead of serving bytes older than the last COMMIT. The file exists only while such an entry
-    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, replaced atomically. It holds at most
+    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, written to a temporary file of the writer's
+    own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds at most
     ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe keys
     settles none) gives up the entries and marks the record damaged instead, the conservative side: every kept
     deposit is then stale at the next RECLAIM, none served on a record that forgot its key.
 
     A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
     (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
-    acted on it (``reset``): a COMMIT meanwhile must not turn it into a record that vouches for the others."""
+    acted on it (``reset``): a COMMIT meanwhile must not turn it into a record that vouches for the others.
+
+    After a TAKEOVER the socket's record is the new daemon's: ``hand_over`` makes this process write nothing
+    more (its entries in memory know nothing of the new daemon's COMMITs)."""
 
     FORMAT = "wcache-deposits/1"
     #: keys recorded at most (~100 bytes each in the file)
@@ -103,6 +108,8 @@ class CommitRecord:
         #: whether the record names the last generation of every key (False: unreadable, damaged or full),
         #: else every kept deposit is stale at RECLAIM
         self.known = True
+        self._handed_over = False
+        self._remove_dead_temporaries()
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -147,7 +154,7 @@ class CommitRecord:
     def committed(self, key: WeightCacheKey, generation: str) -> None:
         """Before ``generation`` of ``key`` is offered to the keeper: from now on no other one may be served."""
         kid = self.key_id(key)
-        if self.keys.get(kid) == generation:
+        if self.keys.get(kid) == generation or self._handed_over:
             return
         if kid not in self.keys and len(self.keys) >= self.MAX_KEYS:
             log.warning(
@@ -176,9 +183,46 @@ class CommitRecord:
             self.keys, self.known = dict(keys), known
             self._write()
 
+    def hand_over(self) -> None:
+        """A TAKEOVER is done: the new daemon writes the record from now on; this process writes nothing more."""
+        self._handed_over = True
+
+    def _temporary(self, pid: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{pid}.tmp")
+
+    def _remove_dead_temporaries(self) -> None:
+        """Remove the temporary files that writers which died mid-write left (``<name>.<pid>.tmp``); a live
+        process's are left."""
+        prefix = self.path.name + "."
+        try:
+            names = os.listdir(self.path.parent)
+        except OSError:
+            return
+        for name in names:
+            pid_text = name[len(prefix) : -len(".tmp")]
+            if not (name.startswith(prefix) and name.endswith(".tmp") and pid_text.isdigit()):
+                continue
+            pid = int(pid_text)
+            if pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, 0)
+                continue  # alive (or not ours to signal: EPERM): its write may be in progress
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(self.path.parent / name)
+
     def _write(self) -> None:
-        """Replace the file atomically (removed when empty). A failure is logged, not raised: the entries stay
-        in memory and the next change writes them again."""
+        """Replace the file atomically (removed when it records nothing), through this process's own temporary
+        file, created exclusively: two processes writing at once (the old daemon and the new one around a
+        TAKEOVER) never write into one file. A failure is logged, not raised: the entries stay in memory and the
+        next change writes them again."""
+        if self._handed_over:
+            return
+        tmp = self._temporary(os.getpid())
         try:
             if not self.keys and self.known:
                 self.path.unlink(missing_ok=True)
@@ -186,10 +230,19 @@ class CommitRecord:
             doc: dict[str, object] = {"format": self.FORMAT, "keys": self.keys}
             if not self.known:
                 doc["damaged"] = True
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+            data = (json.dumps(doc, sort_keys=True) + "\n").encode()
+            tmp.unlink(missing_ok=True)  # this process's own, from a write that failed before its rename
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             log.warning(
                 "%s not written (%s): a crash before the keeper holds the last deposits (%d) could bring back older ones",
                 self.path,
@@ -219,6 +272,8 @@ class KeeperLink:
         self._lock = asyncio.Lock()
         #: the deposits committed that the keeper may not hold yet (a file beside the socket, read at start)
         self.record = CommitRecord(Path(f"{owner}.deposits"))
+        #: a TAKEOVER is done: the keeper's entries for this socket are the new daemon's (``hand_over``)
+        self._handed_over = False
 
     async def reclaim(self) -> tuple[Reclaimed, list[int]]:
         """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
@@ -227,6 +282,13 @@ class KeeperLink:
         )
         self._keeper_now = self._reclaimed_from
         return state, fds
+
+    def hand_over(self) -> None:
+        """A TAKEOVER is done: the socket, its keeper entries and its record are the new daemon's. This process
+        asks the keeper nothing more (a KEEP or UNKEEP from it would change what the new daemon's keeper holds,
+        or is refused once its lock is gone) and writes no record; work queued on the lock finds this and ends."""
+        self._handed_over = True
+        self.record.hand_over()
 
     def reclaimed(self, models: Sequence[ServedModel]) -> None:
         for m in models:
@@ -245,8 +307,8 @@ class KeeperLink:
         a slab meanwhile and the next deposit's memfd gets its number, and the keeper held that deposit's bytes
         (or its writable slab) under this model's key and generation, which a daemon restarted after a crash
         served (docs/reliability.md, "a KEEP racing an evict")."""
-        if not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued after, settles it)
-            return "closed"  # and records nothing: a later COMMIT of the key may have recorded (and settled) its own
+        if self._handed_over or not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued
+            return "closed"  # after, settles it), or handed over with the socket  # and records nothing: a later COMMIT of the key may have recorded (and settled) its own
         if model.generation:  # a deposit: its generation on disk before the keeper may hold it or an older one
             self.record.committed(model.key, model.generation)
         own: list[int] = []
@@ -309,8 +371,8 @@ class KeeperLink:
         the last ``check`` found unreachable: ``check`` keeps the deposit once the keeper answers, and until then
         the record stops the older generation the keeper holds from being served after a crash."""
         async with self._lock:
-            if model.closed:  # replaced or evicted while this waited for the lock: the newer one's COMMIT records
-                return
+            if model.closed or self._handed_over:  # replaced or evicted while this waited for the lock: the newer
+                return  # one's COMMIT records; or handed over: the new daemon keeps it (its ``check``)
             if self._unreachable:
                 self.record.committed(model.key, model.generation)
                 self.kept_in.pop(model.key, None)  # the keeper holds an older one, if any: ``check`` keeps this one
@@ -331,7 +393,10 @@ class KeeperLink:
             return await self._unkeep_key(key) == "gone"
 
     async def _unkeep_key(self, key: WeightCacheKey) -> str:
-        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable"."""
+        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable" (also after
+        a hand-off: the key is the new daemon's to withdraw)."""
+        if self._handed_over:
+            return "unreachable"
         self.kept_in.pop(key, None)
         self._skip.pop(key, None)
         try:
@@ -366,6 +431,8 @@ class KeeperLink:
         running does not hold (it restarted, or was not running when the model was loaded). One
         handshake when nothing is missing."""
         async with self._lock:
+            if self._handed_over:
+                return
             try:
                 async with asyncio.timeout(10.0):
                     ch, hello = await connect(

@@ -1,0 +1,151 @@
+"""The commit record ``<socket>.deposits`` against the processes that write it and the restores it guards: after a
+TAKEOVER only the new daemon writes it. Real daemons and a keeper on the host backend; a stopped keeper only widens
+windows that exist anyway."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import signal
+import struct
+import termios
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProc
+from wcache import WCacheClient, WeightCacheKey
+from wcache.channel import connect
+from wcache.errors import KeyMismatchError, WCacheError
+from wcache.plan.key import RankSpec
+from wcache.plan.recipe import RecipeKey
+from wcache.proto import GetState
+from wcache.server.keeper_link import CommitRecord
+from wcache.server.process import DaemonProcess, spawn_daemon
+
+
+async def _until(pred: Callable[[], bool | Awaitable[bool]], what: str, tries: int = 1000) -> None:
+    """Poll ``pred`` (every 20 ms, 20 s at most) until it holds."""
+    for _ in range(tries):
+        got = pred()
+        if await got if isinstance(got, Awaitable) else got:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never: {what}")
+
+
+def _record(path: Path) -> dict[str, str]:
+    try:
+        return dict(json.loads(path.read_text())["keys"])
+    except FileNotFoundError:
+        return {}
+
+
+async def _saved(tier_dir: Path, entries: int) -> None:
+    """Until the tier holds ``entries`` published entries and no save is in progress."""
+    await _until(
+        lambda: len(list(tier_dir.glob("*.slab"))) >= entries and not list(tier_dir.glob(".*tmp")), "tier saves"
+    )
+
+
+async def _never_older(d: DaemonProc, key: RecipeKey, older: torch.Tensor) -> None:
+    """``d`` serves the key's newer generation or, the key absent (KEY_MISMATCH: the engine deposits again),
+    nothing; never ``older``."""
+    try:
+        async with await WCacheClient(d.socket, timeout=60).fetch(key, mode="copy") as w:
+            got = w["w"].clone()
+    except KeyMismatchError:
+        return
+    assert not torch.equal(got, older), "the older generation served after a newer one was committed and served"
+
+
+async def test_the_old_daemon_writes_no_record_and_restores_nothing_after_a_takeover(
+    keeper: DaemonProcess, ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """D1 (--keeper, --host-tier) serves deposit K@v1 (kept). A GET_STATE of an evicted deposit K2 waits on D1's
+    load lock (a PRELOAD is loading) when D2 takes the socket over. D2 commits K@v2 while the keeper does not
+    answer: D2 records v2 in ``<socket>.deposits`` and serves it. Then D1's PRELOAD ends and its queued GET_STATE
+    ran on: before, it restored K2 from the tier and offered it to the keeper, rewriting the record from D1's own
+    map ({K2}: D2's entry for K gone), and after D2's crash the next daemon reclaimed the kept v1 and served it.
+    Now a daemon that handed over adds no model and writes no record: the GET_STATE's connection is closed, the
+    record keeps D2's entry, and the next daemon drops the kept v1."""
+    tier_dir = tmp_path / "tier"
+    reached, gate = tmp_path / "reached", tmp_path / "gate"
+    env = {**os.environ, "WCACHE_TEST_GATE_REACHED": str(reached), "WCACHE_TEST_GATE": str(gate)}
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    keep = ("--keeper", "--keeper-check", "3600")
+    procs: list[DaemonProc] = []
+    stopped = False
+    try:
+        d1 = spawn_daemon(ckpt, socket_dir, *keep, *tier, env=env, timeout=60)
+        procs.append(d1)
+        record = Path(f"{d1.socket}.deposits")
+        base = WeightCacheKey.from_checkpoint(ckpt)
+        k, k2 = RecipeKey.of(base, engine="a"), RecipeKey.of(base, engine="b")
+        kid = CommitRecord.key_id(k)
+        v1, v2, b = torch.full((1 << 16,), 1.0), torch.full((1 << 16,), 2.0), torch.full((1 << 16,), 7.0)
+        c1 = WCacheClient(d1.socket, timeout=60)
+        await c1.deposit(k, {"w": v1})
+        await c1.deposit(k2, {"w": b})
+        await _saved(tier_dir, 3)  # the checkpoint, K and K2
+
+        async def kept3() -> bool:
+            return len((await WCacheClient(keeper.socket).status()).models) >= 3
+
+        await _until(kept3, "the keeper holds the checkpoint, K and K2")
+        assert _record(record) == {}  # settled: the keeper holds both deposits
+        await c1.evict(k2)
+
+        # D1 busy: a PRELOAD holding its load lock, and a GET_STATE of K2 read by D1, queued behind it
+        pre = asyncio.ensure_future(c1.preload(RankSpec(ckpt, transform="tests.server.gate_transform:gate")))
+        await _until(reached.exists, "the PRELOAD reached its transform")
+        ch, _ = await connect(d1.socket, software="test", name="test")
+        try:
+            await ch.send(GetState(id=ch.conn.next_request_id(), key=k2.to_wire(), mode="copy"))
+
+            def read_by_d1() -> bool:  # nothing left unread in the socket: D1 has the request
+                raw = fcntl.ioctl(ch.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                return int(struct.unpack("i", raw)[0]) == 0
+
+            await _until(read_by_d1, "D1 read the GET_STATE of K2")
+
+            d2 = spawn_daemon(None, socket_dir, *keep, *tier, takeover=d1.socket, timeout=60)
+            procs.append(d2)
+            keeper.proc.send_signal(signal.SIGSTOP)  # the keeper does not answer (hung): D2 records v2
+            stopped = True
+            dep = asyncio.ensure_future(WCacheClient(d2.socket, timeout=60).deposit(k, {"w": v2}))
+            await _until(lambda: kid in _record(record), "D2's COMMIT recorded K's new generation")
+            v2_gen = _record(record)[kid]
+            async with await WCacheClient(d2.socket, timeout=60).fetch(k, mode="copy") as w:  # another engine
+                assert torch.equal(w["w"], v2)
+
+            gate.touch()  # D1's PRELOAD ends after the hand-off; its queued GET_STATE runs on
+            try:
+                await asyncio.wait_for(pre, 30)
+            except (WCacheError, OSError, EOFError):
+                pass
+            assert d1.proc.wait(30) == 0
+            after = _record(record)
+            assert after.get(kid) == v2_gen, f"the old daemon rewrote the record after the hand-off: {after}"
+            with pytest.raises(EOFError):  # D1 closed the connection: nothing restored or served after the hand-off
+                await asyncio.wait_for(ch.receive(), 30)
+        finally:
+            ch.close()
+        assert not list(socket_dir.glob("*.deposits.*tmp"))  # every writer's temporary renamed or removed
+
+        d2.stop(signal.SIGKILL)  # crash while the keeper has not taken v2
+        dep.cancel()
+        keeper.proc.send_signal(signal.SIGCONT)
+        stopped = False
+        d3 = spawn_daemon(ckpt, socket_dir, *keep, timeout=60)
+        procs.append(d3)
+        await _never_older(d3, k, v1)
+    finally:
+        if stopped:
+            keeper.proc.send_signal(signal.SIGCONT)
+        for p in procs:
+            p.stop()
