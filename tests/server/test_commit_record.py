@@ -1,5 +1,6 @@
-"""The commit record ``<socket>.deposits`` against the processes that write it and the restores it guards: after a
-TAKEOVER only the new daemon writes it. Real daemons and a keeper on the host backend; a stopped keeper only widens
+"""The commit record ``<socket>.deposits`` (docs/reliability.md, "The commit record") against the processes that
+write it and the restores it guards: after a TAKEOVER only the new daemon writes it, and a RECLAIM keeps the entries
+that guard the host tier's restore. Real daemons and a keeper on the host backend; a held tier lock or a stopped keeper only widens
 windows that exist anyway."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from wcache.plan.key import RankSpec
 from wcache.plan.recipe import RecipeKey
 from wcache.proto import GetState
 from wcache.server.keeper_link import CommitRecord
-from wcache.server.process import DaemonProcess, spawn_daemon
+from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
 
 
 async def _until(pred: Callable[[], bool | Awaitable[bool]], what: str, tries: int = 1000) -> None:
@@ -61,6 +62,32 @@ async def _never_older(d: DaemonProc, key: RecipeKey, older: torch.Tensor) -> No
     except KeyMismatchError:
         return
     assert not torch.equal(got, older), "the older generation served after a newer one was committed and served"
+
+
+async def _served_then_crashed(
+    d: DaemonProc, key: RecipeKey, tier_dir: Path, v1: torch.Tensor, v2: torch.Tensor
+) -> str:
+    """v1 committed and saved in the host tier; v2 committed while another daemon of the directory holds the tier's
+    lock (``HostTier.supersede`` waits up to LOCK_WAIT_S before the tombstone), served to another engine, and ``d``
+    SIGKILLed before the tombstone: the tier still holds v1, the record names v2. Returns v2's generation."""
+    record = Path(f"{d.socket}.deposits")
+    kid = CommitRecord.key_id(key)
+    client = WCacheClient(d.socket, timeout=60)
+    await client.deposit(key, {"w": v1})
+    await _saved(tier_dir, 2)  # the checkpoint's entry and v1's
+    before = _record(record).get(kid)
+    lock = os.open(tier_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        commit = asyncio.ensure_future(client.deposit(key, {"w": v2}))
+        await _until(lambda: _record(record).get(kid) not in (None, before), "v2's COMMIT recorded")
+        async with await WCacheClient(d.socket, timeout=60).fetch(key, mode="copy") as w:  # another engine
+            assert torch.equal(w["w"], v2)  # served while its COMMIT waits for the tier's lock
+        d.stop(signal.SIGKILL)
+        commit.cancel()
+    finally:
+        os.close(lock)
+    return _record(record)[kid]
 
 
 async def test_the_old_daemon_writes_no_record_and_restores_nothing_after_a_takeover(
@@ -149,3 +176,52 @@ async def test_the_old_daemon_writes_no_record_and_restores_nothing_after_a_take
             keeper.proc.send_signal(signal.SIGCONT)
         for p in procs:
             p.stop()
+
+
+async def test_a_reclaim_keeps_the_entry_that_guards_the_tier_restore(
+    ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """D1 runs with ``--keeper`` while its keeper is down (it serves on, recording every COMMIT) and with a host
+    tier; v2 is served and D1 crashes before v2's tombstone (``_served_then_crashed``): the record names v2, the
+    tier holds v1. The keeper is up when D2 starts; its RECLAIM finds nothing of the key. Before, the RECLAIM
+    rewrote the record to the keys it dropped (none), and D2 restored v1 from the tier. Now it keeps every entry
+    but those of the deposits the keeper holds: D2 asks the tier for v2 only, and the key is absent."""
+    tier_dir = tmp_path / "tier"
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    keep = ("--keeper", "--keeper-check", "3600")
+    procs: list[DaemonProc] = []
+    try:
+        d1 = spawn_daemon(ckpt, socket_dir, *keep, *tier, timeout=60)  # no keeper running: it serves on without
+        procs.append(d1)
+        record = Path(f"{d1.socket}.deposits")
+        key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+        v1, v2 = torch.full((1 << 18,), 1.0), torch.full((1 << 18,), 2.0)
+        gen = await _served_then_crashed(d1, key, tier_dir, v1, v2)
+
+        procs.append(spawn_keeper(socket_dir))  # the keeper is back, holding nothing
+        d2 = spawn_daemon(ckpt, socket_dir, *keep, *tier, timeout=60)
+        procs.append(d2)
+        assert _record(record).get(CommitRecord.key_id(key)) == gen  # the RECLAIM kept the entry
+        await _never_older(d2, key, v1)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_an_entry_stays_until_the_tier_holds_nothing_older(tmp_path: Path) -> None:
+    """The keeper may take a deposit (its periodic check) before its COMMIT's host-tier tombstone is written (the
+    tier's lock held by another daemon): the keeper then holds the new generation, the tier still the older one.
+    Before, the keeper's KEEP removed the key's entry at once, and a restore after a crash (or after an eviction)
+    took the older generation from the tier. Now the entry stays while the COMMIT is not settled in the tier
+    (``CommitRecord.pending``: the daemon's ``Store.superseding``), and goes at the next settlement after it."""
+    key = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
+    path = tmp_path / "wcache-rank0.sock.deposits"
+    superseding = {key}
+    rec = CommitRecord(path)
+    rec.pending = lambda k: k in superseding
+    rec.committed(key, "g2")
+    rec.settled(key)  # the keeper holds g2, the tier's tombstone not yet written
+    assert CommitRecord(path).keys == {CommitRecord.key_id(key): "g2"}
+    superseding.clear()
+    rec.settled(key)
+    assert not path.exists()

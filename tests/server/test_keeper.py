@@ -1009,7 +1009,7 @@ async def test_a_keep_racing_an_evict_hands_the_keeper_the_models_own_slab(
 
 def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) -> None:
     """``<socket>.deposits`` that cannot be parsed says nothing of which generation is the last: every kept deposit
-    is dropped (stale), never served on a guess; a RECLAIM's reset rewrites it. A readable one names the key's
+    is dropped (stale), never served on a guess; a RECLAIM's ``reclaimed`` rewrites it. A readable one names the key's
     generation: another is stale, that one is not; settled entries leave no file. The damage outlives a COMMIT
     made before a RECLAIM acted on it: before, that COMMIT wrote a valid record of its one key, and the next
     daemon served the other kept deposits on its word."""
@@ -1031,9 +1031,9 @@ def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) 
     damaged.committed(k1, "g3")  # a COMMIT before any RECLAIM acted on the damage (the keeper unreachable)
     again = kl.CommitRecord(path)  # the next daemon: still every kept deposit stale, not k2's "g1" vouched for
     assert not again.known and again.stale(k2, "g1") is not None and again.stale(k1, "g3") is not None
-    again.reset({}, known=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
+    again.reclaimed(set(), known=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
     assert not kl.CommitRecord(path).known  # still damaged: that deposit may still be kept
-    again.reset({})
+    again.reclaimed(set(), known=True)
     assert again.known and not path.exists()
 
 
@@ -1043,7 +1043,7 @@ def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_
     """A daemon without a keeper records every COMMIT's generation and settles none, so ``<socket>.deposits`` grew
     by one entry per recipe key it was ever written back under. It holds ``MAX_KEYS`` at most: one more gives up
     the entries and marks the record damaged — every kept deposit stale at the next RECLAIM, none served on a
-    record that forgot its key — and the file stays that small; a RECLAIM's reset makes it a record again."""
+    record that forgot its key — and the file stays that small; a RECLAIM's ``reclaimed`` makes it a record again."""
     from wcache.plan.recipe import RecipeKey
 
     monkeypatch.setattr(kl.CommitRecord, "MAX_KEYS", 3)
@@ -1062,7 +1062,7 @@ def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_
     assert all(full.stale(k, "g1") is not None for k in keys)
     rec.committed(keys[4], "g1")
     assert rec.keys == {} and len(path.read_bytes()) < 100
-    rec.reset({})
+    rec.reclaimed(set(), known=True)
     assert rec.known and not path.exists()
 
 

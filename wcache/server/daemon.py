@@ -181,6 +181,9 @@ class Daemon:
         #: lease the deposit: the keeper's own record, or without a keeper one this daemon keeps (a keeper this
         #: socket's daemons used before may hold an older generation), which nothing settles
         self._commits = keeper.record if keeper is not None else CommitRecord(Path(f"{self.socket_path}.deposits"))
+        # an entry stays while the host tier may still hold an older generation of its key (the COMMIT's tombstone
+        # not yet written), though the keeper holds the new one: it is what keeps a restore from taking the older
+        self._commits.pending = store.superseding
         self.keeper_check = keeper_check
         #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
         #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)

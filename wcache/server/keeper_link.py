@@ -77,15 +77,16 @@ def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
 
 
 class CommitRecord:
-    """``<socket>.deposits``: the generation of each deposit committed on this socket that a keeper may hold an
-    older generation of (docs/reliability.md, "a kept deposit older than the last COMMIT"). A daemon with a keeper
+    """``<socket>.deposits``: the generation of each deposit committed on this socket whose older generations a
+    keeper or the host tier may still hold (docs/reliability.md, "The commit record"). A daemon with a keeper
     writes a deposit's generation here before it offers it to the keeper (KEEP) and removes it once the keeper
-    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that shows it): while the keeper does not
-    answer — stopped, hung — a COMMIT's generation stays here, across a crash of the daemon. A daemon without a
+    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that serves it) and the host tier holds
+    nothing older (``pending``: the COMMIT's tombstone not yet written): while the keeper does not answer —
+    stopped, hung — a COMMIT's generation stays here, across a crash of the daemon. A daemon without a
     keeper writes every COMMIT's generation here (no keeper settles it): a keeper the socket's daemons used before
     may still hold an older deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another
-    generation instead of serving bytes older than the last COMMIT. The file exists only while such an entry
-    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, written to a temporary file of the writer's
+    generation instead of serving bytes older than the last COMMIT, and a host-tier restore of a key the record
+    names takes that generation only. The file exists only while such an entry does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, written to a temporary file of the writer's
     own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds at most
     ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe keys
     settles none) gives up the entries and marks the record damaged instead, the conservative side: every kept
@@ -93,7 +94,7 @@ class CommitRecord:
 
     A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
     (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
-    acted on it (``reset``): a COMMIT meanwhile must not turn it into a record that vouches for the others.
+    acted on it (``reclaimed``): a COMMIT meanwhile must not turn it into a record that vouches for the others.
 
     After a TAKEOVER the socket's record is the new daemon's: ``hand_over`` makes this process write nothing
     more (its entries in memory know nothing of the new daemon's COMMITs)."""
@@ -108,6 +109,9 @@ class CommitRecord:
         #: whether the record names the last generation of every key (False: unreadable, damaged or full),
         #: else every kept deposit is stale at RECLAIM
         self.known = True
+        #: whether a COMMIT of the key is not settled in the host tier yet (its tombstone not written): its entry
+        #: stays though the keeper holds it (the daemon sets this: ``Store.superseding``)
+        self.pending: Callable[[WeightCacheKey], bool] = lambda key: False
         self._handed_over = False
         self._remove_dead_temporaries()
         try:
@@ -171,16 +175,22 @@ class CommitRecord:
         self._write()
 
     def settled(self, key: WeightCacheKey) -> None:
-        """The keeper holds ``key``'s recorded generation, or nothing of the key."""
+        """The keeper holds ``key``'s recorded generation, or nothing of the key: its entry goes, unless the host
+        tier may still hold an older generation (``pending``)."""
+        if self.pending(key):
+            return
         if self.keys.pop(self.key_id(key), None) is not None:
             self._write()
 
-    def reset(self, keys: dict[str, str], *, known: bool = True) -> None:
-        """After a RECLAIM: the entries still unsettled (``keys``), the file rewritten (or removed). ``known``
-        False keeps a damaged record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm
-        may still be held, and nothing says which generation of its key is the last."""
+    def reclaimed(self, held: set[str], *, known: bool) -> None:
+        """After a RECLAIM: the keeper holds the recorded generation of the keys ``held`` (key ids; the host tier,
+        where there is one, records that generation or none), whose entries go; every other entry stays (it still
+        guards the host tier's restore of its key). ``known`` False keeps a damaged record damaged: a kept deposit
+        it made stale whose UNKEEP the keeper did not confirm may still be held, and nothing says which generation
+        of its key is the last."""
+        keys = {i: g for i, g in self.keys.items() if i not in held}
         if keys != self.keys or known != self.known:
-            self.keys, self.known = dict(keys), known
+            self.keys, self.known = keys, known
             self._write()
 
     def hand_over(self) -> None:
