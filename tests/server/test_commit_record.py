@@ -1,6 +1,7 @@
 """The commit record ``<socket>.deposits`` (docs/reliability.md, "The commit record") against the processes that
-write it and the restores it guards: after a TAKEOVER only the new daemon writes it, and a RECLAIM keeps the entries
-that guard the host tier's restore. Real daemons and a keeper on the host backend; a held tier lock or a stopped keeper only widens
+write it and the restores it guards: after a TAKEOVER only the new daemon writes it, a RECLAIM keeps the entries
+that guard the host tier's restore, and a record that lost entries (damaged, full) restores from the tier only the
+keys it names. Real daemons and a keeper on the host backend; a held tier lock or a stopped keeper only widens
 windows that exist anyway."""
 
 from __future__ import annotations
@@ -206,6 +207,61 @@ async def test_a_reclaim_keeps_the_entry_that_guards_the_tier_restore(
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+async def test_a_damaged_record_restores_no_key_it_does_not_name_from_the_tier(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """v2 served, the daemon crashed before v2's tombstone (the tier holds v1), and the record is then damaged
+    (unparseable). Before, a damaged record made the restore take whatever generation the tier held: v1. Now a
+    record that lost entries vouches only for the keys it names: the key is absent (the engine deposits again)."""
+    tier_dir = tmp_path / "tier"
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    d = daemon_factory(ckpt, *tier)
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    v1, v2 = torch.full((1 << 18,), 1.0), torch.full((1 << 18,), 2.0)
+    await _served_then_crashed(d, key, tier_dir, v1, v2)
+    record = Path(f"{d.socket}.deposits")
+    record.write_text('{"format": "wcache-deposits/1", "keys": {')
+    second = daemon_factory(ckpt, *tier)
+    await _never_older(second, key, v1)
+    assert not CommitRecord(record).restorable(key)[0]  # still partial: never turned into a record that vouches
+
+
+async def test_a_full_record_restores_no_key_it_does_not_name_from_the_tier(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """The record holds MAX_KEYS other keys when v2's COMMIT adds one more: it gives up its entries (damaged). v2
+    is served, the daemon crashes before v2's tombstone (the tier holds v1). Before, the restarted daemon took
+    whatever generation the tier held: v1. Now the full record keeps the entry of the COMMIT that overflowed it,
+    and vouches for the keys it names only: v2 or nothing."""
+    tier_dir = tmp_path / "tier"
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    v1, v2 = torch.full((1 << 18,), 1.0), torch.full((1 << 18,), 2.0)
+    d = daemon_factory(ckpt, *tier)
+    record = Path(f"{d.socket}.deposits")
+    client = WCacheClient(d.socket, timeout=60)
+    await client.deposit(key, {"w": v1})
+    await _saved(tier_dir, 2)
+    d.stop()
+    others = {f"{i:064x}": "g" for i in range(CommitRecord.MAX_KEYS)}  # other recipe keys, committed earlier
+    record.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": others}))
+    d = daemon_factory(ckpt, *tier)
+    lock = os.open(tier_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        client = WCacheClient(d.socket, timeout=60)
+        commit = asyncio.ensure_future(client.deposit(key, {"w": v2}))
+        await _until(lambda: len(_record(record)) < len(others), "v2's COMMIT overflowed the record")
+        async with await WCacheClient(d.socket, timeout=60).fetch(key, mode="copy") as w:
+            assert torch.equal(w["w"], v2)
+        d.stop(signal.SIGKILL)
+        commit.cancel()
+    finally:
+        os.close(lock)
+    second = daemon_factory(ckpt, *tier)
+    await _never_older(second, key, v1)
 
 
 def test_an_entry_stays_until_the_tier_holds_nothing_older(tmp_path: Path) -> None:

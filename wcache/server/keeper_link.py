@@ -80,21 +80,23 @@ class CommitRecord:
     """``<socket>.deposits``: the generation of each deposit committed on this socket whose older generations a
     keeper or the host tier may still hold (docs/reliability.md, "The commit record"). A daemon with a keeper
     writes a deposit's generation here before it offers it to the keeper (KEEP) and removes it once the keeper
-    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that serves it) and the host tier holds
-    nothing older (``pending``: the COMMIT's tombstone not yet written): while the keeper does not answer —
-    stopped, hung — a COMMIT's generation stays here, across a crash of the daemon. A daemon without a
-    keeper writes every COMMIT's generation here (no keeper settles it): a keeper the socket's daemons used before
-    may still hold an older deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another
-    generation instead of serving bytes older than the last COMMIT, and a host-tier restore of a key the record
-    names takes that generation only. The file exists only while such an entry does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, written to a temporary file of the writer's
-    own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds at most
-    ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe keys
-    settles none) gives up the entries and marks the record damaged instead, the conservative side: every kept
-    deposit is then stale at the next RECLAIM, none served on a record that forgot its key.
+    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that shows it) and the host tier holds nothing
+    older (``pending``: the COMMIT's tombstone not yet written): while the keeper does not answer — stopped, hung —
+    a COMMIT's generation stays here, across a crash of the daemon. A daemon without a keeper writes every COMMIT's
+    generation here (no keeper settles it): a keeper the socket's daemons used before may still hold an older
+    deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another generation instead of
+    serving bytes older than the last COMMIT, and a host-tier restore of a key the record names takes that
+    generation only. JSON ``{"format", "keys": {key id: generation}, "damaged"?, "partial"?}``, written to a
+    temporary file of the writer's own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds
+    at most ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe
+    keys settles none) gives up the other entries and marks the record damaged instead, the conservative side.
 
     A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
     (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
     acted on it (``reclaimed``): a COMMIT meanwhile must not turn it into a record that vouches for the others.
+    Such a record is also ``partial`` for good: it may have lost the entry of a COMMIT whose host-tier tombstone
+    a crash prevented, so a key it does not name is not restored from the tier; the entries it records from then
+    on vouch for their keys and are kept (not settled).
 
     After a TAKEOVER the socket's record is the new daemon's: ``hand_over`` makes this process write nothing
     more (its entries in memory know nothing of the new daemon's COMMITs)."""
@@ -109,6 +111,9 @@ class CommitRecord:
         #: whether the record names the last generation of every key (False: unreadable, damaged or full),
         #: else every kept deposit is stale at RECLAIM
         self.known = True
+        #: whether the record lost entries once (unreadable, damaged or full): a key it does not name may have a
+        #: COMMIT it forgot, so the host tier restores only the keys it names (their generation)
+        self.partial = False
         #: whether a COMMIT of the key is not settled in the host tier yet (its tombstone not written): its entry
         #: stays though the keeper holds it (the daemon sets this: ``Store.superseding``)
         self.pending: Callable[[WeightCacheKey], bool] = lambda key: False
@@ -120,7 +125,7 @@ class CommitRecord:
             return
         except OSError as exc:
             log.warning("%s unreadable (%s): every kept deposit will be dropped", path, exc)
-            self.known = False
+            self.known, self.partial = False, True
             return
         try:
             doc = json.loads(raw)
@@ -129,11 +134,13 @@ class CommitRecord:
                 raise ValueError(f"not a {self.FORMAT} record")
         except (ValueError, AttributeError, KeyError) as exc:
             log.warning("%s is damaged (%s): every kept deposit will be dropped", path, exc)
-            self.known = False
+            self.known, self.partial = False, True
             return
         self.keys = {str(k): v for k, v in keys.items()}
         if doc.get("damaged"):
             self.known = False  # an earlier daemon found it damaged; no RECLAIM has acted on it since
+        if doc.get("damaged") or doc.get("partial"):
+            self.partial = True
 
     @staticmethod
     def key_id(key: WeightCacheKey) -> str:
@@ -155,6 +162,15 @@ class CommitRecord:
             )
         return None
 
+    def restorable(self, key: WeightCacheKey) -> tuple[bool, str | None]:
+        """Whether the host tier may restore ``key``, and the generation it must be (None: whichever it holds —
+        a key this intact record does not name was not committed on this socket since its tier tombstone, or
+        another socket's deposit in a shared tier). A partial record vouches only for the keys it names."""
+        recorded = self.keys.get(self.key_id(key))
+        if recorded is not None:
+            return True, recorded
+        return not self.partial and self.known, None
+
     def committed(self, key: WeightCacheKey, generation: str) -> None:
         """Before ``generation`` of ``key`` is offered to the keeper: from now on no other one may be served."""
         kid = self.key_id(key)
@@ -163,32 +179,31 @@ class CommitRecord:
         if kid not in self.keys and len(self.keys) >= self.MAX_KEYS:
             log.warning(
                 "%s holds %d keys, its most: every deposit a keeper holds for this socket will be dropped at its "
-                "next reclaim instead of recording more",
+                "next reclaim, and the host tier restores only deposits committed from now on, instead of "
+                "recording more",
                 self.path,
                 len(self.keys),
             )
-            self.keys, self.known = {}, False
-        elif self.known:
-            self.keys[kid] = generation
-        else:
-            return  # damaged or full: no entry can make a kept deposit less stale than it already is
+            self.keys, self.known, self.partial = {}, False, True
+        self.keys[kid] = generation
         self._write()
 
     def settled(self, key: WeightCacheKey) -> None:
         """The keeper holds ``key``'s recorded generation, or nothing of the key: its entry goes, unless the host
-        tier may still hold an older generation (``pending``)."""
-        if self.pending(key):
+        tier may still hold an older generation (``pending``) or the record is partial (the entry vouches for the
+        key's tier restore)."""
+        if self.partial or self.pending(key):
             return
         if self.keys.pop(self.key_id(key), None) is not None:
             self._write()
 
     def reclaimed(self, held: set[str], *, known: bool) -> None:
         """After a RECLAIM: the keeper holds the recorded generation of the keys ``held`` (key ids; the host tier,
-        where there is one, records that generation or none), whose entries go; every other entry stays (it still
-        guards the host tier's restore of its key). ``known`` False keeps a damaged record damaged: a kept deposit
-        it made stale whose UNKEEP the keeper did not confirm may still be held, and nothing says which generation
-        of its key is the last."""
-        keys = {i: g for i, g in self.keys.items() if i not in held}
+        where there is one, records that generation or none), whose entries go unless the record is partial; every
+        other entry stays (it still guards the host tier's restore of its key). ``known`` False keeps a damaged
+        record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm may still be held, and
+        nothing says which generation of its key is the last."""
+        keys = dict(self.keys) if self.partial else {i: g for i, g in self.keys.items() if i not in held}
         if keys != self.keys or known != self.known:
             self.keys, self.known = keys, known
             self._write()
@@ -234,12 +249,14 @@ class CommitRecord:
             return
         tmp = self._temporary(os.getpid())
         try:
-            if not self.keys and self.known:
+            if not self.keys and self.known and not self.partial:
                 self.path.unlink(missing_ok=True)
                 return
             doc: dict[str, object] = {"format": self.FORMAT, "keys": self.keys}
             if not self.known:
                 doc["damaged"] = True
+            if self.partial:
+                doc["partial"] = True
             data = (json.dumps(doc, sort_keys=True) + "\n").encode()
             tmp.unlink(missing_ok=True)  # this process's own, from a write that failed before its rename
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
