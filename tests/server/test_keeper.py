@@ -1009,10 +1009,11 @@ async def test_a_keep_racing_an_evict_hands_the_keeper_the_models_own_slab(
 
 def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) -> None:
     """``<socket>.deposits`` that cannot be parsed says nothing of which generation is the last: every kept deposit
-    is dropped (stale), never served on a guess; a RECLAIM's reset rewrites it. A readable one names the key's
-    generation: another is stale, that one is not; settled entries leave no file. The damage outlives a COMMIT
-    made before a RECLAIM acted on it: before, that COMMIT wrote a valid record of its one key, and the next
-    daemon served the other kept deposits on its word."""
+    is dropped (stale), never served on a guess; a RECLAIM's ``reclaimed`` rewrites it. A readable one names the
+    key's generation: another is stale, that one is not; settled entries leave no file. The damage outlives a
+    COMMIT made before a RECLAIM acted on it: before, that COMMIT wrote a valid record of its one key, and the next
+    daemon served the other kept deposits on its word. For the host tier the record stays partial even after the
+    RECLAIM: it vouches for the keys it names from then on (their generation), not for a key it does not name."""
     from wcache.plan.recipe import RecipeKey
 
     k1 = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
@@ -1028,13 +1029,17 @@ def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) 
     path.write_text('{"format": "wcache-deposits/1", "keys": [')
     damaged = kl.CommitRecord(path)
     assert not damaged.known and damaged.stale(k2, "g1") is not None
+    assert damaged.restorable(k1) == (False, None)  # no tier restore of a key it cannot vouch for
     damaged.committed(k1, "g3")  # a COMMIT before any RECLAIM acted on the damage (the keeper unreachable)
     again = kl.CommitRecord(path)  # the next daemon: still every kept deposit stale, not k2's "g1" vouched for
     assert not again.known and again.stale(k2, "g1") is not None and again.stale(k1, "g3") is not None
-    again.reset({}, known=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
+    again.reclaimed(set(), known=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
     assert not kl.CommitRecord(path).known  # still damaged: that deposit may still be kept
-    again.reset({})
-    assert again.known and not path.exists()
+    again.reclaimed(set(), known=True)
+    again.settled(k1)  # the keeper holds g3: the entry stays, it vouches for k1's tier restore
+    after = kl.CommitRecord(path)
+    assert after.known and after.partial and after.stale(k1, "g3") is None and after.stale(k2, "g1") is None
+    assert after.restorable(k1) == (True, "g3") and after.restorable(k2) == (False, None)
 
 
 def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_stale(
@@ -1042,8 +1047,9 @@ def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_
 ) -> None:
     """A daemon without a keeper records every COMMIT's generation and settles none, so ``<socket>.deposits`` grew
     by one entry per recipe key it was ever written back under. It holds ``MAX_KEYS`` at most: one more gives up
-    the entries and marks the record damaged — every kept deposit stale at the next RECLAIM, none served on a
-    record that forgot its key — and the file stays that small; a RECLAIM's reset makes it a record again."""
+    the other entries and marks the record damaged — every kept deposit stale at the next RECLAIM, none served on a
+    record that forgot its key — and the file stays that small; a RECLAIM's ``reclaimed`` makes it a record again
+    for the keeper. For the host tier it is partial from then on: only the keys it names are restored."""
     from wcache.plan.recipe import RecipeKey
 
     monkeypatch.setattr(kl.CommitRecord, "MAX_KEYS", 3)
@@ -1058,12 +1064,13 @@ def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_
     assert kl.CommitRecord(path).stale(keys[4], "g0") is None
     rec.committed(keys[3], "g1")  # one more than it holds
     full = kl.CommitRecord(path)
-    assert not full.known and full.keys == {}
+    assert not full.known and full.keys == {kl.CommitRecord.key_id(keys[3]): "g1"}
     assert all(full.stale(k, "g1") is not None for k in keys)
+    assert full.restorable(keys[0]) == (False, None) and full.restorable(keys[3]) == (True, "g1")
     rec.committed(keys[4], "g1")
-    assert rec.keys == {} and len(path.read_bytes()) < 100
-    rec.reset({})
-    assert rec.known and not path.exists()
+    assert len(rec.keys) == 2 and len(path.read_bytes()) < 300
+    rec.reclaimed(set(), known=True)
+    assert rec.known and rec.partial and kl.CommitRecord(path).restorable(keys[0]) == (False, None)
 
 
 def test_status_counts_kept_models_for_the_socket_they_were_kept_for(

@@ -181,6 +181,11 @@ class Daemon:
         #: lease the deposit: the keeper's own record, or without a keeper one this daemon keeps (a keeper this
         #: socket's daemons used before may hold an older generation), which nothing settles
         self._commits = keeper.record if keeper is not None else CommitRecord(Path(f"{self.socket_path}.deposits"))
+        # an entry stays while the host tier may still hold an older generation of its key (the COMMIT's tombstone
+        # not yet written), though the keeper holds the new one: it is what keeps a restore from taking the older
+        self._commits.pending = store.superseding
+        #: whether a tier restore refused for want of a record that vouches for its key was logged (once)
+        self._unvouched_logged = False
         self.keeper_check = keeper_check
         #: TAKEOVER: from TAKEOVER_STATE sent until the new daemon's TAKEOVER_ADOPTED (or the hand-off fails);
         #: a new daemon silent for longer than this gives the hand-off up (docs/protocol.md §4.10)
@@ -547,6 +552,11 @@ class Daemon:
             self.store.resident_bytes,
             len(self.store.leases),
         )
+        # the socket's record and its keeper entries are the new daemon's from now on: nothing here writes the
+        # record or asks the keeper again (before the lock goes: the new daemon reads the record once it holds it)
+        self._commits.hand_over()
+        if self.keeper is not None:
+            self.keeper.hand_over()
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()
@@ -617,15 +627,24 @@ class Daemon:
             if self.keeper is not None:
                 await self.keeper.unkeep(m)
 
-    def _recorded_generation(self, key: WeightCacheKey) -> str | None:
-        """The generation last committed under ``key`` on this socket that the socket's record still names
-        (``<socket>.deposits``: written at COMMIT before any engine could lease it, across crashes), else None.
-        A daemon that crashed between serving a deposit and the host tier's tombstone of the older one restores
-        only that generation from the tier, never the older entry still there."""
-        record = self._commits
-        if not record.known:
-            return None
-        return record.keys.get(record.key_id(key))
+    def _recorded_generation(self, key: WeightCacheKey) -> tuple[bool, str | None]:
+        """Whether the host tier may restore ``key``, and the generation it must be (None: whichever it holds):
+        the one the socket's record names (``<socket>.deposits``: written at COMMIT before any engine could lease
+        it, across crashes) — a daemon that crashed between serving a deposit and the host tier's tombstone of
+        the older one restores only that generation, never the older entry still there. A key the record does not
+        name is restorable only where the record is whole: a damaged, unreadable or once full one may have lost
+        its entry (``CommitRecord.partial``), so the key is absent and the engine deposits again."""
+        allowed, generation = self._commits.restorable(key)
+        if not allowed and not self._unvouched_logged:
+            self._unvouched_logged = True
+            log.warning(
+                "host tier restore refused %s key=%s: %s lost entries (damaged, unreadable or full), so it cannot "
+                "vouch for a key it does not name; engines deposit such keys again (logged once)",
+                self._tag,
+                key.short(),
+                self._commits.path.name,
+            )
+        return allowed, generation
 
     async def _restore_deposit(self, req: GetState, pid: int) -> bool:
         """A recipe key this daemon does not serve (a deposit evicted, lost with a restart, or made on another
@@ -640,13 +659,15 @@ class Daemon:
         except (TypeError, ValueError):
             return False
         async with self._preload_lock:
+            if self._handed_over:  # queued behind a load that ended after the hand-off: the new daemon serves it
+                raise _HandedOver
             if key in self.store.models:
                 return True
             with self.store.restore(key) as since:  # a deposit committed meanwhile drops this restore
                 model: ServedModel | None = None
                 if tier is not None and restore is not None:  # this node's own copy first: local memory, checked
-                    want = since if since is not None else self._recorded_generation(key)
-                    entry = await asyncio.to_thread(tier.lookup, key, generation=want)
+                    allowed, want = (True, since) if since is not None else self._recorded_generation(key)
+                    entry = await asyncio.to_thread(tier.lookup, key, generation=want) if allowed else None
                     if entry is not None:
                         # the room is held until the model is added, below: no await between
                         with self.store.loading(entry.size) as evicted:
@@ -660,6 +681,9 @@ class Daemon:
                         model.source = self.store.source_for(key.to_wire())
                 if model is None:
                     return False
+                if self._handed_over:  # restored after the hand-off: nothing is added here any more
+                    model.close()
+                    raise _HandedOver
                 if not self.store.add_restored(model, since):  # a COMMIT of the key landed meanwhile: it stays
                     log.info(
                         "deposit restore dropped %s pid=%d key=%s (committed anew meanwhile)",
@@ -740,6 +764,8 @@ class Daemon:
             raise NotFoundError("this daemon was started without a loader for PRELOAD")
         loader = self.loader
         async with self._preload_lock:
+            if self._handed_over:  # queued behind a load that ended after the hand-off: nothing is loaded here
+                raise _HandedOver
             rp = await asyncio.to_thread(self.planner, spec)
             with rp:
                 key = rp.key

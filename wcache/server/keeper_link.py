@@ -6,6 +6,7 @@ starts, and deposit everything again when the keeper has restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -76,22 +77,29 @@ def _reply(frame: Frame, cls: type[_F], fds: list[int] | None = None) -> _F:
 
 
 class CommitRecord:
-    """``<socket>.deposits``: the generation of each deposit committed on this socket that a keeper may hold an
-    older generation of (docs/reliability.md, "a kept deposit older than the last COMMIT"). A daemon with a keeper
+    """``<socket>.deposits``: the generation of each deposit committed on this socket whose older generations a
+    keeper or the host tier may still hold (docs/reliability.md, "The commit record"). A daemon with a keeper
     writes a deposit's generation here before it offers it to the keeper (KEEP) and removes it once the keeper
-    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that shows it): while the keeper does not
-    answer — stopped, hung — a COMMIT's generation stays here, across a crash of the daemon. A daemon without a
-    keeper writes every COMMIT's generation here (no keeper settles it): a keeper the socket's daemons used before
-    may still hold an older deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another
-    generation instead of serving bytes older than the last COMMIT. The file exists only while such an entry
-    does; JSON ``{"format", "keys": {key id: generation}, "damaged"?}``, replaced atomically. It holds at most
-    ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe keys
-    settles none) gives up the entries and marks the record damaged instead, the conservative side: every kept
-    deposit is then stale at the next RECLAIM, none served on a record that forgot its key.
+    holds it or holds nothing of its key (KEEP, UNKEEP, or a RECLAIM that shows it) and the host tier holds nothing
+    older (``pending``: the COMMIT's tombstone not yet written): while the keeper does not answer — stopped, hung —
+    a COMMIT's generation stays here, across a crash of the daemon. A daemon without a keeper writes every COMMIT's
+    generation here (no keeper settles it): a keeper the socket's daemons used before may still hold an older
+    deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another generation instead of
+    serving bytes older than the last COMMIT, and a host-tier restore of a key the record names takes that
+    generation only. JSON ``{"format", "keys": {key id: generation}, "damaged"?, "partial"?}``, written to a
+    temporary file of the writer's own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds
+    at most ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe
+    keys settles none) gives up the other entries and marks the record damaged instead, the conservative side.
 
     A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
     (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
-    acted on it (``reset``): a COMMIT meanwhile must not turn it into a record that vouches for the others."""
+    acted on it (``reclaimed``): a COMMIT meanwhile must not turn it into a record that vouches for the others.
+    Such a record is also ``partial`` for good: it may have lost the entry of a COMMIT whose host-tier tombstone
+    a crash prevented, so a key it does not name is not restored from the tier; the entries it records from then
+    on vouch for their keys and are kept (not settled).
+
+    After a TAKEOVER the socket's record is the new daemon's: ``hand_over`` makes this process write nothing
+    more (its entries in memory know nothing of the new daemon's COMMITs)."""
 
     FORMAT = "wcache-deposits/1"
     #: keys recorded at most (~100 bytes each in the file)
@@ -103,13 +111,21 @@ class CommitRecord:
         #: whether the record names the last generation of every key (False: unreadable, damaged or full),
         #: else every kept deposit is stale at RECLAIM
         self.known = True
+        #: whether the record lost entries once (unreadable, damaged or full): a key it does not name may have a
+        #: COMMIT it forgot, so the host tier restores only the keys it names (their generation)
+        self.partial = False
+        #: whether a COMMIT of the key is not settled in the host tier yet (its tombstone not written): its entry
+        #: stays though the keeper holds it (the daemon sets this: ``Store.superseding``)
+        self.pending: Callable[[WeightCacheKey], bool] = lambda key: False
+        self._handed_over = False
+        self._remove_dead_temporaries()
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             return
         except OSError as exc:
             log.warning("%s unreadable (%s): every kept deposit will be dropped", path, exc)
-            self.known = False
+            self.known, self.partial = False, True
             return
         try:
             doc = json.loads(raw)
@@ -118,11 +134,13 @@ class CommitRecord:
                 raise ValueError(f"not a {self.FORMAT} record")
         except (ValueError, AttributeError, KeyError) as exc:
             log.warning("%s is damaged (%s): every kept deposit will be dropped", path, exc)
-            self.known = False
+            self.known, self.partial = False, True
             return
         self.keys = {str(k): v for k, v in keys.items()}
         if doc.get("damaged"):
             self.known = False  # an earlier daemon found it damaged; no RECLAIM has acted on it since
+        if doc.get("damaged") or doc.get("partial"):
+            self.partial = True
 
     @staticmethod
     def key_id(key: WeightCacheKey) -> str:
@@ -144,52 +162,114 @@ class CommitRecord:
             )
         return None
 
+    def restorable(self, key: WeightCacheKey) -> tuple[bool, str | None]:
+        """Whether the host tier may restore ``key``, and the generation it must be (None: whichever it holds —
+        a key this intact record does not name was not committed on this socket since its tier tombstone, or
+        another socket's deposit in a shared tier). A partial record vouches only for the keys it names."""
+        recorded = self.keys.get(self.key_id(key))
+        if recorded is not None:
+            return True, recorded
+        return not self.partial and self.known, None
+
     def committed(self, key: WeightCacheKey, generation: str) -> None:
         """Before ``generation`` of ``key`` is offered to the keeper: from now on no other one may be served."""
         kid = self.key_id(key)
-        if self.keys.get(kid) == generation:
+        if self.keys.get(kid) == generation or self._handed_over:
             return
         if kid not in self.keys and len(self.keys) >= self.MAX_KEYS:
             log.warning(
                 "%s holds %d keys, its most: every deposit a keeper holds for this socket will be dropped at its "
-                "next reclaim instead of recording more",
+                "next reclaim, and the host tier restores only deposits committed from now on, instead of "
+                "recording more",
                 self.path,
                 len(self.keys),
             )
-            self.keys, self.known = {}, False
-        elif self.known:
-            self.keys[kid] = generation
-        else:
-            return  # damaged or full: no entry can make a kept deposit less stale than it already is
+            self.keys, self.known, self.partial = {}, False, True
+        self.keys[kid] = generation
         self._write()
 
     def settled(self, key: WeightCacheKey) -> None:
-        """The keeper holds ``key``'s recorded generation, or nothing of the key."""
+        """The keeper holds ``key``'s recorded generation, or nothing of the key: its entry goes, unless the host
+        tier may still hold an older generation (``pending``) or the record is partial (the entry vouches for the
+        key's tier restore)."""
+        if self.partial or self.pending(key):
+            return
         if self.keys.pop(self.key_id(key), None) is not None:
             self._write()
 
-    def reset(self, keys: dict[str, str], *, known: bool = True) -> None:
-        """After a RECLAIM: the entries still unsettled (``keys``), the file rewritten (or removed). ``known``
-        False keeps a damaged record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm
-        may still be held, and nothing says which generation of its key is the last."""
+    def reclaimed(self, held: set[str], *, known: bool) -> None:
+        """After a RECLAIM: the keeper holds the recorded generation of the keys ``held`` (key ids; the host tier,
+        where there is one, records that generation or none), whose entries go unless the record is partial; every
+        other entry stays (it still guards the host tier's restore of its key). ``known`` False keeps a damaged
+        record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm may still be held, and
+        nothing says which generation of its key is the last."""
+        keys = dict(self.keys) if self.partial else {i: g for i, g in self.keys.items() if i not in held}
         if keys != self.keys or known != self.known:
-            self.keys, self.known = dict(keys), known
+            self.keys, self.known = keys, known
             self._write()
 
-    def _write(self) -> None:
-        """Replace the file atomically (removed when empty). A failure is logged, not raised: the entries stay
-        in memory and the next change writes them again."""
+    def hand_over(self) -> None:
+        """A TAKEOVER is done: the new daemon writes the record from now on; this process writes nothing more."""
+        self._handed_over = True
+
+    def _temporary(self, pid: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{pid}.tmp")
+
+    def _remove_dead_temporaries(self) -> None:
+        """Remove the temporary files that writers which died mid-write left (``<name>.<pid>.tmp``); a live
+        process's are left."""
+        prefix = self.path.name + "."
         try:
-            if not self.keys and self.known:
+            names = os.listdir(self.path.parent)
+        except OSError:
+            return
+        for name in names:
+            pid_text = name[len(prefix) : -len(".tmp")]
+            if not (name.startswith(prefix) and name.endswith(".tmp") and pid_text.isdigit()):
+                continue
+            pid = int(pid_text)
+            if pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, 0)
+                continue  # alive (or not ours to signal: EPERM): its write may be in progress
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(self.path.parent / name)
+
+    def _write(self) -> None:
+        """Replace the file atomically (removed when it records nothing), through this process's own temporary
+        file, created exclusively: two processes writing at once (the old daemon and the new one around a
+        TAKEOVER) never write into one file. A failure is logged, not raised: the entries stay in memory and the
+        next change writes them again."""
+        if self._handed_over:
+            return
+        tmp = self._temporary(os.getpid())
+        try:
+            if not self.keys and self.known and not self.partial:
                 self.path.unlink(missing_ok=True)
                 return
             doc: dict[str, object] = {"format": self.FORMAT, "keys": self.keys}
             if not self.known:
                 doc["damaged"] = True
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+            if self.partial:
+                doc["partial"] = True
+            data = (json.dumps(doc, sort_keys=True) + "\n").encode()
+            tmp.unlink(missing_ok=True)  # this process's own, from a write that failed before its rename
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             log.warning(
                 "%s not written (%s): a crash before the keeper holds the last deposits (%d) could bring back older ones",
                 self.path,
@@ -219,6 +299,8 @@ class KeeperLink:
         self._lock = asyncio.Lock()
         #: the deposits committed that the keeper may not hold yet (a file beside the socket, read at start)
         self.record = CommitRecord(Path(f"{owner}.deposits"))
+        #: a TAKEOVER is done: the keeper's entries for this socket are the new daemon's (``hand_over``)
+        self._handed_over = False
 
     async def reclaim(self) -> tuple[Reclaimed, list[int]]:
         """What the keeper holds for this daemon (the caller adopts the models and then calls ``reclaimed``)."""
@@ -227,6 +309,13 @@ class KeeperLink:
         )
         self._keeper_now = self._reclaimed_from
         return state, fds
+
+    def hand_over(self) -> None:
+        """A TAKEOVER is done: the socket, its keeper entries and its record are the new daemon's. This process
+        asks the keeper nothing more (a KEEP or UNKEEP from it would change what the new daemon's keeper holds,
+        or is refused once its lock is gone) and writes no record; work queued on the lock finds this and ends."""
+        self._handed_over = True
+        self.record.hand_over()
 
     def reclaimed(self, models: Sequence[ServedModel]) -> None:
         for m in models:
@@ -245,8 +334,8 @@ class KeeperLink:
         a slab meanwhile and the next deposit's memfd gets its number, and the keeper held that deposit's bytes
         (or its writable slab) under this model's key and generation, which a daemon restarted after a crash
         served (docs/reliability.md, "a KEEP racing an evict")."""
-        if not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued after, settles it)
-            return "closed"  # and records nothing: a later COMMIT of the key may have recorded (and settled) its own
+        if self._handed_over or not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued
+            return "closed"  # after, settles it), or handed over with the socket  # and records nothing: a later COMMIT of the key may have recorded (and settled) its own
         if model.generation:  # a deposit: its generation on disk before the keeper may hold it or an older one
             self.record.committed(model.key, model.generation)
         own: list[int] = []
@@ -309,8 +398,8 @@ class KeeperLink:
         the last ``check`` found unreachable: ``check`` keeps the deposit once the keeper answers, and until then
         the record stops the older generation the keeper holds from being served after a crash."""
         async with self._lock:
-            if model.closed:  # replaced or evicted while this waited for the lock: the newer one's COMMIT records
-                return
+            if model.closed or self._handed_over:  # replaced or evicted while this waited for the lock: the newer
+                return  # one's COMMIT records; or handed over: the new daemon keeps it (its ``check``)
             if self._unreachable:
                 self.record.committed(model.key, model.generation)
                 self.kept_in.pop(model.key, None)  # the keeper holds an older one, if any: ``check`` keeps this one
@@ -331,7 +420,10 @@ class KeeperLink:
             return await self._unkeep_key(key) == "gone"
 
     async def _unkeep_key(self, key: WeightCacheKey) -> str:
-        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable"."""
+        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable" (also after
+        a hand-off: the key is the new daemon's to withdraw)."""
+        if self._handed_over:
+            return "unreachable"
         self.kept_in.pop(key, None)
         self._skip.pop(key, None)
         try:
@@ -366,6 +458,8 @@ class KeeperLink:
         running does not hold (it restarted, or was not running when the model was loaded). One
         handshake when nothing is missing."""
         async with self._lock:
+            if self._handed_over:
+                return
             try:
                 async with asyncio.timeout(10.0):
                     ch, hello = await connect(

@@ -145,12 +145,13 @@ def admit(
         for fd in fds:
             os.close(fd)
     unconfirmed = asyncio.run(_unkeep_all(link, [k for k, _ in rejected])) if rejected else 0
-    # what the keeper holds is known now: the record keeps only the drops it did not confirm — and a damaged
-    # record stays damaged while one is unconfirmed (it names no generation that would make that deposit stale)
-    dropped = {link.record.key_id(k) for k, _ in rejected}
-    link.record.reset(
-        {i: g for i, g in link.record.keys.items() if i in dropped}, known=link.record.known or not unconfirmed
-    )
+    # what the keeper holds is known now: the entries of the deposits served from it may go (it holds their
+    # recorded generation, and the tier records that one or none); every other entry stays — a key the keeper
+    # holds nothing of may still have an older generation in the host tier, which its entry keeps from being
+    # restored — and a damaged record stays damaged while a drop is unconfirmed (it names no generation that
+    # would make that deposit stale)
+    held = {link.record.key_id(m.key) for m in served if isinstance(m.key, RecipeKey)}
+    link.record.reclaimed(held, known=link.record.known or not unconfirmed)
     return served, len(rejected)
 
 

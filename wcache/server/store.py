@@ -528,6 +528,10 @@ class Store:
             del self._superseding[key]
         self._forget_generation(key)
 
+    def superseding(self, key: WeightCacheKey) -> bool:
+        """Whether a commit of ``key`` is not settled yet: the host tier may still hold an older generation."""
+        return bool(self._superseding.get(key))
+
     def _forget_generation(self, key: WeightCacheKey) -> None:
         if key not in self.restoring and not self._superseding.get(key):
             self.generations.pop(key, None)
