@@ -645,6 +645,55 @@ def test_a_fills_deadline_follows_the_cap_its_source_announces() -> None:
     assert err.value.details["reason"] == "deadline"
 
 
+def test_a_grants_stall_deadline_is_at_most_twice_the_fill_timeout() -> None:
+    """Each grant must come within ``--fill-timeout`` plus its turn behind the other fills' grants (two grants of
+    each of the offer's ``max_fills``), the turn at most ``--fill-timeout``: an honest source sharing its cap among
+    64 fills gets its whole turn; an offer announcing a million fills, or a cap so slow that one grant is seconds
+    of it, gets no more than twice ``--fill-timeout``. Before, the turn followed the offer unbounded: an hour."""
+    from wcache.proto.examples import EXAMPLES
+    from wcache.proto.fleet_frames import PeerOffer
+
+    example = EXAMPLES["PEER_OFFER"]
+    assert isinstance(example, PeerOffer)
+    cfg = _cfg([1], timeout=30.0)
+    gb = 10**9
+
+    def stall(max_rate: int, max_fills: int, nbytes: int = gb) -> float:
+        offer = dataclasses.replace(example, max_rate=max_rate, max_fills=max_fills)
+        return deadline_for("a", nbytes, nbytes, offer, cfg).stall
+
+    assert stall(20 * 10**6, 64) == pytest.approx(30 + 2 * 64 * GRANT_SECONDS)  # 10 ms grains, 64 fills
+    assert stall(20 * 10**6, 10**6) == pytest.approx(2 * 30)
+    assert stall(300_000, 10**6, 10**9 // 4) == pytest.approx(2 * 30)  # a 64 KiB grain is 0.2 s of this cap
+    assert stall(300_000, 1, 10**9 // 4) == pytest.approx(30 + 2 * MIN_GRANT / 300_000)
+    short = _cfg([1], timeout=0.5)
+    offer = dataclasses.replace(example, max_rate=20 * 10**6, max_fills=10**6)
+    assert deadline_for("a", gb, gb, offer, short).stall == pytest.approx(1.0)
+
+
+async def test_a_source_announcing_many_fills_that_stops_granting_fails_the_fill_soon(
+    ckpt: Path, agent: AgentProcess
+) -> None:
+    """A capped source whose offer announces a million fills sharing its cap, and that stops granting: the fill
+    fails within twice ``--fill-timeout`` (reason ``deadline``), not after the hour its announced turn behind a
+    million fills' grants would have given it (the fill, and a daemon's PRELOAD lock, held all that time)."""
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 4, max_fills=10**6)
+    _never_grant(svc)
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                t0 = time.monotonic()
+                with pytest.raises(FillError) as err:
+                    await asyncio.wait_for(_fill(rp, agent, _cfg([port], timeout=0.5, min_rate=1 << 40)), 30)
+                assert time.monotonic() - t0 < 8  # the stall (1 s) and the RELEASE the source never answers (2 s)
+        assert err.value.details["reason"] == "deadline" and "no grant" in err.value.message
+    finally:
+        svc.close()
+        svc.store.close()
+
+
 async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: AgentProcess) -> None:
     """One PEER_READ of 2**50 bytes from a peer of a capped source booked the cap's clock for years: no other peer
     got a grant again. A capped source grants at most its grain per read (a hundredth of a second of its rate, at
