@@ -25,7 +25,7 @@ from tests.server.test_tier_generations import _until
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import KeyMismatchError
 from wcache.plan.key import RankSpec
-from wcache.plan.rank import RankPlan
+from wcache.plan.rank import RankPlan, plan_rank
 from wcache.proto.fleet_frames import PeerRead
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
@@ -43,11 +43,17 @@ FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
 @contextlib.asynccontextmanager
 async def target(
-    socket_dir: Path, cfg: FillConfig, *, tier: HostTier | None = None, spec: str = "", **kw: Any
+    socket_dir: Path,
+    cfg: FillConfig,
+    *,
+    tier: HostTier | None = None,
+    spec: str = "",
+    budget: int | None = None,
+    **kw: Any,
 ) -> AsyncIterator[Daemon]:
     """A daemon holding nothing, filling from ``cfg``'s peers (its PeerFill) and loading from disk after."""
     backend = HostBackend()
-    store = Store(backend)
+    store = Store(backend, budget=budget)
 
     def loader(rp: RankPlan) -> ServedModel:
         return load_model(rp, backend=backend, threads=2, tier=tier)
@@ -140,6 +146,26 @@ async def test_a_transformed_key_is_filled_byte_for_byte(ckpt: Path, socket_dir:
         (m,) = d.store.models.values()
         assert m.key.to_wire() == done.key and m.origin == f"peer 127.0.0.1:{ports[0]}"
         assert _bytes(m) == want and "model.layers.0.self_attn.qkv_proj.weight" in m.table.names
+
+
+async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_disk_within_the_budget(
+    ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """A peer offers a slab under exactly the transformed key four times the size of the rank's planned layout (a
+    hostile fleet member, or a transform that lays it out larger): the PRELOAD made room for the plan only, so the
+    fill is refused (reason ``room``) and the rank loads from disk, within ``--memory-budget`` (the plan's size).
+    Before, the offer sized the slab: the daemon served four times its budget."""
+    with plan_rank(RankSpec(ckpt, transform=FUSE)) as rp:
+        key, planned = rp.key, rp.layout.total_bytes
+    shape = dataclasses.replace(TINY, layers=TINY.layers * 4)
+    big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
+    offered = dataclasses.replace(big, key=key)  # the source's store closes it
+    assert offered.slab_bytes > 2 * planned
+    async with peer(offered) as (_, port), target(socket_dir, _cfg([port]), budget=planned) as d:
+        await WCacheClient(d.socket_path).preload(RankSpec(ckpt, transform=FUSE), timeout=60)
+        assert _origins(d) == {key.short(): "disk"}
+        assert d.store.resident_bytes <= planned
+        assert d.metrics.fills[("failed", "room")] == 1
 
 
 async def test_a_recipe_key_asked_for_at_once_is_filled_once(ckpt: Path, socket_dir: Path) -> None:

@@ -486,6 +486,17 @@ class Filled:
         return "", self.model.stats.bytes_read, self.model.stats.seconds
 
 
+def _within_plan(planned: int, size: int) -> None:
+    """``fill``'s ``room`` for a transformed rank (``PeerFill.rank``): the caller made room for the ``planned``
+    bytes of its layout, and no more; OutOfMemoryError for an offered slab larger than that."""
+    if size > planned:
+        raise OutOfMemoryError(
+            f"the offered slab is larger than the {planned} bytes of the rank's planned layout, the room this "
+            "daemon made for it",
+            details={"needed": size, "planned": planned},
+        )
+
+
 def _agent_name() -> str:
     return f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
 
@@ -520,8 +531,13 @@ class PeerFill:
     def rank(self, rp: RankPlan, then: str = "loading from disk") -> Filled:
         """The rank ``rp`` plans: resharded from any layout the peers hold (an untransformed key, planned and
         verified from ``rp``'s headers), or byte for byte from a slab under exactly its key (a load-time
-        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make."""
-        filled = self._run(rp.key, None if rp.spec.transform else rp, None, then)
+        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make, and a
+        fill holds no more: an offered slab under the transformed key larger than the planned layout is refused
+        (reason ``room``; the disk path), as its size is the peer's word. Before, the offer sized the slab, and a
+        peer offering four times the plan had the daemon serve four times its ``--memory-budget``."""
+        transformed = bool(rp.spec.transform)
+        room = functools.partial(_within_plan, rp.layout.total_bytes) if transformed else None
+        filled = self._run(rp.key, None if transformed else rp, room, then)
         if filled.model is not None:
             filled.model.source = rp.spec.checkpoint
             filled.model.facts = rp.facts  # its local files give its key, as for a disk load (§4.3.1)
