@@ -23,7 +23,7 @@ from tests.server.deposit_engine import recipe_key
 from tests.server.test_fill import NONE, _bytes, _cfg, _listening, _load, _memfds, sources
 from tests.server.test_tier_generations import _until
 from wcache import WCacheClient, WeightCacheKey
-from wcache.errors import KeyMismatchError
+from wcache.errors import KeyMismatchError, OutOfMemoryError
 from wcache.plan.key import RankSpec
 from wcache.plan.rank import RankPlan, plan_rank
 from wcache.proto.fleet_frames import PeerRead
@@ -216,6 +216,43 @@ async def test_a_recipe_key_is_filled_from_one_peer_not_striped_across_deposits(
             got = _bytes(d.store.models[recipe])
             assert got in (_bytes(a), _bytes(b))
     other.close()
+
+
+async def test_a_recipe_keys_fill_holds_its_room_against_a_deposit_meanwhile(ckpt: Path, socket_dir: Path) -> None:
+    """A GET_STATE of a recipe key fills it from a peer into room made once the offer says its size; that room is
+    held against ``--memory-budget`` until the model is served, so a deposit while the fill READs (the budget:
+    the filled slab and half a deposit) is OUT_OF_MEMORY, and the store stays within the budget. Before, the room
+    was made and not held: the deposit took it, and the filled model put the store over its budget."""
+    m = _load(ckpt)
+    recipe = recipe_key(m.key)
+    deposit = dataclasses.replace(m, key=recipe, origin="deposit")
+    extra = 1 << 20
+    budget = m.slab_bytes + extra // 2
+    reading, go = asyncio.Event(), asyncio.Event()
+    async with peer(deposit) as (svc, port):
+        original = svc.handle
+
+        async def held(request: Any, fds: list[int], ctx: Any) -> Any:
+            if isinstance(request, PeerRead):  # the target made its room and allocated its slab
+                reading.set()
+                await go.wait()
+            return await original(request, fds, ctx)
+
+        svc.handle = held  # type: ignore[method-assign]
+        async with target(socket_dir, _cfg([port]), budget=budget) as d:
+            client = WCacheClient(d.socket_path)
+            fetch = asyncio.ensure_future(_fetched(client, recipe))
+            try:
+                await asyncio.wait_for(reading.wait(), 30)
+                with pytest.raises(OutOfMemoryError):
+                    await client.deposit(
+                        recipe_key(m.key, postprocess=2), {"w": torch.zeros(extra // 4, dtype=torch.float32)}
+                    )
+            finally:
+                go.set()
+                assert await asyncio.wait_for(fetch, 60) > 0
+            assert _origins(d) == {recipe.short(): f"peer 127.0.0.1:{port}"}
+            assert d.store.resident_bytes + d.store.pending_bytes <= budget and d.store.loading_bytes == 0
 
 
 @contextlib.asynccontextmanager
