@@ -123,3 +123,23 @@ def test_a_peer_file_named_as_the_marker_is_refused_and_nothing_is_written(tmp_p
     with pytest.raises(ValueError, match="stub marker"):
         write_files(node, [_stub_of(_real()), hostile])
     assert not node.exists() or not any(node.iterdir())
+
+
+def test_links_planted_at_the_temporary_names_are_not_followed(tmp_path: Path) -> None:
+    """Symbolic links planted at the temporary names ``write_files`` uses (the marker's ``.wcache-<pid>.tmp``, a
+    file's ``.wcache-<pid>-<i>.tmp``) are replaced, never written through: the files they name are unchanged, and
+    the marker and the stub are written as regular files. The marker's temporary file was written with
+    ``write_text``, which followed the link."""
+    node = tmp_path / "node"
+    node.mkdir()
+    victims = []
+    for name in (f".wcache-{os.getpid()}.tmp", f".wcache-{os.getpid()}-0.tmp"):
+        victim = tmp_path / f"victim-of-{name}"
+        victim.write_bytes(b"untouched")
+        (node / name).symlink_to(victim)
+        victims.append(victim)
+    assert write_files(node, [_stub_of(_real())]) == ["model.safetensors"]
+    assert all(v.read_bytes() == b"untouched" for v in victims)
+    assert sorted(p.name for p in node.iterdir()) == ["model.safetensors", MARKER]
+    assert not (node / MARKER).is_symlink() and not (node / "model.safetensors").is_symlink()
+    assert stub_names(node) == {"model.safetensors"}

@@ -14,6 +14,7 @@ library and wcache's file rules (wcache/files.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -98,7 +99,8 @@ def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
     """Write a source's files into ``root`` (created 0755 if missing; a file already there is left alone) and
     record the stubs in the marker — first, before any stub exists, so that a write cut short (a crash, a full
     disk, a name too long) leaves no stub the marker does not name. Returns the names written. Each file is
-    written to a temporary name and renamed, so an interrupted write leaves no half file under a checkpoint name.
+    written to a temporary name and renamed, so an interrupted write leaves no half file under a checkpoint name;
+    whatever is at a temporary name (a link planted there) is replaced, never followed (``_create``).
     OSError when a file cannot be written (its temporary file removed); ValueError, before anything is written, for
     a file named as the marker (a PeerFile refuses that name; this is the last line of that rule: written over the
     marker, it would unname the stubs, and their zeros would be loaded as weights)."""
@@ -113,12 +115,19 @@ def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
             marker[f.name] = {"size": f.size, "probes": [list(w) for w in windows]}
     if marker:
         tmp = root / f".wcache-{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"stubs": marker}, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, root / MARKER)
+        text = json.dumps({"stubs": marker}, indent=1, sort_keys=True) + "\n"
+        fd = _create(tmp)
+        try:
+            with open(fd, "w", encoding="utf-8") as out:
+                out.write(text)
+            os.replace(tmp, root / MARKER)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     written: list[str] = []
     for i, f in enumerate(todo):
         tmp = root / f".wcache-{os.getpid()}-{i}.tmp"  # short: a checkpoint name may be 255 bytes long itself
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = _create(tmp)
         try:
             try:
                 os.pwrite(fd, f.data, 0)
@@ -133,6 +142,16 @@ def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
             raise
         written.append(f.name)
     return written
+
+
+def _create(path: Path) -> int:
+    """A new file at ``path``, open for writing (0644). Whatever is at the name — a temporary file a crash left
+    (a container's daemon has the same pid at every start), or a symbolic link planted there — is removed, never
+    followed, and the file is created anew (O_EXCL, O_NOFOLLOW): the marker's temporary file was written with
+    ``write_text``, which wrote through a link planted at its name into the file it named."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
 
 def _read_marker(root: Path) -> dict[str, dict[str, object]]:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tests.plan.test_rank import plan_file
 from wcache.errors import CheckpointError, FillError, LimitExceededError, WCacheError
 from wcache.peer_files import MARKER, refuse_stubs, write_files
-from wcache.plan.key import RankSpec
+from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.plan.rank import RankPlan, plan_rank
 from wcache.plan.recipe import RecipeKey
 from wcache.plan.reshard import DEFAULT_CHUNK, Copy
@@ -645,6 +645,55 @@ def test_a_fills_deadline_follows_the_cap_its_source_announces() -> None:
     assert err.value.details["reason"] == "deadline"
 
 
+def test_a_grants_stall_deadline_is_at_most_twice_the_fill_timeout() -> None:
+    """Each grant must come within ``--fill-timeout`` plus its turn behind the other fills' grants (two grants of
+    each of the offer's ``max_fills``), the turn at most ``--fill-timeout``: an honest source sharing its cap among
+    64 fills gets its whole turn; an offer announcing a million fills, or a cap so slow that one grant is seconds
+    of it, gets no more than twice ``--fill-timeout``. Before, the turn followed the offer unbounded: an hour."""
+    from wcache.proto.examples import EXAMPLES
+    from wcache.proto.fleet_frames import PeerOffer
+
+    example = EXAMPLES["PEER_OFFER"]
+    assert isinstance(example, PeerOffer)
+    cfg = _cfg([1], timeout=30.0)
+    gb = 10**9
+
+    def stall(max_rate: int, max_fills: int, nbytes: int = gb) -> float:
+        offer = dataclasses.replace(example, max_rate=max_rate, max_fills=max_fills)
+        return deadline_for("a", nbytes, nbytes, offer, cfg).stall
+
+    assert stall(20 * 10**6, 64) == pytest.approx(30 + 2 * 64 * GRANT_SECONDS)  # 10 ms grains, 64 fills
+    assert stall(20 * 10**6, 10**6) == pytest.approx(2 * 30)
+    assert stall(300_000, 10**6, 10**9 // 4) == pytest.approx(2 * 30)  # a 64 KiB grain is 0.2 s of this cap
+    assert stall(300_000, 1, 10**9 // 4) == pytest.approx(30 + 2 * MIN_GRANT / 300_000)
+    short = _cfg([1], timeout=0.5)
+    offer = dataclasses.replace(example, max_rate=20 * 10**6, max_fills=10**6)
+    assert deadline_for("a", gb, gb, offer, short).stall == pytest.approx(1.0)
+
+
+async def test_a_source_announcing_many_fills_that_stops_granting_fails_the_fill_soon(
+    ckpt: Path, agent: AgentProcess
+) -> None:
+    """A capped source whose offer announces a million fills sharing its cap, and that stops granting: the fill
+    fails within twice ``--fill-timeout`` (reason ``deadline``), not after the hour its announced turn behind a
+    million fills' grants would have given it (the fill, and a daemon's PRELOAD lock, held all that time)."""
+    m = _load(ckpt)
+    size = m.slabs[0].size
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_rate=size // 4, max_fills=10**6)
+    _never_grant(svc)
+    try:
+        async with _listening(svc) as port:
+            with plan_rank(RankSpec(ckpt)) as rp:
+                t0 = time.monotonic()
+                with pytest.raises(FillError) as err:
+                    await asyncio.wait_for(_fill(rp, agent, _cfg([port], timeout=0.5, min_rate=1 << 40)), 30)
+                assert time.monotonic() - t0 < 8  # the stall (1 s) and the RELEASE the source never answers (2 s)
+        assert err.value.details["reason"] == "deadline" and "no grant" in err.value.message
+    finally:
+        svc.close()
+        svc.store.close()
+
+
 async def test_a_read_past_the_slab_is_refused_and_books_nothing_on_the_cap(ckpt: Path, agent: AgentProcess) -> None:
     """One PEER_READ of 2**50 bytes from a peer of a capped source booked the cap's clock for years: no other peer
     got a grant again. A capped source grants at most its grain per read (a hundredth of a second of its rate, at
@@ -790,6 +839,112 @@ async def test_a_silent_peer_holding_a_fill_is_closed_after_its_time_and_frees_i
             nxt.close()
     finally:
         await listener.stop()
+        svc.close()
+        svc.store.close()
+
+
+async def test_a_target_that_keeps_talking_without_reading_loses_its_fill_and_slot(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target that takes a fill lease and never READs, but keeps its connection busy with cheap requests (a
+    PEER_QUERY of a key the source does not hold, answered NOT_FOUND), loses the fill once ``max_fill_seconds``
+    pass without a grant: the lease ends, the slab's hold is released, the one ``--peer-max-fills`` slot serves
+    the next target, a PEER_READ or RELEASE of the ended lease is a non-fatal UNKNOWN_LEASE saying why, and the
+    connection, no longer held, ends at the idle timeout once silent. The idle timeout counts only silence: the
+    fill, the slot and the slab were held for as long as the target talked. (Times scaled down: 0.5 s without
+    progress, the requests every 0.1 s, 2 s idle.)"""
+    from wcache.channel import expect
+    from wcache.errors import NotFoundError, UnknownLeaseError
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery, PeerRead
+    from wcache.server.peer_channel import connect_peer
+    from wcache.server.service import ConnectionLimits
+
+    m = _load(ckpt)
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_fills=1)
+    monkeypatch.setattr(svc, "max_fill_seconds", 0.5)
+    limits = ConnectionLimits(connections=8, handshake_timeout=5.0, idle_timeout=2.0, hold_recheck=0.2)
+    listener = PeerListener(svc, "127.0.0.1", 0, limits=limits)
+    _, port = listener.start()
+    bogus = {**m.key.to_wire(), "fingerprint": "0" * 32}
+    try:
+        chatty, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+        try:
+            await chatty.send(PeerQuery(id=chatty.conn.next_request_id(), key=m.key.to_wire()))
+            offer, _ = await expect(chatty)
+            assert isinstance(offer, PeerOffer) and svc.fills and m.held
+            lease = offer.models[0].lease
+            deadline = time.monotonic() + 10
+            while (svc.fills or m.held) and time.monotonic() < deadline:
+                await chatty.send(PeerQuery(id=chatty.conn.next_request_id(), key=bogus))
+                with pytest.raises(NotFoundError):
+                    await asyncio.wait_for(expect(chatty), 5)
+                await asyncio.sleep(0.1)
+            assert not svc.fills and not m.held  # the lease ended, the slab's hold released
+            await chatty.send(PeerRead(id=chatty.conn.next_request_id(), lease=lease, bytes=1 << 16))
+            with pytest.raises(UnknownLeaseError) as err:
+                await asyncio.wait_for(expect(chatty), 5)
+            assert err.value.details.get("reason") == "no-progress"  # a clear error, and not fatal:
+            await chatty.send(Release(id=chatty.conn.next_request_id(), lease=lease))
+            with pytest.raises(UnknownLeaseError) as err:
+                await asyncio.wait_for(expect(chatty), 5)
+            assert err.value.details.get("reason") == "no-progress"
+            honest, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+            try:
+                await honest.send(PeerQuery(id=1, key=m.key.to_wire()))
+                assert isinstance((await asyncio.wait_for(expect(honest), 5))[0], PeerOffer)  # the slot is free
+            finally:
+                honest.close()
+            with pytest.raises(EOFError):  # holding nothing, the silent connection ends at the idle timeout
+                await asyncio.wait_for(chatty.receive(), 10)
+        finally:
+            chatty.close()
+    finally:
+        await listener.stop()
+        svc.close()
+        svc.store.close()
+
+
+async def test_a_fill_reading_slowly_keeps_every_lease_of_its_connection(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Progress is the connection's: a target granted a PEER_READ every 0.1 s for three times
+    ``max_fill_seconds`` keeps its fill — the lease it reads and the one it does not (a slab whose share of the
+    fill is done, or that the plan did not use, stays held until the fill RELEASEs its leases); once it stops
+    reading, both end ``max_fill_seconds`` later. (Times scaled down: 1 s without progress.)"""
+    from wcache.channel import expect
+    from wcache.errors import NotFoundError
+    from wcache.proto.fleet_frames import PeerOffer, PeerQuery, PeerRead, PeerReadOk
+    from wcache.server.peer_channel import connect_peer
+
+    r0, r1 = _load(ckpt, 0, 2), _load(ckpt, 1, 2)
+    svc = PeerService(Store(HostBackend(), [r0, r1]), NONE, software="wcache/test")
+    monkeypatch.setattr(svc, "max_fill_seconds", 1.0)
+    try:
+        async with _listening(svc) as port:
+            ch, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+            try:
+                want = WeightCacheKey.from_checkpoint(ckpt).to_wire()  # TP=1: both TP=2 ranks fill it
+                await ch.send(PeerQuery(id=ch.conn.next_request_id(), key=want))
+                offer, _ = await expect(ch)
+                assert isinstance(offer, PeerOffer) and len(offer.models) == 2
+                read = offer.models[0].lease
+                until = time.monotonic() + 3 * svc.max_fill_seconds
+                while time.monotonic() < until:
+                    await ch.send(PeerRead(id=ch.conn.next_request_id(), lease=read, bytes=1 << 16))
+                    assert isinstance((await asyncio.wait_for(expect(ch), 5))[0], PeerReadOk)
+                    await asyncio.sleep(0.1)
+                assert set(svc.fills) == {m.lease for m in offer.models} and r0.held and r1.held
+                bogus = {**r0.key.to_wire(), "fingerprint": "0" * 32}
+                deadline = time.monotonic() + 10
+                while svc.fills and time.monotonic() < deadline:  # talking, no longer reading
+                    await ch.send(PeerQuery(id=ch.conn.next_request_id(), key=bogus))
+                    with pytest.raises(NotFoundError):
+                        await asyncio.wait_for(expect(ch), 5)
+                    await asyncio.sleep(0.1)
+                assert not svc.fills and not r0.held and not r1.held
+            finally:
+                ch.close()
+    finally:
         svc.close()
         svc.store.close()
 

@@ -8,6 +8,7 @@ show where the bytes came from."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -288,6 +289,55 @@ def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProce
     (m,) = asyncio.run(WCacheClient(target.socket).status()).models
     assert m.origin == f"peer {peer}"
     assert m.load_seconds >= m.bytes / rate - GRANT_SECONDS  # every grant waited for its bytes (an idle cap lends)
+
+
+async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_disk_at_start(
+    ckpt: Path, tmp_path: Path, daemons: Callable[..., DaemonProcess]
+) -> None:
+    """``--transform`` and ``--memory-budget`` the size of the rank's planned layout; the one peer offers a slab
+    under exactly that key four times as large. The daemon made room for the plan, not the offer: the fill is
+    refused (reason ``room``) and the rank is loaded from disk, served within the budget. Before, the offer sized
+    the filled slab, and the daemon served four times its budget."""
+    from wcache.plan.rank import plan_rank
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
+    from wcache.server.peer import PeerListener, PeerService
+    from wcache.server.peer_auth import PeerSecurity
+    from wcache.server.store import Store
+    from wcache.synthetic import LlamaShape
+
+    transform = "wcache.transforms:vllm_layout"
+    with plan_rank(RankSpec(ckpt, transform=transform)) as rp:
+        key, planned = rp.key, rp.layout.total_bytes
+    shape = LlamaShape(hidden=256, intermediate=688, layers=16, heads=8, kv_heads=4, vocab=4096)
+    big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
+    offered = dataclasses.replace(big, key=key)  # the source's store closes it
+    assert offered.slab_bytes > 2 * planned
+    none = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
+    svc = PeerService(Store(HostBackend(), [offered]), none, software="wcache/test")
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    _, port = listener.start()
+    tport = _free_port()
+    try:
+        d = await asyncio.to_thread(
+            daemons,
+            ckpt,
+            "--transform",
+            transform,
+            "--memory-budget",
+            str(planned),
+            "--fill-from",
+            f"127.0.0.1:{port}",
+            "--metrics-port",
+            str(tport),
+        )
+        (m,) = (await WCacheClient(d.socket).status()).models
+        assert m.origin == "disk" and m.bytes <= planned
+        metrics = await asyncio.to_thread(_metrics, tport)
+        assert 'wcache_fills_total{outcome="failed",reason="room"} 1' in metrics
+    finally:
+        await listener.stop()
+        svc.store.close()
 
 
 def test_without_a_peer_the_daemon_loads_from_disk(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:

@@ -23,9 +23,9 @@ from tests.server.deposit_engine import recipe_key
 from tests.server.test_fill import NONE, _bytes, _cfg, _listening, _load, _memfds, sources
 from tests.server.test_tier_generations import _until
 from wcache import WCacheClient, WeightCacheKey
-from wcache.errors import KeyMismatchError
+from wcache.errors import KeyMismatchError, OutOfMemoryError
 from wcache.plan.key import RankSpec
-from wcache.plan.rank import RankPlan
+from wcache.plan.rank import RankPlan, plan_rank
 from wcache.proto.fleet_frames import PeerRead
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
@@ -43,11 +43,17 @@ FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
 @contextlib.asynccontextmanager
 async def target(
-    socket_dir: Path, cfg: FillConfig, *, tier: HostTier | None = None, spec: str = "", **kw: Any
+    socket_dir: Path,
+    cfg: FillConfig,
+    *,
+    tier: HostTier | None = None,
+    spec: str = "",
+    budget: int | None = None,
+    **kw: Any,
 ) -> AsyncIterator[Daemon]:
     """A daemon holding nothing, filling from ``cfg``'s peers (its PeerFill) and loading from disk after."""
     backend = HostBackend()
-    store = Store(backend)
+    store = Store(backend, budget=budget)
 
     def loader(rp: RankPlan) -> ServedModel:
         return load_model(rp, backend=backend, threads=2, tier=tier)
@@ -142,6 +148,26 @@ async def test_a_transformed_key_is_filled_byte_for_byte(ckpt: Path, socket_dir:
         assert _bytes(m) == want and "model.layers.0.self_attn.qkv_proj.weight" in m.table.names
 
 
+async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_disk_within_the_budget(
+    ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """A peer offers a slab under exactly the transformed key four times the size of the rank's planned layout (a
+    hostile fleet member, or a transform that lays it out larger): the PRELOAD made room for the plan only, so the
+    fill is refused (reason ``room``) and the rank loads from disk, within ``--memory-budget`` (the plan's size).
+    Before, the offer sized the slab: the daemon served four times its budget."""
+    with plan_rank(RankSpec(ckpt, transform=FUSE)) as rp:
+        key, planned = rp.key, rp.layout.total_bytes
+    shape = dataclasses.replace(TINY, layers=TINY.layers * 4)
+    big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
+    offered = dataclasses.replace(big, key=key)  # the source's store closes it
+    assert offered.slab_bytes > 2 * planned
+    async with peer(offered) as (_, port), target(socket_dir, _cfg([port]), budget=planned) as d:
+        await WCacheClient(d.socket_path).preload(RankSpec(ckpt, transform=FUSE), timeout=60)
+        assert _origins(d) == {key.short(): "disk"}
+        assert d.store.resident_bytes <= planned
+        assert d.metrics.fills[("failed", "room")] == 1
+
+
 async def test_a_recipe_key_asked_for_at_once_is_filled_once(ckpt: Path, socket_dir: Path) -> None:
     """A GET_STATE of a recipe key (a deposit) this daemon does not hold fills it from the peer that serves it;
     a second GET_STATE of the key while that fill runs waits for it and shares it: the source served one fill.
@@ -190,6 +216,43 @@ async def test_a_recipe_key_is_filled_from_one_peer_not_striped_across_deposits(
             got = _bytes(d.store.models[recipe])
             assert got in (_bytes(a), _bytes(b))
     other.close()
+
+
+async def test_a_recipe_keys_fill_holds_its_room_against_a_deposit_meanwhile(ckpt: Path, socket_dir: Path) -> None:
+    """A GET_STATE of a recipe key fills it from a peer into room made once the offer says its size; that room is
+    held against ``--memory-budget`` until the model is served, so a deposit while the fill READs (the budget:
+    the filled slab and half a deposit) is OUT_OF_MEMORY, and the store stays within the budget. Before, the room
+    was made and not held: the deposit took it, and the filled model put the store over its budget."""
+    m = _load(ckpt)
+    recipe = recipe_key(m.key)
+    deposit = dataclasses.replace(m, key=recipe, origin="deposit")
+    extra = 1 << 20
+    budget = m.slab_bytes + extra // 2
+    reading, go = asyncio.Event(), asyncio.Event()
+    async with peer(deposit) as (svc, port):
+        original = svc.handle
+
+        async def held(request: Any, fds: list[int], ctx: Any) -> Any:
+            if isinstance(request, PeerRead):  # the target made its room and allocated its slab
+                reading.set()
+                await go.wait()
+            return await original(request, fds, ctx)
+
+        svc.handle = held  # type: ignore[method-assign]
+        async with target(socket_dir, _cfg([port]), budget=budget) as d:
+            client = WCacheClient(d.socket_path)
+            fetch = asyncio.ensure_future(_fetched(client, recipe))
+            try:
+                await asyncio.wait_for(reading.wait(), 30)
+                with pytest.raises(OutOfMemoryError):
+                    await client.deposit(
+                        recipe_key(m.key, postprocess=2), {"w": torch.zeros(extra // 4, dtype=torch.float32)}
+                    )
+            finally:
+                go.set()
+                assert await asyncio.wait_for(fetch, 60) > 0
+            assert _origins(d) == {recipe.short(): f"peer 127.0.0.1:{port}"}
+            assert d.store.resident_bytes + d.store.pending_bytes <= budget and d.store.loading_bytes == 0
 
 
 @contextlib.asynccontextmanager

@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, assert_never, cast
@@ -30,6 +30,7 @@ from wcache.errors import (
     KeyMismatchError,
     LimitExceededError,
     NotFoundError,
+    OutOfMemoryError,
     ProtocolError,
     ShardingError,
     TransformError,
@@ -674,9 +675,9 @@ class Daemon:
                             await self._evicted(evicted, "tier-restore")
                             model = await asyncio.to_thread(restore, entry, key)
                 if model is None and filler is not None:
-                    model = await self._filled(
-                        functools.partial(filler.key, key, self._room_from_thread(), "not served")
-                    )
+                    # the room is held until the model is added, below: no await between
+                    with self._room_from_thread() as room:
+                        model = await self._filled(functools.partial(filler.key, key, room, "not served"))
                     if model is not None and model.source is None:
                         model.source = self.store.source_for(key.to_wire())
                 if model is None:
@@ -713,17 +714,34 @@ class Daemon:
         self.metrics.observe_fill(*filled.outcome)
         return filled.model
 
-    def _room_from_thread(self) -> Callable[[int], None]:
-        """``make_room`` for a fill in a worker thread: run on this loop (the store is the loop's), waited for."""
+    @contextlib.contextmanager
+    def _room_from_thread(self) -> Iterator[Callable[[int], None]]:
+        """``store.loading`` for a fill in a worker thread that learns its size from the offer: the callable it
+        yields runs ``make_room`` on this loop (the store is the loop's), waited for, and holds the bytes against
+        the budget until the block ends (the caller adds the model with no await after it, or the fill failed),
+        so that a deposit or a load meanwhile cannot take the room made for the fill. Before, the room was made
+        and not held: a deposit during the fill took it, and the filled model put the store over its budget."""
         loop = asyncio.get_running_loop()
+        held = 0
+        ended = False
 
         async def room(nbytes: int) -> None:
-            await self._evicted(self.store.make_room(nbytes), "peer-fill")
+            nonlocal held
+            if ended:  # the request the fill was for is gone (cancelled): nothing would release this room
+                raise OutOfMemoryError("the request this fill was for has ended", details={"needed": nbytes})
+            evicted = self.store.make_room(nbytes)
+            self.store.loading_bytes += nbytes
+            held += nbytes
+            await self._evicted(evicted, "peer-fill")
 
         def call(nbytes: int) -> None:
             asyncio.run_coroutine_threadsafe(room(nbytes), loop).result(60.0)
 
-        return call
+        try:
+            yield call
+        finally:
+            ended = True
+            self.store.loading_bytes -= held
 
     def _save_to_tier(self, model: ServedModel) -> None:
         """Copy a committed deposit into the host tier in the background (serving goes on meanwhile)."""

@@ -205,7 +205,15 @@ def deadline_for(addr: str, nbytes: int, total: int, offer: PeerOffer, cfg: Fill
     shared by (ASSUMED_FILLS where the offer does not say): the time the cap needs at worst, but never more than
     ``max_capped_seconds`` (what the offer says is the peer's word: a peer announcing a million fills would hold
     the fill for ever). FillError (reason ``deadline``) up front when the share would take over
-    ``max_capped_seconds`` even at the whole cap."""
+    ``max_capped_seconds`` even at the whole cap.
+
+    Each grant (``stall``) must come within ``--fill-timeout`` plus its turn behind the other fills' grants at the
+    cap (AHEAD grants of each of ``max_fills``), that turn at most ``--fill-timeout`` itself: a stall is never
+    more than twice ``--fill-timeout``, whatever the offer says. Before, the turn followed ``max_fills`` and
+    ``max_rate`` unbounded, up to the whole deadline: a source announcing a million fills that stopped granting
+    held the fill (and a daemon's PRELOAD lock) an hour. The price: an honest source whose grants are shared by
+    so many fills that one waits longer than ``--fill-timeout`` for its turn (at the default 30 s, some 1500 fills
+    at 10 ms grains, some 230 at a 1 MB/s cap's 64 KiB ones) fails fills it would have served."""
     floor = cfg.timeout + total / cfg.min_rate
     terms = f"--fill-timeout {cfg.timeout:g} s + {total} bytes at {cfg.min_rate / 1e6:g} MB/s"
     if offer.max_rate <= 0:
@@ -220,8 +228,10 @@ def deadline_for(addr: str, nbytes: int, total: int, offer: PeerOffer, cfg: Fill
         )
     fills = offer.max_fills or ASSUMED_FILLS
     capped = cfg.timeout + min(alone * fills, cfg.max_capped_seconds)
-    # a grant waits for those asked before it: this fill's AHEAD and as many of each other fill sharing the cap
-    stall = min(capped, cfg.timeout + AHEAD * fills * grant_bytes(offer.max_rate, cfg.chunk) / offer.max_rate)
+    # a grant waits for those asked before it: this fill's AHEAD and as many of each other fill sharing the cap —
+    # at most --fill-timeout of them (the offer's max_fills and max_rate are the peer's word)
+    turn = min(AHEAD * fills * grant_bytes(offer.max_rate, cfg.chunk) / offer.max_rate, cfg.timeout)
+    stall = min(capped, cfg.timeout + turn)
     if capped <= floor:
         return Deadline(floor, stall, f"{terms} ({cap})")
     terms = f"--fill-timeout {cfg.timeout:g} s + {nbytes} bytes at {cap}, shared by up to {fills} fills"
@@ -476,6 +486,17 @@ class Filled:
         return "", self.model.stats.bytes_read, self.model.stats.seconds
 
 
+def _within_plan(planned: int, size: int) -> None:
+    """``fill``'s ``room`` for a transformed rank (``PeerFill.rank``): the caller made room for the ``planned``
+    bytes of its layout, and no more; OutOfMemoryError for an offered slab larger than that."""
+    if size > planned:
+        raise OutOfMemoryError(
+            f"the offered slab is larger than the {planned} bytes of the rank's planned layout, the room this "
+            "daemon made for it",
+            details={"needed": size, "planned": planned},
+        )
+
+
 def _agent_name() -> str:
     return f"wcache-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
 
@@ -510,8 +531,13 @@ class PeerFill:
     def rank(self, rp: RankPlan, then: str = "loading from disk") -> Filled:
         """The rank ``rp`` plans: resharded from any layout the peers hold (an untransformed key, planned and
         verified from ``rp``'s headers), or byte for byte from a slab under exactly its key (a load-time
-        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make."""
-        filled = self._run(rp.key, None if rp.spec.transform else rp, None, then)
+        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make, and a
+        fill holds no more: an offered slab under the transformed key larger than the planned layout is refused
+        (reason ``room``; the disk path), as its size is the peer's word. Before, the offer sized the slab, and a
+        peer offering four times the plan had the daemon serve four times its ``--memory-budget``."""
+        transformed = bool(rp.spec.transform)
+        room = functools.partial(_within_plan, rp.layout.total_bytes) if transformed else None
+        filled = self._run(rp.key, None if transformed else rp, room, then)
         if filled.model is not None:
             filled.model.source = rp.spec.checkpoint
             filled.model.facts = rp.facts  # its local files give its key, as for a disk load (§4.3.1)

@@ -128,11 +128,22 @@ class _Fill:
 class PeerService:
     """The peer channel's handler (the server shell's ``Handler``: ``hello``, ``handle``, ``holds``,
     ``protects``, ``closed``). ``max_fills``: connections holding fills at once; ``max_rate``: bytes/s granted
-    over all of them (0: none)."""
+    over all of them (0: none).
+
+    A fill that makes no progress ends here: once ``max_fill_seconds`` have passed since its offer and since the
+    last PEER_READ granted on its connection, its lease ends, the slab's hold is released and its
+    ``--peer-max-fills`` slot is free (``_expire``, run before every request this source handles, any
+    connection's, and whenever the shell asks ``holds``). The shell's idle timeout counts only silence, so a
+    target that kept sending cheap requests (a PEER_QUERY answered NOT_FOUND) and never a PEER_READ held all of
+    it for as long as it kept talking. The clock is the connection's, not the lease's: a target's fill pulls
+    every lease it uses on a connection at once, but a lease whose share is small (or nothing: the plan used
+    another slab) is done long before the others, and stays held until the whole fill releases its leases;
+    a grant on any lease of the connection shows that the target is reading. A later PEER_READ or RELEASE of an
+    ended lease is a non-fatal UNKNOWN_LEASE saying why (docs/fleet.md, "Bandwidth policy")."""
 
     service = Service.PEER
     holding = "fill"
-    #: a fill older than this no longer pins its connection against the idle timeout (a target that hung)
+    #: a fill whose connection had no PEER_READ granted for this long (nor since its offer) ends (``_expire``)
     max_fill_seconds = 600.0
 
     def __init__(
@@ -164,6 +175,10 @@ class PeerService:
         #: id(slab) -> its registration (one per resident slab)
         self.registered: dict[int, Registration] = {}
         self.fills: dict[int, _Fill] = {}
+        #: connection -> time.monotonic() of the last PEER_READ granted on it (booked or answered)
+        self._progress: dict[int, float] = {}
+        #: lease -> connection of the fills ``_expire`` ended, until that connection RELEASEs them or ends
+        self._expired: dict[int, int] = {}
         self._secret: dict[int, SecretServer] = {}
         self._next_lease = int.from_bytes(os.urandom(4), "big") % (1 << 30) + 1
         #: bytes granted to fills (metrics) and fills served to the end
@@ -179,10 +194,11 @@ class PeerService:
         )
 
     def holds(self, ctx: _Ctx) -> bool:
-        """A connection with a fill in progress is not closed for silence (its target READs meanwhile), for up to
-        ``max_fill_seconds``; then the shell's idle timeout applies (a hung target's holds end with it)."""
-        now = time.monotonic()
-        return any(f.conn == ctx.id and now - f.started < self.max_fill_seconds for f in self.fills.values())
+        """A connection with a fill in progress is not closed for silence (its target READs meanwhile); a fill
+        without progress for ``max_fill_seconds`` ends first (``_expire``), and the shell's idle timeout then
+        applies (a hung target's connection ends with it)."""
+        self._expire()
+        return any(f.conn == ctx.id for f in self.fills.values())
 
     def protects(self) -> Callable[[_Ctx], bool]:
         return lambda ctx: False
@@ -193,6 +209,18 @@ class PeerService:
         self._files_sent(ctx.id, every=True)  # an answer its peer never read: the slot is free again
         for f in [f for f in self.fills.values() if f.conn == ctx.id]:
             self._end(f, "connection closed")
+        self._progress.pop(ctx.id, None)
+        for lease in [lease for lease, conn in self._expired.items() if conn == ctx.id]:
+            del self._expired[lease]
+
+    def _expire(self) -> None:
+        """End every fill that made no progress for ``max_fill_seconds``: none since its offer, and no PEER_READ
+        granted on its connection meanwhile (the class docstring says why the clock is the connection's)."""
+        now = time.monotonic()
+        limit = self.max_fill_seconds
+        for f in [f for f in self.fills.values() if now - max(f.started, self._progress.get(f.conn, 0.0)) >= limit]:
+            self._expired[f.lease] = f.conn
+            self._end(f, f"no PEER_READ granted on its connection for {limit:g} s")
 
     # ------------------------------------------------------------------ registration
     @property
@@ -238,6 +266,7 @@ class PeerService:
 
     # ------------------------------------------------------------------ requests
     async def handle(self, request: Frame, fds: list[int], ctx: _Ctx) -> Frame | Reply:
+        self._expire()  # before anything is counted: a stalled fill's slot is free for this request
         match request:
             case PeerAuth():
                 try:
@@ -349,6 +378,12 @@ class PeerService:
     def _mine(self, lease: int, ctx: _Ctx) -> _Fill:
         f = self.fills.get(lease)
         if f is None or f.conn != ctx.id:
+            if self._expired.get(lease) == ctx.id:
+                raise UnknownLeaseError(
+                    f"lease {lease} ended: no PEER_READ was granted on this connection for {self.max_fill_seconds:g} "
+                    "s; query again",
+                    details={"lease": lease, "reason": "no-progress"},
+                )
             raise UnknownLeaseError(f"lease {lease} is not a fill of this connection")
         return f
 
@@ -374,8 +409,12 @@ class PeerService:
                 details={"bytes": req.bytes, "size": size, "granted": f.granted},
             )
         wait = self.cap.delay(req.bytes)
+        self._progress[ctx.id] = time.monotonic()  # booked: the fill is reading (``_expire``)
         if wait > 0:
             await asyncio.sleep(wait)
+            if self.fills.get(f.lease) is not f:  # ended meanwhile (the daemon stopping)
+                raise UnknownLeaseError(f"lease {req.lease} ended while its grant waited for the cap")
+            self._progress[ctx.id] = time.monotonic()
         f.granted += req.bytes
         self.bytes_served += req.bytes
         if self.metrics is not None:
@@ -383,7 +422,12 @@ class PeerService:
         return PeerReadOk(id=req.id, lease=req.lease, bytes=req.bytes)
 
     def _release(self, req: Release, ctx: _Ctx) -> Released:
-        f = self._mine(req.lease, ctx)
+        try:
+            f = self._mine(req.lease, ctx)
+        except UnknownLeaseError:
+            if self._expired.get(req.lease) == ctx.id:
+                del self._expired[req.lease]  # said once: the target knows now
+            raise
         self._end(f, "released")
         self.fills_done += 1
         left = sum(1 for g in self.fills.values() if g.model is f.model)
@@ -392,6 +436,8 @@ class PeerService:
     def _end(self, f: _Fill, why: str) -> None:
         del self.fills[f.lease]
         f.model.release_hold()
+        if not any(g.conn == f.conn for g in self.fills.values()):
+            self._progress.pop(f.conn, None)  # a later offer on the connection starts its own clock
         secs = time.monotonic() - f.started
         log.info(
             "peer fill ended conn=%d lease=%d key=%s granted=%d seconds=%.2f reason=%s",
