@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -763,6 +764,70 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
                 m.close()
     finally:
         good.close()
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda key: {k: v for k, v in key.items() if k != "fingerprint"},  # an older daemon's key, or a forgery
+        lambda key: {**key, "tp_size": "1"},  # a field of another type
+        lambda key: {**key, "colour": "red"},  # a field the key drops on decoding: its UNKEEP would find nothing
+    ],
+    ids=["a field missing", "a field of another type", "a field the key drops"],
+)
+def test_a_kept_entry_whose_key_does_not_decode_is_dropped_and_the_others_served(
+    spoil: Callable[[dict[str, Any]], dict[str, Any]], model: Path, tmp_path: Path
+) -> None:
+    """Daemon side: RECLAIMED holds an entry whose key map is no key this daemon keeps. ``admit`` decoded each key
+    outside its per-model ``try``, so a key without ``fingerprint`` raised TypeError out of the start-up, on every
+    restart while the keeper held it (docs/protocol.md §4.11: a model that fails is dropped, the others served).
+    Now that entry alone is dropped; an UNKEEP by its own map is tried (here no keeper answers: a log line)."""
+    from wcache.proto import Reclaimed
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
+    from wcache.server.reclaim import admit
+    from wcache.server.startup import adopt
+
+    backend = HostBackend()
+    good = load_model(RankSpec(model), backend=backend)
+    try:
+        fds: list[int] = []
+        descs = good.export(fds)
+        fds = [os.dup(fd) for fd in fds]
+        handed = good.handed(descs)
+        bad, bad_fd = _memfd_model(0)
+        bad = HandedModel(
+            spoil(dict(handed.key)), (SlabDescriptor(size=bad.slabs[0].size, kind="memfd", fd=1),), bad.tensors
+        )
+        state = Reclaimed(id=1, models=(bad, handed), dropped=0)
+        link = kl.KeeperLink(tmp_path / "no-keeper.sock", owner=tmp_path / "d.sock", backend="host", device_uuid="")
+        served, dropped = admit(link, state, [*fds, bad_fd], backend, adopt)
+        try:
+            assert [m.key for m in served] == [good.key] and dropped == 1
+        finally:
+            for m in served:
+                m.close()
+    finally:
+        good.close()
+
+
+async def test_keeper_refuses_a_keep_whose_key_is_no_models_key(keeper: DaemonProcess, socket_dir: Path) -> None:
+    """Keeper side: a KEEP whose key map is no key a daemon keeps (``fingerprint`` missing) was held — and its
+    reply failed on the log line naming it — though no daemon could reclaim it, nor release it by its decoded key.
+    It is refused now (PROTOCOL_ERROR, as a KEEP of a slab the keeper cannot hold), nothing kept; the keeper serves
+    on."""
+    with _holding_lock(socket_dir / "rank0.sock") as owner:
+        m, fd = _memfd_model(0)
+        try:
+            bad = HandedModel({k: v for k, v in m.key.items() if k != "fingerprint"}, m.slabs, m.tensors)
+            with pytest.raises(ProtocolError, match="no model's key"):
+                await kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=bad, fds=[fd])
+            assert (await WCacheClient(keeper.socket).status()).models == ()
+            kept, _ = await kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
+            assert kept.models == 1
+        finally:
+            os.close(fd)
+        await kl.unkeep(keeper.socket, owner=owner, key=m.key)
 
 
 async def test_a_model_served_in_vllms_layout_is_reclaimed_after_a_crash(

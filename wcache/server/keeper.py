@@ -65,7 +65,7 @@ from wcache.errors import (
     RemoteProtocolError,
 )
 from wcache.locks import lock_holder, lock_holders
-from wcache.plan.key import WeightCacheKey
+from wcache.plan.recipe import key_from_wire
 from wcache.proto import (
     DEFAULT_MAX_FRAME_SIZE,
     Connection,
@@ -120,7 +120,24 @@ def _key_id(key: dict[str, str | int]) -> bytes:
 
 
 def _short(key: dict[str, str | int]) -> str:
-    return WeightCacheKey.from_wire(key).short()
+    """A key map for a log line: its short form, or the map itself where it names no key (an UNKEEP of an entry
+    an older daemon kept)."""
+    try:
+        return key_from_wire(dict(key)).short()
+    except Exception:  # a log line never fails the request it reports
+        return str(dict(key))[:200]
+
+
+def _key_problem(key: dict[str, str | int]) -> str | None:
+    """Why a KEEP's key map is no key a daemon keeps (a field missing or of another type, or one the key's form
+    would drop), or None: an entry under it would be reclaimed by no daemon, and released by no UNKEEP of its
+    decoded key."""
+    try:
+        if key_from_wire(dict(key)).to_wire() == dict(key):
+            return None
+        return "it is not in the form a daemon writes keys (a field the key drops)"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -320,6 +337,9 @@ class Keeper:
 
     def _keep(self, req: Keep, fds: list[int], pid: int) -> Kept:
         self._authorise(req.owner, pid, "KEEP")
+        problem = _key_problem(req.model.key)
+        if problem is not None:
+            raise RemoteProtocolError(f"KEEP: its key is no model's key ({problem}); nothing kept")
         for desc in req.model.slabs:
             problem = slab_problem(req.backend, desc, fds[desc.fd])
             if problem is not None:

@@ -56,7 +56,7 @@ from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.proto import DTYPE_SIZES, HandedModel, Reclaimed
 from wcache.proto.table import tensor_extent
 from wcache.server.backends.base import Backend, Slab
-from wcache.server.keeper_link import KeeperLink
+from wcache.server.keeper_link import KeeperLink, unkeep
 from wcache.server.loader import torch_dtype
 from wcache.server.reads import placement_extents
 from wcache.server.store import ServedModel
@@ -105,12 +105,16 @@ def admit(
     says nothing older may be served)."""
     served: list[ServedModel] = []
     rejected: list[tuple[WeightCacheKey, str]] = []
+    undecodable: list[dict[str, str | int]] = []
     used: set[int] = set()
     try:
         for hm in state.models:
             mine = [s.fd for s in hm.slabs]
             used.update(mine)
-            key = key_from_wire(dict(hm.key))  # a deposit keeps its recipe key (docs/protocol.md §4.13)
+            key = _decoded(hm.key)  # a deposit keeps its recipe key (docs/protocol.md §4.13)
+            if key is None:  # no key this daemon would have kept: dropped by its map, the others served
+                undecodable.append(dict(hm.key))
+                continue
             sub = replace(hm, slabs=tuple(replace(s, fd=i) for i, s in enumerate(hm.slabs)))
             try:
                 (model,) = adopt((sub,), [os.dup(fds[i]) for i in mine], backend)
@@ -145,6 +149,8 @@ def admit(
         for fd in fds:
             os.close(fd)
     unconfirmed = asyncio.run(_unkeep_all(link, [k for k, _ in rejected])) if rejected else 0
+    if undecodable:
+        asyncio.run(_unkeep_maps(link, undecodable))
     # what the keeper holds is known now: the entries of the deposits served from it may go (it holds their
     # recorded generation, and the tier records that one or none); every other entry stays — a key the keeper
     # holds nothing of may still have an older generation in the host tier, which its entry keeps from being
@@ -152,7 +158,31 @@ def admit(
     # would make that deposit stale)
     held = {link.record.key_id(m.key) for m in served if isinstance(m.key, RecipeKey)}
     link.record.reclaimed(held, known=link.record.known or not unconfirmed)
-    return served, len(rejected)
+    return served, len(rejected) + len(undecodable)
+
+
+def _decoded(wire: dict[str, str | int]) -> WeightCacheKey | None:
+    """The key a kept entry's map names, or None (one WARNING) for a map no daemon of this version keeps: one that
+    is no key (a field missing or of another type: an older daemon's, or a forged entry) or not the form this
+    daemon writes (a field it would drop on decoding, whose UNKEEP by the decoded key would then not find it)."""
+    try:
+        key = key_from_wire(dict(wire))
+        if key.to_wire() == dict(wire):
+            return key
+        why = "not in the form this daemon keeps keys"
+    except Exception as exc:  # its map is the keeper's word: any failure to decode it drops this entry only
+        why = f"{type(exc).__name__}: {exc}"
+    log.warning("dropping kept entry key=%s: its key does not decode (%s)", str(dict(wire))[:200], why)
+    return None
+
+
+async def _unkeep_maps(link: KeeperLink, maps: Sequence[dict[str, str | int]]) -> None:
+    """UNKEEP each of ``maps`` by the keeper's own key map (entries whose key does not decode)."""
+    for m in maps:
+        try:
+            await unkeep(link.path, owner=link.owner, key=m)
+        except (WCacheError, OSError) as exc:
+            log.warning("keeper %s did not confirm dropping an entry that does not decode (%s)", link.path, exc)
 
 
 async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey]) -> int:
