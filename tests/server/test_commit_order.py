@@ -11,7 +11,9 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Callable
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,10 @@ from tests.conftest import DaemonProc
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import KeyMismatchError
 from wcache.plan.recipe import RecipeKey
+from wcache.proto.table import TensorEntry, TensorTable
+from wcache.server.keeper_link import CommitRecord
 from wcache.server.process import DaemonProcess
+from wcache.server.tier import HostTier
 
 
 @pytest.fixture
@@ -37,7 +42,7 @@ async def _never_older(d: DaemonProc, key: RecipeKey, older: torch.Tensor) -> No
             got = w["w"].clone()
     except KeyMismatchError:
         return
-    assert not torch.equal(got, older), "the older generation served after a crash, a newer one having been served"
+    assert not torch.equal(got, older), "the older generation served, a newer one having been committed and served"
 
 
 async def test_a_commit_overtaken_in_the_keeper_queue_does_not_make_the_last_deposit_stale(
@@ -179,3 +184,130 @@ async def test_a_deposit_served_before_a_crash_is_not_followed_by_the_tiers_olde
         os.close(lock)
     second = daemon_factory(ckpt, *tier)
     await _never_older(second, key, v1)
+
+
+class _Bytes:
+    """A slab holding ``t``'s bytes, for a ``HostTier.save`` in this process."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.data = t.numpy().tobytes()
+        self.size = len(self.data)
+
+    def save_to(self, fd: int) -> None:
+        os.pwrite(fd, self.data, 0)
+
+
+@asynccontextmanager
+async def _publishing_older(tier_dir: Path, key: RecipeKey, older: torch.Tensor) -> AsyncIterator[HostTier]:
+    """Daemon B of another socket sharing the tier (a ``HostTier`` in this process) committed ``older`` as
+    generation g0 under ``key`` and saves it: inside the block it has checked its tombstone under the directory's
+    lock and is stopped there, holding the lock; at the end of the block it publishes g0 and lets go."""
+    b = HostTier(tier_dir, 1 << 30)
+    b.supersede(key, "g0")
+    reached, gate = threading.Event(), threading.Event()
+    check = b._tombstone_of
+
+    def held(meta: Path, k: WeightCacheKey, generation: str) -> bool:
+        ok = check(meta, k, generation)
+        reached.set()
+        assert gate.wait(60)
+        return ok
+
+    b._tombstone_of = held  # type: ignore[method-assign,assignment]
+    table = TensorTable.from_entries([TensorEntry("w", "float32", tuple(older.shape), (1,), 0, 0)])
+    size = older.numel() * 4
+    save = asyncio.ensure_future(asyncio.to_thread(b.save, key, _Bytes(older), table, {}, size, generation="g0"))  # type: ignore[arg-type]
+    try:
+        assert await asyncio.to_thread(reached.wait, 30)
+        yield b
+    finally:
+        gate.set()
+        published = await asyncio.wait_for(save, 30)
+    assert published  # g0, after the COMMIT of the block: what A must undo
+
+
+async def _until(pred: Callable[[], bool], what: str, tries: int = 1000) -> None:
+    """Poll ``pred`` (every 20 ms, 20 s at most) until it holds."""
+    for _ in range(tries):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_tombstone_another_daemons_publish_held_off_is_written_once_the_lock_frees(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """Daemon B of another socket sharing the host tier checked its tombstone of g0 under the tier's lock and is
+    stopped holding it; daemon A commits v1 meanwhile (its ``supersede`` waits LOCK_WAIT_S for the lock); then B
+    publishes g0. Before, A's ``supersede`` removed the entry unlocked and returned: the tier held g0 after A's
+    COMMIT for good, and a third socket's daemon restored it (and A's own restore too, once its record's entry
+    settled). Now A retries the tombstone under the lock once B lets go, then saves v1 and settles: the tier
+    holds v1, the record's entry goes (the keeper holds v1), every socket serves v1."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    tier_dir = tmp_path / "tier"
+    tier = ("--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    v0, v1 = torch.full((1 << 16,), 0.5), torch.full((1 << 16,), 1.0)
+    a = daemon_factory(ckpt, "--keeper", "--keeper-check", "3600", *tier)
+    record = Path(f"{a.socket}.deposits")
+    client = WCacheClient(a.socket, timeout=60)
+    async with _publishing_older(tier_dir, key, v0) as b:
+        await client.deposit(key, {"w": v1})  # DEPOSITED after LOCK_WAIT_S: B holds the lock
+
+    def settled() -> bool:
+        got = b.generation_of(key)
+        entry = b.lookup(key, generation=got) if got not in (None, "g0") else None
+        return entry is not None and CommitRecord.key_id(key) not in CommitRecord(record).keys
+
+    await _until(settled, "A's tombstone written and v1 saved once the lock freed, its record entry settled")
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    e = daemon_factory(ckpt, *tier, sdir=other)  # a third socket sharing the tier
+    async with await WCacheClient(e.socket, timeout=60).fetch(key, mode="copy") as w:
+        assert torch.equal(w["w"], v1)
+    await client.evict(key)
+    async with await client.fetch(key, mode="copy") as w:
+        assert torch.equal(w["w"], v1)
+    assert [m.origin for m in (await client.status()).models if "engine" in m.key] == ["tier"]
+
+
+async def test_an_eviction_while_the_tombstone_is_held_off_restores_nothing_older(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """As above, and A evicts the key as soon as B has published g0 and asks for it again. Before, A's commit was
+    settled (the keeper's KEEP removed its record entry) and the restore took whatever the tier held: g0, older
+    than v1 which A had committed and served. Now the commit stays unsettled until the tombstone is written under
+    the lock: the restore takes v1's generation only, so the key is absent (or v1), never g0."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    tier_dir = tmp_path / "tier"
+    v0, v1 = torch.full((1 << 16,), 0.5), torch.full((1 << 16,), 1.0)
+    a = daemon_factory(
+        ckpt, "--keeper", "--keeper-check", "3600", "--host-tier", "1G", "--host-tier-dir", str(tier_dir)
+    )
+    client = WCacheClient(a.socket, timeout=60)
+    async with _publishing_older(tier_dir, key, v0):
+        await client.deposit(key, {"w": v1})
+    await client.evict(key)
+    await _never_older(a, key, v0)
+
+
+async def test_a_daemon_stopped_with_its_tombstone_held_off_leaves_the_entry_that_guards_the_restore(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """A commits v1 while B holds the tier's lock (as above), and is stopped (SIGTERM) before B lets go: its
+    tombstone retry ends with it. B then publishes g0, and the next daemon of A's socket is asked for the key.
+    Before, A's commit was settled and the keeper's KEEP had removed its record entry: the next daemon dropped the
+    kept v1 (the tier records another generation) and restored g0 from the tier. Now A stops at once leaving the
+    entry, which names v1's generation: the key is absent, never g0."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    tier_dir = tmp_path / "tier"
+    args = ("--keeper", "--keeper-check", "3600", "--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    v0, v1 = torch.full((1 << 16,), 0.5), torch.full((1 << 16,), 1.0)
+    a = daemon_factory(ckpt, *args)
+    record = Path(f"{a.socket}.deposits")
+    async with _publishing_older(tier_dir, key, v0):
+        await WCacheClient(a.socket, timeout=60).deposit(key, {"w": v1})
+        assert a.stop(timeout=20) == 0  # the retry cancelled: no wait for the lock
+        assert CommitRecord.key_id(key) in CommitRecord(record).keys
+    second = daemon_factory(ckpt, *args)
+    await _never_older(second, key, v0)

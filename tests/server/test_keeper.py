@@ -956,7 +956,7 @@ def test_a_damaged_record_stays_damaged_while_a_stale_deposits_unkeep_is_unconfi
         def __init__(self, answers: list[bool]) -> None:
             self.answers = answers
 
-        async def drop(self, key: object) -> bool:
+        async def drop(self, key: object, *, settle: bool = True) -> bool:
             return self.answers.pop(0)
 
     assert asyncio.run(reclaim._unkeep_all(Link([True, False, True]), ["a", "b", "c"])) == 1  # type: ignore[arg-type,list-item]

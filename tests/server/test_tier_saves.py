@@ -273,3 +273,66 @@ def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads:
     finally:
         os.close(fd)
         slab.close()
+
+
+def _held_after_its_check(tier: HostTier, reached: threading.Event, gate: threading.Event) -> None:
+    """``tier``'s saves stop right after they checked their tombstone, the directory's lock held, until ``gate``."""
+    check = tier._tombstone_of
+
+    def held(meta: Path, key: WeightCacheKey, generation: str) -> bool:
+        ok = check(meta, key, generation)
+        reached.set()
+        assert gate.wait(30)
+        return ok
+
+    tier._tombstone_of = held  # type: ignore[method-assign]
+
+
+def test_a_supersede_that_cannot_lock_reports_it_and_a_later_one_under_the_lock_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Daemon B (another socket, same directory) saves its deposit of g0: it checked its tombstone under the
+    directory's lock and is stopped there. Daemon A commits g1: its ``supersede`` cannot have the lock. Before, it
+    removed the entry by path, unlocked, and returned as if done (A then took the commit as settled); B went on and
+    published g0 after A's COMMIT, and A's restores, once its record's entry settled, and every other socket's took
+    g0. Now it reports that it did not supersede (the caller keeps the commit unsettled and calls again); the call
+    under the lock then leaves g1's tombstone whatever B published, and a save of g0 never lands after it."""
+    from wcache.server import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "LOCK_WAIT_S", 0.2)
+    a = HostTier(tmp_path / "tier", 1 << 30)
+    b = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    b.supersede(key, "g0")
+    reached, gate = threading.Event(), threading.Event()
+    _held_after_its_check(b, reached, gate)
+    saved: list[bool] = []
+    t = threading.Thread(
+        target=lambda: saved.append(b.save(key, cast("Any", _Slab(0)), _table(), {}, SIZE, generation="g0"))
+    )
+    t.start()
+    try:
+        assert reached.wait(30)
+        assert a.supersede(key, "g1") is False  # B holds the lock: not superseded
+    finally:
+        gate.set()
+        t.join(30)
+    assert saved == [True] and a.generation_of(key) == "g0"  # B published after A's COMMIT: what a retry must undo
+    assert a.supersede(key, "g1", latest=lambda: True)
+    assert a.generation_of(key) == "g1" and a.lookup(key) is None
+    assert not b.save(key, cast("Any", _Slab(0)), _table(), {}, SIZE, generation="g0")  # too late, any time
+    assert a.save(key, cast("Any", _Slab(1)), _table(), {}, SIZE, generation="g1")
+    entry = b.lookup(key)
+    assert entry is not None and entry.generation == "g1" and entry.slab_path.read_bytes() == _Slab(1).data
+
+
+def test_a_supersede_overtaken_by_a_later_commit_writes_nothing(tmp_path: Path) -> None:
+    """A retried tombstone whose commit a later COMMIT of the key superseded meanwhile (``latest`` False under the
+    lock) leaves the later one's tombstone and save in place."""
+    tier = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    tier.supersede(key, "g2")
+    assert tier.save(key, cast("Any", _Slab(2)), _table(), {}, SIZE, generation="g2")
+    assert tier.supersede(key, "g1", latest=lambda: False)
+    entry = tier.lookup(key)
+    assert entry is not None and entry.generation == "g2"

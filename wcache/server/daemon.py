@@ -176,6 +176,8 @@ class Daemon:
         #: fills a slab from a host-tier entry (the loader's threads and staging): deposits come back this way
         self.tier_restore = tier_restore
         self._tier_saves: set[asyncio.Task[None]] = set()
+        #: COMMITs whose host-tier tombstone is retried (``_supersede_later``), cancelled at stop and hand-over
+        self._supersedes: set[asyncio.Task[None]] = set()
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         #: every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord), written before any engine can
@@ -242,8 +244,21 @@ class Daemon:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.socket_path)
                 await self.shell.drain()
+                await self._cancel_supersedes()
                 await self._finish_tier_saves()
         log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
+
+    async def _cancel_supersedes(self) -> None:
+        """A stop ends the tombstone retries: their commits stay unsettled, and ``<socket>.deposits`` keeps their
+        entries, which guard the next daemon's restores of their keys."""
+        tasks = list(self._supersedes)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            log.info(
+                "stopping %s: %d host tier tombstone(s) not written, their record entries kept", self._tag, len(tasks)
+            )
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _finish_tier_saves(self) -> None:
         """A stop waits for the host-tier saves in progress (a deposit committed just before it): the tier is what
@@ -442,9 +457,13 @@ class Daemon:
         # the generation on disk before the first await, i.e. before any engine can lease it: a crash after one
         # was served never brings back an older generation a keeper holds (the next daemon's reclaim drops it)
         self._commits.committed(model.key, model.generation)
-        if self.tier is not None:
-            await asyncio.to_thread(self.tier.supersede, model.key, model.generation)
-        self.store.settled(model.key)  # not reached when the supersede fails: the generation is then kept
+        settled = self.tier is None or await asyncio.to_thread(
+            self.tier.supersede, model.key, model.generation, latest=self._latest(model)
+        )
+        if settled:  # not reached when the supersede raises: the generation is then kept
+            self.store.settled(model.key)
+        else:  # the tier's lock held by another daemon: unsettled (restores take this generation only) until then
+            self._supersede_later(model)
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             await self.keeper.commit(model, old)
@@ -460,7 +479,60 @@ class Daemon:
             old is not None,
             self.store.resident_bytes,
         )
-        return Reply(reply, after=lambda: self._save_to_tier(model))
+        return Reply(reply, after=(lambda: self._save_to_tier(model)) if settled else None)
+
+    def _latest(self, model: ServedModel) -> Callable[[], bool]:
+        """Whether ``model``'s generation is still the last committed under its key here (asked by
+        ``HostTier.supersede`` under the tier's lock, in a worker thread: a read of one dict entry)."""
+        key, generation = model.key, model.generation
+        return lambda: not self._handed_over and self.store.generations.get(key) == generation
+
+    def _supersede_later(self, model: ServedModel) -> None:
+        """The COMMIT of ``model`` could not write its host-tier tombstone (another daemon holds the tier's lock,
+        and may publish an older generation it checked under it before letting go): retried in the background
+        until it is written under the lock, or a later COMMIT of the key supersedes this one. Meanwhile the commit
+        is not settled: this daemon's restores of the key take this generation only, and ``<socket>.deposits``
+        keeps its entry (which guards them across a crash). Then the commit settles and the deposit is saved.
+        Cancelled when the daemon stops or hands over: the record's entry then stays."""
+        tier = self.tier
+        assert tier is not None
+        key, generation = model.key, model.generation
+        latest = self._latest(model)
+        log.warning(
+            "host tier tombstone %s key=%s generation=%s not written (the tier's lock is held): retrying in the "
+            "background, restores of the key take this generation only until then",
+            self._tag,
+            key.short(),
+            generation,
+        )
+
+        wrote = False
+
+        def still() -> bool:  # under the tier's lock: whether the tombstone is written now
+            nonlocal wrote
+            wrote = latest()
+            return wrote
+
+        async def retry() -> None:
+            pause = 0.05
+            while not await asyncio.to_thread(tier.supersede, key, generation, latest=still):
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
+            if self._handed_over:
+                return
+            self.store.settled(key)
+            if not wrote:  # a later COMMIT of the key came first: its tombstone follows (or is written)
+                return
+            log.info("host tier tombstone %s key=%s generation=%s written late", self._tag, key.short(), generation)
+            if model.closed:  # evicted meanwhile: nothing to save, nothing kept
+                return
+            if self.keeper is not None:
+                await self.keeper.settle(model)
+            self._save_to_tier(model)
+
+        task = asyncio.get_running_loop().create_task(retry())
+        self._supersedes.add(task)
+        task.add_done_callback(self._supersedes.discard)
 
     async def _hand_over(self, req: Takeover, ctx: Context) -> Reply:
         """TAKEOVER (docs/protocol.md §4.10): give a new daemon (same uid, same device) every model's slabs and
@@ -558,6 +630,8 @@ class Daemon:
         self._commits.hand_over()
         if self.keeper is not None:
             self.keeper.hand_over()
+        for t in self._supersedes:  # the record's entries guard the new daemon's restores of their keys
+            t.cancel()
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()

@@ -413,15 +413,27 @@ class KeeperLink:
                     return
             await self._keep(model)
 
-    async def drop(self, key: WeightCacheKey) -> bool:
-        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks); whether the keeper
-        confirmed it holds nothing of it now."""
+    async def settle(self, model: ServedModel) -> None:
+        """The host tier holds nothing older than ``model`` now (its COMMIT's tombstone written late): the record's
+        entry of its key goes if the keeper process reached last holds ``model`` (its KEEP, while the tombstone was
+        not written, kept the entry)."""
         async with self._lock:
-            return await self._unkeep_key(key) == "gone"
+            if self._handed_over or model.closed:
+                return
+            if self._keeper_now and self.kept_in.get(model.key) == self._keeper_now:
+                self.record.settled(model.key)
 
-    async def _unkeep_key(self, key: WeightCacheKey) -> str:
-        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now), "refused" or "unreachable" (also after
-        a hand-off: the key is the new daemon's to withdraw)."""
+    async def drop(self, key: WeightCacheKey, *, settle: bool = True) -> bool:
+        """UNKEEP ``key`` (a reclaimed model this daemon will not serve: it failed its checks); whether the keeper
+        confirmed it holds nothing of it now. ``settle`` False: the record's entry of the key stays whatever the
+        keeper answers (the host tier may hold an older generation than the entry's)."""
+        async with self._lock:
+            return await self._unkeep_key(key, settle=settle) == "gone"
+
+    async def _unkeep_key(self, key: WeightCacheKey, *, settle: bool = True) -> str:
+        """UNKEEP ``key``: "gone" (the keeper holds nothing of it now; ``settle``: the record's entry goes unless
+        the host tier may still hold an older generation), "refused" or "unreachable" (also after a hand-off: the
+        key is the new daemon's to withdraw)."""
         if self._handed_over:
             return "unreachable"
         self.kept_in.pop(key, None)
@@ -441,7 +453,8 @@ class KeeperLink:
                 return "refused"
             self._gone()
             return "unreachable"
-        self.record.settled(key)
+        if settle:
+            self.record.settled(key)
         return "gone"
 
     def _gone(self) -> None:

@@ -148,7 +148,7 @@ def admit(
     finally:
         for fd in fds:
             os.close(fd)
-    unconfirmed = asyncio.run(_unkeep_all(link, [k for k, _ in rejected])) if rejected else 0
+    unconfirmed = asyncio.run(_unkeep_all(link, [k for k, _ in rejected], tier)) if rejected else 0
     if undecodable:
         asyncio.run(_unkeep_maps(link, undecodable))
     # what the keeper holds is known now: the entries of the deposits served from it may go (it holds their
@@ -185,9 +185,19 @@ async def _unkeep_maps(link: KeeperLink, maps: Sequence[dict[str, str | int]]) -
             log.warning("keeper %s did not confirm dropping an entry that does not decode (%s)", link.path, exc)
 
 
-async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey]) -> int:
-    """UNKEEP each of ``keys``: how many the keeper did not confirm."""
-    return sum([not await link.drop(key) for key in keys])
+async def _unkeep_all(link: KeeperLink, keys: Sequence[WeightCacheKey], tier: HostTier | None = None) -> int:
+    """UNKEEP each of ``keys``: how many the keeper did not confirm. The record's entry of a key goes with it,
+    unless ``tier`` records another generation of the key than the entry's: the previous daemon's COMMIT of the
+    entry's generation may never have written its tombstone (the tier's lock held by another daemon until it
+    stopped or crashed), and the entry is then what keeps the tier's older generation from being restored."""
+
+    def settle(key: WeightCacheKey) -> bool:
+        if tier is None:
+            return True
+        recorded = link.record.keys.get(link.record.key_id(key))
+        return recorded is None or tier.generation_of(key) in (None, recorded)
+
+    return sum([not await link.drop(key, settle=settle(key)) for key in keys])
 
 
 def _check_generation(model: ServedModel, tier: HostTier) -> Check:

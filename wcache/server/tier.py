@@ -36,7 +36,9 @@ DEPOSITED is sent, and a deposit's save publishes only over its own tombstone; s
 holds for a recipe key the last generation committed (by any daemon sharing the directory)
 or nothing, never an older one, a crash before the save included. A daemon that committed a
 deposit asks for its generation only (``lookup(key, generation=...)``): another generation's
-entry is then absent for it (between its COMMIT and the tombstone, the older one is still there). Checkpoint entries have no generation: their bytes follow from their key.
+entry is then absent for it (between its COMMIT and the tombstone, the older one is still there). The
+tombstone is written under the directory's lock only (``supersede`` says when it could not have it: the caller
+retries). Checkpoint entries have no generation: their bytes follow from their key.
 
 Entries are written to temporary names and renamed (slab first, meta last) under a lock on
 the directory (``flock``, shared by every daemon using it): a present meta means a complete
@@ -610,32 +612,46 @@ class HostTier:
             return
         self._refuse(entry.slab_path, entry.meta_path, why, (entry.meta_inode, entry.inode[1]))
 
-    def supersede(self, key: WeightCacheKey, generation: str) -> None:
+    def supersede(self, key: WeightCacheKey, generation: str, *, latest: Callable[[], bool] | None = None) -> bool:
         """A deposit of ``generation`` was committed under ``key``: from now on the tier holds nothing of the key
-        but that generation's save. Replaces the entry by a tombstone of ``generation`` (the old slab removed);
-        called before DEPOSITED is sent, so that no crash can leave an older deposit to restore. Where the
-        tombstone cannot be written, the entry is removed all the same (a save then finds no tombstone of its
-        generation and publishes nothing: the key is absent, never older)."""
+        but that generation's save. Replaces the entry by a tombstone of ``generation`` (the old slab removed),
+        under the directory's lock; called before DEPOSITED is sent, so that no crash can leave an older deposit to
+        restore. Where the tombstone cannot be written, the entry is removed under the lock all the same (a save
+        then finds no tombstone of its generation and publishes nothing: the key is absent, never older).
+
+        ``latest``, asked under the lock: whether ``generation`` is still the last one the caller committed under
+        the key (False: a later COMMIT's tombstone comes after, nothing is written). True once the tier holds
+        nothing older than ``generation``. False, with nothing changed, where the lock was not had within
+        LOCK_WAIT_S: another daemon of the directory holds it, and may be about to publish an older generation it
+        checked under it, after anything removed now (before, the entry was removed by path and the commit taken
+        as settled: that daemon's older generation then stayed). The caller keeps the commit unsettled (its
+        restores take ``generation`` only) and calls again."""
         slab, meta = self._paths(key)
         tmp = self.dir / f".{meta.stem}.{os.getpid()}.stonetmp"
         try:
             with self._publishing():
+                if latest is not None and not latest():
+                    return True
                 try:
-                    self._write_new(
-                        tmp, _pack_meta({"key": key.to_wire(), "generation": generation, "tombstone": True})
+                    try:
+                        self._write_new(
+                            tmp, _pack_meta({"key": key.to_wire(), "generation": generation, "tombstone": True})
+                        )
+                        os.replace(tmp, meta)
+                    finally:
+                        _unlink(tmp)
+                    self._remove_one(slab, slab)
+                except OSError as exc:
+                    self.remove(slab, meta)
+                    log.warning(
+                        "host tier tombstone for key=%s not written (%s: %s); its entry removed instead",
+                        key.short(),
+                        type(exc).__name__,
+                        exc,
                     )
-                    os.replace(tmp, meta)
-                finally:
-                    _unlink(tmp)
-                self._remove_one(slab, slab)
-        except (OSError, TimeoutError) as exc:
-            self.remove(slab, meta)
-            log.warning(
-                "host tier tombstone for key=%s not written (%s: %s); its entry removed instead",
-                key.short(),
-                type(exc).__name__,
-                exc,
-            )
+                return True
+        except (OSError, TimeoutError):
+            return False
 
     @staticmethod
     def _write_new(path: Path, data: bytes) -> None:
