@@ -717,21 +717,22 @@ class Daemon:
     @contextlib.contextmanager
     def _room_from_thread(self) -> Iterator[Callable[[int], None]]:
         """``store.loading`` for a fill in a worker thread that learns its size from the offer: the callable it
-        yields runs ``make_room`` on this loop (the store is the loop's), waited for, and holds the bytes against
-        the budget until the block ends (the caller adds the model with no await after it, or the fill failed),
-        so that a deposit or a load meanwhile cannot take the room made for the fill. Before, the room was made
-        and not held: a deposit during the fill took it, and the filled model put the store over its budget."""
+        yields runs ``store.hold`` on this loop (the store is the loop's), waited for, and holds the bytes and the
+        model's slot against the budget and the model cap until the block ends (the caller adds the model with no
+        await after it, or the fill failed), so that a deposit or a load meanwhile cannot take the room made for
+        the fill. Before, the room was made and not held: a deposit during the fill took it, and the filled model
+        put the store over its budget."""
         loop = asyncio.get_running_loop()
-        held = 0
+        held = slots = 0
         ended = False
 
         async def room(nbytes: int) -> None:
-            nonlocal held
+            nonlocal held, slots
             if ended:  # the request the fill was for is gone (cancelled): nothing would release this room
                 raise OutOfMemoryError("the request this fill was for has ended", details={"needed": nbytes})
-            evicted = self.store.make_room(nbytes)
-            self.store.loading_bytes += nbytes
+            evicted = self.store.hold(nbytes)
             held += nbytes
+            slots += 1
             await self._evicted(evicted, "peer-fill")
 
         def call(nbytes: int) -> None:
@@ -741,7 +742,7 @@ class Daemon:
             yield call
         finally:
             ended = True
-            self.store.loading_bytes -= held
+            self.store.unhold(held, slots)
 
     def _save_to_tier(self, model: ServedModel) -> None:
         """Copy a committed deposit into the host tier in the background (serving goes on meanwhile)."""
