@@ -119,7 +119,7 @@ async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_d
     key = WeightCacheKey.from_checkpoint(ckpt)
     empty = Store(backend)
     try:
-        async with serving(empty, socket_dir, loader=lambda rp: load_model(rp, backend=backend)) as d:
+        async with serving(empty, socket_dir, loader=lambda rp, room: load_model(rp, backend=backend, room=room)) as d:
             client = WCacheClient(d.socket_path)
             first = await client.preload(RankSpec(ckpt))
             again = await client.preload(RankSpec(ckpt))

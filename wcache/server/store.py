@@ -484,7 +484,7 @@ class Store:
 
     def hold(self, nbytes: int, models: int = 1) -> list[ServedModel]:
         """``make_room``, then hold ``nbytes`` and ``models`` slots for a load in progress until ``unhold``: what
-        ``loading`` does, for a load that learns its size only as it runs (a fill, from the offer)."""
+        ``loading`` does, for a load that learns a size only as it runs (a transform's output, a fill's offer)."""
         victims = self.make_room(nbytes, models)
         self.loading_bytes += nbytes
         self.loading_models += models
