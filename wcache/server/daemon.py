@@ -854,9 +854,12 @@ class Daemon:
     def render_metrics(self) -> str:
         tier = "device" if self.store.backend.name == "cuda" else "host"
         models = list(self.store.models.values())
+        # key.short() leaves fields out (transform, layout, a recipe's): two models can share it, so each sample also
+        # names its whole key by digest, as the host tier names its entry of the key (a label set per model, once)
+        entries = self.tier.entries() if self.tier is not None else []
         return self.metrics.render(
-            resident=[(tier, m.key.short(), m.slab_bytes) for m in models]
-            + [("host_tier", meta.stem, n) for _, meta, n in (self.tier.entries() if self.tier is not None else [])],
+            resident=[(tier, m.key.short(), HostTier.entry_id(m.key), m.slab_bytes) for m in models]
+            + [("host_tier", meta.stem, meta.stem, n) for _, meta, n in entries],
             leases=len(self.store.leases),
             connections=len(self.shell),
             uptime=time.monotonic() - self.started,
