@@ -21,7 +21,8 @@ def parse(text: str) -> dict[str, Metric]:
     HELP and one TYPE line (HELP first), or a TYPE other than counter, gauge or histogram; a sample outside
     its family's block (the parser files it as an untyped family of its own); a counter not named
     ``*_total``, or below zero; a histogram whose buckets do not rise in ``le`` to ``+Inf`` with cumulative
-    counts, whose ``+Inf`` bucket is not its ``_count``, or that has no ``_sum``."""
+    counts, whose ``+Inf`` bucket is not its ``_count``, or that has no ``_sum``; two samples of one name and label
+    set (one series: Prometheus keeps one of them)."""
     if not text.endswith("\n"):
         raise ValueError("the text does not end in a newline")
     declared: dict[str, list[str]] = {}
@@ -45,6 +46,9 @@ def parse(text: str) -> dict[str, Metric]:
         if f.type == "untyped" or name not in kinds or name in families:
             raise ValueError(f"{[s.name for s in f.samples]}: samples outside their family's HELP/TYPE block")
         families[name] = f
+        series = [(s.name, tuple(sorted(s.labels.items()))) for s in f.samples]
+        if len(set(series)) != len(series):
+            raise ValueError(f"{name}: two samples of one series: {sorted(series)}")
         if f.type == "counter" and any(s.value < 0 for s in f.samples):
             raise ValueError(f"{name}: a counter below zero")
         if f.type == "histogram":

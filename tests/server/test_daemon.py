@@ -55,6 +55,7 @@ from wcache.server.daemon import Daemon
 from wcache.server.load import load_model
 from wcache.server.service import ConnectionLimits
 from wcache.server.store import Store
+from wcache.server.tier import HostTier
 
 
 @pytest.fixture
@@ -111,7 +112,8 @@ async def test_get_state_release_and_status(store: Store, socket_dir: Path, ckpt
         assert d.metrics.fetches["zero_copy"] == 1 and d.metrics.releases == 1 and not store.leases
         fam = exposition.parse(d.render_metrics())
         (model,) = store.models.values()
-        assert exposition.value(fam, "wcache_resident_bytes", tier="host", key=key.short()) == model.slab_bytes
+        labels = {"tier": "host", "key": key.short(), "key_id": HostTier.entry_id(key)}
+        assert exposition.value(fam, "wcache_resident_bytes", **labels) == model.slab_bytes
         assert exposition.value(fam, "wcache_fetches_total", mode="zero_copy") == 1
 
 
@@ -119,7 +121,7 @@ async def test_preload_loads_once_and_evict_frees(backend: HostBackend, socket_d
     key = WeightCacheKey.from_checkpoint(ckpt)
     empty = Store(backend)
     try:
-        async with serving(empty, socket_dir, loader=lambda rp: load_model(rp, backend=backend)) as d:
+        async with serving(empty, socket_dir, loader=lambda rp, room: load_model(rp, backend=backend, room=room)) as d:
             client = WCacheClient(d.socket_path)
             first = await client.preload(RankSpec(ckpt))
             again = await client.preload(RankSpec(ckpt))

@@ -294,10 +294,11 @@ def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProce
 async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_disk_at_start(
     ckpt: Path, tmp_path: Path, daemons: Callable[..., DaemonProcess]
 ) -> None:
-    """``--transform`` and ``--memory-budget`` the size of the rank's planned layout; the one peer offers a slab
-    under exactly that key four times as large. The daemon made room for the plan, not the offer: the fill is
-    refused (reason ``room``) and the rank is loaded from disk, served within the budget. Before, the offer sized
-    the filled slab, and the daemon served four times its budget."""
+    """``--transform`` and ``--memory-budget`` twice the size of the rank's planned layout (the loaded slab and the
+    transform's output, the plan's size here, exist at once); the one peer offers a slab under exactly that key four
+    times the plan. The daemon made room for the plan, not the offer: the fill is refused (reason ``room``) and the
+    rank is loaded from disk, served within the plan. Before, the offer sized the filled slab, and the daemon served
+    four times the plan."""
     from wcache.plan.rank import plan_rank
     from wcache.server.backends.host import HostBackend
     from wcache.server.load import load_model
@@ -325,7 +326,7 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_dis
             "--transform",
             transform,
             "--memory-budget",
-            str(planned),
+            str(2 * planned),
             "--fill-from",
             f"127.0.0.1:{port}",
             "--metrics-port",

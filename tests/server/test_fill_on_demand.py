@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import gc
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,8 @@ async def target(
     backend = HostBackend()
     store = Store(backend, budget=budget)
 
-    def loader(rp: RankPlan) -> ServedModel:
-        return load_model(rp, backend=backend, threads=2, tier=tier)
+    def loader(rp: RankPlan, room: Callable[[int], None]) -> ServedModel:
+        return load_model(rp, backend=backend, threads=2, tier=tier, room=room)
 
     def restore(entry: TierEntry, key: WeightCacheKey) -> ServedModel | None:
         assert tier is not None
@@ -153,15 +153,16 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_dis
 ) -> None:
     """A peer offers a slab under exactly the transformed key four times the size of the rank's planned layout (a
     hostile fleet member, or a transform that lays it out larger): the PRELOAD made room for the plan only, so the
-    fill is refused (reason ``room``) and the rank loads from disk, within ``--memory-budget`` (the plan's size).
-    Before, the offer sized the slab: the daemon served four times its budget."""
+    fill is refused (reason ``room``) and the rank loads from disk, within ``--memory-budget`` (twice the plan's
+    size: the loaded slab and the transform's output, the plan's size here, exist at once). Before, the offer sized
+    the slab: the daemon served four times the plan."""
     with plan_rank(RankSpec(ckpt, transform=FUSE)) as rp:
         key, planned = rp.key, rp.layout.total_bytes
     shape = dataclasses.replace(TINY, layers=TINY.layers * 4)
     big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
     offered = dataclasses.replace(big, key=key)  # the source's store closes it
     assert offered.slab_bytes > 2 * planned
-    async with peer(offered) as (_, port), target(socket_dir, _cfg([port]), budget=planned) as d:
+    async with peer(offered) as (_, port), target(socket_dir, _cfg([port]), budget=2 * planned) as d:
         await WCacheClient(d.socket_path).preload(RankSpec(ckpt, transform=FUSE), timeout=60)
         assert _origins(d) == {key.short(): "disk"}
         assert d.store.resident_bytes <= planned

@@ -1,15 +1,23 @@
 """The /metrics text under the reference parser (tests/server/exposition.py): exact values, escaped labels, the
-names and labels dashboards use, and the parser check's own teeth on broken renders."""
+names and labels dashboards use, one series per resident model, and the parser check's own teeth on broken
+renders."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tests.server import exposition
+from wcache.plan.key import RankSpec
 from wcache.server import metrics
+from wcache.server.backends.host import HostBackend
+from wcache.server.daemon import Daemon
+from wcache.server.load import load_model
 from wcache.server.metrics import BUCKETS, Metrics
+from wcache.server.store import Store
+from wcache.server.tier import HostTier
 
 #: a key label with each character the format escapes
 ODD_KEY = 'Llama@ab12 "q"\\tp0\nx'
@@ -30,7 +38,7 @@ def _metrics() -> Metrics:
 
 def _render(m: Metrics, **kw: object) -> str:
     args: dict[str, object] = {
-        "resident": [("host", ODD_KEY, SLAB_BYTES), ("host_tier", "plain", 4096)],
+        "resident": [("host", ODD_KEY, "id1", SLAB_BYTES), ("host_tier", "plain", "plain", 4096)],
         "leases": 3,
         "connections": 2,
         "uptime": 123456.789,
@@ -43,8 +51,8 @@ def _render(m: Metrics, **kw: object) -> str:
 def test_render_parses_with_exact_values_and_escaped_labels() -> None:
     fam = exposition.parse(_render(_metrics()))
     v = exposition.value
-    assert v(fam, "wcache_resident_bytes", tier="host", key=ODD_KEY) == SLAB_BYTES
-    assert v(fam, "wcache_resident_bytes", tier="host_tier", key="plain") == 4096
+    assert v(fam, "wcache_resident_bytes", tier="host", key=ODD_KEY, key_id="id1") == SLAB_BYTES
+    assert v(fam, "wcache_resident_bytes", tier="host_tier", key="plain", key_id="plain") == 4096
     assert v(fam, "wcache_releases_total") == 1_234_567
     assert v(fam, "wcache_uptime_seconds") == 123456.789
     assert v(fam, "wcache_fetches_total", mode="zero_copy") == 4 and v(fam, "wcache_fetches_total", mode="copy") == 1
@@ -61,7 +69,7 @@ def test_the_names_and_labels_dashboards_use_stay() -> None:
     """Every name, kind and label set a dashboard may query (adding metrics is free; renaming is not)."""
     fam = exposition.parse(_render(_metrics()))
     used = {
-        "wcache_resident_bytes": ("gauge", {"tier", "key"}),
+        "wcache_resident_bytes": ("gauge", {"tier", "key", "key_id"}),
         "wcache_leases": ("gauge", set()),
         "wcache_kept_models": ("gauge", set()),
         "wcache_connections": ("gauge", set()),
@@ -85,6 +93,10 @@ def _drop_line(prefix: str) -> Callable[[str], str]:
     return lambda text: "".join(line for line in text.splitlines(keepends=True) if not line.startswith(prefix))
 
 
+def _twice_line(prefix: str) -> Callable[[str], str]:
+    return lambda text: "".join(line * (1 + line.startswith(prefix)) for line in text.splitlines(keepends=True))
+
+
 @pytest.mark.parametrize(
     "breaks",
     [
@@ -97,6 +109,7 @@ def _drop_line(prefix: str) -> Callable[[str], str]:
         pytest.param(lambda t: t.replace("# TYPE wcache_leases gauge", "# TYPE wcache_leases summary"), id="kind"),
         pytest.param(lambda t: t + "wcache_leases 1\n", id="sample-outside-its-block"),
         pytest.param(lambda t: t.rstrip("\n"), id="no-final-newline"),
+        pytest.param(_twice_line('wcache_resident_bytes{tier="host",'), id="one-series-twice"),
     ],
 )
 def test_the_parser_check_refuses_a_broken_render(breaks: Callable[[str], str]) -> None:
@@ -112,3 +125,21 @@ def test_the_parser_check_refuses_unescaped_labels(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(metrics, "_label", lambda v: v)
     with pytest.raises(ValueError):
         exposition.parse(_render(_metrics()))
+
+
+def test_every_resident_model_is_one_series_of_its_own(ckpt: Path, tmp_path: Path) -> None:
+    """A checkpoint and its transformed variant have one ``key`` label (``key.short()`` leaves the transform out):
+    each sample names its whole key too (``key_id``, the key's host-tier entry name), so the two are two series.
+    Before, they were one series twice, and Prometheus kept one model's bytes."""
+    backend = HostBackend()
+    plain = load_model(RankSpec(ckpt), backend=backend, threads=2)
+    fused = load_model(RankSpec(ckpt, transform="wcache.transforms:fuse_llama_qkv_gate_up"), backend=backend)
+    store = Store(backend, [plain, fused])
+    try:
+        assert plain.key.short() == fused.key.short()
+        fam = exposition.parse(Daemon(store, tmp_path / "wcache.sock", software="wcache/test").render_metrics())
+        for m in (plain, fused):
+            labels = {"tier": "host", "key": m.key.short(), "key_id": HostTier.entry_id(m.key)}
+            assert exposition.value(fam, "wcache_resident_bytes", **labels) == m.slab_bytes
+    finally:
+        store.close()

@@ -121,7 +121,7 @@ class Daemon:
         limits: ConnectionLimits | None = None,
         read_budget: int = DEFAULT_READ_BUDGET,
         metrics_port: int = 0,
-        loader: Callable[[RankPlan], ServedModel] | None = None,
+        loader: Callable[[RankPlan, Callable[[int], None]], ServedModel] | None = None,
         planner: Callable[[RankSpec], RankPlan] = plan_rank,
         verify_content: bool = False,
         load_on_demand: bool = False,
@@ -160,7 +160,8 @@ class Daemon:
             budget=ReadBudget(read_budget),
             metrics=self.metrics,
         )
-        #: PRELOAD and load-on-demand: plan a RankSpec once (headers, fingerprint), then load that plan
+        #: PRELOAD and load-on-demand: plan a RankSpec once (headers, fingerprint), then load that plan; the loader
+        #: calls its second argument with the bytes of any slab beyond the plan's before allocating it (``load_model``)
         self.loader = loader
         self.planner = planner
         #: --verify-content: the fingerprint kind of every rank this daemon plans (not a PRELOAD field)
@@ -789,24 +790,30 @@ class Daemon:
         return filled.model
 
     @contextlib.contextmanager
-    def _room_from_thread(self) -> Iterator[Callable[[int], None]]:
-        """``store.loading`` for a fill in a worker thread that learns its size from the offer: the callable it
-        yields runs ``make_room`` on this loop (the store is the loop's), waited for, and holds the bytes against
-        the budget until the block ends (the caller adds the model with no await after it, or the fill failed),
-        so that a deposit or a load meanwhile cannot take the room made for the fill. Before, the room was made
-        and not held: a deposit during the fill took it, and the filled model put the store over its budget."""
+    def _room_from_thread(
+        self, models: int = 1, reason: str = "peer-fill", evicted: list[ServedModel] | None = None
+    ) -> Iterator[Callable[[int], None]]:
+        """``store.loading`` for a load in a worker thread that learns a size as it runs (a fill from the offer, a
+        transform from its output): the callable it yields runs ``store.hold`` on this loop (the store is the
+        loop's), waited for, holding the bytes and ``models`` slots (a fill's model; none for a transform's
+        output, whose load holds its slot already) until the block ends (the caller adds the model with no await
+        after it, or the load failed), so that a deposit or a load meanwhile cannot take the room made for it; the
+        models evicted for it are appended to ``evicted``. Before, the room was made and not held: a deposit during
+        the fill took it, and the filled model put the store over its budget."""
         loop = asyncio.get_running_loop()
-        held = 0
+        held = slots = 0
         ended = False
 
         async def room(nbytes: int) -> None:
-            nonlocal held
-            if ended:  # the request the fill was for is gone (cancelled): nothing would release this room
-                raise OutOfMemoryError("the request this fill was for has ended", details={"needed": nbytes})
-            evicted = self.store.make_room(nbytes)
-            self.store.loading_bytes += nbytes
+            nonlocal held, slots
+            if ended:  # the request the load was for is gone (cancelled): nothing would release this room
+                raise OutOfMemoryError("the request this load was for has ended", details={"needed": nbytes})
+            victims = self.store.hold(nbytes, models)
             held += nbytes
-            await self._evicted(evicted, "peer-fill")
+            slots += models
+            if evicted is not None:
+                evicted.extend(victims)
+            await self._evicted(victims, reason)
 
         def call(nbytes: int) -> None:
             asyncio.run_coroutine_threadsafe(room(nbytes), loop).result(60.0)
@@ -815,7 +822,7 @@ class Daemon:
             yield call
         finally:
             ended = True
-            self.store.loading_bytes -= held
+            self.store.unhold(held, slots)
 
     def _save_to_tier(self, model: ServedModel) -> None:
         """Copy a committed deposit into the host tier in the background (serving goes on meanwhile)."""
@@ -878,14 +885,19 @@ class Daemon:
                         ", ".join(sorted(differ)),
                     )
                     return None
-                with self.store.loading(rp.layout.total_bytes) as evicted:
+                # the planned layout's bytes and the model's slot; a slab the load makes beyond them (a transform's
+                # output, a larger host-tier entry of a transformed key) is held too, once its size is known
+                with (
+                    self.store.loading(rp.layout.total_bytes) as evicted,
+                    self._room_from_thread(0, "preload", evicted) as room,
+                ):
                     await self._evicted(evicted, "preload")
                     model = None
                     # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
                     if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
                         model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
                     if model is None:
-                        model = await asyncio.to_thread(loader, rp)
+                        model = await asyncio.to_thread(loader, rp, room)
                     if self._handed_over:  # loaded after the hand-off: the new daemon does not get it (``handle``)
                         model.close()
                         raise _HandedOver
@@ -916,9 +928,12 @@ class Daemon:
     def render_metrics(self) -> str:
         tier = "device" if self.store.backend.name == "cuda" else "host"
         models = list(self.store.models.values())
+        # key.short() leaves fields out (transform, layout, a recipe's): two models can share it, so each sample also
+        # names its whole key by digest, as the host tier names its entry of the key (a label set per model, once)
+        entries = self.tier.entries() if self.tier is not None else []
         return self.metrics.render(
-            resident=[(tier, m.key.short(), m.slab_bytes) for m in models]
-            + [("host_tier", meta.stem, n) for _, meta, n in (self.tier.entries() if self.tier is not None else [])],
+            resident=[(tier, m.key.short(), HostTier.entry_id(m.key), m.slab_bytes) for m in models]
+            + [("host_tier", meta.stem, meta.stem, n) for _, meta, n in entries],
             leases=len(self.store.leases),
             connections=len(self.shell),
             uptime=time.monotonic() - self.started,

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,19 +55,30 @@ def load_model(
     threads: int = 8,
     io: str = "buffered",
     tier: HostTier | None = None,
+    room: Callable[[int], None] | None = None,
 ) -> ServedModel:
     """Validate, shard, allocate one slab, load, (transform,) seal. Every check runs before data is read.
 
     ``spec``: the rank, planned here; or its RankPlan, planned once by the caller (which keeps ownership of it).
     With a host ``tier``: a valid entry for the key fills the slab instead of the checkpoint, and a
-    model loaded from the checkpoint is copied into the tier."""
+    model loaded from the checkpoint is copied into the tier. ``room``: the caller made room for the planned
+    layout's bytes; it is called with the bytes of any slab allocated beyond them, before that slab is — a
+    transform's output (while the loaded slab still exists), the excess of a larger host-tier entry of a
+    transformed key — to make room for and hold them, or raise (OutOfMemoryError) and allocate nothing more."""
     if isinstance(spec, RankPlan):
-        return _load_planned(spec, backend, threads, io, tier)
+        return _load_planned(spec, backend, threads, io, tier, room)
     with plan_rank(spec) as rp:
-        return _load_planned(rp, backend, threads, io, tier)
+        return _load_planned(rp, backend, threads, io, tier, room)
 
 
-def _load_planned(rp: RankPlan, backend: Backend, threads: int, io: str, tier: HostTier | None) -> ServedModel:
+def _load_planned(
+    rp: RankPlan,
+    backend: Backend,
+    threads: int,
+    io: str,
+    tier: HostTier | None,
+    room: Callable[[int], None] | None,
+) -> ServedModel:
     ckpt, key, layout = rp.checkpoint, rp.key, rp.layout
     transform = rp.spec.transform
     source = rp.spec.checkpoint
@@ -74,6 +86,8 @@ def _load_planned(rp: RankPlan, backend: Backend, threads: int, io: str, tier: H
     if tier is not None:
         entry = tier.lookup(key)
         if entry is not None:
+            if room is not None and entry.size > layout.total_bytes:  # a transformed key's entry: its output's size
+                room(entry.size - layout.total_bytes)
             served = load_from_tier(tier, entry, key, backend, threads, source)
             if served is not None:
                 served.facts = rp.facts
@@ -90,7 +104,7 @@ def _load_planned(rp: RankPlan, backend: Backend, threads: int, io: str, tier: H
         if fn is not None:
             loaded = slab
             config = rank_config(ckpt.config, key.tp_rank, key.tp_size)
-            slab, table, aliases, payload = _transformed(fn, layout, loaded, backend, config, transform)
+            slab, table, aliases, payload = _transformed(fn, layout, loaded, backend, config, transform, room)
             loaded.close()
         else:
             table, aliases, payload = layout.table(), layout.aliases, layout.payload_bytes
@@ -180,9 +194,16 @@ def load_from_tier(
 
 
 def _transformed(
-    fn: Transform, layout: Layout, slab: Slab, backend: Backend, config: dict[str, Any], spec: str
+    fn: Transform,
+    layout: Layout,
+    slab: Slab,
+    backend: Backend,
+    config: dict[str, Any],
+    spec: str,
+    room: Callable[[int], None] | None = None,
 ) -> tuple[Slab, TensorTable, dict[str, str], int]:
-    """Run a load-time transform over the loaded tensors and pack its result into a new slab."""
+    """Run a load-time transform over the loaded tensors and pack its result into a new slab, ``room`` made for
+    its bytes first (``load_model``): the loaded slab is still allocated then."""
     import torch
 
     base = slab.tensor()
@@ -223,7 +244,10 @@ def _transformed(
         entries.append(TensorEntry(name, dtype, shape, contiguous_strides(shape), 0, offset))
         placed.append((offset, t))
         offset = align_up(offset + t.numel() * t.element_size())
-    out = backend.allocate(max(offset, ALIGN))
+    size = max(offset, ALIGN)
+    if room is not None:
+        room(size)
+    out = backend.allocate(size)
     try:
         dest = out.tensor()
         for off, t in placed:

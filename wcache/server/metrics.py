@@ -64,7 +64,7 @@ class Metrics:
     def render(
         self,
         *,
-        resident: list[tuple[str, str, int]],  # (tier, key, bytes)
+        resident: list[tuple[str, str, str, int]],  # (tier, key, key_id, bytes)
         leases: int,
         connections: int,
         uptime: float,
@@ -81,8 +81,9 @@ class Metrics:
         metric(
             "wcache_resident_bytes",
             "gauge",
-            "Bytes of weights held, by tier (device or host) and model key.",
-            [(f'{{tier="{t}",key="{_label(k)}"}}', float(b)) for t, k, b in resident],
+            "Bytes of weights held, by tier (device, host or host_tier) and model key (key: readable, not unique; "
+            "key_id: the whole key's digest, its host-tier entry name).",
+            [(f'{{tier="{t}",key="{_label(k)}",key_id="{_label(i)}"}}', float(b)) for t, k, i, b in resident],
         )
         metric("wcache_leases", "gauge", "Live leases.", [("", float(leases))])
         if kept is not None:

@@ -526,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
             with checkpoint_errors(str(spec.checkpoint)):
                 return plan_rank(spec)
 
-        def loader(rp: RankPlan) -> ServedModel:
+        def loader(rp: RankPlan, room: Callable[[int], None]) -> ServedModel:
             with checkpoint_errors(str(rp.spec.checkpoint)):
                 return load_model(
                     rp,
@@ -534,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
                     threads=args.threads,
                     io=args.io,
                     tier=tier,
+                    room=room,
                 )
 
         link: KeeperLink | None = None
@@ -564,9 +565,14 @@ def run(args: argparse.Namespace) -> int:
                             "serving key=%s bytes=%d from the keeper: nothing loaded", rp.key.short(), held.slab_bytes
                         )
                     else:
-                        drop(store.make_room(rp.layout.total_bytes), link, "load")
-                        filled = fill_from_peers(args, rp, filler, tier, fill_outcomes) if filler is not None else None
-                        store.add(filled if filled is not None else loader(rp))
+                        with store.loading(rp.layout.total_bytes) as evicted:
+                            drop(evicted, link, "load")
+                            filled = (
+                                fill_from_peers(args, rp, filler, tier, fill_outcomes) if filler is not None else None
+                            )
+                            if filled is None:  # a slab beyond the plan (a transform's output) gets room too
+                                filled = loader(rp, lambda n: drop(store.make_room(n, models=0), link, "load"))
+                            store.add(filled)
             if link is not None:
                 import asyncio
 

@@ -338,8 +338,10 @@ class Store:
         self.generations: dict[WeightCacheKey, str] = {}
         self.restoring: set[WeightCacheKey] = set()
         self._superseding: Counter[WeightCacheKey] = Counter()
-        #: bytes promised to a load in progress (``loading``): room made for them, not yet served
+        #: bytes promised to loads in progress (``loading``, ``hold``): room made for them, not yet served
         self.loading_bytes = 0
+        #: model slots held by loads in progress: each counts as a model in every room check until it is added
+        self.loading_models = 0
         #: models evicted while a reader held them (``ServedModel.hold``: a peer's fill, a host-tier save): their
         #: slabs stay allocated until the last reader is done, so their bytes still count against the budget
         self._lingering: dict[int, int] = {}
@@ -405,7 +407,7 @@ class Store:
 
     def _victims(self, nbytes: int, models: int, going: ServedModel | None = None) -> list[ServedModel]:
         """The unleased models, least recently used first, whose eviction makes ``nbytes`` more bytes fit the
-        budget and ``models`` more models fit ``max_models`` — deposits in progress counting as held in both.
+        budget and ``models`` more models fit ``max_models`` — deposits and loads in progress counting as held in both.
         ``going``: a model that leaves anyway (the one a deposit replaces). Chooses; evicts nothing. Raises
         where evicting every unleased model would not do: OUT_OF_MEMORY (bytes), LIMIT_EXCEEDED (models)."""
         free = (
@@ -413,7 +415,7 @@ class Store:
             if self.budget is None
             else self.budget - self.resident_bytes - self.pending_bytes - self.loading_bytes - self.lingering_bytes
         )
-        count = len(self.models) + len(self.deposits)
+        count = len(self.models) + len(self.deposits) + self.loading_models
         if going is not None:
             count -= 1
             if free is not None and not going.held:  # a held model's bytes stay until its reader is done
@@ -445,10 +447,15 @@ class Store:
             )
         if count + models > self.max_models:
             raise LimitExceededError(
-                f"the daemon holds {len(self.models)} models and {len(self.deposits)} deposits in progress (its limit "
-                f"is {self.max_models} models, docs/protocol.md §7), pinned by leases: {', '.join(pinned) or 'none'}; "
-                "release or EVICT one",
-                details={"models": len(self.models), "deposits": len(self.deposits), "limit": self.max_models},
+                f"the daemon holds {len(self.models)} models, {len(self.deposits)} deposits and {self.loading_models} "
+                f"loads in progress (its limit is {self.max_models} models, docs/protocol.md §7), pinned by leases: "
+                f"{', '.join(pinned) or 'none'}; release or EVICT one",
+                details={
+                    "models": len(self.models),
+                    "deposits": len(self.deposits),
+                    "loading": self.loading_models,
+                    "limit": self.max_models,
+                },
             )
         return victims
 
@@ -464,17 +471,29 @@ class Store:
         return victims
 
     @contextlib.contextmanager
-    def loading(self, nbytes: int) -> Iterator[list[ServedModel]]:
+    def loading(self, nbytes: int, models: int = 1) -> Iterator[list[ServedModel]]:
         """``make_room`` for a load that runs while the daemon serves (a PRELOAD's, a load on demand's, a host-tier
-        restore's), its ``nbytes`` held against the budget until the block ends — the model added, or the load
-        failed — so that a deposit or another load meanwhile cannot take the room made for it. Yields the
-        evicted models."""
-        victims = self.make_room(nbytes)
-        self.loading_bytes += nbytes
+        restore's), its ``nbytes`` and its model slot held against the budget and ``max_models`` until the block
+        ends — the model added, or the load failed — so that a deposit or another load meanwhile cannot take the
+        room or the slot made for it. Yields the evicted models."""
+        victims = self.hold(nbytes, models)
         try:
             yield victims
         finally:
-            self.loading_bytes -= nbytes
+            self.unhold(nbytes, models)
+
+    def hold(self, nbytes: int, models: int = 1) -> list[ServedModel]:
+        """``make_room``, then hold ``nbytes`` and ``models`` slots for a load in progress until ``unhold``: what
+        ``loading`` does, for a load that learns a size only as it runs (a transform's output, a fill's offer)."""
+        victims = self.make_room(nbytes, models)
+        self.loading_bytes += nbytes
+        self.loading_models += models
+        return victims
+
+    def unhold(self, nbytes: int, models: int = 1) -> None:
+        """Give back what ``hold`` held: the load ended (its model added, or it failed)."""
+        self.loading_bytes -= nbytes
+        self.loading_models -= models
 
     def _evict(self, victims: list[ServedModel]) -> None:
         for m in victims:
