@@ -25,7 +25,7 @@ from wcache.errors import KeyMismatchError
 from wcache.plan.recipe import RecipeKey
 from wcache.proto.table import TensorEntry, TensorTable
 from wcache.server.keeper_link import CommitRecord
-from wcache.server.process import DaemonProcess
+from wcache.server.process import DaemonProcess, spawn_daemon
 from wcache.server.tier import HostTier
 
 
@@ -311,3 +311,73 @@ async def test_a_daemon_stopped_with_its_tombstone_held_off_leaves_the_entry_tha
         assert CommitRecord.key_id(key) in CommitRecord(record).keys
     second = daemon_factory(ckpt, *args)
     await _never_older(second, key, v0)
+
+
+async def test_a_takeover_while_the_tombstone_is_held_off_leaves_the_retry_to_the_new_daemon(
+    keeper: DaemonProcess, ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """A commits v1 while B holds the tier's lock (as above), and a new daemon A2 takes A's socket over before B
+    lets go: A's retry ends at the hand-over. Before, A2's first KEEP of the handed v1 removed the record's entry
+    (A2 knew nothing of A's unwritten tombstone), nobody wrote the tombstone, and once B published g0 an eviction
+    and a restore on A2 served g0. Now the entry is flagged in the record until its tombstone is written: A2's KEEP
+    leaves it, A2 retries the tombstone itself, and its restores take v1's generation only meanwhile; once written
+    (B gone) the tier holds v1's generation and the entry settles."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    kid = CommitRecord.key_id(key)
+    tier_dir = tmp_path / "tier"
+    args = ("--keeper", "--keeper-check", "3600", "--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    v0, v1 = torch.full((1 << 16,), 0.5), torch.full((1 << 16,), 1.0)
+    procs: list[DaemonProc] = []
+    try:
+        a = spawn_daemon(ckpt, socket_dir, *args, timeout=60)
+        procs.append(a)
+        record = Path(f"{a.socket}.deposits")
+        async with _publishing_older(tier_dir, key, v0) as b:
+            await WCacheClient(a.socket, timeout=60).deposit(key, {"w": v1})  # served; its tombstone held off
+            generation = CommitRecord(record).keys[kid]
+            a2 = spawn_daemon(None, socket_dir, *args, takeover=a.socket, timeout=60)
+            procs.append(a2)
+            assert a.proc.wait(30) == 0  # A handed over (its retry ended)
+        client = WCacheClient(a2.socket, timeout=60)
+        await client.evict(key)
+        await _never_older(a2, key, v0)  # before: g0, A2's KEEP having removed the entry
+        await _until(
+            lambda: b.generation_of(key) == generation and kid not in CommitRecord(record).keys,
+            "A2 wrote v1's tombstone once B let go, and the record's entry settled",
+        )
+        await _never_older(a2, key, v0)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def test_an_entry_evicted_while_its_tombstone_is_held_off_goes_once_it_is_written(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """A commits v1 while another daemon holds the tier's lock, and evicts it (the keeper drops it) before the
+    retry writes the tombstone. Before, the retry wrote it and returned, the model being closed, without settling:
+    the record kept the entry for good (each such COMMIT one more, up to the record's limit, which then drops every
+    kept deposit). Now the entry settles by the usual rule once the tombstone is written: the keeper holds nothing
+    of the key and the tier nothing older, so it goes."""
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(ckpt), engine="test")
+    tier_dir = tmp_path / "tier"
+    d = daemon_factory(
+        ckpt, "--keeper", "--keeper-check", "3600", "--host-tier", "1G", "--host-tier-dir", str(tier_dir)
+    )
+    record = Path(f"{d.socket}.deposits")
+    kid = CommitRecord.key_id(key)
+    client = WCacheClient(d.socket, timeout=60)
+    lock = os.open(tier_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another daemon of the directory holds the tier's lock
+    try:
+        await client.deposit(key, {"w": torch.full((1 << 12,), 1.0)})  # DEPOSITED after LOCK_WAIT_S
+        await client.evict(key)  # UNKEEP: the keeper holds nothing of the key now
+        assert kid in CommitRecord(record).keys
+    finally:
+        os.close(lock)
+    generation = CommitRecord(record).keys[kid]
+    tier = HostTier(tier_dir, 1 << 30)
+    await _until(lambda: tier.generation_of(key) == generation, "the retry wrote the tombstone once the lock freed")
+    await _until(
+        lambda: kid not in CommitRecord(record).keys, "the record's entry settled once the tombstone was written"
+    )

@@ -281,3 +281,32 @@ def test_an_entry_stays_until_the_tier_holds_nothing_older(tmp_path: Path) -> No
     superseding.clear()
     rec.settled(key)
     assert not path.exists()
+
+
+def test_an_entry_whose_tombstone_is_pending_stays_across_processes_until_it_is_written(tmp_path: Path) -> None:
+    """An entry flagged as waiting for its COMMIT's host-tier tombstone is kept by every KEEP and RECLAIM, in this
+    process and in the next one to open the record (after a TAKEOVER or a crash), until the tombstone is written;
+    then it settles as any entry. A record written before the flag existed has none pending."""
+    path = tmp_path / "sock.deposits"
+    key = RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e")
+    kid = CommitRecord.key_id(key)
+    r = CommitRecord(path)
+    r.committed(key, "g1")
+    r.tombstone_pending(key, "g1")
+    r.settled(key)
+    r.reclaimed({kid}, known=True)
+    assert r.keys == {kid: "g1"}
+    r2 = CommitRecord(path)  # the next daemon of the socket
+    assert r2.keys == {kid: "g1"} and r2.tombstones == {kid: key.to_wire()}
+    r2.settled(key)
+    assert kid in CommitRecord(path).keys
+    r2.tombstone_written(key, "g0")  # not the entry's generation: nothing
+    assert kid in r2.tombstones
+    r2.tombstone_written(key, "g1")
+    r2.settled(key)
+    assert not path.exists()
+    path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": {kid: "g1"}}))
+    old = CommitRecord(path)
+    assert old.tombstones == {}
+    old.settled(key)
+    assert not path.exists()

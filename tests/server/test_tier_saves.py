@@ -4,17 +4,25 @@ the daemon did not write, and the block checksums a refill verifies on every cop
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import os
 import stat
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import torch
 
-from wcache.plan.key import WeightCacheKey
+from tests.conftest import DaemonProc
+from wcache import WCacheClient
+from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.recipe import RecipeKey
 from wcache.proto.table import TensorEntry, TensorTable
 from wcache.server.tier import HostTier
 
@@ -336,3 +344,64 @@ def test_a_supersede_overtaken_by_a_later_commit_writes_nothing(tmp_path: Path) 
     assert tier.supersede(key, "g1", latest=lambda: False)
     entry = tier.lookup(key)
     assert entry is not None and entry.generation == "g2"
+
+
+def test_a_supersede_without_waiting_tries_the_lock_once_and_an_unopenable_directory_raises(tmp_path: Path) -> None:
+    """``supersede(wait=False)`` (the daemon's background retry) makes one attempt at the directory's lock and
+    returns False at once where another process holds it, keeping no thread waiting; a directory that cannot be
+    opened is not the lock held: OSError, not a False the caller would retry for good."""
+    tier = HostTier(tmp_path / "tier", 1 << 30)
+    key = WeightCacheKey("f", "A", 1, 0, "bfloat16")
+    lock = os.open(tier.dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another daemon of the directory holds it
+    try:
+        t0 = time.monotonic()
+        assert tier.supersede(key, "g1", wait=False) is False
+        assert time.monotonic() - t0 < 0.5
+        assert tier.generation_of(key) is None
+    finally:
+        os.close(lock)
+    assert tier.supersede(key, "g1", wait=False)
+    assert tier.generation_of(key) == "g1"
+    os.rename(tier.dir, tmp_path / "moved")
+    with pytest.raises(OSError) as err:
+        tier.supersede(key, "g2", wait=False)
+    assert not isinstance(err.value, TimeoutError)
+
+
+async def test_pending_tombstone_retries_keep_no_worker_thread_of_the_daemon(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """Another daemon of the directory holds the tier's lock (hung) while more COMMITs than the daemon has worker
+    threads wait for their tombstones. Before, each retry held a worker thread for LOCK_WAIT_S at a time (or
+    blocked behind the one that did on the process's own lock): every other piece of work of the daemon run in a
+    thread — a PRELOAD's planning, a restore's lookup — queued behind them (14 s for a PRELOAD with 12 pending).
+    Now one worker retries them all, one attempt at the lock each per round, and the PRELOAD takes its usual time."""
+    tier_dir = tmp_path / "tier"
+    d = daemon_factory(ckpt, "--host-tier", "1G", "--host-tier-dir", str(tier_dir))
+    base = WeightCacheKey.from_checkpoint(ckpt)
+    client = WCacheClient(d.socket, timeout=300)
+    await client.preload(RankSpec(ckpt))  # served already: a PRELOAD plans it in a worker thread, loads nothing
+    pending = min(32, (os.cpu_count() or 1) + 4) + 6  # more than the daemon's default executor has threads
+    lock = os.open(tier_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        keys = [RecipeKey.of(base, engine=f"e{i}") for i in range(pending)]
+        await asyncio.gather(
+            *(
+                WCacheClient(d.socket, timeout=300).deposit(k, {"w": torch.full((1024,), float(i))})
+                for i, k in enumerate(keys)
+            )
+        )  # every COMMIT answered (DEPOSITED), its tombstone retried in the background
+        t0 = time.monotonic()
+        await client.preload(RankSpec(ckpt))
+        took = time.monotonic() - t0
+    finally:
+        os.close(lock)
+    assert took < 3.0, f"a PRELOAD of a served model took {took:.1f} s while {pending} tombstones were retried"
+    tier = HostTier(tier_dir, 1 << 30)
+    for _ in range(500):  # once the lock is free every tombstone is written, and every deposit saved
+        if all(tier.lookup(k) is not None for k in keys):
+            break
+        await asyncio.sleep(0.02)
+    assert all(tier.lookup(k) is not None for k in keys)

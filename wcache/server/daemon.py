@@ -87,6 +87,24 @@ log = logging.getLogger("wcache.server")
 DEFAULT_DEPOSIT_TIMEOUT = 600.0
 
 
+#: the longest pause between two rounds of the tombstone retries (``Daemon._write_tombstones``)
+TOMBSTONE_RETRY_S = 0.5
+#: the pause before a tombstone whose directory could not be opened (not the lock held) is tried again
+TOMBSTONE_FAILED_RETRY_S = 30.0
+
+
+@dataclass(eq=False)
+class _Tombstone:
+    """A COMMIT's host-tier tombstone not written yet (``Daemon._supersede_later``)."""
+
+    generation: str
+    #: whether the store counts the commit unsettled (a COMMIT of this daemon; not one the record flagged at start)
+    counted: bool
+    #: why the last attempt failed other than the lock being held (logged once), and when to try again
+    failed: str | None = None
+    next_try: float = 0.0
+
+
 class _HandedOver(Exception):
     """A request this daemon may not answer: it handed its models over (``Daemon.handle``)."""
 
@@ -177,8 +195,10 @@ class Daemon:
         #: fills a slab from a host-tier entry (the loader's threads and staging): deposits come back this way
         self.tier_restore = tier_restore
         self._tier_saves: set[asyncio.Task[None]] = set()
-        #: COMMITs whose host-tier tombstone is retried (``_supersede_later``), cancelled at stop and hand-over
-        self._supersedes: set[asyncio.Task[None]] = set()
+        #: COMMITs whose host-tier tombstone is retried (``_supersede_later``): key -> the last such COMMIT of it
+        self._tombstones: dict[WeightCacheKey, _Tombstone] = {}
+        #: the one task retrying them all (``_write_tombstones``), cancelled at stop and hand-over
+        self._tombstone_worker: asyncio.Task[None] | None = None
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         #: every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord), written before any engine can
@@ -224,6 +244,7 @@ class Daemon:
             self.shell.start(listener)
             if self.peers is not None:
                 self.peers.start()
+            self._resume_tombstones()
             if callable(on_ready):
                 on_ready()
             watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
@@ -251,15 +272,18 @@ class Daemon:
 
     async def _cancel_supersedes(self) -> None:
         """A stop ends the tombstone retries: their commits stay unsettled, and ``<socket>.deposits`` keeps their
-        entries, which guard the next daemon's restores of their keys."""
-        tasks = list(self._supersedes)
-        for t in tasks:
-            t.cancel()
-        if tasks:
+        entries, flagged, which guard the next daemon's restores of their keys (and have it retry them)."""
+        task, self._tombstone_worker = self._tombstone_worker, None
+        if task is None:
+            return
+        task.cancel()
+        if self._tombstones:
             log.info(
-                "stopping %s: %d host tier tombstone(s) not written, their record entries kept", self._tag, len(tasks)
+                "stopping %s: %d host tier tombstone(s) not written, their record entries kept",
+                self._tag,
+                len(self._tombstones),
             )
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(task, return_exceptions=True)
 
     async def _finish_tier_saves(self) -> None:
         """A stop waits for the host-tier saves in progress (a deposit committed just before it): the tier is what
@@ -458,13 +482,18 @@ class Daemon:
         # the generation on disk before the first await, i.e. before any engine can lease it: a crash after one
         # was served never brings back an older generation a keeper holds (the next daemon's reclaim drops it)
         self._commits.committed(model.key, model.generation)
-        settled = self.tier is None or await asyncio.to_thread(
-            self.tier.supersede, model.key, model.generation, latest=self._latest(model)
-        )
-        if settled:  # not reached when the supersede raises: the generation is then kept
+        settled, failed = True, None
+        if self.tier is not None:
+            latest = self._latest(model.key, model.generation)
+            try:
+                settled = await asyncio.to_thread(self.tier.supersede, model.key, model.generation, latest=latest)
+            except OSError as exc:  # not the lock held: the directory cannot be opened (it may not pass by itself)
+                settled, failed = False, f"{type(exc).__name__}: {exc}"
+        if settled:
             self.store.settled(model.key)
+            self._superseded(model.key, model.generation)
         else:  # the tier's lock held by another daemon: unsettled (restores take this generation only) until then
-            self._supersede_later(model)
+            self._supersede_later(model.key, model.generation, model, failed)
         await self._evicted(evicted, "deposit")
         if self.keeper is not None:
             await self.keeper.commit(model, old)
@@ -482,58 +511,145 @@ class Daemon:
         )
         return Reply(reply, after=(lambda: self._save_to_tier(model)) if settled else None)
 
-    def _latest(self, model: ServedModel) -> Callable[[], bool]:
-        """Whether ``model``'s generation is still the last committed under its key here (asked by
-        ``HostTier.supersede`` under the tier's lock, in a worker thread: a read of one dict entry)."""
-        key, generation = model.key, model.generation
-        return lambda: not self._handed_over and self.store.generations.get(key) == generation
+    def _latest(self, key: WeightCacheKey, generation: str) -> Callable[[], bool]:
+        """Whether ``generation`` is still the last committed under ``key`` here (asked by ``HostTier.supersede``
+        under the tier's lock, in a worker thread: reads of one dict entry each): the store's, or where the store
+        has none (a COMMIT of the daemon before this one, whose tombstone the record flags) the record's."""
+        kid = self._commits.key_id(key)
 
-    def _supersede_later(self, model: ServedModel) -> None:
-        """The COMMIT of ``model`` could not write its host-tier tombstone (another daemon holds the tier's lock,
-        and may publish an older generation it checked under it before letting go): retried in the background
-        until it is written under the lock, or a later COMMIT of the key supersedes this one. Meanwhile the commit
-        is not settled: this daemon's restores of the key take this generation only, and ``<socket>.deposits``
-        keeps its entry (which guards them across a crash). Then the commit settles and the deposit is saved.
-        Cancelled when the daemon stops or hands over: the record's entry then stays."""
+        def latest() -> bool:
+            last = self.store.generations.get(key)
+            return not self._handed_over and (last if last is not None else self._commits.keys.get(kid)) == generation
+
+        return latest
+
+    def _superseded(self, key: WeightCacheKey, generation: str) -> None:
+        """A COMMIT of ``generation`` found the tier holding nothing older: an earlier COMMIT of the key whose
+        tombstone is still retried is covered by it, where ``generation`` is still the last one."""
+        if not self._latest(key, generation)():
+            return
+        self._commits.tombstone_written(key, generation)
+        earlier = self._tombstones.pop(key, None)
+        if earlier is not None and earlier.counted:
+            self.store.settled(key)
+
+    def _supersede_later(
+        self, key: WeightCacheKey, generation: str, model: ServedModel | None, failed: str | None = None
+    ) -> None:
+        """The COMMIT of ``generation`` (``model``; None: a COMMIT of the daemon before this one, its record entry
+        flagged) could not write its host-tier tombstone (another daemon holds the tier's lock, and may publish an
+        older generation it checked under it before letting go; or, ``failed``, the directory could not be opened):
+        retried in the background (``_write_tombstones``) until it is written under the lock, or a later COMMIT of
+        the key supersedes this one. Meanwhile the commit is not settled: this daemon's restores of the key take
+        this generation only, and ``<socket>.deposits`` keeps its entry, flagged (which guards the restores of the
+        next daemon of the socket, across a crash or a TAKEOVER, and has it retry the tombstone). Then the entry
+        settles by the usual rule and the deposit, where it is served, is saved."""
         tier = self.tier
         assert tier is not None
-        key, generation = model.key, model.generation
-        latest = self._latest(model)
         log.warning(
-            "host tier tombstone %s key=%s generation=%s not written (the tier's lock is held): retrying in the "
-            "background, restores of the key take this generation only until then",
+            "host tier tombstone %s key=%s generation=%s not written (%s): retrying in the background, restores of "
+            "the key take this generation only until then",
             self._tag,
             key.short(),
             generation,
+            failed or "the tier's lock is held",
         )
-
-        wrote = False
-
-        def still() -> bool:  # under the tier's lock: whether the tombstone is written now
-            nonlocal wrote
-            wrote = latest()
-            return wrote
-
-        async def retry() -> None:
-            pause = 0.05
-            while not await asyncio.to_thread(tier.supersede, key, generation, latest=still):
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 1.0)
-            if self._handed_over:
-                return
+        self._commits.tombstone_pending(key, generation)
+        earlier = self._tombstones.get(key)
+        if earlier is not None and earlier.counted:  # its tombstone is covered by this one's, to come
             self.store.settled(key)
-            if not wrote:  # a later COMMIT of the key came first: its tombstone follows (or is written)
-                return
-            log.info("host tier tombstone %s key=%s generation=%s written late", self._tag, key.short(), generation)
-            if model.closed:  # evicted meanwhile: nothing to save, nothing kept
-                return
+        item = _Tombstone(generation, model is not None)
+        if failed is not None:
+            item.failed, item.next_try = failed, time.monotonic() + TOMBSTONE_FAILED_RETRY_S
+        self._tombstones[key] = item
+        if self._tombstone_worker is None or self._tombstone_worker.done():
+            self._tombstone_worker = asyncio.get_running_loop().create_task(self._write_tombstones(tier))
+
+    def _resume_tombstones(self) -> None:
+        """At start: the entries of ``<socket>.deposits`` flagged as waiting for their COMMIT's tombstone (the
+        daemon before this one stopped, crashed or handed over first) are retried here."""
+        for kid, wire in list(self._commits.tombstones.items()):
+            generation = self._commits.keys.get(kid)
+            try:
+                key = key_from_wire(dict(wire))
+            except (TypeError, ValueError):
+                continue
+            if generation is None or self._commits.key_id(key) != kid or key in self._tombstones:
+                continue
+            if self.tier is None:
+                log.warning(
+                    "host tier tombstone %s key=%s generation=%s pending in %s, and no --host-tier here: its entry "
+                    "stays",
+                    self._tag,
+                    key.short(),
+                    generation,
+                    self._commits.path.name,
+                )
+                continue
+            self._supersede_later(key, generation, None, None)
+
+    async def _write_tombstones(self, tier: HostTier) -> None:
+        """Retry every pending tombstone (``_tombstones``) in rounds: one attempt each at the tier's lock, which
+        keeps no worker thread waiting (``supersede(wait=False)``), then a pause (growing to
+        ``TOMBSTONE_RETRY_S``). A tombstone whose directory cannot be opened is logged once and tried again every
+        ``TOMBSTONE_FAILED_RETRY_S``."""
+        pause = 0.05
+        while self._tombstones and not self._handed_over:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, TOMBSTONE_RETRY_S)
+            for key, item in list(self._tombstones.items()):
+                if self._tombstones.get(key) is not item or time.monotonic() < item.next_try:
+                    continue
+                latest = self._latest(key, item.generation)
+                wrote = False
+
+                def still(latest: Callable[[], bool] = latest) -> bool:  # under the lock: is it written now
+                    nonlocal wrote
+                    wrote = latest()
+                    return wrote
+
+                try:
+                    done = await asyncio.to_thread(tier.supersede, key, item.generation, latest=still, wait=False)
+                except OSError as exc:
+                    if item.failed is None:
+                        log.warning(
+                            "host tier tombstone %s key=%s generation=%s not written (%s: %s): its record entry "
+                            "stays; retried every %g s",
+                            self._tag,
+                            key.short(),
+                            item.generation,
+                            type(exc).__name__,
+                            exc,
+                            TOMBSTONE_FAILED_RETRY_S,
+                        )
+                    item.failed = f"{type(exc).__name__}: {exc}"
+                    item.next_try = time.monotonic() + TOMBSTONE_FAILED_RETRY_S
+                    continue
+                if self._handed_over:
+                    return
+                if not done or self._tombstones.get(key) is not item:
+                    continue
+                del self._tombstones[key]
+                await self._tombstone_written(key, item, wrote)
+
+    async def _tombstone_written(self, key: WeightCacheKey, item: _Tombstone, wrote: bool) -> None:
+        """The tier holds nothing older than ``item``'s generation now (``wrote``), or a later COMMIT of the key
+        came first (its tombstone follows, or is written). The record's entry is then settled by the usual rule:
+        it goes if the keeper holds the deposit served under the key, or, where none is served, holds nothing of
+        the key (an UNKEEP confirms it); the deposit served is saved."""
+        if item.counted:
+            self.store.settled(key)
+        if not wrote:
+            return
+        log.info("host tier tombstone %s key=%s generation=%s written late", self._tag, key.short(), item.generation)
+        self._commits.tombstone_written(key, item.generation)
+        model = self.store.models.get(key)
+        if model is not None and model.generation == item.generation:
             if self.keeper is not None:
                 await self.keeper.settle(model)
             self._save_to_tier(model)
-
-        task = asyncio.get_running_loop().create_task(retry())
-        self._supersedes.add(task)
-        task.add_done_callback(self._supersedes.discard)
+        elif model is None and self.keeper is not None and not self.store.superseding(key):
+            await self.keeper.drop(key)  # the keeper holds nothing of the key once it confirms: the entry goes
 
     async def _hand_over(self, req: Takeover, ctx: Context) -> Reply:
         """TAKEOVER (docs/protocol.md §4.10): give a new daemon (same uid, same device) every model's slabs and
@@ -631,8 +747,8 @@ class Daemon:
         self._commits.hand_over()
         if self.keeper is not None:
             self.keeper.hand_over()
-        for t in self._supersedes:  # the record's entries guard the new daemon's restores of their keys
-            t.cancel()
+        if self._tombstone_worker is not None:  # the record's flagged entries: the new daemon retries them
+            self._tombstone_worker.cancel()
         if self._on_handover is not None:
             self._on_handover()  # releases the one-daemon lock for the new daemon
         self.stop()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from wcache import __version__
 from wcache.channel import close_fds, connect, expect
 from wcache.errors import CacheUnavailableError, NotFoundError, RemoteProtocolError, WCacheError
-from wcache.plan.key import WeightCacheKey
+from wcache.plan.key import KeyValue, WeightCacheKey
 from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
 
 if TYPE_CHECKING:
@@ -86,7 +86,11 @@ class CommitRecord:
     generation here (no keeper settles it): a keeper the socket's daemons used before may still hold an older
     deposit of the key. The next daemon with ``--keeper`` drops a kept deposit of another generation instead of
     serving bytes older than the last COMMIT, and a host-tier restore of a key the record names takes that
-    generation only. JSON ``{"format", "keys": {key id: generation}, "damaged"?, "partial"?}``, written to a
+    generation only. An entry whose COMMIT's host-tier tombstone is not written yet (the tier's lock held by another
+    daemon) is flagged (``tombstones``: its key's wire form, to retry it with): no KEEP or RECLAIM removes it until
+    the tombstone is written, by this daemon or the next one of the socket (after a TAKEOVER, a crash or a
+    restart). JSON ``{"format", "keys": {key id: generation}, "tombstones"?: {key id: key}, "damaged"?,
+    "partial"?}`` (no ``tombstones``: none pending), written to a
     temporary file of the writer's own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds
     at most ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe
     keys settles none) gives up the other entries and marks the record damaged instead, the conservative side.
@@ -117,6 +121,8 @@ class CommitRecord:
         #: whether a COMMIT of the key is not settled in the host tier yet (its tombstone not written): its entry
         #: stays though the keeper holds it (the daemon sets this: ``Store.superseding``)
         self.pending: Callable[[WeightCacheKey], bool] = lambda key: False
+        #: entries whose COMMIT's host-tier tombstone is not written yet: key id -> the key's wire form
+        self.tombstones: dict[str, dict[str, KeyValue]] = {}
         self._handed_over = False
         self._remove_dead_temporaries()
         try:
@@ -137,6 +143,9 @@ class CommitRecord:
             self.known, self.partial = False, True
             return
         self.keys = {str(k): v for k, v in keys.items()}
+        stones = doc.get("tombstones") or {}
+        if isinstance(stones, dict):
+            self.tombstones = {str(k): v for k, v in stones.items() if str(k) in self.keys and isinstance(v, dict)}
         if doc.get("damaged"):
             self.known = False  # an earlier daemon found it damaged; no RECLAIM has acted on it since
         if doc.get("damaged") or doc.get("partial"):
@@ -184,7 +193,7 @@ class CommitRecord:
                 self.path,
                 len(self.keys),
             )
-            self.keys, self.known, self.partial = {}, False, True
+            self.keys, self.known, self.partial, self.tombstones = {}, False, True, {}
         self.keys[kid] = generation
         self._write()
 
@@ -192,9 +201,25 @@ class CommitRecord:
         """The keeper holds ``key``'s recorded generation, or nothing of the key: its entry goes, unless the host
         tier may still hold an older generation (``pending``) or the record is partial (the entry vouches for the
         key's tier restore)."""
-        if self.partial or self.pending(key):
+        kid = self.key_id(key)
+        if self.partial or self.pending(key) or kid in self.tombstones:
             return
-        if self.keys.pop(self.key_id(key), None) is not None:
+        if self.keys.pop(kid, None) is not None:
+            self._write()
+
+    def tombstone_pending(self, key: WeightCacheKey, generation: str) -> None:
+        """The COMMIT of ``generation`` (recorded) could not write its host-tier tombstone: its entry is flagged,
+        and stays until ``tombstone_written``, across a crash or a TAKEOVER."""
+        kid = self.key_id(key)
+        if self.keys.get(kid) == generation and kid not in self.tombstones:
+            self.tombstones[kid] = key.to_wire()
+            self._write()
+
+    def tombstone_written(self, key: WeightCacheKey, generation: str) -> None:
+        """The tombstone of ``generation`` is written (or the tier records that generation): the entry, if it is
+        still that generation's, is settled by the usual rule from now on."""
+        kid = self.key_id(key)
+        if self.keys.get(kid) == generation and self.tombstones.pop(kid, None) is not None:
             self._write()
 
     def reclaimed(self, held: set[str], *, known: bool) -> None:
@@ -203,7 +228,11 @@ class CommitRecord:
         other entry stays (it still guards the host tier's restore of its key). ``known`` False keeps a damaged
         record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm may still be held, and
         nothing says which generation of its key is the last."""
-        keys = dict(self.keys) if self.partial else {i: g for i, g in self.keys.items() if i not in held}
+        keys = (
+            dict(self.keys)
+            if self.partial
+            else {i: g for i, g in self.keys.items() if i not in held or i in self.tombstones}
+        )
         if keys != self.keys or known != self.known:
             self.keys, self.known = keys, known
             self._write()
@@ -253,6 +282,8 @@ class CommitRecord:
                 self.path.unlink(missing_ok=True)
                 return
             doc: dict[str, object] = {"format": self.FORMAT, "keys": self.keys}
+            if self.tombstones:
+                doc["tombstones"] = self.tombstones
             if not self.known:
                 doc["damaged"] = True
             if self.partial:
@@ -334,8 +365,10 @@ class KeeperLink:
         a slab meanwhile and the next deposit's memfd gets its number, and the keeper held that deposit's bytes
         (or its writable slab) under this model's key and generation, which a daemon restarted after a crash
         served (docs/reliability.md, "a KEEP racing an evict")."""
-        if self._handed_over or not model.hold():  # closed while this KEEP waited for its turn (its UNKEEP, queued
-            return "closed"  # after, settles it), or handed over with the socket  # and records nothing: a later COMMIT of the key may have recorded (and settled) its own
+        # closed while this KEEP waited for its turn (its UNKEEP, queued after, settles it), or handed over with the
+        # socket: it records nothing (a later COMMIT of the key may have recorded, and settled, its own)
+        if self._handed_over or not model.hold():
+            return "closed"
         if model.generation:  # a deposit: its generation on disk before the keeper may hold it or an older one
             self.record.committed(model.key, model.generation)
         own: list[int] = []

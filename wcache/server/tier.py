@@ -270,26 +270,33 @@ class HostTier:
         self._remove_dead_temporaries()
 
     @contextlib.contextmanager
-    def _publishing(self) -> Iterator[None]:
+    def _publishing(self, *, wait: bool = True) -> Iterator[None]:
         """Hold the directory's lock (every daemon sharing it): publishing an entry, a tombstone, or removing an
-        entry happens under it. TimeoutError after LOCK_WAIT_S (a process holding it that long is not a save)."""
-        with self._publish_lock:
+        entry happens under it. TimeoutError after LOCK_WAIT_S in all, this process's own half of the lock
+        included (a process holding it that long is not a save); ``wait`` False: TimeoutError at once where
+        either half is held (one attempt, no thread kept waiting)."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        got = self._publish_lock.acquire(timeout=LOCK_WAIT_S) if wait else self._publish_lock.acquire(blocking=False)
+        if not got:
+            raise TimeoutError(f"host tier directory {self.dir} is being published by this process")
+        try:
             fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                deadline = time.monotonic() + LOCK_WAIT_S
                 while True:
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         break
                     except BlockingIOError:
-                        if time.monotonic() > deadline:
+                        if not wait or time.monotonic() > deadline:
                             raise TimeoutError(
-                                f"host tier directory {self.dir} stayed locked for {LOCK_WAIT_S} s"
+                                f"host tier directory {self.dir} stayed locked for {LOCK_WAIT_S if wait else 0} s"
                             ) from None
                         time.sleep(0.001)
                 yield
             finally:
                 os.close(fd)  # releases the flock
+        finally:
+            self._publish_lock.release()
 
     def _remove_dead_temporaries(self) -> None:
         """Remove the temporary files of saves whose daemon died in the middle (``.<entry>.<pid>.tmp``,
@@ -612,7 +619,9 @@ class HostTier:
             return
         self._refuse(entry.slab_path, entry.meta_path, why, (entry.meta_inode, entry.inode[1]))
 
-    def supersede(self, key: WeightCacheKey, generation: str, *, latest: Callable[[], bool] | None = None) -> bool:
+    def supersede(
+        self, key: WeightCacheKey, generation: str, *, latest: Callable[[], bool] | None = None, wait: bool = True
+    ) -> bool:
         """A deposit of ``generation`` was committed under ``key``: from now on the tier holds nothing of the key
         but that generation's save. Replaces the entry by a tombstone of ``generation`` (the old slab removed),
         under the directory's lock; called before DEPOSITED is sent, so that no crash can leave an older deposit to
@@ -625,12 +634,19 @@ class HostTier:
         LOCK_WAIT_S: another daemon of the directory holds it, and may be about to publish an older generation it
         checked under it, after anything removed now (before, the entry was removed by path and the commit taken
         as settled: that daemon's older generation then stayed). The caller keeps the commit unsettled (its
-        restores take ``generation`` only) and calls again."""
+        restores take ``generation`` only) and calls again. ``wait`` False: one attempt at the lock, False at once
+        where it is held. Any other failure to take the lock (the directory cannot be opened: ENOENT, EMFILE)
+        raises OSError: nothing changed, and it may not pass by itself.
+
+        Where the tier records ``generation`` already (its tombstone, or its save), nothing is written: a retry
+        after another process wrote the tombstone (the daemon this one took over from) keeps the save."""
         slab, meta = self._paths(key)
         tmp = self.dir / f".{meta.stem}.{os.getpid()}.stonetmp"
         try:
-            with self._publishing():
+            with self._publishing(wait=wait):
                 if latest is not None and not latest():
+                    return True
+                if self.generation_of(key) == generation:
                     return True
                 try:
                     try:
@@ -650,7 +666,7 @@ class HostTier:
                         exc,
                     )
                 return True
-        except (OSError, TimeoutError):
+        except TimeoutError:  # the lock held (an OSError too: this comes first)
             return False
 
     @staticmethod
