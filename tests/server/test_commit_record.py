@@ -1,7 +1,7 @@
 """The commit record ``<socket>.deposits`` (docs/reliability.md, "The commit record") against the processes that
 write it and the restores it guards: after a TAKEOVER only the new daemon writes it, a RECLAIM keeps the entries
-that guard the host tier's restore, and a record that lost entries (damaged, full) restores from the tier only the
-keys it names. Real daemons and a keeper on the host backend; a held tier lock or a stopped keeper only widens
+that guard the host tier's restore, a record that lost entries (damaged, full) restores from the tier only the
+keys it names, and a record vouches for what one keeper holds, the one it names. Real daemons and a keeper on the host backend; a held tier lock or a stopped keeper only widens
 windows that exist anyway."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tests.conftest import DaemonProc
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import connect
 from wcache.errors import KeyMismatchError, WCacheError
+from wcache.paths import KEEPER_SOCKET
 from wcache.plan.key import RankSpec
 from wcache.plan.recipe import RecipeKey
 from wcache.proto import GetState
@@ -273,7 +274,7 @@ def test_an_entry_stays_until_the_tier_holds_nothing_older(tmp_path: Path) -> No
     key = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
     path = tmp_path / "wcache-rank0.sock.deposits"
     superseding = {key}
-    rec = CommitRecord(path)
+    rec = CommitRecord(path, keeper=os.path.realpath(tmp_path / KEEPER_SOCKET))  # the socket directory's keeper
     rec.pending = lambda k: k in superseding
     rec.committed(key, "g2")
     rec.settled(key)  # the keeper holds g2, the tier's tombstone not yet written
@@ -288,25 +289,81 @@ def test_an_entry_whose_tombstone_is_pending_stays_across_processes_until_it_is_
     process and in the next one to open the record (after a TAKEOVER or a crash), until the tombstone is written;
     then it settles as any entry. A record written before the flag existed has none pending."""
     path = tmp_path / "sock.deposits"
+    keeper = os.path.realpath(tmp_path / KEEPER_SOCKET)  # the socket directory's keeper
     key = RecipeKey.of(WeightCacheKey("f", "A", 1, 0, "bfloat16"), engine="e")
     kid = CommitRecord.key_id(key)
-    r = CommitRecord(path)
+    r = CommitRecord(path, keeper=keeper)
     r.committed(key, "g1")
     r.tombstone_pending(key, "g1")
     r.settled(key)
-    r.reclaimed({kid}, known=True)
+    r.reclaimed({kid}, confirmed=True)
     assert r.keys == {kid: "g1"}
-    r2 = CommitRecord(path)  # the next daemon of the socket
+    r2 = CommitRecord(path, keeper=keeper)  # the next daemon of the socket
     assert r2.keys == {kid: "g1"} and r2.tombstones == {kid: key.to_wire()}
     r2.settled(key)
-    assert kid in CommitRecord(path).keys
+    assert kid in CommitRecord(path, keeper=keeper).keys
     r2.tombstone_written(key, "g0")  # not the entry's generation: nothing
     assert kid in r2.tombstones
     r2.tombstone_written(key, "g1")
     r2.settled(key)
     assert not path.exists()
-    path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": {kid: "g1"}}))
-    old = CommitRecord(path)
+    path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": {kid: "g1"}, "keeper": keeper}))
+    old = CommitRecord(path, keeper=keeper)  # a record without the flag's field
     assert old.tombstones == {}
     old.settled(key)
     assert not path.exists()
+
+
+def test_a_record_vouches_only_for_the_keeper_it_was_settled_against(tmp_path: Path) -> None:
+    """A settled entry says "this keeper holds the key's last generation, or nothing of it" of one keeper only.
+    Before, the record did not say which: v1 kept in keeper A, v2 committed and settled in keeper B (its entry and
+    the file gone), and a daemon back on A found no entry and served A's v1. Now the record names the keeper it was
+    settled against (``"keeper"``, its socket's real path; no file: the socket directory's own keeper): a kept
+    deposit of a key it does not name is stale in any other keeper, entries settle only against the named one, and
+    a RECLAIM that dropped every such deposit (each drop confirmed) makes it name the RECLAIM's keeper. A record
+    without the field (an older daemon's) vouches for no keeper; a daemon without a keeper keeps the field."""
+    k1 = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
+    k2 = RecipeKey.of(WeightCacheKey("b" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
+    path = tmp_path / "wcache-rank0.sock.deposits"
+    a = os.path.realpath(tmp_path / KEEPER_SOCKET)  # the socket directory's keeper
+    b = os.path.realpath(tmp_path / "elsewhere" / KEEPER_SOCKET)
+
+    in_a = CommitRecord(path, keeper=a)
+    assert in_a.settled_in == a and in_a.stale(k1, "g0") is None  # no file: A's record
+    in_a.committed(k1, "g1")
+    in_a.settled(k1)  # A holds g1
+    assert not path.exists()
+
+    in_b = CommitRecord(path, keeper=b)  # restarted with keeper B, its RECLAIM not done (or failed)
+    assert in_b.stale(k1, "g0") is not None  # whatever B holds of a key the record does not name
+    in_b.committed(k1, "g2")
+    in_b.settled(k1)  # B holds g2: the entry stays, A may still hold g1
+    assert CommitRecord(path, keeper=a).stale(k1, "g1") is not None
+    in_b.reclaimed({CommitRecord.key_id(k1)}, confirmed=False)  # a drop unconfirmed: it stays A's record
+    assert CommitRecord(path).settled_in == a and CommitRecord(path).keys == {CommitRecord.key_id(k1): "g2"}
+    in_b.reclaimed({CommitRecord.key_id(k1)}, confirmed=True)  # B served g2 and holds nothing else: B's record
+    assert json.loads(path.read_text()) == {"format": CommitRecord.FORMAT, "keys": {}, "keeper": b}
+    assert CommitRecord(path, keeper=b).stale(k1, "g2") is None
+    assert CommitRecord(path, keeper=a).stale(k1, "g1") is not None  # back on A: its g1 is stale
+    assert CommitRecord(path, keeper=a).stale(k2, "g1") is not None
+
+    without = CommitRecord(path)  # a daemon without a keeper: records its COMMIT, keeps the field
+    without.committed(k2, "g5")
+    after = CommitRecord(path, keeper=b)
+    assert after.settled_in == b and after.stale(k2, "g4") is not None and after.stale(k2, "g5") is None
+
+    back = CommitRecord(path, keeper=a)
+    back.reclaimed(set(), confirmed=True)  # back on A, every deposit it held dropped: A's record, k2's entry kept
+    assert CommitRecord(path).settled_in == a and CommitRecord(path).keys == {CommitRecord.key_id(k2): "g5"}
+    back.settled(k2)  # A holds g5: nothing left to record, and A needs no file
+    assert not path.exists()
+
+    path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": {CommitRecord.key_id(k2): "g5"}}))
+    older = CommitRecord(path, keeper=a)  # an older daemon's record: no field
+    assert older.known and older.settled_in is None and not older.partial
+    assert older.stale(k1, "g2") is not None and older.stale(k2, "g5") is None
+    older.settled(k2)  # vouching for no keeper, it settles nothing
+    assert CommitRecord(path).keys == {CommitRecord.key_id(k2): "g5"}
+    path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": {}, "keeper": ["x"]}))
+    odd = CommitRecord(path, keeper=a)  # a field of another type names no keeper
+    assert odd.known and odd.settled_in is None and odd.stale(k1, "g2") is not None

@@ -990,6 +990,48 @@ async def test_a_deposit_committed_without_a_keeper_makes_the_kept_one_stale(
     assert len(await _kept_models(keeper.socket, n=1)) == 1  # v1 dropped from the keeper too
 
 
+async def test_a_deposit_kept_in_another_keeper_makes_the_older_one_kept_here_stale(
+    keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, tmp_path: Path
+) -> None:
+    """No host tier. v1 deposited and kept in keeper A (the socket directory's); the daemon restarted with
+    ``--keeper`` naming another keeper B commits v2, which B takes (the record's entry settled); restarted with A
+    again, it reclaimed v1 from A and served it, although v2 was committed on this socket after it: the record
+    had no entry of the key and was read as if A held its last generation. The record names the keeper it was
+    settled against (its socket's real path) and vouches for that one only: A's v1 is stale — the key is absent,
+    never older — while the checkpoint's model, checked against its files, is served from A as before; the record
+    then names A (as no file does: A is the socket directory's keeper)."""
+    from wcache.plan.recipe import RecipeKey
+
+    key = RecipeKey.of(WeightCacheKey.from_checkpoint(model), engine="test")
+    first = daemon_factory(model, "--keeper")
+    record = Path(f"{first.socket}.deposits")
+    await WCacheClient(first.socket).deposit(key, {"w": torch.full((64, 64), 1.0)})
+    assert len(await _kept_models(keeper.socket, n=2)) == 2
+    first.stop()
+
+    other_dir = tmp_path / "other-keeper"
+    other_dir.mkdir(mode=0o700)
+    other = spawn_keeper(other_dir)
+    try:
+        second = daemon_factory(model, "--keeper", str(other.socket))
+        await WCacheClient(second.socket).deposit(key, {"w": torch.full((64, 64), 2.0)})
+        assert len(await _kept_models(other.socket, n=2)) == 2
+        settled = kl.CommitRecord(record)  # B holds v2: no entry, and the record names B
+        assert settled.keys == {} and settled.settled_in == os.path.realpath(other.socket)
+        second.stop()
+    finally:
+        other.stop()
+
+    third = daemon_factory(model, "--keeper")  # keeper A again, still holding v1 for this socket
+    with pytest.raises(KeyMismatchError, match="served nothing"):
+        await WCacheClient(third.socket).fetch(key, mode="copy")
+    served = (await WCacheClient(third.socket).status()).models
+    assert [("engine" in m.key, m.origin) for m in served] == [(False, "keeper")]
+    assert await _kept_models(keeper.socket, n=1) == [WeightCacheKey.from_checkpoint(model).to_wire()]
+    assert not record.exists()  # nothing recorded and the record names A, the socket directory's own keeper
+    assert kl.CommitRecord(record, keeper=os.path.realpath(keeper.socket)).vouches
+
+
 async def test_one_socket_spelled_two_ways_is_one_owner_in_the_keeper(
     keeper: DaemonProcess, daemon_factory: Callable[..., DaemonProc], model: Path, socket_dir: Path, tmp_path: Path
 ) -> None:
@@ -1084,25 +1126,26 @@ def test_a_damaged_commit_record_makes_every_kept_deposit_stale(tmp_path: Path) 
     k1 = RecipeKey.of(WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
     k2 = RecipeKey.of(WeightCacheKey("b" * 64, "LlamaForCausalLM", 1, 0, "bfloat16"), engine="test")
     path = tmp_path / "wcache-rank0.sock.deposits"
-    rec = kl.CommitRecord(path)
+    here = os.path.realpath(tmp_path / KEEPER_SOCKET)  # the socket directory's keeper
+    rec = kl.CommitRecord(path, keeper=here)
     assert rec.known and rec.stale(k1, "g1") is None and not path.exists()
     rec.committed(k1, "g2")
-    again = kl.CommitRecord(path)
+    again = kl.CommitRecord(path, keeper=here)
     assert again.stale(k1, "g1") is not None and again.stale(k1, "g2") is None and again.stale(k2, "g1") is None
     rec.settled(k1)
     assert not path.exists()
     path.write_text('{"format": "wcache-deposits/1", "keys": [')
-    damaged = kl.CommitRecord(path)
+    damaged = kl.CommitRecord(path, keeper=here)
     assert not damaged.known and damaged.stale(k2, "g1") is not None
     assert damaged.restorable(k1) == (False, None)  # no tier restore of a key it cannot vouch for
     damaged.committed(k1, "g3")  # a COMMIT before any RECLAIM acted on the damage (the keeper unreachable)
-    again = kl.CommitRecord(path)  # the next daemon: still every kept deposit stale, not k2's "g1" vouched for
+    again = kl.CommitRecord(path, keeper=here)  # the next daemon: still every kept deposit stale, not k2's "g1"
     assert not again.known and again.stale(k2, "g1") is not None and again.stale(k1, "g3") is not None
-    again.reclaimed(set(), known=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
+    again.reclaimed(set(), confirmed=False)  # a RECLAIM whose UNKEEP of a deposit it made stale was not confirmed
     assert not kl.CommitRecord(path).known  # still damaged: that deposit may still be kept
-    again.reclaimed(set(), known=True)
+    again.reclaimed(set(), confirmed=True)
     again.settled(k1)  # the keeper holds g3: the entry stays, it vouches for k1's tier restore
-    after = kl.CommitRecord(path)
+    after = kl.CommitRecord(path, keeper=here)
     assert after.known and after.partial and after.stale(k1, "g3") is None and after.stale(k2, "g1") is None
     assert after.restorable(k1) == (True, "g3") and after.restorable(k2) == (False, None)
 
@@ -1121,20 +1164,21 @@ def test_a_full_commit_record_gives_up_its_entries_and_makes_every_kept_deposit_
     base = WeightCacheKey("a" * 64, "LlamaForCausalLM", 1, 0, "bfloat16")
     keys = [RecipeKey.of(base, engine="test", variant=str(i)) for i in range(5)]
     path = tmp_path / "wcache-rank0.sock.deposits"
+    here = os.path.realpath(tmp_path / KEEPER_SOCKET)  # the keeper of the daemon that reclaims next
     rec = kl.CommitRecord(path)
     for k in keys[:3]:
         rec.committed(k, "g1")
     rec.committed(keys[0], "g2")  # a key it holds: recorded, not one more
-    assert rec.known and kl.CommitRecord(path).stale(keys[0], "g1") is not None
-    assert kl.CommitRecord(path).stale(keys[4], "g0") is None
+    assert rec.known and kl.CommitRecord(path, keeper=here).stale(keys[0], "g1") is not None
+    assert kl.CommitRecord(path, keeper=here).stale(keys[4], "g0") is None
     rec.committed(keys[3], "g1")  # one more than it holds
-    full = kl.CommitRecord(path)
+    full = kl.CommitRecord(path, keeper=here)
     assert not full.known and full.keys == {kl.CommitRecord.key_id(keys[3]): "g1"}
     assert all(full.stale(k, "g1") is not None for k in keys)
     assert full.restorable(keys[0]) == (False, None) and full.restorable(keys[3]) == (True, "g1")
     rec.committed(keys[4], "g1")
     assert len(rec.keys) == 2 and len(path.read_bytes()) < 300
-    rec.reclaimed(set(), known=True)
+    rec.reclaimed(set(), confirmed=True)
     assert rec.known and rec.partial and kl.CommitRecord(path).restorable(keys[0]) == (False, None)
 
 

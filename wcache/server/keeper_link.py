@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from wcache import __version__
 from wcache.channel import close_fds, connect, expect
 from wcache.errors import CacheUnavailableError, NotFoundError, RemoteProtocolError, WCacheError
+from wcache.paths import KEEPER_SOCKET
 from wcache.plan.key import KeyValue, WeightCacheKey
 from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
 
@@ -89,11 +90,23 @@ class CommitRecord:
     generation only. An entry whose COMMIT's host-tier tombstone is not written yet (the tier's lock held by another
     daemon) is flagged (``tombstones``: its key's wire form, to retry it with): no KEEP or RECLAIM removes it until
     the tombstone is written, by this daemon or the next one of the socket (after a TAKEOVER, a crash or a
-    restart). JSON ``{"format", "keys": {key id: generation}, "tombstones"?: {key id: key}, "damaged"?,
-    "partial"?}`` (no ``tombstones``: none pending), written to a
-    temporary file of the writer's own (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds
-    at most ``MAX_KEYS`` keys: a COMMIT of one more (a daemon without a keeper writing back under ever new recipe
-    keys settles none) gives up the other entries and marks the record damaged instead, the conservative side.
+    restart). JSON ``{"format", "keys": {key id: generation}, "tombstones"?: {key id: key}, "keeper"?, "damaged"?,
+    "partial"?}`` (no ``tombstones``: none pending), written to a temporary file of the writer's own
+    (``<name>.<pid>.tmp``, created exclusively) and renamed over it. It holds at most ``MAX_KEYS`` keys: a COMMIT of
+    one more (a daemon without a keeper writing back under ever new recipe keys settles none) gives up the other
+    entries and marks the record damaged instead, the conservative side.
+
+    An entry settled says "this keeper holds the last generation of the key, or nothing of it" — of one keeper
+    only: ``settled_in`` (``"keeper"`` in the file, the real path of that keeper's socket) names it. A kept
+    deposit whose key the record does not name is served only from that keeper; from any other (the daemon
+    restarted with another ``--keeper``, which may hold a generation older than what the named one took) it is
+    stale. No file stands for the socket directory's own keeper (``wcache-keeper.sock`` beside the socket: the
+    file goes when it records nothing else, and the directory with the last process in it); a file without the
+    field (an older daemon's) vouches for no keeper. Entries settle only against the named keeper, and a daemon
+    whose keeper is another one keeps its COMMITs' entries (as without a keeper) until a RECLAIM from its keeper
+    has dropped every kept deposit the record cannot vouch for (``reclaimed``): the record names that keeper from
+    then on. One keeper process at a time serves a socket path (its lock), and what it holds dies with it, so the
+    path is the keeper's identity.
 
     A file that cannot be read or parsed says nothing of which generation is last: every kept deposit is stale
     (``known`` False), and stays so — the flag ``damaged`` is written with the entries — until a RECLAIM has
@@ -109,9 +122,16 @@ class CommitRecord:
     #: keys recorded at most (~100 bytes each in the file)
     MAX_KEYS = 4096
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, keeper: str | None = None) -> None:
         self.path = path
+        #: the keeper this daemon keeps its models in (the real path of its socket; None: a daemon without one)
+        self.keeper = keeper
         self.keys: dict[str, str] = {}
+        #: the keeper the entries were settled against (the real path of its socket): for a key the record does not
+        #: name it holds the last generation committed or nothing. No file: the socket directory's own keeper;
+        #: None: no keeper (a record of an older daemon, which did not say)
+        self.default_keeper = os.path.realpath(path.parent / KEEPER_SOCKET)
+        self.settled_in: str | None = self.default_keeper
         #: whether the record names the last generation of every key (False: unreadable, damaged or full),
         #: else every kept deposit is stale at RECLAIM
         self.known = True
@@ -131,7 +151,7 @@ class CommitRecord:
             return
         except OSError as exc:
             log.warning("%s unreadable (%s): every kept deposit will be dropped", path, exc)
-            self.known, self.partial = False, True
+            self.known, self.partial, self.settled_in = False, True, None
             return
         try:
             doc = json.loads(raw)
@@ -140,12 +160,14 @@ class CommitRecord:
                 raise ValueError(f"not a {self.FORMAT} record")
         except (ValueError, AttributeError, KeyError) as exc:
             log.warning("%s is damaged (%s): every kept deposit will be dropped", path, exc)
-            self.known, self.partial = False, True
+            self.known, self.partial, self.settled_in = False, True, None
             return
         self.keys = {str(k): v for k, v in keys.items()}
         stones = doc.get("tombstones") or {}
         if isinstance(stones, dict):
             self.tombstones = {str(k): v for k, v in stones.items() if str(k) in self.keys and isinstance(v, dict)}
+        keeper = doc.get("keeper")  # absent from an older daemon's record: it vouches for no keeper
+        self.settled_in = keeper if isinstance(keeper, str) and keeper else None
         if doc.get("damaged"):
             self.known = False  # an earlier daemon found it damaged; no RECLAIM has acted on it since
         if doc.get("damaged") or doc.get("partial"):
@@ -157,8 +179,15 @@ class CommitRecord:
 
         return HostTier.entry_id(key)
 
+    @property
+    def vouches(self) -> bool:
+        """Whether the entries were settled against this daemon's keeper: a key the record does not name has its
+        last generation, or nothing, there."""
+        return self.keeper is not None and self.settled_in == self.keeper
+
     def stale(self, key: WeightCacheKey, generation: str) -> str | None:
-        """Why a kept deposit of ``key`` and ``generation`` must not be served (None: it may)."""
+        """Why a deposit of ``key`` and ``generation`` kept in this daemon's keeper must not be served (None: it
+        may)."""
         if not self.known:
             return (
                 f"{self.path.name} could not be read or was full: the deposit last committed under its key is not known"
@@ -169,6 +198,14 @@ class CommitRecord:
                 f"generation {recorded} was committed under its key after it (this one "
                 f"{generation or 'unknown'}) and the keeper never took it: it is not the deposit last committed"
             )
+        if recorded is None and not self.vouches:
+            where = (
+                f"was settled against the keeper at {self.settled_in}, not this one (a later deposit of its key "
+                "may have been committed and kept there)"
+                if self.settled_in
+                else "names no keeper it was settled against (an older daemon's record)"
+            )
+            return f"{self.path.name} {where}: it is not known to be the deposit last committed"
         return None
 
     def restorable(self, key: WeightCacheKey) -> tuple[bool, str | None]:
@@ -198,11 +235,12 @@ class CommitRecord:
         self._write()
 
     def settled(self, key: WeightCacheKey) -> None:
-        """The keeper holds ``key``'s recorded generation, or nothing of the key: its entry goes, unless the host
-        tier may still hold an older generation (``pending``) or the record is partial (the entry vouches for the
-        key's tier restore)."""
+        """This daemon's keeper holds ``key``'s recorded generation, or nothing of the key: its entry goes, unless
+        the host tier may still hold an older generation (``pending``, or its tombstone flagged as not written), the
+        record is partial (the entry vouches for the key's tier restore), or its entries were settled against another
+        keeper (``vouches``: that one may hold an older generation of the key, which only the entry makes stale)."""
         kid = self.key_id(key)
-        if self.partial or self.pending(key) or kid in self.tombstones:
+        if self.partial or self.pending(key) or kid in self.tombstones or not self.vouches:
             return
         if self.keys.pop(kid, None) is not None:
             self._write()
@@ -222,19 +260,23 @@ class CommitRecord:
         if self.keys.get(kid) == generation and self.tombstones.pop(kid, None) is not None:
             self._write()
 
-    def reclaimed(self, held: set[str], *, known: bool) -> None:
-        """After a RECLAIM: the keeper holds the recorded generation of the keys ``held`` (key ids; the host tier,
-        where there is one, records that generation or none), whose entries go unless the record is partial; every
-        other entry stays (it still guards the host tier's restore of its key). ``known`` False keeps a damaged
-        record damaged: a kept deposit it made stale whose UNKEEP the keeper did not confirm may still be held, and
-        nothing says which generation of its key is the last."""
-        keys = (
-            dict(self.keys)
-            if self.partial
-            else {i: g for i, g in self.keys.items() if i not in held or i in self.tombstones}
-        )
-        if keys != self.keys or known != self.known:
-            self.keys, self.known = keys, known
+    def reclaimed(self, held: set[str], *, confirmed: bool) -> None:
+        """After a RECLAIM from this daemon's keeper, which served the deposits of the keys ``held`` (key ids) and
+        dropped every other deposit it held for the socket — each drop confirmed by the keeper or not
+        (``confirmed``: all were). All confirmed, the keeper holds nothing the record does not vouch for: a damaged
+        record becomes known, and the record names this keeper (``settled_in``). Not all, a damaged record stays
+        damaged and the record names the keeper it named: a kept deposit it made stale may still be held there.
+        Where the record then names this keeper, the entries of ``held`` go (the keeper holds their recorded
+        generation; the host tier, where there is one, records that generation or none) unless the record is
+        partial or their tombstone is flagged as not written; every other entry stays (it still guards the host
+        tier's restore of its key)."""
+        known = self.known or confirmed
+        settled_in = self.keeper if confirmed and self.keeper is not None else self.settled_in
+        keys = self.keys
+        if not self.partial and settled_in is not None and settled_in == self.keeper:
+            keys = {i: g for i, g in self.keys.items() if i not in held or i in self.tombstones}
+        if keys != self.keys or known != self.known or settled_in != self.settled_in:
+            self.keys, self.known, self.settled_in = keys, known, settled_in
             self._write()
 
     def hand_over(self) -> None:
@@ -278,12 +320,14 @@ class CommitRecord:
             return
         tmp = self._temporary(os.getpid())
         try:
-            if not self.keys and self.known and not self.partial:
-                self.path.unlink(missing_ok=True)
+            if not self.keys and self.known and not self.partial and self.settled_in == self.default_keeper:
+                self.path.unlink(missing_ok=True)  # what no file says
                 return
             doc: dict[str, object] = {"format": self.FORMAT, "keys": self.keys}
             if self.tombstones:
                 doc["tombstones"] = self.tombstones
+            if self.settled_in is not None:
+                doc["keeper"] = self.settled_in
             if not self.known:
                 doc["damaged"] = True
             if self.partial:
@@ -328,8 +372,10 @@ class KeeperLink:
         self._skip: dict[WeightCacheKey, int] = {}
         # one request at a time, in order: an UNKEEP must not overtake the KEEP of the same model
         self._lock = asyncio.Lock()
-        #: the deposits committed that the keeper may not hold yet (a file beside the socket, read at start)
-        self.record = CommitRecord(Path(f"{owner}.deposits"))
+        #: the deposits committed that the keeper may not hold yet (a file beside the socket, read at start); it
+        #: vouches for what one keeper holds, named by its socket's real path (one keeper reached through two
+        #: spellings of its directory is one keeper)
+        self.record = CommitRecord(Path(f"{owner}.deposits"), keeper=os.path.realpath(path))
         #: a TAKEOVER is done: the keeper's entries for this socket are the new daemon's (``hand_over``)
         self._handed_over = False
 

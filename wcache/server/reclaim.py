@@ -100,9 +100,10 @@ def admit(
     """The reclaimed models that pass every check, adopted; and how many were dropped (each told to the
     keeper with an UNKEEP). Every fd in ``fds`` is consumed. A deposit is dropped too where a later COMMIT
     under its key is recorded that the keeper never heard of: in this socket's record (``link.record``: a
-    keeper that did not answer the COMMIT's KEEP) or by ``tier`` (the host tier, shared by every daemon of the
-    directory: a daemon without ``--keeper`` committed it, whose bytes the tier restores, or whose tombstone
-    says nothing older may be served)."""
+    keeper that did not answer the COMMIT's KEEP; or a record settled against another keeper, which does not
+    name the key) or by ``tier`` (the host tier, shared by every daemon of the directory: a daemon without
+    ``--keeper`` committed it, whose bytes the tier restores, or whose tombstone says nothing older may be
+    served)."""
     served: list[ServedModel] = []
     rejected: list[tuple[WeightCacheKey, str]] = []
     undecodable: list[dict[str, str | int]] = []
@@ -154,10 +155,10 @@ def admit(
     # what the keeper holds is known now: the entries of the deposits served from it may go (it holds their
     # recorded generation, and the tier records that one or none); every other entry stays — a key the keeper
     # holds nothing of may still have an older generation in the host tier, which its entry keeps from being
-    # restored — and a damaged record stays damaged while a drop is unconfirmed (it names no generation that
-    # would make that deposit stale)
+    # restored — and while a drop is unconfirmed a damaged record stays damaged and the record names no other
+    # keeper than it did (it names no generation that would make that deposit stale)
     held = {link.record.key_id(m.key) for m in served if isinstance(m.key, RecipeKey)}
-    link.record.reclaimed(held, known=link.record.known or not unconfirmed)
+    link.record.reclaimed(held, confirmed=not unconfirmed)
     return served, len(rejected) + len(undecodable)
 
 
