@@ -367,3 +367,32 @@ def test_a_record_vouches_only_for_the_keeper_it_was_settled_against(tmp_path: P
     path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": {}, "keeper": ["x"]}))
     odd = CommitRecord(path, keeper=a)  # a field of another type names no keeper
     assert odd.known and odd.settled_in is None and odd.stale(k1, "g2") is not None
+
+
+def test_a_full_record_keeps_the_entries_whose_tombstone_is_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A COMMIT past ``MAX_KEYS`` gives up the record's entries (it turns partial and damaged), but not those flagged
+    as waiting for their host-tier tombstone: wiped with the others, their flag went too, and no later daemon of the
+    socket retried the tombstone — the tier kept the older generation with no end. A record with flags and no
+    ``keeper`` field (a daemon's before the field) loads its flags and vouches for no keeper."""
+    monkeypatch.setattr(CommitRecord, "MAX_KEYS", 3)
+    path = tmp_path / "sock.deposits"
+    keeper = os.path.realpath(tmp_path / KEEPER_SOCKET)
+
+    def key(i: int) -> RecipeKey:
+        return RecipeKey.of(WeightCacheKey(f"{i:032x}", "A", 1, 0, "bfloat16"), engine="e")
+
+    r = CommitRecord(path, keeper=keeper)
+    r.committed(key(0), "g0")
+    r.tombstone_pending(key(0), "g0")
+    for i in (1, 2, 3):
+        r.committed(key(i), f"g{i}")
+    again = CommitRecord(path, keeper=keeper)
+    k0, k3 = CommitRecord.key_id(key(0)), CommitRecord.key_id(key(3))
+    assert again.keys == {k0: "g0", k3: "g3"} and again.tombstones == {k0: key(0).to_wire()}
+    assert again.partial and not again.known
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({"format": CommitRecord.FORMAT, "keys": doc["keys"], "tombstones": doc["tombstones"]}))
+    older = CommitRecord(path, keeper=keeper)
+    assert older.tombstones == {k0: key(0).to_wire()} and older.settled_in is None and not older.vouches

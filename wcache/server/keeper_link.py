@@ -230,7 +230,9 @@ class CommitRecord:
                 self.path,
                 len(self.keys),
             )
-            self.keys, self.known, self.partial, self.tombstones = {}, False, True, {}
+            # a flagged entry stays (its COMMIT's tombstone is not written: the next daemon must still retry it)
+            self.keys = {i: self.keys[i] for i in self.tombstones}
+            self.known, self.partial = False, True
         self.keys[kid] = generation
         self._write()
 
