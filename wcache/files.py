@@ -18,6 +18,9 @@ privileges, so every file it opens there goes through :func:`open_regular` (docs
 
 Errors are the caller's error class (``CheckpointError`` for checkpoints, ``ShardingError`` for
 plan files), name the file and say what to do.
+
+The daemon's own small files (the host tier's metadata, the commit record) are written the other way round:
+:func:`write_new` creates the file, never through a link, and writes all of it.
 """
 
 from __future__ import annotations
@@ -153,3 +156,15 @@ def read_metadata(
         if isinstance(exc.__cause__, FileNotFoundError) and not path.is_symlink():
             return None
         raise
+
+
+def write_new(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:
+    """Create ``path`` (it must not exist: O_EXCL; a symbolic link there is not followed: O_NOFOLLOW) with ``mode``
+    and write all of ``data``; OSError as the OS says. The caller renames it into place."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from wcache import __version__
 from wcache.channel import close_fds, connect, expect
 from wcache.errors import CacheUnavailableError, NotFoundError, RemoteProtocolError, WCacheError
+from wcache.files import write_new
 from wcache.paths import KEEPER_SOCKET
 from wcache.plan.key import KeyValue, WeightCacheKey
 from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
@@ -336,13 +337,7 @@ class CommitRecord:
                 doc["partial"] = True
             data = (json.dumps(doc, sort_keys=True) + "\n").encode()
             tmp.unlink(missing_ok=True)  # this process's own, from a write that failed before its rename
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
+            write_new(tmp, data)
             os.replace(tmp, self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):

@@ -68,7 +68,7 @@ from typing import Any
 import msgpack
 
 from wcache.errors import ProtocolError, TierEntryError, WCacheError
-from wcache.files import file_kind, read_at_most
+from wcache.files import file_kind, read_at_most, write_new
 from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.plan.key import WeightCacheKey
 from wcache.proto import TensorTable
@@ -650,9 +650,7 @@ class HostTier:
                     return True
                 try:
                     try:
-                        self._write_new(
-                            tmp, _pack_meta({"key": key.to_wire(), "generation": generation, "tombstone": True})
-                        )
+                        write_new(tmp, _pack_meta({"key": key.to_wire(), "generation": generation, "tombstone": True}))
                         os.replace(tmp, meta)
                     finally:
                         _unlink(tmp)
@@ -668,16 +666,6 @@ class HostTier:
                 return True
         except TimeoutError:  # the lock held (an OSError too: this comes first)
             return False
-
-    @staticmethod
-    def _write_new(path: Path, data: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
 
     def save(
         self,
@@ -752,7 +740,7 @@ class HostTier:
                     "host tier skip key=%s: its meta is %d bytes (over %d)", key.short(), len(packed), MAX_META_BYTES
                 )
                 return False
-            self._write_new(tmp_meta, packed)
+            write_new(tmp_meta, packed)
             with self._publishing():
                 if generation and not self._tombstone_of(meta_path, key, generation):
                     log.info(
