@@ -737,9 +737,9 @@ async def test_a_forged_slab_under_the_daemons_own_key_is_dropped_and_the_model_
         assert all(torch.equal(w[k], v) for k, v in ref.items())  # the checkpoint's bytes, not the forgery's
 
 
-def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path, tmp_path: Path) -> None:
-    """Daemon side: a reclaimed slab the backend refuses (its memfd smaller than the slab) drops that model
-    only; the other is checked and served."""
+def _admit_beside_a_good_one(model: Path, tmp_path: Path, bad: Callable[[HandedModel], HandedModel]) -> None:
+    """``admit`` of two reclaimed models: one whose slab is ``model`` loaded (handed as the keeper would), then
+    ``bad(that handed model)``, a memfd of the keeper's example size as its slab: the good one alone is served."""
     from wcache.proto import Reclaimed
     from wcache.server.backends.host import HostBackend
     from wcache.server.load import load_model
@@ -752,9 +752,9 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
         fds: list[int] = []
         descs = good.export(fds)
         fds = [os.dup(fd) for fd in fds]
-        bad, bad_fd = _memfd_model(0)
-        bad = HandedModel(bad.key, (SlabDescriptor(size=1 << 30, kind="memfd", fd=1),), bad.tensors)
-        state = Reclaimed(id=1, models=(bad, good.handed(descs)), dropped=0)
+        handed = good.handed(descs)
+        _, bad_fd = _memfd_model(0)
+        state = Reclaimed(id=1, models=(bad(handed), handed), dropped=0)
         link = kl.KeeperLink(tmp_path / "no-keeper.sock", owner=tmp_path / "d.sock", backend="host", device_uuid="")
         served, dropped = admit(link, state, [*fds, bad_fd], backend, adopt)
         try:
@@ -764,6 +764,18 @@ def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path,
                 m.close()
     finally:
         good.close()
+
+
+def test_one_model_that_cannot_be_adopted_does_not_spoil_the_others(model: Path, tmp_path: Path) -> None:
+    """Daemon side: a reclaimed slab the backend refuses (its memfd smaller than the slab) drops that model
+    only; the other is checked and served."""
+    example, fd = _memfd_model(0)
+    os.close(fd)
+    _admit_beside_a_good_one(
+        model,
+        tmp_path,
+        lambda handed: HandedModel(example.key, (SlabDescriptor(size=1 << 30, kind="memfd", fd=1),), example.tensors),
+    )
 
 
 @pytest.mark.parametrize(
@@ -782,52 +794,15 @@ def test_a_kept_entry_whose_key_does_not_decode_is_dropped_and_the_others_served
     outside its per-model ``try``, so a key without ``fingerprint`` raised TypeError out of the start-up, on every
     restart while the keeper held it (docs/protocol.md §4.11: a model that fails is dropped, the others served).
     Now that entry alone is dropped; an UNKEEP by its own map is tried (here no keeper answers: a log line)."""
-    from wcache.proto import Reclaimed
-    from wcache.server.backends.host import HostBackend
-    from wcache.server.load import load_model
-    from wcache.server.reclaim import admit
-    from wcache.server.startup import adopt
-
-    backend = HostBackend()
-    good = load_model(RankSpec(model), backend=backend)
-    try:
-        fds: list[int] = []
-        descs = good.export(fds)
-        fds = [os.dup(fd) for fd in fds]
-        handed = good.handed(descs)
-        bad, bad_fd = _memfd_model(0)
-        bad = HandedModel(
-            spoil(dict(handed.key)), (SlabDescriptor(size=bad.slabs[0].size, kind="memfd", fd=1),), bad.tensors
-        )
-        state = Reclaimed(id=1, models=(bad, handed), dropped=0)
-        link = kl.KeeperLink(tmp_path / "no-keeper.sock", owner=tmp_path / "d.sock", backend="host", device_uuid="")
-        served, dropped = admit(link, state, [*fds, bad_fd], backend, adopt)
-        try:
-            assert [m.key for m in served] == [good.key] and dropped == 1
-        finally:
-            for m in served:
-                m.close()
-    finally:
-        good.close()
-
-
-async def test_keeper_refuses_a_keep_whose_key_is_no_models_key(keeper: DaemonProcess, socket_dir: Path) -> None:
-    """Keeper side: a KEEP whose key map is no key a daemon keeps (``fingerprint`` missing) was held — and its
-    reply failed on the log line naming it — though no daemon could reclaim it, nor release it by its decoded key.
-    It is refused now (PROTOCOL_ERROR, as a KEEP of a slab the keeper cannot hold), nothing kept; the keeper serves
-    on."""
-    with _holding_lock(socket_dir / "rank0.sock") as owner:
-        m, fd = _memfd_model(0)
-        try:
-            bad = HandedModel({k: v for k, v in m.key.items() if k != "fingerprint"}, m.slabs, m.tensors)
-            with pytest.raises(ProtocolError, match="no model's key"):
-                await kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=bad, fds=[fd])
-            assert (await WCacheClient(keeper.socket).status()).models == ()
-            kept, _ = await kl.keep(keeper.socket, owner=owner, backend="host", device_uuid="", model=m, fds=[fd])
-            assert kept.models == 1
-        finally:
-            os.close(fd)
-        await kl.unkeep(keeper.socket, owner=owner, key=m.key)
+    example, fd = _memfd_model(0)
+    os.close(fd)
+    _admit_beside_a_good_one(
+        model,
+        tmp_path,
+        lambda handed: HandedModel(
+            spoil(dict(handed.key)), (SlabDescriptor(size=example.slabs[0].size, kind="memfd", fd=1),), example.tensors
+        ),
+    )
 
 
 async def test_a_model_served_in_vllms_layout_is_reclaimed_after_a_crash(
