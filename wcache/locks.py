@@ -1,7 +1,8 @@
 """Who holds a daemon's lock (``<socket>.lock``, an exclusive ``flock``): read from ``/proc/locks``, matched by
 device and inode, never by taking the lock (a daemon starting that moment would then fail) nor from the pid
 written inside the file (it stays after a SIGKILL, and any process of the uid can write it). Shared by the
-keeper's owner check and the client's wait for a restarting daemon; imports nothing heavy."""
+keeper's owner check and the client's wait for a restarting daemon; imports nothing heavy. Also ``exited``: whether
+the process that named a temporary file after its pid is gone."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["lock_holder", "lock_holders"]
+__all__ = ["exited", "lock_holder", "lock_holders"]
 
 
 def lock_holder(socket_path: str | os.PathLike[str], proc_locks: str = "/proc/locks") -> int | None:
@@ -54,3 +55,17 @@ def lock_holders(socket_paths: Iterable[str | os.PathLike[str]], proc_locks: str
         except ValueError:
             held[name] = 0
     return held
+
+
+def exited(pid: int) -> bool:
+    """Whether no process ``pid`` exists (a writer that named its temporary file after its pid died mid-write):
+    False for this process, one alive, and one not ours to signal (EPERM: it may be writing)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -18,6 +18,7 @@ from wcache import __version__
 from wcache.channel import close_fds, connect, expect
 from wcache.errors import CacheUnavailableError, NotFoundError, RemoteProtocolError, WCacheError
 from wcache.files import write_new
+from wcache.locks import exited
 from wcache.paths import KEEPER_SOCKET
 from wcache.plan.key import KeyValue, WeightCacheKey
 from wcache.proto import Frame, HandedModel, Keep, Kept, Reclaim, Reclaimed, Unkeep
@@ -301,15 +302,7 @@ class CommitRecord:
             pid_text = name[len(prefix) : -len(".tmp")]
             if not (name.startswith(prefix) and name.endswith(".tmp") and pid_text.isdigit()):
                 continue
-            pid = int(pid_text)
-            if pid == os.getpid():
-                continue
-            try:
-                os.kill(pid, 0)
-                continue  # alive (or not ours to signal: EPERM): its write may be in progress
-            except ProcessLookupError:
-                pass
-            except OSError:
+            if not exited(int(pid_text)):  # alive (or not ours to signal): its write may be in progress
                 continue
             with contextlib.suppress(OSError):
                 os.unlink(self.path.parent / name)

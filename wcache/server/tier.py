@@ -69,6 +69,7 @@ import msgpack
 
 from wcache.errors import ProtocolError, TierEntryError, WCacheError
 from wcache.files import file_kind, read_at_most, write_new
+from wcache.locks import exited
 from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
 from wcache.plan.key import WeightCacheKey
 from wcache.proto import TensorTable
@@ -306,14 +307,7 @@ class HostTier:
             if len(parts) < 4 or parts[-1] not in ("tmp", "metatmp", "stonetmp") or not parts[2].isdigit():
                 continue
             pid = int(parts[2])
-            if pid == os.getpid():
-                continue
-            try:
-                os.kill(pid, 0)
-                continue  # alive (or not ours to signal: EPERM), its save may be in progress
-            except ProcessLookupError:
-                pass
-            except PermissionError:
+            if not exited(pid):  # alive (or not ours to signal), its save may be in progress
                 continue
             try:
                 size = os.lstat(p).st_size
