@@ -524,13 +524,22 @@ def _dialling_socket(path: Path, peer: str) -> socket.socket:
     try:
         return _socket()
     except OSError as exc:
-        from wcache.errors import CacheUnavailableError
+        raise out_of_resources(f"cannot open a socket to the {peer} at {path} in this process", path, exc) from exc
 
-        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        raise CacheUnavailableError(
-            f"cannot open a socket to the {peer} at {path} in this process: {code} ({exc.strerror or exc})",
-            details={"socket": str(path), "errno": code},
-        ) from exc
+
+#: errnos of a process out of descriptors (its own limit, the system's) or memory
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def out_of_resources(what: str, path: Path, exc: OSError) -> CacheUnavailableError:
+    """CacheUnavailableError for ``what`` (a sentence naming what failed) that this process could not do for want
+    of descriptors or memory (``exc``), naming the socket ``path`` and the errno (``details``: socket, errno)."""
+    from wcache.errors import CacheUnavailableError
+
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return CacheUnavailableError(
+        f"{what}: {code} ({exc.strerror or exc})", details={"socket": str(path), "errno": code}
+    )
 
 
 def _unavailable(path: Path, exc: OSError, peer: str) -> CacheUnavailableError:

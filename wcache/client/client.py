@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import math
 import os
 import time
@@ -35,6 +34,7 @@ import torch
 
 from wcache import __version__
 from wcache.channel import (
+    EXHAUSTED,
     Channel,
     close_fds,
     connect,
@@ -43,6 +43,7 @@ from wcache.channel import (
     expect,
     expect_engine,
     expect_engine_blocking,
+    out_of_resources,
     time_left,
 )
 from wcache.proto.codec import gc_paused
@@ -425,7 +426,7 @@ class WCacheClient:
             raise CacheUnavailableError(f"wcache daemon at {path} closed the connection: {exc}") from exc
         except OSError as exc:
             session.close()
-            if exc.errno not in _EXHAUSTED:
+            if exc.errno not in EXHAUSTED:
                 raise
             raise _exhausted(path, exc) from exc
         except BaseException:
@@ -677,7 +678,7 @@ class WCacheClient:
         except OSError as exc:
             if ch is not None:
                 ch.close()
-            if exc.errno not in _EXHAUSTED:
+            if exc.errno not in EXHAUSTED:
                 raise
             raise _exhausted(path, exc) from exc
         except BaseException:
@@ -760,23 +761,13 @@ def _absent(exc: BaseException) -> bool:
     return isinstance(exc, CacheUnavailableError) and wait.is_absent(exc)
 
 
-#: errnos of a process out of descriptors (its own limit, the system's) or memory
-_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-
-
 def _exhausted(path: Path, exc: OSError) -> Exception:
     """A fetch that ran out of descriptors or memory after its socket was open — a module it imports (the mapping's
     in its window, the declarations for an ERROR), a descriptor it receives — as CacheUnavailableError: the cache
     is then as unusable to this process as a socket it cannot open (``channel._dialling_socket``), and an engine's
     fallback catches WCacheError only. Called with the fetch's connection closed, so the error tree's import, where
     the engine has not loaded it, has a descriptor to read it with."""
-    from wcache.errors import CacheUnavailableError
-
-    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-    return CacheUnavailableError(
-        f"this process ran out of resources fetching from the wcache daemon at {path}: {code} ({exc.strerror or exc})",
-        details={"socket": str(path), "errno": code},
-    )
+    return out_of_resources(f"this process ran out of resources fetching from the wcache daemon at {path}", path, exc)
 
 
 def _ahead(timings: dict[str, float] | None) -> Meanwhile:
