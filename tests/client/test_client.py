@@ -87,10 +87,20 @@ def test_a_state_for_another_key_than_the_one_proven_is_refused(
     field must be the key's. A STATE whose key carries a field the proven key has not (a recipe's ``engine``: a
     deposit's weights) was accepted as the checkpoint's: ``adopt`` looked only at the fields it knew. It is
     RemoteProtocolError, as for a full key, the slab's descriptor closed."""
+    _proven_key_refuses(WeightCacheKey.from_checkpoint(ckpt), served, blocking, tmp_path)
+
+
+def _proven_key_refuses(
+    key: WeightCacheKey, served: dict[str, Any], blocking: bool, tmp_path: Path, proof_dtype: str | None = None
+) -> None:
+    """A fake daemon answers ``key``'s proof (its ``dtype`` ``proof_dtype``, where given) with a STATE keyed as the
+    proof's completion with ``served`` over it: the fetch raises RemoteProtocolError and keeps no descriptor."""
 
     def scenario(peer: Peer) -> None:
         request = peer.opening()
         assert "proof" in request
+        if proof_dtype is not None:
+            assert request["proof"]["dtype"] == proof_dtype
         fd = memfd(16)
         try:
             peer.send(state(request, [memfd_slab(0, 16)], ONE, key={**PROVEN, **request["key"], **served}), [fd])
@@ -99,7 +109,6 @@ def test_a_state_for_another_key_than_the_one_proven_is_refused(
         peer.hold()
 
     sock = tmp_path / "fake.sock"
-    key = WeightCacheKey.from_checkpoint(ckpt)
     assert key.proof() is not None
     before = _open_memfds()
     with FakeDaemon(sock, scenario), pytest.raises(RemoteProtocolError, match="the daemon served key"):
@@ -129,24 +138,8 @@ def test_a_proven_key_refuses_file_derived_fields_its_request_rules_out(
     digits. ``adopt`` checked only their types, so a daemon serving float16 weights under a bfloat16 key was taken
     at its word; the same STATE for the scanned full key was refused. RemoteProtocolError now, the slab closed."""
     asked, tp_size, served = case
-
-    def scenario(peer: Peer) -> None:
-        request = peer.opening()
-        assert request["proof"]["dtype"] == (asked or "auto")
-        fd = memfd(16)
-        try:
-            peer.send(state(request, [memfd_slab(0, 16)], ONE, key={**PROVEN, **request["key"], **served}), [fd])
-        finally:
-            os.close(fd)
-        peer.hold()
-
-    sock = tmp_path / "fake.sock"
     key = WeightCacheKey.from_checkpoint(ckpt, dtype=asked, tp_size=tp_size)
-    assert key.proof() is not None
-    before = _open_memfds()
-    with FakeDaemon(sock, scenario), pytest.raises(RemoteProtocolError, match="the daemon served key"):
-        _fetch(WCacheClient(sock, wait_for_daemon=0, timeout=10), key, blocking)
-    assert _open_memfds() == before
+    _proven_key_refuses(key, served, blocking, tmp_path, proof_dtype=asked or "auto")
 
 
 def test_the_floating_dtypes_a_proven_key_takes_for_auto_are_the_checkpoints() -> None:
