@@ -47,6 +47,7 @@ from wcache.server.nixl import Agent
 from wcache.server.peer import PeerListener, PeerService, RateCap
 from wcache.server.peer_auth import PeerSecurity
 from wcache.server.peer_channel import GRANT_SECONDS
+from wcache.server.service import ConnectionLimits
 from wcache.server.store import ServedModel, Store
 from wcache.synthetic import TINY, make_llama_checkpoint
 
@@ -97,8 +98,8 @@ async def sources(
 
 
 @asynccontextmanager
-async def _listening(svc: PeerService) -> AsyncIterator[int]:
-    listener = PeerListener(svc, "127.0.0.1", 0)
+async def _listening(svc: PeerService, limits: ConnectionLimits | None = None) -> AsyncIterator[int]:
+    listener = PeerListener(svc, "127.0.0.1", 0, limits=limits)
     _, port = listener.start()
     try:
         yield port
@@ -809,36 +810,33 @@ async def test_a_silent_peer_holding_a_fill_is_closed_after_its_time_and_frees_i
     from wcache.channel import expect
     from wcache.proto.fleet_frames import PeerOffer, PeerQuery
     from wcache.server.peer_channel import connect_peer
-    from wcache.server.service import ConnectionLimits
 
     m = _load(ckpt)
     svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_fills=1)
     monkeypatch.setattr(svc, "max_fill_seconds", 0.5)
     limits = ConnectionLimits(connections=8, handshake_timeout=5.0, idle_timeout=0.5, hold_recheck=0.2)
-    listener = PeerListener(svc, "127.0.0.1", 0, limits=limits)
-    _, port = listener.start()
     try:
-        silent, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
-        try:
-            await silent.send(PeerQuery(id=1, key=m.key.to_wire()))
-            assert isinstance((await expect(silent))[0], PeerOffer)
-            assert svc.fills and m.held
-            deadline = time.monotonic() + 10
-            while (svc.fills or m.held) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert not svc.fills and not m.held  # the fill ended with its connection; the slab is free
-            with pytest.raises(EOFError):
-                await asyncio.wait_for(silent.receive(), 5)  # the source closed it
-        finally:
-            silent.close()
-        nxt, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
-        try:
-            await nxt.send(PeerQuery(id=1, key=m.key.to_wire()))
-            assert isinstance((await expect(nxt))[0], PeerOffer)  # the one slot is free again
-        finally:
-            nxt.close()
+        async with _listening(svc, limits) as port:
+            silent, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+            try:
+                await silent.send(PeerQuery(id=1, key=m.key.to_wire()))
+                assert isinstance((await expect(silent))[0], PeerOffer)
+                assert svc.fills and m.held
+                deadline = time.monotonic() + 10
+                while (svc.fills or m.held) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert not svc.fills and not m.held  # the fill ended with its connection; the slab is free
+                with pytest.raises(EOFError):
+                    await asyncio.wait_for(silent.receive(), 5)  # the source closed it
+            finally:
+                silent.close()
+            nxt, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+            try:
+                await nxt.send(PeerQuery(id=1, key=m.key.to_wire()))
+                assert isinstance((await expect(nxt))[0], PeerOffer)  # the one slot is free again
+            finally:
+                nxt.close()
     finally:
-        await listener.stop()
         svc.close()
         svc.store.close()
 
@@ -857,49 +855,46 @@ async def test_a_target_that_keeps_talking_without_reading_loses_its_fill_and_sl
     from wcache.errors import NotFoundError, UnknownLeaseError
     from wcache.proto.fleet_frames import PeerOffer, PeerQuery, PeerRead
     from wcache.server.peer_channel import connect_peer
-    from wcache.server.service import ConnectionLimits
 
     m = _load(ckpt)
     svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test", max_fills=1)
     monkeypatch.setattr(svc, "max_fill_seconds", 0.5)
     limits = ConnectionLimits(connections=8, handshake_timeout=5.0, idle_timeout=2.0, hold_recheck=0.2)
-    listener = PeerListener(svc, "127.0.0.1", 0, limits=limits)
-    _, port = listener.start()
     bogus = {**m.key.to_wire(), "fingerprint": "0" * 32}
     try:
-        chatty, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
-        try:
-            await chatty.send(PeerQuery(id=chatty.conn.next_request_id(), key=m.key.to_wire()))
-            offer, _ = await expect(chatty)
-            assert isinstance(offer, PeerOffer) and svc.fills and m.held
-            lease = offer.models[0].lease
-            deadline = time.monotonic() + 10
-            while (svc.fills or m.held) and time.monotonic() < deadline:
-                await chatty.send(PeerQuery(id=chatty.conn.next_request_id(), key=bogus))
-                with pytest.raises(NotFoundError):
-                    await asyncio.wait_for(expect(chatty), 5)
-                await asyncio.sleep(0.1)
-            assert not svc.fills and not m.held  # the lease ended, the slab's hold released
-            await chatty.send(PeerRead(id=chatty.conn.next_request_id(), lease=lease, bytes=1 << 16))
-            with pytest.raises(UnknownLeaseError) as err:
-                await asyncio.wait_for(expect(chatty), 5)
-            assert err.value.details.get("reason") == "no-progress"  # a clear error, and not fatal:
-            await chatty.send(Release(id=chatty.conn.next_request_id(), lease=lease))
-            with pytest.raises(UnknownLeaseError) as err:
-                await asyncio.wait_for(expect(chatty), 5)
-            assert err.value.details.get("reason") == "no-progress"
-            honest, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+        async with _listening(svc, limits) as port:
+            chatty, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
             try:
-                await honest.send(PeerQuery(id=1, key=m.key.to_wire()))
-                assert isinstance((await asyncio.wait_for(expect(honest), 5))[0], PeerOffer)  # the slot is free
+                await chatty.send(PeerQuery(id=chatty.conn.next_request_id(), key=m.key.to_wire()))
+                offer, _ = await expect(chatty)
+                assert isinstance(offer, PeerOffer) and svc.fills and m.held
+                lease = offer.models[0].lease
+                deadline = time.monotonic() + 10
+                while (svc.fills or m.held) and time.monotonic() < deadline:
+                    await chatty.send(PeerQuery(id=chatty.conn.next_request_id(), key=bogus))
+                    with pytest.raises(NotFoundError):
+                        await asyncio.wait_for(expect(chatty), 5)
+                    await asyncio.sleep(0.1)
+                assert not svc.fills and not m.held  # the lease ended, the slab's hold released
+                await chatty.send(PeerRead(id=chatty.conn.next_request_id(), lease=lease, bytes=1 << 16))
+                with pytest.raises(UnknownLeaseError) as err:
+                    await asyncio.wait_for(expect(chatty), 5)
+                assert err.value.details.get("reason") == "no-progress"  # a clear error, and not fatal:
+                await chatty.send(Release(id=chatty.conn.next_request_id(), lease=lease))
+                with pytest.raises(UnknownLeaseError) as err:
+                    await asyncio.wait_for(expect(chatty), 5)
+                assert err.value.details.get("reason") == "no-progress"
+                honest, _ = await connect_peer("127.0.0.1", port, NONE, timeout=5, software="t")
+                try:
+                    await honest.send(PeerQuery(id=1, key=m.key.to_wire()))
+                    assert isinstance((await asyncio.wait_for(expect(honest), 5))[0], PeerOffer)  # the slot is free
+                finally:
+                    honest.close()
+                with pytest.raises(EOFError):  # holding nothing, the silent connection ends at the idle timeout
+                    await asyncio.wait_for(chatty.receive(), 10)
             finally:
-                honest.close()
-            with pytest.raises(EOFError):  # holding nothing, the silent connection ends at the idle timeout
-                await asyncio.wait_for(chatty.receive(), 10)
-        finally:
-            chatty.close()
+                chatty.close()
     finally:
-        await listener.stop()
         svc.close()
         svc.store.close()
 
