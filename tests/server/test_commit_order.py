@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import DaemonProc
+from tests.server.test_tier_saves import _held_after_its_check
 from wcache import WCacheClient, WeightCacheKey
 from wcache.errors import KeyMismatchError
 from wcache.plan.recipe import RecipeKey
@@ -205,15 +206,7 @@ async def _publishing_older(tier_dir: Path, key: RecipeKey, older: torch.Tensor)
     b = HostTier(tier_dir, 1 << 30)
     b.supersede(key, "g0")
     reached, gate = threading.Event(), threading.Event()
-    check = b._tombstone_of
-
-    def held(meta: Path, k: WeightCacheKey, generation: str) -> bool:
-        ok = check(meta, k, generation)
-        reached.set()
-        assert gate.wait(60)
-        return ok
-
-    b._tombstone_of = held  # type: ignore[method-assign,assignment]
+    _held_after_its_check(b, reached, gate, wait=60)
     table = TensorTable.from_entries([TensorEntry("w", "float32", tuple(older.shape), (1,), 0, 0)])
     size = older.numel() * 4
     save = asyncio.ensure_future(asyncio.to_thread(b.save, key, _Bytes(older), table, {}, size, generation="g0"))  # type: ignore[arg-type]

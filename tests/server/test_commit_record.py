@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from tests.conftest import DaemonProc
+from tests.server.test_commit_order import _never_older
 from wcache import WCacheClient, WeightCacheKey
 from wcache.channel import connect
-from wcache.errors import KeyMismatchError, WCacheError
+from wcache.errors import WCacheError
 from wcache.paths import KEEPER_SOCKET
 from wcache.plan.key import RankSpec
 from wcache.plan.recipe import RecipeKey
@@ -53,17 +54,6 @@ async def _saved(tier_dir: Path, entries: int) -> None:
     await _until(
         lambda: len(list(tier_dir.glob("*.slab"))) >= entries and not list(tier_dir.glob(".*tmp")), "tier saves"
     )
-
-
-async def _never_older(d: DaemonProc, key: RecipeKey, older: torch.Tensor) -> None:
-    """``d`` serves the key's newer generation or, the key absent (KEY_MISMATCH: the engine deposits again),
-    nothing; never ``older``."""
-    try:
-        async with await WCacheClient(d.socket, timeout=60).fetch(key, mode="copy") as w:
-            got = w["w"].clone()
-    except KeyMismatchError:
-        return
-    assert not torch.equal(got, older), "the older generation served after a newer one was committed and served"
 
 
 async def _served_then_crashed(

@@ -283,14 +283,15 @@ def test_a_refill_checks_every_block_on_every_copy_path(tmp_path: Path, threads:
         slab.close()
 
 
-def _held_after_its_check(tier: HostTier, reached: threading.Event, gate: threading.Event) -> None:
-    """``tier``'s saves stop right after they checked their tombstone, the directory's lock held, until ``gate``."""
+def _held_after_its_check(tier: HostTier, reached: threading.Event, gate: threading.Event, wait: float = 30.0) -> None:
+    """``tier``'s saves stop right after they checked their tombstone, the directory's lock held, until ``gate``
+    (``wait`` seconds at most)."""
     check = tier._tombstone_of
 
     def held(meta: Path, key: WeightCacheKey, generation: str) -> bool:
         ok = check(meta, key, generation)
         reached.set()
-        assert gate.wait(30)
+        assert gate.wait(wait)
         return ok
 
     tier._tombstone_of = held  # type: ignore[method-assign]
