@@ -291,14 +291,17 @@ def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProce
     assert m.load_seconds >= m.bytes / rate - GRANT_SECONDS  # every grant waited for its bytes (an idle cap lends)
 
 
-async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_disk_at_start(
-    ckpt: Path, tmp_path: Path, daemons: Callable[..., DaemonProcess]
+@pytest.mark.parametrize("fits", [False, True], ids=["past-the-budget", "within-the-budget"])
+async def test_a_transformed_rank_offered_larger_than_planned_is_filled_only_within_the_budget_at_start(
+    ckpt: Path, tmp_path: Path, daemons: Callable[..., DaemonProcess], fits: bool
 ) -> None:
-    """``--transform`` and ``--memory-budget`` twice the size of the rank's planned layout (the loaded slab and the
-    transform's output, the plan's size here, exist at once); the one peer offers a slab under exactly that key four
-    times the plan. The daemon made room for the plan, not the offer: the fill is refused (reason ``room``) and the
-    rank is loaded from disk, served within the plan. Before, the offer sized the filled slab, and the daemon served
-    four times the plan."""
+    """``--transform``; the one peer offers a slab under exactly that key more than twice the rank's planned layout
+    (a transform's output can be larger than its input: vLLM's padded vocabulary, a dequantisation). With
+    ``--memory-budget`` twice the plan (the loaded slab and the transform's output, the plan's size here, exist at
+    once) the slab does not fit: the fill is refused (reason ``room``) and the rank is loaded from disk, served
+    within the plan — before, the offer sized the filled slab, and the daemon served four times its budget. With a
+    budget that holds the offer, the daemon makes room beyond the plan, as the disk path does for a transform's
+    output, and serves the peer's slab — refusing every offer larger than the plan sent honest fleets to disk."""
     from wcache.plan.rank import plan_rank
     from wcache.server.backends.host import HostBackend
     from wcache.server.load import load_model
@@ -313,7 +316,9 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_dis
     shape = LlamaShape(hidden=256, intermediate=688, layers=16, heads=8, kv_heads=4, vocab=4096)
     big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
     offered = dataclasses.replace(big, key=key)  # the source's store closes it
-    assert offered.slab_bytes > 2 * planned
+    size = offered.slab_bytes
+    assert size > 2 * planned
+    budget = size if fits else 2 * planned
     none = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
     svc = PeerService(Store(HostBackend(), [offered]), none, software="wcache/test")
     listener = PeerListener(svc, "127.0.0.1", 0)
@@ -326,16 +331,20 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_dis
             "--transform",
             transform,
             "--memory-budget",
-            str(2 * planned),
+            str(budget),
             "--fill-from",
             f"127.0.0.1:{port}",
             "--metrics-port",
             str(tport),
         )
         (m,) = (await WCacheClient(d.socket).status()).models
-        assert m.origin == "disk" and m.bytes <= planned
         metrics = await asyncio.to_thread(_metrics, tport)
-        assert 'wcache_fills_total{outcome="failed",reason="room"} 1' in metrics
+        if fits:
+            assert m.origin == f"peer 127.0.0.1:{port}" and m.bytes == size
+            assert 'wcache_fills_total{outcome="filled",reason=""} 1' in metrics
+        else:
+            assert m.origin == "disk" and m.bytes <= planned
+            assert 'wcache_fills_total{outcome="failed",reason="room"} 1' in metrics
     finally:
         await listener.stop()
         svc.store.close()

@@ -148,25 +148,34 @@ async def test_a_transformed_key_is_filled_byte_for_byte(ckpt: Path, socket_dir:
         assert _bytes(m) == want and "model.layers.0.self_attn.qkv_proj.weight" in m.table.names
 
 
-async def test_a_transformed_rank_offered_larger_than_planned_is_loaded_from_disk_within_the_budget(
-    ckpt: Path, socket_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("fits", [False, True], ids=["past-the-budget", "within-the-budget"])
+async def test_a_transformed_rank_offered_larger_than_planned_is_filled_only_within_the_budget(
+    ckpt: Path, socket_dir: Path, tmp_path: Path, fits: bool
 ) -> None:
     """A peer offers a slab under exactly the transformed key four times the size of the rank's planned layout (a
-    hostile fleet member, or a transform that lays it out larger): the PRELOAD made room for the plan only, so the
-    fill is refused (reason ``room``) and the rank loads from disk, within ``--memory-budget`` (twice the plan's
-    size: the loaded slab and the transform's output, the plan's size here, exist at once). Before, the offer sized
-    the slab: the daemon served four times the plan."""
+    hostile fleet member, or a transform that lays it out larger). With ``--memory-budget`` twice the plan (the
+    loaded slab and the transform's output, the plan's size here, exist at once) the PRELOAD cannot make room for
+    it: the fill is refused (reason ``room``) and the rank loads from disk, within the budget — before, the offer
+    sized the slab and the daemon served four times the plan. With a budget that holds the offer, the PRELOAD makes
+    room beyond the plan (as the disk path does for a transform's output) and serves the peer's slab."""
     with plan_rank(RankSpec(ckpt, transform=FUSE)) as rp:
         key, planned = rp.key, rp.layout.total_bytes
     shape = dataclasses.replace(TINY, layers=TINY.layers * 4)
     big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
     offered = dataclasses.replace(big, key=key)  # the source's store closes it
-    assert offered.slab_bytes > 2 * planned
-    async with peer(offered) as (_, port), target(socket_dir, _cfg([port]), budget=2 * planned) as d:
+    size = offered.slab_bytes
+    assert size > 2 * planned
+    budget = size if fits else 2 * planned
+    async with peer(offered) as (_, port), target(socket_dir, _cfg([port]), budget=budget) as d:
         await WCacheClient(d.socket_path).preload(RankSpec(ckpt, transform=FUSE), timeout=60)
-        assert _origins(d) == {key.short(): "disk"}
-        assert d.store.resident_bytes <= planned
-        assert d.metrics.fills[("failed", "room")] == 1
+        if fits:
+            assert _origins(d) == {key.short(): f"peer 127.0.0.1:{port}"}
+            assert d.store.resident_bytes == size and d.metrics.fills[("filled", "")] == 1
+        else:
+            assert _origins(d) == {key.short(): "disk"}
+            assert d.store.resident_bytes <= planned
+            assert d.metrics.fills[("failed", "room")] == 1
+        assert (d.store.loading_bytes, d.store.loading_models) == (0, 0)  # the room held for the load is given back
 
 
 async def test_a_recipe_key_asked_for_at_once_is_filled_once(ckpt: Path, socket_dir: Path) -> None:

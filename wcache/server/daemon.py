@@ -1011,7 +1011,9 @@ class Daemon:
                     model = None
                     # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
                     if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
-                        model = await self._filled(functools.partial(self.peer_fill.rank, rp, "loading from disk"))
+                        model = await self._filled(
+                            functools.partial(self.peer_fill.rank, rp, "loading from disk", room)
+                        )
                     if model is None:
                         model = await asyncio.to_thread(loader, rp, room)
                     if self._handed_over:  # loaded after the hand-off: the new daemon does not get it (``handle``)

@@ -486,15 +486,20 @@ class Filled:
         return "", self.model.stats.bytes_read, self.model.stats.seconds
 
 
-def _within_plan(planned: int, size: int) -> None:
+def _beyond_plan(planned: int, room: Callable[[int], None] | None, size: int) -> None:
     """``fill``'s ``room`` for a transformed rank (``PeerFill.rank``): the caller made room for the ``planned``
-    bytes of its layout, and no more; OutOfMemoryError for an offered slab larger than that."""
-    if size > planned:
+    bytes of its layout; an offered slab larger than that (a transform's output can be: vLLM's padded vocabulary,
+    a dequantisation) needs ``room`` for the bytes beyond the plan, as a host-tier entry of the key does
+    (``load_model``), or OutOfMemoryError without it."""
+    if size <= planned:
+        return
+    if room is None:
         raise OutOfMemoryError(
             f"the offered slab is larger than the {planned} bytes of the rank's planned layout, the room this "
             "daemon made for it",
             details={"needed": size, "planned": planned},
         )
+    room(size - planned)
 
 
 def _agent_name() -> str:
@@ -528,16 +533,17 @@ class PeerFill:
             self.cfg = replace(self.cfg, peers=tuple(resolve_peers(self.spec)))
         return self.cfg
 
-    def rank(self, rp: RankPlan, then: str = "loading from disk") -> Filled:
+    def rank(self, rp: RankPlan, then: str = "loading from disk", room: Callable[[int], None] | None = None) -> Filled:
         """The rank ``rp`` plans: resharded from any layout the peers hold (an untransformed key, planned and
         verified from ``rp``'s headers), or byte for byte from a slab under exactly its key (a load-time
-        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make, and a
-        fill holds no more: an offered slab under the transformed key larger than the planned layout is refused
-        (reason ``room``; the disk path), as its size is the peer's word. Before, the offer sized the slab, and a
-        peer offering four times the plan had the daemon serve four times its ``--memory-budget``."""
+        transform, whose layout only a source knows). Room for ``rp``'s layout is the caller's to make; an offered
+        slab under the transformed key larger than the planned layout is held beyond it through ``room(bytes)``
+        (the caller's budget: make room or raise), as the disk path holds a transform's output, and refused
+        (reason ``room``; the disk path) where that fails or no ``room`` is given. The offer's size is the peer's
+        word: it never takes the daemon past its ``--memory-budget``."""
         transformed = bool(rp.spec.transform)
-        room = functools.partial(_within_plan, rp.layout.total_bytes) if transformed else None
-        filled = self._run(rp.key, None if transformed else rp, room, then)
+        fits = functools.partial(_beyond_plan, rp.layout.total_bytes, room) if transformed else None
+        filled = self._run(rp.key, None if transformed else rp, fits, then)
         if filled.model is not None:
             filled.model.source = rp.spec.checkpoint
             filled.model.facts = rp.facts  # its local files give its key, as for a disk load (§4.3.1)

@@ -437,10 +437,12 @@ def fill_from_peers(
     filler: PeerFill,
     tier: HostTier | None,
     outcomes: list[tuple[str, int, float]],
+    room: Callable[[int], None] | None = None,
 ) -> ServedModel | None:
     """--fill-from at start: the rank's slab from the peers, or None for the loader — this node's host tier
     holds the key (refilled from there, the peers not asked), or after one log line naming the reason, the disk
-    path. A directory of stubs whose key is not --fill-fingerprint is refused."""
+    path. A directory of stubs whose key is not --fill-fingerprint is refused. ``room(bytes)``: room beyond the
+    planned layout for a transformed key's larger slab (``PeerFill.rank``)."""
     from wcache.server.tier import tier_holds
 
     if args.fill_fingerprint and rp.key.fingerprint != args.fill_fingerprint:
@@ -450,7 +452,7 @@ def fill_from_peers(
         )
     if tier_holds(tier, rp.key):
         return None
-    filled = filler.rank(rp, "loading from disk")
+    filled = filler.rank(rp, "loading from disk", room)
     outcomes.append(filled.outcome)
     return filled.model
 
@@ -567,11 +569,17 @@ def run(args: argparse.Namespace) -> int:
                     else:
                         with store.loading(rp.layout.total_bytes) as evicted:
                             drop(evicted, link, "load")
+
+                            def beyond(n: int) -> None:  # a slab beyond the plan (a transform's output) gets room too
+                                drop(store.make_room(n, models=0), link, "load")
+
                             filled = (
-                                fill_from_peers(args, rp, filler, tier, fill_outcomes) if filler is not None else None
+                                fill_from_peers(args, rp, filler, tier, fill_outcomes, beyond)
+                                if filler is not None
+                                else None
                             )
-                            if filled is None:  # a slab beyond the plan (a transform's output) gets room too
-                                filled = loader(rp, lambda n: drop(store.make_room(n, models=0), link, "load"))
+                            if filled is None:
+                                filled = loader(rp, beyond)
                             store.add(filled)
             if link is not None:
                 import asyncio
