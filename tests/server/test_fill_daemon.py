@@ -8,6 +8,7 @@ show where the bytes came from."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -15,7 +16,7 @@ import signal
 import socket
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ from wcache.synthetic import TINY, make_llama_checkpoint
 
 pytest.importorskip("nixl_cu12", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
 pytest.importorskip("cryptography", reason="the fleet extra (pip install -e '.[fleet]') is not installed")
+
+FUSE = "wcache.transforms:fuse_llama_qkv_gate_up"
 
 
 def _free_port() -> int:
@@ -291,6 +294,30 @@ def test_the_rate_cap_is_observed(ckpt: Path, daemons: Callable[..., DaemonProce
     assert m.load_seconds >= m.bytes / rate - GRANT_SECONDS  # every grant waited for its bytes (an idle cap lends)
 
 
+@contextlib.asynccontextmanager
+async def _offering(key: WeightCacheKey, tmp_path: Path, layers: int) -> AsyncIterator[tuple[int, int]]:
+    """One peer offering, under exactly ``key``, the slab of another Llama of ``layers`` layers (the peer's word
+    for the key's bytes: a transformed key's layout only a source knows): its port and the slab's size."""
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
+    from wcache.server.peer import PeerListener, PeerService
+    from wcache.server.peer_auth import PeerSecurity
+    from wcache.server.store import Store
+
+    shape = dataclasses.replace(TINY, layers=layers)
+    big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
+    offered = dataclasses.replace(big, key=key)  # the source's store closes it
+    none = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
+    svc = PeerService(Store(HostBackend(), [offered]), none, software="wcache/test")
+    listener = PeerListener(svc, "127.0.0.1", 0)
+    _, port = listener.start()
+    try:
+        yield port, offered.slab_bytes
+    finally:
+        await listener.stop()
+        svc.store.close()
+
+
 @pytest.mark.parametrize("fits", [False, True], ids=["past-the-budget", "within-the-budget"])
 async def test_a_transformed_rank_offered_larger_than_planned_is_filled_only_within_the_budget_at_start(
     ckpt: Path, tmp_path: Path, daemons: Callable[..., DaemonProcess], fits: bool
@@ -303,35 +330,20 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_filled_only_wit
     budget that holds the offer, the daemon makes room beyond the plan, as the disk path does for a transform's
     output, and serves the peer's slab — refusing every offer larger than the plan sent honest fleets to disk."""
     from wcache.plan.rank import plan_rank
-    from wcache.server.backends.host import HostBackend
-    from wcache.server.load import load_model
-    from wcache.server.peer import PeerListener, PeerService
-    from wcache.server.peer_auth import PeerSecurity
-    from wcache.server.store import Store
-    from wcache.synthetic import LlamaShape
 
     transform = "wcache.transforms:vllm_layout"
     with plan_rank(RankSpec(ckpt, transform=transform)) as rp:
         key, planned = rp.key, rp.layout.total_bytes
-    shape = LlamaShape(hidden=256, intermediate=688, layers=16, heads=8, kv_heads=4, vocab=4096)
-    big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
-    offered = dataclasses.replace(big, key=key)  # the source's store closes it
-    size = offered.slab_bytes
-    assert size > 2 * planned
-    budget = size if fits else 2 * planned
-    none = PeerSecurity.configure(cert=None, key=None, ca=None, secret_file=None)
-    svc = PeerService(Store(HostBackend(), [offered]), none, software="wcache/test")
-    listener = PeerListener(svc, "127.0.0.1", 0)
-    _, port = listener.start()
-    tport = _free_port()
-    try:
+    async with _offering(key, tmp_path, TINY.layers * 4) as (port, size):
+        assert size > 2 * planned
+        tport = _free_port()
         d = await asyncio.to_thread(
             daemons,
             ckpt,
             "--transform",
             transform,
             "--memory-budget",
-            str(budget),
+            str(size if fits else 2 * planned),
             "--fill-from",
             f"127.0.0.1:{port}",
             "--metrics-port",
@@ -345,9 +357,47 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_filled_only_wit
         else:
             assert m.origin == "disk" and m.bytes <= planned
             assert 'wcache_fills_total{outcome="failed",reason="room"} 1' in metrics
-    finally:
-        await listener.stop()
-        svc.store.close()
+
+
+async def test_room_beyond_the_plan_at_start_evicts_a_kept_model_from_the_keeper_too(
+    ckpt: Path,
+    tmp_path: Path,
+    keeper: DaemonProcess,
+    daemon_factory: Callable[..., DaemonProcess],
+) -> None:
+    """The keeper holds the rank's untransformed key U (its daemon was killed); the next daemon starts with
+    ``--keeper --transform`` and fills from a peer offering a slab larger than the transformed rank's plan, under a
+    ``--memory-budget`` that holds U and the plan but not the bytes beyond it as well: room beyond the plan evicts U,
+    the daemon and its keeper both let it go, and the peer's slab is served. Before, the room was made inside the
+    fill's own event loop, where telling the keeper (``asyncio.run``) raised: the fill failed with room made (reason
+    ``transfer``, the rank loaded from disk) and the keeper kept U, which no daemon accounted for."""
+    from wcache.plan.rank import plan_rank
+
+    with plan_rank(RankSpec(ckpt, transform=FUSE)) as rp:
+        key, planned = rp.key, rp.layout.total_bytes
+    first = await asyncio.to_thread(daemon_factory, ckpt, "--keeper")
+    (u,) = (await WCacheClient(first.socket).status()).models
+    first.stop(signal.SIGKILL)
+    async with _offering(key, tmp_path, TINY.layers + 3) as (port, size):
+        assert size > planned
+        tport = _free_port()
+        d = await asyncio.to_thread(
+            daemon_factory,
+            ckpt,
+            "--keeper",
+            "--transform",
+            FUSE,
+            "--memory-budget",
+            str(u.bytes + planned + (size - planned) // 2),
+            "--fill-from",
+            f"127.0.0.1:{port}",
+            "--metrics-port",
+            str(tport),
+        )
+        models = (await WCacheClient(d.socket).status()).models
+        kept = [m.key for m in (await WCacheClient(keeper.socket).status()).models]
+        assert [m.origin for m in models] == [f"peer 127.0.0.1:{port}"] and u.key not in kept
+        assert 'wcache_fills_total{outcome="filled",reason=""} 1' in await asyncio.to_thread(_metrics, tport)
 
 
 def test_without_a_peer_the_daemon_loads_from_disk(ckpt: Path, daemons: Callable[..., DaemonProcess]) -> None:

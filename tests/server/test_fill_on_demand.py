@@ -178,6 +178,28 @@ async def test_a_transformed_rank_offered_larger_than_planned_is_filled_only_wit
         assert (d.store.loading_bytes, d.store.loading_models) == (0, 0)  # the room held for the load is given back
 
 
+async def test_a_larger_fill_that_fails_gives_its_room_back_before_the_disk_path(
+    ckpt: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """``--memory-budget`` twice the plan: exactly what the disk path needs (the loaded slab and the transform's
+    output, the plan's size here). A peer offers ~1.4x the plan under the transformed key (room made for the bytes
+    beyond the plan) and fails mid-fill: the PRELOAD loads from disk. Before, the failed fill's room beyond the plan
+    stayed held through the disk path, whose transform output was then refused OUT_OF_MEMORY."""
+    with plan_rank(RankSpec(ckpt, transform=FUSE)) as rp:
+        key, planned = rp.key, rp.layout.total_bytes
+    shape = dataclasses.replace(TINY, layers=TINY.layers + 3)
+    big = load_model(RankSpec(make_llama_checkpoint(tmp_path / "big", shape, seed=3)), backend=HostBackend())
+    offered = dataclasses.replace(big, key=key)  # the source's store closes it
+    assert planned < offered.slab_bytes <= 2 * planned
+    async with peer(offered) as (svc, port):
+        _break_second_grants(svc)
+        async with target(socket_dir, _cfg([port], chunk=1 << 20), budget=2 * planned) as d:
+            await WCacheClient(d.socket_path).preload(RankSpec(ckpt, transform=FUSE), timeout=60)
+            assert _origins(d) == {key.short(): "disk"}
+            assert d.store.resident_bytes <= planned and d.metrics.fills[("failed", "transfer")] == 1
+            assert (d.store.loading_bytes, d.store.loading_models) == (0, 0)
+
+
 async def test_a_recipe_key_asked_for_at_once_is_filled_once(ckpt: Path, socket_dir: Path) -> None:
     """A GET_STATE of a recipe key (a deposit) this daemon does not hold fills it from the peer that serves it;
     a second GET_STATE of the key while that fill runs waits for it and shares it: the source served one fill.

@@ -932,7 +932,12 @@ class Daemon:
             await self._evicted(victims, reason)
 
         def call(nbytes: int) -> None:
-            asyncio.run_coroutine_threadsafe(room(nbytes), loop).result(60.0)
+            future = asyncio.run_coroutine_threadsafe(room(nbytes), loop)
+            try:
+                future.result(60.0)
+            except TimeoutError:  # not left to hold the room later, for a load that gave up on it
+                future.cancel()
+                raise
 
         try:
             yield call
@@ -1003,23 +1008,29 @@ class Daemon:
                     return None
                 # the planned layout's bytes and the model's slot; a slab the load makes beyond them (a transform's
                 # output, a larger host-tier entry of a transformed key) is held too, once its size is known
-                with (
-                    self.store.loading(rp.layout.total_bytes) as evicted,
-                    self._room_from_thread(0, "preload", evicted) as room,
-                ):
+                with self.store.loading(rp.layout.total_bytes) as evicted:
                     await self._evicted(evicted, "preload")
                     model = None
-                    # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last
+
+                    def add(m: ServedModel) -> None:
+                        if self._handed_over:  # loaded after the hand-off: the new daemon does not get it
+                            m.close()
+                            raise _HandedOver
+                        self.store.add(m)
+
+                    # a host-tier entry of the key first (the loader refills from it), then the peers, the disk last;
+                    # each attempt's room beyond the plan is its own: a failed fill's is given back before the disk's
                     if self.peer_fill is not None and not await asyncio.to_thread(tier_holds, self.tier, key):
-                        model = await self._filled(
-                            functools.partial(self.peer_fill.rank, rp, "loading from disk", room)
-                        )
+                        with self._room_from_thread(0, "preload", evicted) as room:
+                            model = await self._filled(
+                                functools.partial(self.peer_fill.rank, rp, "loading from disk", room)
+                            )
+                            if model is not None:
+                                add(model)
                     if model is None:
-                        model = await asyncio.to_thread(loader, rp, room)
-                    if self._handed_over:  # loaded after the hand-off: the new daemon does not get it (``handle``)
-                        model.close()
-                        raise _HandedOver
-                    self.store.add(model)
+                        with self._room_from_thread(0, "preload", evicted) as room:
+                            model = await asyncio.to_thread(loader, rp, room)
+                            add(model)
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(

@@ -570,16 +570,23 @@ def run(args: argparse.Namespace) -> int:
                         with store.loading(rp.layout.total_bytes) as evicted:
                             drop(evicted, link, "load")
 
-                            def beyond(n: int) -> None:  # a slab beyond the plan (a transform's output) gets room too
-                                drop(store.make_room(n, models=0), link, "load")
+                            beyond_evicted: list[ServedModel] = []
 
-                            filled = (
-                                fill_from_peers(args, rp, filler, tier, fill_outcomes, beyond)
-                                if filler is not None
-                                else None
-                            )
+                            def beyond(n: int) -> None:  # a slab beyond the plan (a transform's output) gets room too
+                                # called inside the fill's event loop: the keeper is told after it (``drop`` runs one)
+                                beyond_evicted.extend(store.make_room(n, models=0))
+
+                            try:
+                                filled = (
+                                    fill_from_peers(args, rp, filler, tier, fill_outcomes, beyond)
+                                    if filler is not None
+                                    else None
+                                )
+                            finally:
+                                drop(beyond_evicted, link, "load")
+                                beyond_evicted.clear()
                             if filled is None:
-                                filled = loader(rp, beyond)
+                                filled = loader(rp, lambda n: drop(store.make_room(n, models=0), link, "load"))
                             store.add(filled)
             if link is not None:
                 import asyncio
