@@ -27,7 +27,7 @@ from wcache.proto.engine import FileId
 from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
 
-COPIES = 13  # one per use below
+COPIES = 10  # one per use below
 
 
 @pytest.fixture(scope="module")
@@ -163,23 +163,58 @@ def test_a_touched_shard_is_scanned_and_served_under_the_same_key(
     assert _same(tensors, reference(model))
 
 
-def test_files_changed_just_before_a_preload_are_not_recorded(
+def _proven_by(daemon: DaemonProc, model: Path) -> bool:
+    key = WeightCacheKey.from_checkpoint(model)
+    proven, tensors = _fetch(daemon, key)
+    assert key.scanned is not proven and _same(tensors, reference(model))
+    return proven
+
+
+def _settled(model: Path) -> None:
+    """Wait until the daemon's second planning of ``model`` (RACY_NS after its newest change) has recorded it."""
+    newest = max(os.stat(f).st_ctime_ns for f in model.iterdir())
+    time.sleep(max(0.0, (newest + RACY_NS - time.time_ns()) / 1e9) + 0.05)
+
+
+def test_files_changed_just_before_a_preload_are_recorded_once_they_settle(
     daemon_factory: Callable[..., DaemonProc], copies: Callable[[], Path]
 ) -> None:
     """A PRELOAD records the files it reads, unless one changed within RACY_NS before (a later change within its
-    timestamp tick would not show): then engines scan."""
+    timestamp tick would not show): then engines scan, until the daemon, planning the checkpoint again once the
+    file has settled, records what a daemon started then would have."""
     daemon = daemon_factory(copies())
     settled, fresh = copies(), copies()
     os.utime(fresh / "config.json")  # changed now: the preload below reads it within RACY_NS
     client = WCacheClient(daemon.socket)
     for model in (settled, fresh):
         asyncio.run(client.preload(RankSpec(model)))
-    proven = {}
-    for model in (settled, fresh):
-        key = WeightCacheKey.from_checkpoint(model)
-        proven[model], _ = _fetch(daemon, key)
-        assert key.scanned is not proven[model]
-    assert proven == {settled: True, fresh: False}
+    assert {m: _proven_by(daemon, m) for m in (settled, fresh)} == {settled: True, fresh: False}
+    _settled(fresh)
+    assert _until_proven(daemon, fresh)
+
+
+def _until_proven(daemon: DaemonProc, model: Path, wait: float = 30.0) -> bool:
+    """Whether a fetch of ``model`` is proven within ``wait`` s (the daemon's planning runs in a worker thread)."""
+    deadline = time.monotonic() + wait
+    while not _proven_by(daemon, model):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_daemon_started_on_files_just_written_records_them_once_they_settle(
+    daemon_factory: Callable[..., DaemonProc], copies: Callable[[], Path]
+) -> None:
+    """A node that writes a checkpoint (a download) and starts its daemon at once: the start-up's planning is
+    within RACY_NS of the files' change, so engines scan at first; once the files have settled the daemon plans
+    them again and engines prove them from then on. Before, they scanned for the daemon's whole life."""
+    model = copies()
+    os.utime(model / "config.json")
+    daemon = daemon_factory(model)
+    assert not _proven_by(daemon, model)
+    _settled(model)
+    assert _until_proven(daemon, model)
 
 
 def test_a_second_rank_of_one_checkpoint_is_completed_from_the_same_files(

@@ -131,11 +131,9 @@ class KeyFacts:
         — a safetensors file, ``config.json``, the index — that the files do not name, or whose descriptor is
         not the file stated (replaced, or a symlink re-pointed, in between); a metadata file the files name that
         was not there when read."""
-        if files is None:
+        if files is None or cls.racy(files, read_ns):
             return None
         by_name = {f.name: f for f in files}
-        if any(f.ctime_ns > read_ns - RACY_NS for f in files):
-            return None
         for name, st in ckpt.meta.items():
             stated = by_name.get(name)
             if stated is None and st is None:
@@ -158,6 +156,12 @@ class KeyFacts:
                     return None
                 raise
         return cls(files, key.fingerprint, key.fingerprint_kind, key.architecture, ckpt.dtype_bytes(), ckpt.config)
+
+    @staticmethod
+    def racy(files: tuple[FileStat, ...], read_ns: int) -> bool:
+        """Whether a file changed less than RACY_NS before ``read_ns`` (or is dated after it): a change later
+        within the same timestamp tick would leave its identity unchanged, so a read then proves nothing."""
+        return any(f.ctime_ns > read_ns - RACY_NS for f in files)
 
     def complete(self, partial: dict[str, Any], dtype: str) -> dict[str, Any]:
         """The key map a header scan of these files would give for the request ``partial`` (a GET_STATE key

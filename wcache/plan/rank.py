@@ -13,7 +13,7 @@ import time
 from wcache.errors import CheckpointError, ShardingError
 from wcache.plan.checkpoint import Checkpoint, _utf8
 from wcache.plan.facts import KeyFacts, checkpoint_files
-from wcache.plan.key import RankSpec, WeightCacheKey
+from wcache.plan.key import RACY_NS, RankSpec, WeightCacheKey
 from wcache.plan.layout import Layout, plan_layout
 from wcache.plan.sharding import VOCAB_PADDED_TRANSFORMS, ShardPlan, resolve_plan
 from wcache.proto._record import record
@@ -25,7 +25,9 @@ __all__ = ["RankPlan", "plan_rank"]
 class RankPlan:
     """A rank's open checkpoint, key, shard plan and slab layout: computed once per load, then passed on.
     ``facts``: what the key took from the files and their identity before they were read, when that identity
-    proves the key to engines (docs/protocol.md §4.3.1), else None."""
+    proves the key to engines (docs/protocol.md §4.3.1), else None. ``proof_after_ns``: where ``facts`` is None
+    only because a file changed less than RACY_NS before the read, the time (``time.time_ns()``) after which a
+    planning of the same files records them (the daemon plans again then, docs/protocol.md §4.3.1)."""
 
     checkpoint: Checkpoint
     key: WeightCacheKey
@@ -33,6 +35,7 @@ class RankPlan:
     layout: Layout
     spec: RankSpec
     facts: KeyFacts | None = None
+    proof_after_ns: int | None = None
 
     def layout_of(self, tp_rank: int, tp_size: int, plan_id: str) -> Layout | None:
         """The layout of this checkpoint's slab for rank ``tp_rank`` of ``tp_size`` under the shard plan ``plan_id``
@@ -103,4 +106,7 @@ def plan_rank(spec: RankSpec) -> RankPlan:
     except BaseException:
         ckpt.close()
         raise
-    return RankPlan(ckpt, key, plan, layout, spec, facts)
+    after = None
+    if facts is None and files is not None and KeyFacts.racy(files, read_ns):
+        after = max(f.ctime_ns for f in files) + RACY_NS
+    return RankPlan(ckpt, key, plan, layout, spec, facts, after)

@@ -37,6 +37,7 @@ from wcache.errors import (
     UnexpectedFrameError,
     UnknownLeaseError,
     UnsupportedPlatformError,
+    WCacheError,
 )
 from wcache.plan.key import RankSpec, WeightCacheKey
 from wcache.plan.rank import RankPlan, plan_rank
@@ -91,6 +92,10 @@ DEFAULT_DEPOSIT_TIMEOUT = 600.0
 TOMBSTONE_RETRY_S = 0.5
 #: the pause before a tombstone whose directory could not be opened (not the lock held) is tried again
 TOMBSTONE_FAILED_RETRY_S = 30.0
+#: a checkpoint planned while a file was too fresh to prove its key is planned again this long after the file
+#: settles (RACY_NS after its change), and at most this many times while its files keep changing
+PROVE_MARGIN_S = 0.05
+PROVE_TRIES = 3
 
 
 @dataclass(eq=False)
@@ -199,6 +204,8 @@ class Daemon:
         self._tombstones: dict[WeightCacheKey, _Tombstone] = {}
         #: the one task retrying them all (``_write_tombstones``), cancelled at stop and hand-over
         self._tombstone_worker: asyncio.Task[None] | None = None
+        #: checkpoints planned again once their files have settled (``_prove_when_settled``), cancelled at stop
+        self._provers: set[asyncio.Task[None]] = set()
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         #: every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord), written before any engine can
@@ -245,6 +252,7 @@ class Daemon:
             if self.peers is not None:
                 self.peers.start()
             self._resume_tombstones()
+            self._prove_pending()
             if callable(on_ready):
                 on_ready()
             watch = asyncio.ensure_future(self._watch_keeper()) if self.keeper is not None else None
@@ -259,6 +267,9 @@ class Daemon:
                     watch.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await watch
+                for task in list(self._provers):
+                    task.cancel()
+                await asyncio.gather(*self._provers, return_exceptions=True)
                 if self.peers is not None:
                     await self.peers.stop()
                 await self.shell.close()
@@ -564,6 +575,54 @@ class Daemon:
         self._tombstones[key] = item
         if self._tombstone_worker is None or self._tombstone_worker.done():
             self._tombstone_worker = asyncio.get_running_loop().create_task(self._write_tombstones(tier))
+
+    def _prove_later(self, rp: RankPlan) -> None:
+        """``rp`` recorded no facts only because its files were too fresh: plan it again once they have settled."""
+        self.store.prove_later(rp.spec, rp.facts, rp.proof_after_ns)
+        self._prove_pending()
+
+    def _prove_pending(self) -> None:
+        """Plan again, once their files have settled, the checkpoints ``store.unproven`` names (planned while a
+        file was too fresh for its identity to prove the key): without it, a daemon started on a checkpoint just
+        written, the common case of a node that downloads one and starts, had every engine scan the headers for
+        its whole life."""
+        while self.store.unproven:
+            spec, after_ns = self.store.unproven.pop(0)
+            task = asyncio.get_running_loop().create_task(self._prove_when_settled(spec, after_ns))
+            self._provers.add(task)
+            task.add_done_callback(self._provers.discard)
+
+    async def _prove_when_settled(self, spec: RankSpec, after_ns: int) -> None:
+        """Plan ``spec`` after ``after_ns`` (and again, ``PROVE_TRIES`` times in all, while a file keeps changing):
+        where that planning records the files' identity and gives the key of a model served here, engines prove
+        those files from then on (docs/protocol.md §4.3.1) — what a daemon started then would have recorded. A
+        checkpoint that changed meanwhile gives another key, recorded for no model here."""
+        for _ in range(PROVE_TRIES):
+            await asyncio.sleep(max(0.0, (after_ns - time.time_ns()) / 1e9) + PROVE_MARGIN_S)
+            if self._handed_over:
+                return
+            try:
+                rp = await asyncio.to_thread(self.planner, spec)
+            except (WCacheError, OSError) as exc:
+                log.info("key proof %s checkpoint=%s not recorded: %s", self._tag, spec.checkpoint, exc)
+                return
+            with rp:
+                if rp.facts is not None:
+                    model = self.store.models.get(rp.key)
+                    if model is not None:
+                        self.store.remember_facts(rp.facts)
+                        model.facts = model.facts or rp.facts
+                        log.info(
+                            "key proof recorded %s key=%s checkpoint=%s files=%d: engines prove these files now",
+                            self._tag,
+                            rp.key.short(),
+                            spec.checkpoint,
+                            len(rp.facts.files),
+                        )
+                    return
+                if rp.proof_after_ns is None:
+                    return
+                after_ns = rp.proof_after_ns
 
     def _resume_tombstones(self) -> None:
         """At start: the entries of ``<socket>.deposits`` flagged as waiting for their COMMIT's tombstone (the
@@ -992,6 +1051,7 @@ class Daemon:
                 held = self.store.models.get(key)
                 if held is not None:
                     self.store.remember_source(held, spec.checkpoint, rp.facts)
+                    self._prove_later(rp)
                     return Preloaded(id=rid, key=key.to_wire(), bytes=held.slab_bytes, tensors=len(held.table))
                 differ = key.diff_wire(wanted) if wanted is not None else None
                 if differ:
@@ -1031,6 +1091,7 @@ class Daemon:
                         with self._room_from_thread(0, "preload", evicted) as room:
                             model = await asyncio.to_thread(loader, rp, room)
                             add(model)
+                    self._prove_later(rp)
             if self.keeper is not None:
                 await self.keeper.keep(model)
         log.info(

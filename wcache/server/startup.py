@@ -560,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
                     fetch_checkpoint_files(args, spec.checkpoint)
                 with planner(spec) as rp:
                     started = rp.key
+                    store.prove_later(spec, rp.facts, rp.proof_after_ns)  # files too fresh: planned again later
                     held = store.models.get(rp.key)
                     if held is not None:
                         store.remember_source(held, spec.checkpoint)

@@ -34,7 +34,7 @@ from wcache.errors import (
     WCacheError,
 )
 from wcache.plan.facts import KeyFacts, key_mismatch, not_served
-from wcache.plan.key import RACY_NS, WeightCacheKey
+from wcache.plan.key import RACY_NS, RankSpec, WeightCacheKey
 from wcache.plan.layout import ALIGN, align_up, contiguous_strides
 from wcache.plan.recipe import RecipeKey, key_from_wire
 from wcache.proto import (
@@ -324,6 +324,10 @@ class Store:
         #: the identity of a checkpoint's files, as read for a model -> what its key took from them: completes
         #: the key of a GET_STATE that proves those files (docs/protocol.md §4.3.1); least recently used first
         self.facts: OrderedDict[tuple[FileStat, ...], KeyFacts] = OrderedDict()
+        #: checkpoints planned while a file was too fresh for the files' identity to prove the key (a file changed
+        #: less than RACY_NS before the read): (spec, the time after which a planning records them), for the
+        #: daemon to plan again then (``Daemon._prove_when_settled``)
+        self.unproven: list[tuple[RankSpec, int]] = []
 
         for m in models or []:
             self._remember(m)
@@ -587,6 +591,12 @@ class Store:
         self.facts.move_to_end(facts.files)
         while len(self.facts) > MAX_FACTS:
             self.facts.popitem(last=False)
+
+    def prove_later(self, spec: RankSpec, facts: KeyFacts | None, after_ns: int | None) -> None:
+        """A planning of ``spec`` recorded no ``facts`` only because its files were too fresh (``after_ns``:
+        ``RankPlan.proof_after_ns``): the daemon plans it again after ``after_ns`` and records them then."""
+        if facts is None and after_ns is not None and all(s != spec for s, _ in self.unproven):
+            self.unproven.append((spec, after_ns))
 
     def completed(self, req: GetState) -> GetState:
         """``req`` with its key whole: a GET_STATE with a ``proof`` gets the file-derived fields from the recorded
