@@ -39,6 +39,7 @@ from typing import Any
 
 from wcache import __version__
 from wcache.client import WCacheClient
+from wcache.command import CommandParser
 from wcache.errors import CacheUnavailableError, CheckpointError, NotFoundError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.plan.key import WeightCacheKey, tp_problem
@@ -490,9 +491,7 @@ EVICT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = CommandParser(prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict,make-checkpoint}")
     st = sub.add_parser(
@@ -593,8 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    args = p.parse_args(argv)
+    top = build_parser()
+    args = top.parse_args(argv)
+    # a check of a subcommand's options is its parser's error: ``wcache evict: error: ... (wcache evict --help ...)``
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices[args.cmd]
     if args.cmd in ("preload", "evict"):
         rank, size = args.tp_rank, args.tp_size
         problem = (

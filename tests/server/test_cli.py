@@ -24,6 +24,7 @@ import torch
 from tests.conftest import DaemonProc, run_cli, server_cmd
 from wcache import WCacheClient, WeightCacheKey, __version__
 from wcache.cli import build_parser as wcache_parser
+from wcache.cli import parse_args as wcache_args
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
 from wcache.plan.recipe import RecipeKey
 from wcache.server import cli as server_cli
@@ -174,8 +175,6 @@ def test_device_that_is_not_a_device_name_is_refused(device: str) -> None:
 
 def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     """One range check (wcache.plan.key.tp_problem) for wcache-server, wcache preload and wcache evict."""
-    from wcache.cli import parse_args as wcache_args
-
     for parse, argv in (
         (server_cli.parse_args, []),
         (wcache_args, ["preload", "/m"]),
@@ -192,6 +191,30 @@ def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[st
             assert says in capsys.readouterr().err
     with pytest.raises(SystemExit):
         wcache_args(["evict", "/m", "--tp-rank", "-1"])
+
+
+@pytest.mark.parametrize(
+    ("parse", "argv", "prog", "says"),
+    [
+        (server_cli.parse_args, ["--tp-rank", "2"], "wcache-server", "--tp-rank 2 must be in [0, 1)"),
+        (server_cli.parse_args, ["--memory-budget", "10XB"], "wcache-server", "'10XB' is not a size"),
+        (server_cli.parse_args, ["--tp-rank", "abc"], "wcache-server", "invalid int value: 'abc'"),
+        (wcache_args, [], "wcache", "the following arguments are required"),
+        (wcache_args, ["status", "--timeout", "soon"], "wcache status", "invalid float value: 'soon'"),
+        (wcache_args, ["evict", "/m", "--recipe", "a=b", "--no-deposit"], "wcache evict", "--recipe picks deposits"),
+        (keeper_cli.parse_args, ["--max-fds", "0"], "wcache-keeper", "--max-fds must be at least 1"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_help(
+    capsys: pytest.CaptureFixture[str], parse: Callable[[list[str]], object], argv: list[str], prog: str, says: str
+) -> None:
+    """A bad argument is one line, as every other start-up error is (argparse printed its whole usage first, ~22
+    lines for wcache-server), with argparse's exit status 2: ``PROG: error: MESSAGE (PROG --help for usage)``."""
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"{prog}: error: ") and line.endswith(f" ({prog} --help for usage)") and says in line
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a torch built without CUDA (the README's CPU build)")
