@@ -9,11 +9,12 @@
 
 ``status`` prints one row per model of each daemon socket found (checkpoint directory, fingerprint, rank and
 dtype, origin: disk / tier / keeper / takeover / deposit, size, tier, device, leases, last use, connections,
-uptime) and a line of device memory and host-tier use, or the STATUS_REPLY frames as JSON (each model with
-``stale`` added); exit 0 only if every socket found answered (1: none found, or one of them is unreachable — a
-stale socket of a crashed daemon counts; its row says why, and whether a daemon is coming back to it). Nothing
-is waited for. A model is *stale* when its checkpoint directory no longer gives its key (the files changed, or
-are gone, since it was loaded): its fingerprint is marked ``(stale)``.
+uptime) and, for a daemon on a GPU or with --host-tier, a line of its free device memory and host-tier use, or
+the STATUS_REPLY frames as JSON (each model with ``stale`` added); exit 0 only if every socket found answered
+(1: none found, or one of them is unreachable — a stale socket of a crashed daemon counts; its row says why, and
+whether a daemon is coming back to it). Nothing is waited for. A model is *stale* when its checkpoint directory
+no longer gives its key (the files changed, or are gone, since it was loaded): its fingerprint is marked
+``(stale)``.
 ``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased models, least
 recently used first, under its --memory-budget); ``evict`` drops it — without --tp-rank and --tp-size (or with
 any of --fingerprint, --stale, --deposit, --recipe, --no-deposit), whatever the daemons serve of that checkpoint,
@@ -497,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser(
         "status",
         help="what each daemon serves, and who holds leases (exit 1 if one is unreachable)",
-        description="One row per model of each daemon socket found; exit 0 only if every one answered.",
+        description="One row per model of each daemon socket found, then, for each daemon on a GPU or with "
+        "--host-tier, a line of its free device memory and host-tier use; exit 0 only if every one answered.",
     )
     _where(st)
     st.add_argument("--json", action="store_true", help="print the STATUS_REPLY frames as JSON, one per socket")

@@ -422,6 +422,29 @@ def test_status_exits_nonzero_when_a_listed_daemon_is_unreachable(daemon: Daemon
     assert str(daemon.socket) in out.stdout  # the live one is still listed
 
 
+def test_status_prints_a_memory_line_where_its_help_says(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """``wcache status --help`` promised a line of device memory and host-tier use for every daemon; a daemon on the
+    CPU without --host-tier has neither and gets none. The help says which daemons get it (on a GPU, or with
+    --host-tier), and those do."""
+    sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for text in (sub.choices["status"].format_help(), wcache_parser().format_help()):
+        said = " ".join(text.split())  # as wrapped for the terminal
+        assert "on a GPU or with --host-tier, a line of its free device memory and host-tier use" in said
+    plain = daemon_factory(ckpt)
+    out = run_cli("status", "--socket-path", str(plain.socket))
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 2  # the header and the model's row
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    tiered = daemon_factory(ckpt, "--host-tier", "64MB", "--host-tier-dir", str(tmp_path / "tier"), sdir=other)
+    out = run_cli("status", "--socket-path", str(tiered.socket))
+    assert out.returncode == 0, out.stderr
+    *_, line = out.stdout.splitlines()
+    assert line.startswith(f"{tiered.socket}: host tier ") and "of 0.06 GB" in line, out.stdout
+
+
 @pytest.mark.parametrize("json_out", [True, False])
 def test_status_into_a_closed_pipe_ends_without_a_traceback(
     daemon: DaemonProc, socket_dir: Path, json_out: bool
