@@ -278,6 +278,22 @@ def test_directory_precreated_by_another_user_is_refused_naming_the_way_out(
     assert ("XDG_RUNTIME_DIR" if which == "socket" else "--host-tier-dir") in out.stderr
 
 
+@pytest.mark.parametrize("what", ["missing", "a-file"])
+def test_a_model_that_is_no_directory_is_named_where_a_daemon_serves_the_rank(
+    daemon: DaemonProc, socket_dir: Path, tmp_path: Path, what: str
+) -> None:
+    """A mistyped --model beside a daemon already serving the rank was reported as the lock ("another wcache-server
+    ... already serves"): the directory is checked (one stat) before the lock is taken, and the error names it."""
+    model = tmp_path / "no-such-model"
+    if what == "a-file":
+        model.write_text("weights?")
+    out = run_server("--model", str(model), "--socket-dir", str(socket_dir))
+    clean_failure(out)
+    (line,) = out.stderr.strip().splitlines()
+    assert line == f"wcache-server: error: checkpoint directory {model} does not exist or is not a directory"
+    assert run_cli("status", "--socket-path", str(daemon.socket)).returncode == 0  # the running daemon serves on
+
+
 def test_unusable_lock_file_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sock = tmp_path / "x.sock"
     Path(str(sock) + ".lock").symlink_to(tmp_path / "elsewhere")

@@ -1,9 +1,9 @@
 """``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
 goes through, in an order where a bad start costs nothing: socket directory checks (and a hold on the
-directory) -> device check -> one-daemon lock -> platform check -> takeover or keeper reclaim -> checkpoint
-headers, key and shard plan (no data) -> load into one slab -> listen -> ready line (and ready file, and
-systemd's READY=1 under a Type=notify unit: wcache/server/notify.py). At the end, clean or not, the lock file
-goes, and the default socket directory with the last user of it.
+directory) -> the --model directory is there (one stat) -> device check -> one-daemon lock -> platform check ->
+takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) -> load into one slab -> listen ->
+ready line (and ready file, and systemd's READY=1 under a Type=notify unit: wcache/server/notify.py). At the end,
+clean or not, the lock file goes, and the default socket directory with the last user of it.
 """
 
 from __future__ import annotations
@@ -495,6 +495,10 @@ def run(args: argparse.Namespace) -> int:
     lock = DaemonLock(sock_path)
     workers: Workers | None = None
     try:
+        if args.model is not None and args.fill_from is None:  # (--fill-from fetches a missing one from a peer)
+            from wcache.plan.checkpoint import check_directory
+
+            check_directory(args.model)  # a mistyped --model is named as such, not as the lock of a daemon running
         backend = make_backend(args.device, args.cuda_export, args.staging_bytes or DEFAULT_STAGING)
         loads = args.takeover is None and not _keeper_holds_some(args, sock_path)
         backend.check_device(loads)  # an unusable device: one line, before the lock is taken or a file read
