@@ -89,6 +89,22 @@ def _nobody_at(p: Path) -> str:
     return "nothing is coming back to it (a stale socket: start its daemon, or remove the file)"
 
 
+def _no_sockets(socket_dir: Path | None) -> str:
+    """Why ``wcache status`` found no socket in ``socket_dir`` (None: the default directory): it is not there, not
+    a directory, not readable, or holds none."""
+    d = Path(socket_dir or default_socket_dir())
+    try:
+        os.listdir(d)
+    except FileNotFoundError:
+        default = "" if socket_dir else " (the default: no daemon runs there; pass the daemons' --socket-dir)"
+        return f"socket directory {d} does not exist{default}"
+    except NotADirectoryError:
+        return f"socket directory {d} is not a directory"
+    except OSError as exc:
+        return f"socket directory {d} cannot be read ({exc.strerror})"
+    return f"no daemon sockets in {d}"
+
+
 HEADER = [
     "SOCKET",
     "CHECKPOINT",
@@ -635,7 +651,7 @@ def _main(argv: list[str] | None) -> int:
         return asyncio.run(_manage(args))
     paths = _sockets(args)
     if not paths:
-        print(f"wcache: no daemon sockets in {args.socket_dir or default_socket_dir()}", file=sys.stderr)
+        print(f"wcache: {_no_sockets(args.socket_dir)}", file=sys.stderr)
         return 1
     results = asyncio.run(_status(paths, args.timeout))
     cache: FingerprintCache = {}

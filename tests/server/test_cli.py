@@ -526,6 +526,23 @@ def test_status_of_a_path_with_no_socket_says_so(tmp_path: Path, what: str) -> N
     assert what != "a-file" or p.read_text() == "precious"
 
 
+@pytest.mark.parametrize("what", ["nothing", "a-file", "empty"])
+def test_status_of_a_socket_directory_that_is_not_there_says_so(tmp_path: Path, what: str) -> None:
+    """``wcache status --socket-dir D`` with no D said "no daemon sockets in D", as for an empty directory: a
+    mistyped directory is named as one that does not exist (or is no directory)."""
+    d = tmp_path / "sock"
+    if what == "a-file":
+        d.write_text("precious")
+    elif what == "empty":
+        d.mkdir(mode=0o700)
+    out = run_cli("status", "--socket-dir", str(d))
+    assert out.returncode == 1 and out.stdout == ""
+    says = {"nothing": "does not exist", "a-file": "is not a directory", "empty": ""}[what]
+    assert out.stderr.strip() == (
+        f"wcache: socket directory {d} {says}" if says else f"wcache: no daemon sockets in {d}"
+    )
+
+
 # ---------------------------------------------------------------- wcache evict
 
 
