@@ -593,8 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk = sub.add_parser(
         "make-checkpoint",
         help="write a small random Llama-shaped checkpoint to try the daemon on (python -m wcache.synthetic)",
-        description="Write a Llama-shaped safetensors checkpoint of random bf16 weights (config.json, shards, "
-        "index) into DIR, made locally: no download. Serve it with wcache-server --model DIR.",
+        description="Write a Llama-shaped safetensors checkpoint of random bf16 weights into DIR, made locally (no "
+        "download): config.json and the weights, in one file (model.safetensors) or in several (--shards; by "
+        "default one per 2 GB) with their index (model.safetensors.index.json). Serve it with wcache-server --model "
+        "DIR.",
     )
     mk.add_argument("dir", type=Path, help="directory to write (created; its files are replaced)")
     mk.add_argument(

@@ -672,6 +672,31 @@ def test_make_checkpoint_at_a_file_is_a_one_line_usage_error(tmp_path: Path, und
     assert f.read_text() == "precious"
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_make_checkpoint_writes_the_files_its_help_names_with_the_umasks_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shards: int
+) -> None:
+    """Its help named an index for every checkpoint (one file gets none), and the safetensors files were 0600 (the
+    library's writer) beside 0644 for the others: every file has the mode ``open()`` gives under the umask."""
+    from wcache.cli import main
+
+    sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    said = " ".join(sub.choices["make-checkpoint"].format_help().split())
+    assert "in one file (model.safetensors) or in several (--shards; by default one per 2 GB) with their index" in said
+    d = tmp_path / "ckpt"
+    old = os.umask(0o027)
+    try:
+        assert main(["make-checkpoint", str(d), "--size", "1MB", "--shards", str(shards)]) == 0
+    finally:
+        os.umask(old)
+    assert capsys.readouterr().out.startswith(f"wrote {d}: ")
+    weights = ["model.safetensors"] if shards == 1 else [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    index = ["model.safetensors.index.json"] if shards > 1 else []
+    modes = {f.name: f.stat().st_mode & 0o7777 for f in d.iterdir()}
+    assert sorted(modes) == sorted(["config.json", "wcache-synthetic.json", *weights, *index])
+    assert set(modes.values()) == {0o640}
+
+
 # ---------------------------------------------------------------- wcache preload
 
 
