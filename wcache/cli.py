@@ -48,7 +48,7 @@ from wcache.plan.recipe import key_from_wire
 from wcache.proto import ModelInfo, StatusReply
 from wcache.units import size_arg
 
-__all__ = ["build_parser", "main", "parse_args"]
+__all__ = ["build_parser", "main", "make_checkpoint_main", "parse_args"]
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
@@ -436,7 +436,7 @@ async def _manage(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_checkpoint(args: argparse.Namespace) -> int:
+def _make_checkpoint(args: argparse.Namespace, prog: str = "wcache make-checkpoint") -> int:
     import time
 
     from wcache.synthetic import make_llama_checkpoint, shape_for_size
@@ -444,14 +444,13 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     try:
         shape = shape_for_size(args.size)
     except ValueError as exc:
-        print(f"wcache make-checkpoint: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     blocker = next((p for p in (args.dir, *args.dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:  # DIR, or a directory it would be made in, is a file
         what = "" if blocker == args.dir else f" cannot be made: {blocker}"
         print(
-            f"wcache make-checkpoint: {args.dir}{what} is a file, not a directory: name a new directory, or one "
-            "to overwrite",
+            f"{prog}: {args.dir}{what} is a file, not a directory: name a new directory, or one to overwrite",
             file=sys.stderr,
         )
         return 2
@@ -460,7 +459,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     try:
         root = make_llama_checkpoint(args.dir, shape, shards=shards, seed=args.seed)
     except OSError as exc:  # no permission, no space, ...
-        print(f"wcache make-checkpoint: cannot write {args.dir}: {exc}", file=sys.stderr)
+        print(f"{prog}: cannot write {args.dir}: {exc}", file=sys.stderr)
         return 1
     print(
         f"wrote {root}: {len(shape.tensors())} tensors, {_size(shape.nbytes())} of bf16 in {shards} file(s) "
@@ -590,14 +589,25 @@ def build_parser() -> argparse.ArgumentParser:
         )
         _where(sp)
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon (default 600)")
-    mk = sub.add_parser(
-        "make-checkpoint",
-        help="write a small random Llama-shaped checkpoint to try the daemon on (python -m wcache.synthetic)",
-        description="Write a Llama-shaped safetensors checkpoint of random bf16 weights into DIR, made locally (no "
-        "download): config.json and the weights, in one file (model.safetensors) or in several (--shards; by "
-        "default one per 2 GB) with their index (model.safetensors.index.json). Serve it with wcache-server --model "
-        "DIR.",
+    _make_checkpoint_options(
+        sub.add_parser(
+            "make-checkpoint",
+            help="write a small random Llama-shaped checkpoint to try the daemon on (python -m wcache.synthetic)",
+            description=MAKE_CHECKPOINT_HELP,
+        )
     )
+    return ap
+
+
+MAKE_CHECKPOINT_HELP = (
+    "Write a Llama-shaped safetensors checkpoint of random bf16 weights into DIR, made locally (no download): "
+    "config.json and the weights, in one file (model.safetensors) or in several (--shards; by default one per 2 GB) "
+    "with their index (model.safetensors.index.json). Serve it with wcache-server --model DIR."
+)
+
+
+def _make_checkpoint_options(mk: argparse.ArgumentParser) -> None:
+    """``wcache make-checkpoint``'s arguments (``python -m wcache.synthetic``'s too)."""
     mk.add_argument("dir", type=Path, help="directory to write (created; its files are replaced)")
     mk.add_argument(
         "--size",
@@ -608,7 +618,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mk.add_argument("--shards", type=int, default=0, help="safetensors files (default: one per 2 GB, at least one)")
     mk.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
-    return ap
+
+
+def make_checkpoint_main(prog: str, argv: list[str] | None = None) -> int:
+    """``wcache make-checkpoint`` as a command of its own, named ``prog`` in its help and errors (``python -m
+    wcache.synthetic``)."""
+    p = CommandParser(prog=prog, description=MAKE_CHECKPOINT_HELP)
+    _make_checkpoint_options(p)
+    return _make_checkpoint(p.parse_args(argv), prog)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -218,6 +218,9 @@ def make_fp8_llama_checkpoint(
 
 
 if __name__ == "__main__":  # python -m wcache.synthetic DIR [--size SIZE ...]: ``wcache make-checkpoint``
-    from wcache.cli import main
+    from wcache.cli import make_checkpoint_main
 
-    sys.exit(main(["make-checkpoint", *sys.argv[1:]]))
+    # named as it was run, as argparse names a module run with -m from Python 3.14 on
+    here = __spec__  # None: run as a file
+    prog = f"{os.path.basename(sys.executable)} -m {here.name}" if here is not None else os.path.basename(sys.argv[0])
+    sys.exit(make_checkpoint_main(prog))

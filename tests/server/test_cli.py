@@ -697,6 +697,24 @@ def test_make_checkpoint_writes_the_files_its_help_names_with_the_umasks_mode(
     assert set(modes.values()) == {0o640}
 
 
+def test_python_m_wcache_synthetic_names_itself_as_it_was_run(tmp_path: Path) -> None:
+    """``python -m wcache.synthetic`` is ``wcache make-checkpoint`` under another name: its help and its errors name
+    the command that was run (they named ``wcache make-checkpoint``)."""
+    prog = f"{os.path.basename(sys.executable)} -m wcache.synthetic"
+
+    def synthetic(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "wcache.synthetic", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+    shown = synthetic("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith(f"usage: {prog} [-h]"), shown.stdout
+    d = tmp_path / "ckpt"
+    bad = synthetic(str(d), "--size", "1XB")
+    assert bad.returncode == 2 and bad.stderr.startswith(f"{prog}: error: argument --size: "), bad.stderr
+    made = synthetic(str(d), "--size", "1MB")
+    assert made.returncode == 0 and (d / "model.safetensors").is_file(), made.stderr
+
+
 # ---------------------------------------------------------------- wcache preload
 
 
