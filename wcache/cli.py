@@ -46,7 +46,7 @@ from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.plan.key import WeightCacheKey, tp_problem
 from wcache.plan.recipe import key_from_wire
 from wcache.proto import ModelInfo, StatusReply
-from wcache.units import size_arg
+from wcache.units import format_size, size_arg
 
 __all__ = ["build_parser", "main", "make_checkpoint_main", "parse_args"]
 
@@ -127,10 +127,6 @@ def _loaded(nbytes: int, seconds: float) -> str:
     if seconds <= 0:
         return "-"
     return f"{seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def checkpoint_of(m: ModelInfo) -> str:
@@ -219,7 +215,7 @@ def _rows(path: Path, r: StatusReply | str, now: float, stale: list[bool | None]
                 fingerprint_of(m.key, is_stale) if m else "-",
                 rank_of(m.key) if m else "-",
                 (m.origin or "?") if m else "-",
-                _size(m.bytes if m else 0),
+                format_size(m.bytes) if m else "-",
                 tier if m else "-",
                 device,
                 _loaded(m.bytes, m.load_seconds) if m else "-",
@@ -356,7 +352,8 @@ async def _evict(args: argparse.Namespace) -> int:
         key = WeightCacheKey.from_spec(rank_spec(args))
         client = WCacheClient(args.socket_path, socket_dir=args.socket_dir, wait_for_daemon=0)
         ev = await client.evict(key, timeout=args.timeout)
-        print(f"evicted {args.model} {rank_of(key.to_wire())} from {client.socket_for(key)}: {_size(ev.bytes)} freed")
+        where = client.socket_for(key)
+        print(f"evicted {args.model} {rank_of(key.to_wire())} from {where}: {format_size(ev.bytes)} freed")
         return 0
     paths = _sockets(args)
     if not paths:
@@ -394,7 +391,7 @@ async def _evict(args: argparse.Namespace) -> int:
     for f in found:
         key = key_from_wire(dict(f.model.key))  # a deposit's recipe key, recipe fields and all
         ev = await WCacheClient(f.socket, wait_for_daemon=0).evict(key, timeout=args.timeout)
-        print(f"evicted {f.describe()} from {f.socket}: {_size(ev.bytes)} freed")
+        print(f"evicted {f.describe()} from {f.socket}: {format_size(ev.bytes)} freed")
     return 0
 
 
@@ -418,7 +415,7 @@ async def _manage(args: argparse.Namespace) -> int:
             for k in r.evicted
         )
         print(
-            f"resident: {r.tensors} tensors, {_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"
+            f"resident: {r.tensors} tensors, {format_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"
             + (f"; evicted {gone}" if gone else "")
         )
     except WCacheError as exc:
@@ -462,7 +459,7 @@ def _make_checkpoint(args: argparse.Namespace, prog: str = "wcache make-checkpoi
         print(f"{prog}: cannot write {args.dir}: {exc}", file=sys.stderr)
         return 1
     print(
-        f"wrote {root}: {len(shape.tensors())} tensors, {_size(shape.nbytes())} of bf16 in {shards} file(s) "
+        f"wrote {root}: {len(shape.tensors())} tensors, {format_size(shape.nbytes())} of bf16 in {shards} file(s) "
         f"({time.perf_counter() - t0:.1f} s; LlamaForCausalLM, hidden {shape.hidden}, {shape.layers} layers). "
         f"Serve it: wcache-server --model {root}"
     )

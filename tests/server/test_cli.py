@@ -32,7 +32,7 @@ from wcache.server import keeper_cli
 from wcache.server.backends import host
 from wcache.server.security import DaemonLock
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
-from wcache.units import parse_size
+from wcache.units import format_size, parse_size
 
 ROOT = os.geteuid() == 0
 
@@ -136,6 +136,14 @@ def test_help_names_default_socket_dir() -> None:
 )
 def test_sizes(text: str, n: int) -> None:
     assert parse_size(text) == n
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 bytes"), (999, "999 bytes"), (4096, "4.1 KB"), (96893952, "96.9 MB"), (16060522496, "16.06 GB")],
+)
+def test_sizes_for_people(n: int, text: str) -> None:
+    assert format_size(n) == text
 
 
 @pytest.mark.parametrize("opt", ["--memory-budget", "--host-tier", "--staging-bytes", "--max-frame-size"])
