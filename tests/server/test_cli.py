@@ -409,6 +409,35 @@ def test_slab_past_the_memory_limit_is_refused_before_allocating(monkeypatch: py
     host.HostBackend().allocate(1 << 20).close()
 
 
+def test_a_model_over_the_memory_budget_at_start_names_the_option_and_the_sizes(ckpt: Path, socket_dir: Path) -> None:
+    """A --memory-budget too small for --model was refused in raw bytes ("96893952 bytes do not fit the
+    10000000-byte budget"), naming no option: the line names --memory-budget and gives the sizes for people too,
+    beside the exact bytes. The error's details (wire protocol) are as they were."""
+    from wcache.plan.key import RankSpec
+    from wcache.server.load import planned_bytes
+    from wcache.server.store import Store
+
+    needed = planned_bytes(RankSpec(ckpt))[1]
+    out = run_server("--model", str(ckpt), "--socket-dir", str(socket_dir), "--memory-budget", "1MB")
+    clean_failure(out)
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(
+        f"wcache-server: error: {needed} bytes ({format_size(needed)}) do not fit the --memory-budget of 1000000 "
+        "bytes (1.0 MB): "
+    ), line
+    with pytest.raises(OutOfMemoryError) as e, Store(host.HostBackend(), [], budget=10**6).loading(needed):
+        pass
+    assert e.value.details == {
+        "needed": needed,
+        "budget": 10**6,
+        "resident": 0,
+        "pending": 0,
+        "loading": 0,
+        "lingering": 0,
+        "pinned": [],
+    }
+
+
 # ---------------------------------------------------------------- lifecycle
 
 
