@@ -56,9 +56,11 @@ __all__ = [
     "peer_fill",
     "pytorch_bin_hint",
     "rank_spec",
+    "ready_fields",
     "reclaim",
     "resolve_socket",
     "run",
+    "started_model",
     "take_over",
 ]
 
@@ -473,6 +475,34 @@ def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> P
     return PeerListener(service, host, port, metrics=metrics)
 
 
+def started_model(store: Store, started: WeightCacheKey | None) -> ServedModel | None:
+    """The model the daemon was started for (``started``: --model's key), not whichever the keeper handed back
+    first (it hands back every model it held for this socket: another --tp-size's, a PRELOAD's); else the first
+    served, or None."""
+    m = store.models.get(started) if started is not None else None
+    return m if m is not None else next(iter(store.models.values()), None)
+
+
+def ready_fields(sock_path: Path, store: Store, m: ServedModel | None) -> dict[str, object]:
+    """The fields of the daemon's ready log line, in order: its socket and device; the key of ``m``
+    (``started_model``) and how its bytes came (seconds, read rate: 0 for slabs handed over or reclaimed); then
+    every model served together (after a keeper reclaim, several): how many, their tensors and their slab bytes,
+    and the --memory-budget."""
+    backend = store.backend
+    return {
+        "socket": sock_path,
+        "backend": backend.name,
+        "device": backend.device.uuid or backend.device.kind,
+        "key": m.key.short() if m else "-",
+        "load_s": f"{m.stats.seconds if m else 0.0:.2f}",
+        "read_gb_s": f"{m.stats.gb_per_s if m else 0.0:.2f}",
+        "models": len(store.models),
+        "tensors": sum(len(x.table) for x in store.models.values()),
+        "bytes": store.resident_bytes,
+        "budget": store.budget if store.budget is not None else "none",
+    }
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -628,25 +658,8 @@ def run(args: argparse.Namespace) -> int:
                 daemon.peers = peer_listener(args, store, daemon.metrics)
 
             def ready() -> None:
-                models = list(store.models.values())
-                # the model it was started for, not whichever the keeper handed back first (it hands back every
-                # model it held for this socket: another --tp-size's, a PRELOAD's)
-                m = store.models.get(started) if started is not None else None
-                m = m if m is not None else (models[0] if models else None)
-                log.info(
-                    "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f "
-                    "models=%d budget=%s",
-                    sock_path,
-                    m.key.short() if m else "-",
-                    backend.name,
-                    backend.device.uuid or backend.device.kind,
-                    len(m.table) if m else 0,
-                    store.resident_bytes,
-                    m.stats.seconds if m else 0.0,
-                    m.stats.gb_per_s if m else 0.0,
-                    len(models),
-                    store.budget if store.budget is not None else "none",
-                )
+                m = started_model(store, started)
+                log.info("ready %s", " ".join(f"{k}={v}" for k, v in ready_fields(sock_path, store, m).items()))
                 if args.ready_file is not None:
                     payload: dict[str, object] = {
                         "socket": str(sock_path),
@@ -660,7 +673,7 @@ def run(args: argparse.Namespace) -> int:
                 notify(
                     READY=1,
                     MAINPID=os.getpid(),
-                    STATUS=f"serving {len(models)} model(s) on {sock_path}",
+                    STATUS=f"serving {len(store.models)} model(s) on {sock_path}",
                 )
 
             def stopping() -> None:
