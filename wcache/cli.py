@@ -504,7 +504,8 @@ EVICT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = CommandParser(prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plain = (__doc__ or "").replace("``", "")  # the docstring's literal markup is no help to a terminal
+    ap = CommandParser(prog="wcache", description=plain, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict,make-checkpoint}")
     st = sub.add_parser(

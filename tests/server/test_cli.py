@@ -87,6 +87,15 @@ def test_every_option_with_a_default_says_it(parser: Callable[[], argparse.Argum
     assert silent == []
 
 
+@PARSERS
+def test_help_is_plain_text(parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """``wcache --help`` showed its module docstring's reStructuredText markup (````wcache````, ````status````)."""
+    p = parser()
+    subs = [a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    for text in [p.format_help(), *(sp.format_help() for choices in subs for sp in choices.values())]:
+        assert "``" not in text
+
+
 def test_the_daemon_and_the_keeper_take_the_same_log_levels_and_list_them() -> None:
     """wcache-keeper's --log-level took any word (its --help listed no choices, and an unknown level was a
     traceback from logging at start, exit 0); it is now wcache-server's option: the same choices, in any case."""
