@@ -90,7 +90,7 @@ def _nobody_at(p: Path) -> str:
 
 
 def _no_sockets(socket_dir: Path | None) -> str:
-    """Why ``wcache status`` found no socket in ``socket_dir`` (None: the default directory): it is not there, not
+    """Why ``wcache status`` (or ``evict``) found no socket in ``socket_dir`` (None: the default directory): it is not there, not
     a directory, not readable, or holds none."""
     d = Path(socket_dir or default_socket_dir())
     try:
@@ -357,7 +357,7 @@ async def _evict(args: argparse.Namespace) -> int:
         return 0
     paths = _sockets(args)
     if not paths:
-        raise NotFoundError(f"no daemon sockets in {args.socket_dir or default_socket_dir()}: nothing to evict from")
+        raise NotFoundError(f"{_no_sockets(args.socket_dir)}: nothing to evict from")
     results = await _status(paths, min(args.timeout, 10.0))
     found, now = _served_of(args, results)
     if not found:

@@ -574,8 +574,8 @@ def test_status_of_a_path_with_no_socket_says_so(tmp_path: Path, what: str) -> N
 
 @pytest.mark.parametrize("what", ["nothing", "a-file", "empty"])
 def test_status_of_a_socket_directory_that_is_not_there_says_so(tmp_path: Path, what: str) -> None:
-    """``wcache status --socket-dir D`` with no D said "no daemon sockets in D", as for an empty directory: a
-    mistyped directory is named as one that does not exist (or is no directory)."""
+    """``wcache status --socket-dir D`` (and ``wcache evict``) with no D said "no daemon sockets in D", as for an
+    empty directory: a mistyped directory is named as one that does not exist (or is no directory)."""
     d = tmp_path / "sock"
     if what == "a-file":
         d.write_text("precious")
@@ -584,9 +584,10 @@ def test_status_of_a_socket_directory_that_is_not_there_says_so(tmp_path: Path, 
     out = run_cli("status", "--socket-dir", str(d))
     assert out.returncode == 1 and out.stdout == ""
     says = {"nothing": "does not exist", "a-file": "is not a directory", "empty": ""}[what]
-    assert out.stderr.strip() == (
-        f"wcache: socket directory {d} {says}" if says else f"wcache: no daemon sockets in {d}"
-    )
+    why = f"socket directory {d} {says}" if says else f"no daemon sockets in {d}"
+    assert out.stderr.strip() == f"wcache: {why}"
+    out = run_cli("evict", str(tmp_path / "model"), "--socket-dir", str(d))  # as evict finds the daemons
+    assert out.returncode == 1 and out.stderr.strip() == f"wcache evict: NotFoundError: {why}: nothing to evict from"
 
 
 # ---------------------------------------------------------------- wcache evict
