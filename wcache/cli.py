@@ -9,11 +9,12 @@
 
 ``status`` prints one row per model of each daemon socket found (checkpoint directory, fingerprint, rank and
 dtype, origin: disk / tier / keeper / takeover / deposit, size, tier, device, leases, last use, connections,
-uptime) and a line of device memory and host-tier use, or the STATUS_REPLY frames as JSON (each model with
-``stale`` added); exit 0 only if every socket found answered (1: none found, or one of them is unreachable — a
-stale socket of a crashed daemon counts; its row says why, and whether a daemon is coming back to it). Nothing
-is waited for. A model is *stale* when its checkpoint directory no longer gives its key (the files changed, or
-are gone, since it was loaded): its fingerprint is marked ``(stale)``.
+uptime) and, for a daemon on a GPU or with --host-tier, a line of its free device memory and host-tier use, or
+the STATUS_REPLY frames as JSON (each model with ``stale`` added); exit 0 only if every socket found answered
+(1: none found, or one of them is unreachable — a stale socket of a crashed daemon counts; its row says why, and
+whether a daemon is coming back to it). Nothing is waited for. A model is *stale* when its checkpoint directory
+no longer gives its key (the files changed, or are gone, since it was loaded): its fingerprint is marked
+``(stale)``.
 ``preload`` asks the daemon of that rank to load and keep a checkpoint (evicting unleased models, least
 recently used first, under its --memory-budget); ``evict`` drops it — without --tp-rank and --tp-size (or with
 any of --fingerprint, --stale, --deposit, --recipe, --no-deposit), whatever the daemons serve of that checkpoint,
@@ -39,14 +40,15 @@ from typing import Any
 
 from wcache import __version__
 from wcache.client import WCacheClient
+from wcache.command import CommandParser
 from wcache.errors import CacheUnavailableError, CheckpointError, NotFoundError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.plan.key import WeightCacheKey, tp_problem
 from wcache.plan.recipe import key_from_wire
 from wcache.proto import ModelInfo, StatusReply
-from wcache.units import size_arg
+from wcache.units import format_size, size_arg
 
-__all__ = ["build_parser", "main", "parse_args"]
+__all__ = ["build_parser", "main", "make_checkpoint_main", "parse_args"]
 
 
 def _sockets(args: argparse.Namespace) -> list[Path]:
@@ -87,6 +89,22 @@ def _nobody_at(p: Path) -> str:
     return "nothing is coming back to it (a stale socket: start its daemon, or remove the file)"
 
 
+def _no_sockets(socket_dir: Path | None) -> str:
+    """Why ``wcache status`` (or ``evict``) found no socket in ``socket_dir`` (None: the default directory): it is not there, not
+    a directory, not readable, or holds none."""
+    d = Path(socket_dir or default_socket_dir())
+    try:
+        os.listdir(d)
+    except FileNotFoundError:
+        default = "" if socket_dir else " (the default: no daemon runs there; pass the daemons' --socket-dir)"
+        return f"socket directory {d} does not exist{default}"
+    except NotADirectoryError:
+        return f"socket directory {d} is not a directory"
+    except OSError as exc:
+        return f"socket directory {d} cannot be read ({exc.strerror})"
+    return f"no daemon sockets in {d}"
+
+
 HEADER = [
     "SOCKET",
     "CHECKPOINT",
@@ -109,10 +127,6 @@ def _loaded(nbytes: int, seconds: float) -> str:
     if seconds <= 0:
         return "-"
     return f"{seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def checkpoint_of(m: ModelInfo) -> str:
@@ -201,7 +215,7 @@ def _rows(path: Path, r: StatusReply | str, now: float, stale: list[bool | None]
                 fingerprint_of(m.key, is_stale) if m else "-",
                 rank_of(m.key) if m else "-",
                 (m.origin or "?") if m else "-",
-                _size(m.bytes if m else 0),
+                format_size(m.bytes) if m else "-",
                 tier if m else "-",
                 device,
                 _loaded(m.bytes, m.load_seconds) if m else "-",
@@ -338,11 +352,12 @@ async def _evict(args: argparse.Namespace) -> int:
         key = WeightCacheKey.from_spec(rank_spec(args))
         client = WCacheClient(args.socket_path, socket_dir=args.socket_dir, wait_for_daemon=0)
         ev = await client.evict(key, timeout=args.timeout)
-        print(f"evicted {args.model} {rank_of(key.to_wire())} from {client.socket_for(key)}: {_size(ev.bytes)} freed")
+        where = client.socket_for(key)
+        print(f"evicted {args.model} {rank_of(key.to_wire())} from {where}: {format_size(ev.bytes)} freed")
         return 0
     paths = _sockets(args)
     if not paths:
-        raise NotFoundError(f"no daemon sockets in {args.socket_dir or default_socket_dir()}: nothing to evict from")
+        raise NotFoundError(f"{_no_sockets(args.socket_dir)}: nothing to evict from")
     results = await _status(paths, min(args.timeout, 10.0))
     found, now = _served_of(args, results)
     if not found:
@@ -376,7 +391,7 @@ async def _evict(args: argparse.Namespace) -> int:
     for f in found:
         key = key_from_wire(dict(f.model.key))  # a deposit's recipe key, recipe fields and all
         ev = await WCacheClient(f.socket, wait_for_daemon=0).evict(key, timeout=args.timeout)
-        print(f"evicted {f.describe()} from {f.socket}: {_size(ev.bytes)} freed")
+        print(f"evicted {f.describe()} from {f.socket}: {format_size(ev.bytes)} freed")
     return 0
 
 
@@ -400,7 +415,7 @@ async def _manage(args: argparse.Namespace) -> int:
             for k in r.evicted
         )
         print(
-            f"resident: {r.tensors} tensors, {_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"
+            f"resident: {r.tensors} tensors, {format_size(r.bytes)}, loaded in {r.load_seconds:.2f} s"
             + (f"; evicted {gone}" if gone else "")
         )
     except WCacheError as exc:
@@ -418,7 +433,7 @@ async def _manage(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_checkpoint(args: argparse.Namespace) -> int:
+def _make_checkpoint(args: argparse.Namespace, prog: str = "wcache make-checkpoint") -> int:
     import time
 
     from wcache.synthetic import make_llama_checkpoint, shape_for_size
@@ -426,14 +441,13 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     try:
         shape = shape_for_size(args.size)
     except ValueError as exc:
-        print(f"wcache make-checkpoint: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     blocker = next((p for p in (args.dir, *args.dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:  # DIR, or a directory it would be made in, is a file
         what = "" if blocker == args.dir else f" cannot be made: {blocker}"
         print(
-            f"wcache make-checkpoint: {args.dir}{what} is a file, not a directory: name a new directory, or one "
-            "to overwrite",
+            f"{prog}: {args.dir}{what} is a file, not a directory: name a new directory, or one to overwrite",
             file=sys.stderr,
         )
         return 2
@@ -442,10 +456,10 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     try:
         root = make_llama_checkpoint(args.dir, shape, shards=shards, seed=args.seed)
     except OSError as exc:  # no permission, no space, ...
-        print(f"wcache make-checkpoint: cannot write {args.dir}: {exc}", file=sys.stderr)
+        print(f"{prog}: cannot write {args.dir}: {exc}", file=sys.stderr)
         return 1
     print(
-        f"wrote {root}: {len(shape.tensors())} tensors, {_size(shape.nbytes())} of bf16 in {shards} file(s) "
+        f"wrote {root}: {len(shape.tensors())} tensors, {format_size(shape.nbytes())} of bf16 in {shards} file(s) "
         f"({time.perf_counter() - t0:.1f} s; LlamaForCausalLM, hidden {shape.hidden}, {shape.layers} layers). "
         f"Serve it: wcache-server --model {root}"
     )
@@ -490,15 +504,15 @@ EVICT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="wcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    plain = (__doc__ or "").replace("``", "")  # the docstring's literal markup is no help to a terminal
+    ap = CommandParser(prog="wcache", description=plain, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict,make-checkpoint}")
     st = sub.add_parser(
         "status",
         help="what each daemon serves, and who holds leases (exit 1 if one is unreachable)",
-        description="One row per model of each daemon socket found; exit 0 only if every one answered.",
+        description="One row per model of each daemon socket found, then, for each daemon on a GPU or with "
+        "--host-tier, a line of its free device memory and host-tier use; exit 0 only if every one answered.",
     )
     _where(st)
     st.add_argument("--json", action="store_true", help="print the STATUS_REPLY frames as JSON, one per socket")
@@ -573,12 +587,25 @@ def build_parser() -> argparse.ArgumentParser:
         )
         _where(sp)
         sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon (default 600)")
-    mk = sub.add_parser(
-        "make-checkpoint",
-        help="write a small random Llama-shaped checkpoint to try the daemon on (python -m wcache.synthetic)",
-        description="Write a Llama-shaped safetensors checkpoint of random bf16 weights (config.json, shards, "
-        "index) into DIR, made locally: no download. Serve it with wcache-server --model DIR.",
+    _make_checkpoint_options(
+        sub.add_parser(
+            "make-checkpoint",
+            help="write a small random Llama-shaped checkpoint to try the daemon on (python -m wcache.synthetic)",
+            description=MAKE_CHECKPOINT_HELP,
+        )
     )
+    return ap
+
+
+MAKE_CHECKPOINT_HELP = (
+    "Write a Llama-shaped safetensors checkpoint of random bf16 weights into DIR, made locally (no download): "
+    "config.json and the weights, in one file (model.safetensors) or in several (--shards; by default one per 2 GB) "
+    "with their index (model.safetensors.index.json). Serve it with wcache-server --model DIR."
+)
+
+
+def _make_checkpoint_options(mk: argparse.ArgumentParser) -> None:
+    """``wcache make-checkpoint``'s arguments (``python -m wcache.synthetic``'s too)."""
     mk.add_argument("dir", type=Path, help="directory to write (created; its files are replaced)")
     mk.add_argument(
         "--size",
@@ -589,12 +616,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mk.add_argument("--shards", type=int, default=0, help="safetensors files (default: one per 2 GB, at least one)")
     mk.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
-    return ap
+
+
+def make_checkpoint_main(prog: str, argv: list[str] | None = None) -> int:
+    """``wcache make-checkpoint`` as a command of its own, named ``prog`` in its help and errors (``python -m
+    wcache.synthetic``)."""
+    p = CommandParser(prog=prog, description=MAKE_CHECKPOINT_HELP)
+    _make_checkpoint_options(p)
+    return _make_checkpoint(p.parse_args(argv), prog)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    args = p.parse_args(argv)
+    top = build_parser()
+    args = top.parse_args(argv)
+    # a check of a subcommand's options is its parser's error: ``wcache evict: error: ... (wcache evict --help ...)``
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices[args.cmd]
     if args.cmd in ("preload", "evict"):
         rank, size = args.tp_rank, args.tp_size
         problem = (
@@ -631,7 +668,7 @@ def _main(argv: list[str] | None) -> int:
         return asyncio.run(_manage(args))
     paths = _sockets(args)
     if not paths:
-        print(f"wcache: no daemon sockets in {args.socket_dir or default_socket_dir()}", file=sys.stderr)
+        print(f"wcache: {_no_sockets(args.socket_dir)}", file=sys.stderr)
         return 1
     results = asyncio.run(_status(paths, args.timeout))
     cache: FingerprintCache = {}

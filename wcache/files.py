@@ -20,7 +20,8 @@ Errors are the caller's error class (``CheckpointError`` for checkpoints, ``Shar
 plan files), name the file and say what to do.
 
 The daemon's own small files (the host tier's metadata, the commit record) are written the other way round:
-:func:`write_new` creates the file, never through a link, and writes all of it.
+:func:`write_new` creates the file, never through a link, and writes all of it. Files written for others to read
+(a synthetic checkpoint's) get :func:`created_mode`, what ``open()`` gives a new file under the process umask.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from wcache.errors import CheckpointError, WCacheError
 __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_INDEX_BYTES",
+    "created_mode",
     "file_kind",
     "open_regular",
     "read_at_most",
@@ -168,3 +170,16 @@ def write_new(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> N
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def created_mode(mode: int = 0o666) -> int:
+    """The permission bits of a file created with ``mode`` (``open()``'s 0o666 by default) under the process umask,
+    as a file written the ordinary way gets them: for a writer that makes its files 0600 whatever the umask (the
+    safetensors library). The umask is read from /proc/self/status (Linux 4.7 on), else set and set back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, ValueError, StopIteration, IndexError):
+        umask = os.umask(0o077)
+        os.umask(umask)
+    return mode & ~umask & 0o7777

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from wcache.files import created_mode
+
 __all__ = [
     "FP8_TINY",
     "LLAMA3_8B",
@@ -114,6 +116,13 @@ LLAMA3_8B = LlamaShape(4096, 14336, 32, 32, 8, 128256)
 TINY = LlamaShape(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, vocab=4096)
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file as ``save_pretrained`` writes it, with the mode the other files get (the library's
+    writer makes it 0600 whatever the umask)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, created_mode())
+
+
 def make_llama_checkpoint(
     path: str | os.PathLike[str],
     shape: LlamaShape = TINY,
@@ -140,7 +149,7 @@ def make_llama_checkpoint(
             tensors[name] = t.cpu()
             weight_map[name] = fname
             total += t.numel() * t.element_size()
-        save_file(tensors, str(root / fname), metadata={"format": "pt"})
+        _save(tensors, root / fname)
         del tensors
     dtype_name = str(dtype).removeprefix("torch.")
     (root / "config.json").write_text(json.dumps(shape.config(dtype_name), indent=2) + "\n")
@@ -194,7 +203,7 @@ def make_fp8_llama_checkpoint(
             tensors[name], tensors[name + "_scale_inv"] = quantize_blockwise(w, block, fp8_dtype)
         else:
             tensors[name] = w.to(torch.bfloat16)
-    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    _save(tensors, root / "model.safetensors")
     config = shape.config("bfloat16")
     config["quantization_config"] = {
         "quant_method": "fp8",
@@ -209,6 +218,9 @@ def make_fp8_llama_checkpoint(
 
 
 if __name__ == "__main__":  # python -m wcache.synthetic DIR [--size SIZE ...]: ``wcache make-checkpoint``
-    from wcache.cli import main
+    from wcache.cli import make_checkpoint_main
 
-    sys.exit(main(["make-checkpoint", *sys.argv[1:]]))
+    # named as it was run, as argparse names a module run with -m from Python 3.14 on
+    here = __spec__  # None: run as a file
+    prog = f"{os.path.basename(sys.executable)} -m {here.name}" if here is not None else os.path.basename(sys.argv[0])
+    sys.exit(make_checkpoint_main(prog))

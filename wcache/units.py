@@ -1,4 +1,5 @@
-"""Sizes on the command line: ``16G``, ``512MiB``, ``1.5GB``, ``4096`` — one parser for every size option.
+"""Sizes on the command line: ``16G``, ``512MiB``, ``1.5GB``, ``4096`` — one parser for every size option, and
+one way sizes are written for people (``format_size``: ``16.06 GB``, ``96.9 MB``).
 
 Suffixes are case-insensitive. ``K``/``M``/``G``/``T`` and their ``i`` forms (``KiB``, ``MiB`` ...)
 are powers of 1024, the way memory is sized; ``KB``/``MB``/``GB``/``TB`` are powers of 1000, the way
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["parse_size", "size_arg"]
+__all__ = ["format_size", "parse_size", "size_arg"]
 
 _UNITS = {
     "": 1,
@@ -52,3 +53,15 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes for people: ``16.06 GB``, ``96.9 MB``, ``12.3 KB``, ``512 bytes`` (powers of 1000, as KB/MB/GB
+    parse): ``wcache status``'s sizes and the daemon's size errors, which give the exact bytes beside it."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} GB"
+    if n >= 10**6:
+        return f"{n / 1e6:.1f} MB"
+    if n >= 10**3:
+        return f"{n / 1e3:.1f} KB"
+    return f"{n} bytes"

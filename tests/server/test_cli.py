@@ -24,6 +24,7 @@ import torch
 from tests.conftest import DaemonProc, run_cli, server_cmd
 from wcache import WCacheClient, WeightCacheKey, __version__
 from wcache.cli import build_parser as wcache_parser
+from wcache.cli import parse_args as wcache_args
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
 from wcache.plan.recipe import RecipeKey
 from wcache.server import cli as server_cli
@@ -31,7 +32,7 @@ from wcache.server import keeper_cli
 from wcache.server.backends import host
 from wcache.server.security import DaemonLock
 from wcache.synthetic import LlamaShape, make_llama_checkpoint
-from wcache.units import parse_size
+from wcache.units import format_size, parse_size
 
 ROOT = os.geteuid() == 0
 
@@ -86,6 +87,15 @@ def test_every_option_with_a_default_says_it(parser: Callable[[], argparse.Argum
     assert silent == []
 
 
+@PARSERS
+def test_help_is_plain_text(parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """``wcache --help`` showed its module docstring's reStructuredText markup (````wcache````, ````status````)."""
+    p = parser()
+    subs = [a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    for text in [p.format_help(), *(sp.format_help() for choices in subs for sp in choices.values())]:
+        assert "``" not in text
+
+
 def test_the_daemon_and_the_keeper_take_the_same_log_levels_and_list_them() -> None:
     """wcache-keeper's --log-level took any word (its --help listed no choices, and an unknown level was a
     traceback from logging at start, exit 0); it is now wcache-server's option: the same choices, in any case."""
@@ -137,6 +147,14 @@ def test_sizes(text: str, n: int) -> None:
     assert parse_size(text) == n
 
 
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 bytes"), (999, "999 bytes"), (4096, "4.1 KB"), (96893952, "96.9 MB"), (16060522496, "16.06 GB")],
+)
+def test_sizes_for_people(n: int, text: str) -> None:
+    assert format_size(n) == text
+
+
 @pytest.mark.parametrize("opt", ["--memory-budget", "--host-tier", "--staging-bytes", "--max-frame-size"])
 def test_every_size_option_takes_units(opt: str) -> None:
     args = server_cli.parse_args([opt, "1GiB"])
@@ -174,8 +192,6 @@ def test_device_that_is_not_a_device_name_is_refused(device: str) -> None:
 
 def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     """One range check (wcache.plan.key.tp_problem) for wcache-server, wcache preload and wcache evict."""
-    from wcache.cli import parse_args as wcache_args
-
     for parse, argv in (
         (server_cli.parse_args, []),
         (wcache_args, ["preload", "/m"]),
@@ -192,6 +208,30 @@ def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[st
             assert says in capsys.readouterr().err
     with pytest.raises(SystemExit):
         wcache_args(["evict", "/m", "--tp-rank", "-1"])
+
+
+@pytest.mark.parametrize(
+    ("parse", "argv", "prog", "says"),
+    [
+        (server_cli.parse_args, ["--tp-rank", "2"], "wcache-server", "--tp-rank 2 must be in [0, 1)"),
+        (server_cli.parse_args, ["--memory-budget", "10XB"], "wcache-server", "'10XB' is not a size"),
+        (server_cli.parse_args, ["--tp-rank", "abc"], "wcache-server", "invalid int value: 'abc'"),
+        (wcache_args, [], "wcache", "the following arguments are required"),
+        (wcache_args, ["status", "--timeout", "soon"], "wcache status", "invalid float value: 'soon'"),
+        (wcache_args, ["evict", "/m", "--recipe", "a=b", "--no-deposit"], "wcache evict", "--recipe picks deposits"),
+        (keeper_cli.parse_args, ["--max-fds", "0"], "wcache-keeper", "--max-fds must be at least 1"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_help(
+    capsys: pytest.CaptureFixture[str], parse: Callable[[list[str]], object], argv: list[str], prog: str, says: str
+) -> None:
+    """A bad argument is one line, as every other start-up error is (argparse printed its whole usage first, ~22
+    lines for wcache-server), with argparse's exit status 2: ``PROG: error: MESSAGE (PROG --help for usage)``."""
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"{prog}: error: ") and line.endswith(f" ({prog} --help for usage)") and says in line
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a torch built without CUDA (the README's CPU build)")
@@ -253,6 +293,22 @@ def test_directory_precreated_by_another_user_is_refused_naming_the_way_out(
     clean_failure(out)
     assert "owned by uid 65534" in out.stderr
     assert ("XDG_RUNTIME_DIR" if which == "socket" else "--host-tier-dir") in out.stderr
+
+
+@pytest.mark.parametrize("what", ["missing", "a-file"])
+def test_a_model_that_is_no_directory_is_named_where_a_daemon_serves_the_rank(
+    daemon: DaemonProc, socket_dir: Path, tmp_path: Path, what: str
+) -> None:
+    """A mistyped --model beside a daemon already serving the rank was reported as the lock ("another wcache-server
+    ... already serves"): the directory is checked (one stat) before the lock is taken, and the error names it."""
+    model = tmp_path / "no-such-model"
+    if what == "a-file":
+        model.write_text("weights?")
+    out = run_server("--model", str(model), "--socket-dir", str(socket_dir))
+    clean_failure(out)
+    (line,) = out.stderr.strip().splitlines()
+    assert line == f"wcache-server: error: checkpoint directory {model} does not exist or is not a directory"
+    assert run_cli("status", "--socket-path", str(daemon.socket)).returncode == 0  # the running daemon serves on
 
 
 def test_unusable_lock_file_is_a_clean_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -362,6 +418,35 @@ def test_slab_past_the_memory_limit_is_refused_before_allocating(monkeypatch: py
     host.HostBackend().allocate(1 << 20).close()
 
 
+def test_a_model_over_the_memory_budget_at_start_names_the_option_and_the_sizes(ckpt: Path, socket_dir: Path) -> None:
+    """A --memory-budget too small for --model was refused in raw bytes ("96893952 bytes do not fit the
+    10000000-byte budget"), naming no option: the line names --memory-budget and gives the sizes for people too,
+    beside the exact bytes. The error's details (wire protocol) are as they were."""
+    from wcache.plan.key import RankSpec
+    from wcache.server.load import planned_bytes
+    from wcache.server.store import Store
+
+    needed = planned_bytes(RankSpec(ckpt))[1]
+    out = run_server("--model", str(ckpt), "--socket-dir", str(socket_dir), "--memory-budget", "1MB")
+    clean_failure(out)
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(
+        f"wcache-server: error: {needed} bytes ({format_size(needed)}) do not fit the --memory-budget of 1000000 "
+        "bytes (1.0 MB): "
+    ), line
+    with pytest.raises(OutOfMemoryError) as e, Store(host.HostBackend(), [], budget=10**6).loading(needed):
+        pass
+    assert e.value.details == {
+        "needed": needed,
+        "budget": 10**6,
+        "resident": 0,
+        "pending": 0,
+        "loading": 0,
+        "lingering": 0,
+        "pinned": [],
+    }
+
+
 # ---------------------------------------------------------------- lifecycle
 
 
@@ -397,6 +482,29 @@ def test_status_exits_nonzero_when_a_listed_daemon_is_unreachable(daemon: Daemon
     out = run_cli("status", "--socket-dir", str(socket_dir))
     assert out.returncode == 1
     assert str(daemon.socket) in out.stdout  # the live one is still listed
+
+
+def test_status_prints_a_memory_line_where_its_help_says(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, tmp_path: Path
+) -> None:
+    """``wcache status --help`` promised a line of device memory and host-tier use for every daemon; a daemon on the
+    CPU without --host-tier has neither and gets none. The help says which daemons get it (on a GPU, or with
+    --host-tier), and those do."""
+    sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for text in (sub.choices["status"].format_help(), wcache_parser().format_help()):
+        said = " ".join(text.split())  # as wrapped for the terminal
+        assert "on a GPU or with --host-tier, a line of its free device memory and host-tier use" in said
+    plain = daemon_factory(ckpt)
+    out = run_cli("status", "--socket-path", str(plain.socket))
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 2  # the header and the model's row
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    tiered = daemon_factory(ckpt, "--host-tier", "64MB", "--host-tier-dir", str(tmp_path / "tier"), sdir=other)
+    out = run_cli("status", "--socket-path", str(tiered.socket))
+    assert out.returncode == 0, out.stderr
+    *_, line = out.stdout.splitlines()
+    assert line.startswith(f"{tiered.socket}: host tier ") and "of 0.06 GB" in line, out.stdout
 
 
 @pytest.mark.parametrize("json_out", [True, False])
@@ -462,6 +570,24 @@ def test_status_of_a_path_with_no_socket_says_so(tmp_path: Path, what: str) -> N
     says = "that path is not a socket" if what == "a-file" else "there is no socket at that path"
     assert says in row, row
     assert what != "a-file" or p.read_text() == "precious"
+
+
+@pytest.mark.parametrize("what", ["nothing", "a-file", "empty"])
+def test_status_of_a_socket_directory_that_is_not_there_says_so(tmp_path: Path, what: str) -> None:
+    """``wcache status --socket-dir D`` (and ``wcache evict``) with no D said "no daemon sockets in D", as for an
+    empty directory: a mistyped directory is named as one that does not exist (or is no directory)."""
+    d = tmp_path / "sock"
+    if what == "a-file":
+        d.write_text("precious")
+    elif what == "empty":
+        d.mkdir(mode=0o700)
+    out = run_cli("status", "--socket-dir", str(d))
+    assert out.returncode == 1 and out.stdout == ""
+    says = {"nothing": "does not exist", "a-file": "is not a directory", "empty": ""}[what]
+    why = f"socket directory {d} {says}" if says else f"no daemon sockets in {d}"
+    assert out.stderr.strip() == f"wcache: {why}"
+    out = run_cli("evict", str(tmp_path / "model"), "--socket-dir", str(d))  # as evict finds the daemons
+    assert out.returncode == 1 and out.stderr.strip() == f"wcache evict: NotFoundError: {why}: nothing to evict from"
 
 
 # ---------------------------------------------------------------- wcache evict
@@ -591,6 +717,49 @@ def test_make_checkpoint_at_a_file_is_a_one_line_usage_error(tmp_path: Path, und
     (line,) = out.stderr.strip().splitlines()
     assert f"{f} is a file, not a directory" in line
     assert f.read_text() == "precious"
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_make_checkpoint_writes_the_files_its_help_names_with_the_umasks_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shards: int
+) -> None:
+    """Its help named an index for every checkpoint (one file gets none), and the safetensors files were 0600 (the
+    library's writer) beside 0644 for the others: every file has the mode ``open()`` gives under the umask."""
+    from wcache.cli import main
+
+    sub = next(a for a in wcache_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    said = " ".join(sub.choices["make-checkpoint"].format_help().split())
+    assert "in one file (model.safetensors) or in several (--shards; by default one per 2 GB) with their index" in said
+    d = tmp_path / "ckpt"
+    old = os.umask(0o027)
+    try:
+        assert main(["make-checkpoint", str(d), "--size", "1MB", "--shards", str(shards)]) == 0
+    finally:
+        os.umask(old)
+    assert capsys.readouterr().out.startswith(f"wrote {d}: ")
+    weights = ["model.safetensors"] if shards == 1 else [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    index = ["model.safetensors.index.json"] if shards > 1 else []
+    modes = {f.name: f.stat().st_mode & 0o7777 for f in d.iterdir()}
+    assert sorted(modes) == sorted(["config.json", "wcache-synthetic.json", *weights, *index])
+    assert set(modes.values()) == {0o640}
+
+
+def test_python_m_wcache_synthetic_names_itself_as_it_was_run(tmp_path: Path) -> None:
+    """``python -m wcache.synthetic`` is ``wcache make-checkpoint`` under another name: its help and its errors name
+    the command that was run (they named ``wcache make-checkpoint``)."""
+    prog = f"{os.path.basename(sys.executable)} -m wcache.synthetic"
+
+    def synthetic(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "wcache.synthetic", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+    shown = synthetic("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith(f"usage: {prog} [-h]"), shown.stdout
+    d = tmp_path / "ckpt"
+    bad = synthetic(str(d), "--size", "1XB")
+    assert bad.returncode == 2 and bad.stderr.startswith(f"{prog}: error: argument --size: "), bad.stderr
+    made = synthetic(str(d), "--size", "1MB")
+    assert made.returncode == 0 and (d / "model.safetensors").is_file(), made.stderr
 
 
 # ---------------------------------------------------------------- wcache preload

@@ -45,3 +45,27 @@ def test_a_load_cuts_its_jobs_to_the_budget_the_backend_was_built_with(
     finally:
         slab.close()
     assert chunks == [loader._chunk(2, staging)]
+
+
+def test_the_ready_line_counts_every_model_served_in_its_tensors_and_bytes(ckpt: Path, tmp_path: Path) -> None:
+    """After a keeper reclaim a daemon serves several models: the ready line gave one model's tensors beside every
+    model's bytes (``tensors=138 bytes=145356800`` for two). Its ``models``, ``tensors`` and ``bytes`` are of every
+    model served; its ``key`` (and load time) of the one it was started for."""
+    from wcache.plan.key import RankSpec
+    from wcache.server.backends.host import HostBackend
+    from wcache.server.load import load_model
+    from wcache.server.startup import ready_fields, started_model
+    from wcache.server.store import Store
+
+    backend = HostBackend()
+    whole, half = (load_model(RankSpec(ckpt, tp_size=n), backend=backend, threads=2) for n in (1, 2))
+    store = Store(backend, [whole, half])
+    try:
+        m = started_model(store, half.key)
+        assert m is half
+        fields = ready_fields(tmp_path / "wcache-rank0.sock", store, m)
+        assert (fields["key"], fields["models"]) == (half.key.short(), 2)
+        assert fields["tensors"] == len(whole.table) + len(half.table) > len(half.table)
+        assert fields["bytes"] == whole.slab_bytes + half.slab_bytes
+    finally:
+        store.close()

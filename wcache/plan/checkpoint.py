@@ -43,7 +43,15 @@ from wcache.proto.codec import gc_paused
 from wcache.proto.fields import MAX_NAME
 from wcache.proto.table import DTYPE_SIZES, MAX_DIMS
 
-__all__ = ["FLOATING", "FP8_DTYPES", "SAFETENSORS_DTYPES", "Checkpoint", "DtypeBytes", "TensorInfo"]
+__all__ = [
+    "FLOATING",
+    "FP8_DTYPES",
+    "SAFETENSORS_DTYPES",
+    "Checkpoint",
+    "DtypeBytes",
+    "TensorInfo",
+    "check_directory",
+]
 
 #: safetensors dtype tag -> wcache/torch dtype name
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -132,6 +140,19 @@ def _close_fds(fds: dict[Path, int]) -> None:
     fds.clear()
 
 
+def check_directory(root: str | os.PathLike[str]) -> None:
+    """CheckpointError unless ``root`` is a directory: one ``stat``, nothing in it read (``wcache-server`` asks
+    before it takes its lock, so that a mistyped --model is named as such)."""
+    try:
+        is_dir = S_ISDIR(os.stat(root).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = False
+    except (OSError, ValueError) as exc:  # a name too long, a directory not searchable, a NUL byte
+        raise CheckpointError(f"checkpoint directory {os.fspath(root)} cannot be read: {exc}") from exc
+    if not is_dir:
+        raise CheckpointError(f"checkpoint directory {os.fspath(root)} does not exist or is not a directory")
+
+
 @record(weakref_slot=True)
 class Checkpoint:
     """A validated view of a checkpoint directory's metadata (no tensor data read), holding one
@@ -192,14 +213,7 @@ class Checkpoint:
         """Open and validate ``path``. ``tensors=False``: only what a key needs (config, raw headers, bytes
         per dtype; the module docstring) — ``tensors`` is left empty and the tensors are not validated."""
         root = Path(path)
-        try:
-            is_dir = S_ISDIR(os.stat(root).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            is_dir = False
-        except (OSError, ValueError) as exc:  # a name too long, a directory not searchable, a NUL byte
-            raise CheckpointError(f"checkpoint directory {root} cannot be read: {exc}") from exc
-        if not is_dir:
-            raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
+        check_directory(root)
         cfg_path = root / CONFIG_NAME
         cfg = read_metadata(cfg_path, MAX_CONFIG_BYTES, what="config.json")
         meta: dict[str, os.stat_result | None] = {CONFIG_NAME: None if cfg is None else cfg[1]}

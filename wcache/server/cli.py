@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 
 from wcache import __version__
+from wcache.command import CommandParser
 from wcache.errors import WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, socket_name
 from wcache.plan.key import tp_problem
@@ -79,7 +80,7 @@ def _check_fleet(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="wcache-server",
         description="Keep one tensor-parallel rank of a safetensors checkpoint resident and hand it to "
         "engines over a Unix socket (docs/protocol.md). Sizes take bytes or K/M/G/T suffixes (16G, 512MiB; "

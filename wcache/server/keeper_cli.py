@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from wcache import __version__
+from wcache.command import CommandParser
 from wcache.errors import WCacheError
 from wcache.proto.frames import MAX_KEPT_FDS
 from wcache.server.keeper import Keeper, KeeperLimits
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     from wcache.paths import KEEPER_SOCKET, default_socket_dir
 
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="wcache-keeper",
         description="Hold wcache daemons' slabs (GPU or shared memory) across daemon restarts. "
         "Stopping the keeper frees everything it holds.",

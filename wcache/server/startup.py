@@ -1,9 +1,9 @@
 """``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
 goes through, in an order where a bad start costs nothing: socket directory checks (and a hold on the
-directory) -> device check -> one-daemon lock -> platform check -> takeover or keeper reclaim -> checkpoint
-headers, key and shard plan (no data) -> load into one slab -> listen -> ready line (and ready file, and
-systemd's READY=1 under a Type=notify unit: wcache/server/notify.py). At the end, clean or not, the lock file
-goes, and the default socket directory with the last user of it.
+directory) -> the --model directory is there (one stat) -> device check -> one-daemon lock -> platform check ->
+takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) -> load into one slab -> listen ->
+ready line (and ready file, and systemd's READY=1 under a Type=notify unit: wcache/server/notify.py). At the end,
+clean or not, the lock file goes, and the default socket directory with the last user of it.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ __all__ = [
     "peer_fill",
     "pytorch_bin_hint",
     "rank_spec",
+    "ready_fields",
     "reclaim",
     "resolve_socket",
     "run",
+    "started_model",
     "take_over",
 ]
 
@@ -473,6 +475,34 @@ def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> P
     return PeerListener(service, host, port, metrics=metrics)
 
 
+def started_model(store: Store, started: WeightCacheKey | None) -> ServedModel | None:
+    """The model the daemon was started for (``started``: --model's key), not whichever the keeper handed back
+    first (it hands back every model it held for this socket: another --tp-size's, a PRELOAD's); else the first
+    served, or None."""
+    m = store.models.get(started) if started is not None else None
+    return m if m is not None else next(iter(store.models.values()), None)
+
+
+def ready_fields(sock_path: Path, store: Store, m: ServedModel | None) -> dict[str, object]:
+    """The fields of the daemon's ready log line, in order: its socket and device; the key of ``m``
+    (``started_model``) and how its bytes came (seconds, read rate: 0 for slabs handed over or reclaimed); then
+    every model served together (after a keeper reclaim, several): how many, their tensors and their slab bytes,
+    and the --memory-budget."""
+    backend = store.backend
+    return {
+        "socket": sock_path,
+        "backend": backend.name,
+        "device": backend.device.uuid or backend.device.kind,
+        "key": m.key.short() if m else "-",
+        "load_s": f"{m.stats.seconds if m else 0.0:.2f}",
+        "read_gb_s": f"{m.stats.gb_per_s if m else 0.0:.2f}",
+        "models": len(store.models),
+        "tensors": sum(len(x.table) for x in store.models.values()),
+        "bytes": store.resident_bytes,
+        "budget": store.budget if store.budget is not None else "none",
+    }
+
+
 def write_ready(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -495,6 +525,10 @@ def run(args: argparse.Namespace) -> int:
     lock = DaemonLock(sock_path)
     workers: Workers | None = None
     try:
+        if args.model is not None and args.fill_from is None:  # (--fill-from fetches a missing one from a peer)
+            from wcache.plan.checkpoint import check_directory
+
+            check_directory(args.model)  # a mistyped --model is named as such, not as the lock of a daemon running
         backend = make_backend(args.device, args.cuda_export, args.staging_bytes or DEFAULT_STAGING)
         loads = args.takeover is None and not _keeper_holds_some(args, sock_path)
         backend.check_device(loads)  # an unusable device: one line, before the lock is taken or a file read
@@ -625,25 +659,8 @@ def run(args: argparse.Namespace) -> int:
                 daemon.peers = peer_listener(args, store, daemon.metrics)
 
             def ready() -> None:
-                models = list(store.models.values())
-                # the model it was started for, not whichever the keeper handed back first (it hands back every
-                # model it held for this socket: another --tp-size's, a PRELOAD's)
-                m = store.models.get(started) if started is not None else None
-                m = m if m is not None else (models[0] if models else None)
-                log.info(
-                    "ready socket=%s key=%s backend=%s device=%s tensors=%d bytes=%d load_s=%.2f read_gb_s=%.2f "
-                    "models=%d budget=%s",
-                    sock_path,
-                    m.key.short() if m else "-",
-                    backend.name,
-                    backend.device.uuid or backend.device.kind,
-                    len(m.table) if m else 0,
-                    store.resident_bytes,
-                    m.stats.seconds if m else 0.0,
-                    m.stats.gb_per_s if m else 0.0,
-                    len(models),
-                    store.budget if store.budget is not None else "none",
-                )
+                m = started_model(store, started)
+                log.info("ready %s", " ".join(f"{k}={v}" for k, v in ready_fields(sock_path, store, m).items()))
                 if args.ready_file is not None:
                     payload: dict[str, object] = {
                         "socket": str(sock_path),
@@ -657,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
                 notify(
                     READY=1,
                     MAINPID=os.getpid(),
-                    STATUS=f"serving {len(models)} model(s) on {sock_path}",
+                    STATUS=f"serving {len(store.models)} model(s) on {sock_path}",
                 )
 
             def stopping() -> None:

@@ -58,6 +58,7 @@ from wcache.proto import (
 from wcache.proto.fields import fail
 from wcache.server.backends.base import Backend, Slab
 from wcache.server.loader import LoadStats
+from wcache.units import format_size
 
 __all__ = [
     "MAX_DEPOSITS",
@@ -434,8 +435,10 @@ class Store:
                 free = None if free is None else free + m.slab_bytes
         pinned = [m.key.short() for m in self.models.values() if self.leased(m.key) or m.held]
         if free is not None and free < nbytes:
+            budget = self.budget or 0  # not None: there is a free
             raise OutOfMemoryError(
-                f"{nbytes} bytes do not fit the {self.budget}-byte budget: {self.resident_bytes} bytes resident, "
+                f"{nbytes} bytes ({format_size(nbytes)}) do not fit the --memory-budget of {budget} bytes "
+                f"({format_size(budget)}): {self.resident_bytes} bytes resident, "
                 f"{self.pending_bytes} promised to deposits and {self.loading_bytes} to loads in progress, "
                 f"{self.lingering_bytes} evicted but still read, pinned by leases or readers: "
                 f"{', '.join(pinned) or 'none'}",
