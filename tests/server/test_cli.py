@@ -25,6 +25,7 @@ from tests.conftest import DaemonProc, run_cli, server_cmd
 from wcache import WCacheClient, WeightCacheKey, __version__
 from wcache.cli import build_parser as wcache_parser
 from wcache.cli import parse_args as wcache_args
+from wcache.demo import build_parser as demo_parser
 from wcache.errors import ErrorCode, InsecurePathError, OutOfMemoryError
 from wcache.plan.recipe import RecipeKey
 from wcache.server import cli as server_cli
@@ -62,8 +63,8 @@ def _options(p: argparse.ArgumentParser) -> list[argparse.Action]:
 
 PARSERS = pytest.mark.parametrize(
     "parser",
-    [server_cli.build_parser, keeper_cli.build_parser, wcache_parser],
-    ids=["wcache-server", "wcache-keeper", "wcache"],
+    [server_cli.build_parser, keeper_cli.build_parser, wcache_parser, demo_parser],
+    ids=["wcache-server", "wcache-keeper", "wcache", "wcache-demo"],
 )
 
 
@@ -89,7 +90,8 @@ def test_every_option_with_a_default_says_it(parser: Callable[[], argparse.Argum
 
 @PARSERS
 def test_help_is_plain_text(parser: Callable[[], argparse.ArgumentParser]) -> None:
-    """``wcache --help`` showed its module docstring's reStructuredText markup (````wcache````, ````status````)."""
+    """``wcache --help`` and ``wcache-demo --help`` showed their module docstring's reStructuredText markup
+    (````wcache````, ````status````)."""
     p = parser()
     subs = [a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)]
     for text in [p.format_help(), *(sp.format_help() for choices in subs for sp in choices.values())]:
@@ -220,6 +222,7 @@ def test_tp_ranges_are_checked_by_every_command(capsys: pytest.CaptureFixture[st
         (wcache_args, ["status", "--timeout", "soon"], "wcache status", "invalid float value: 'soon'"),
         (wcache_args, ["evict", "/m", "--recipe", "a=b", "--no-deposit"], "wcache evict", "--recipe picks deposits"),
         (keeper_cli.parse_args, ["--max-fds", "0"], "wcache-keeper", "--max-fds must be at least 1"),
+        (demo_parser().parse_args, ["--restarts", "x"], "wcache-demo", "invalid int value: 'x'"),
     ],
 )
 def test_a_usage_error_is_one_line_naming_help(
