@@ -27,22 +27,33 @@ from wcache.proto.engine import FileId
 from wcache.server.process import DaemonProcess
 from wcache.synthetic import TINY, make_llama_checkpoint
 
-COPIES = 10  # one per use below
+COPIES = 14  # what the module's tests take (a parametrized test once per case); more are made when they run out
 
 
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
     """Fresh copies of one two-shard checkpoint, made at once and then left alone for RACY_NS (a daemon records
-    no file changed just before it reads it): one wait for the module, one copy per test."""
+    no file changed just before it reads it): one wait for each batch of COPIES, one copy per use."""
     root = tmp_path_factory.mktemp("proof")
     base = make_llama_checkpoint(root / "base", TINY, shards=2, seed=4)
-    made = []
-    for i in range(COPIES):
-        shutil.copytree(base, root / f"c{i}")
-        made.append(root / f"c{i}")
-    time.sleep(RACY_NS / 1e9 + 0.1)
-    pool = iter(made)
-    return lambda: next(pool)
+    pool: list[Path] = []
+    made = 0
+
+    def batch() -> None:
+        nonlocal made
+        for _ in range(COPIES):
+            shutil.copytree(base, root / f"c{made}")
+            pool.append(root / f"c{made}")
+            made += 1
+        time.sleep(RACY_NS / 1e9 + 0.1)
+
+    def take() -> Path:
+        if not pool:
+            batch()
+        return pool.pop(0)
+
+    batch()
+    return take
 
 
 def _shard(model: Path) -> Path:
