@@ -6,12 +6,14 @@ retries with the full key on the same connection, and a changed checkpoint is ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -187,6 +189,26 @@ def _settled(model: Path) -> None:
     time.sleep(max(0.0, (newest + RACY_NS - time.time_ns()) / 1e9) + 0.05)
 
 
+@contextlib.contextmanager
+def _kept_fresh(model: Path) -> Iterator[None]:
+    """``model``'s config.json touched every 0.2 s until the block ends: whatever the daemon plans meanwhile, and
+    whenever (a loaded machine may take seconds to start one), reads a file changed less than RACY_NS before."""
+    stop = threading.Event()
+
+    def touch() -> None:
+        while not stop.is_set():
+            os.utime(model / "config.json")
+            stop.wait(0.2)
+
+    t = threading.Thread(target=touch)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_files_changed_just_before_a_preload_are_recorded_once_they_settle(
     daemon_factory: Callable[..., DaemonProc], copies: Callable[[], Path]
 ) -> None:
@@ -195,11 +217,11 @@ def test_files_changed_just_before_a_preload_are_recorded_once_they_settle(
     file has settled, records what a daemon started then would have."""
     daemon = daemon_factory(copies())
     settled, fresh = copies(), copies()
-    os.utime(fresh / "config.json")  # changed now: the preload below reads it within RACY_NS
     client = WCacheClient(daemon.socket)
-    for model in (settled, fresh):
-        asyncio.run(client.preload(RankSpec(model)))
-    assert {m: _proven_by(daemon, m) for m in (settled, fresh)} == {settled: True, fresh: False}
+    asyncio.run(client.preload(RankSpec(settled)))
+    with _kept_fresh(fresh):
+        asyncio.run(client.preload(RankSpec(fresh)))
+        assert {m: _proven_by(daemon, m) for m in (settled, fresh)} == {settled: True, fresh: False}
     _settled(fresh)
     assert _until_proven(daemon, fresh)
 
@@ -221,9 +243,9 @@ def test_a_daemon_started_on_files_just_written_records_them_once_they_settle(
     within RACY_NS of the files' change, so engines scan at first; once the files have settled the daemon plans
     them again and engines prove them from then on. Before, they scanned for the daemon's whole life."""
     model = copies()
-    os.utime(model / "config.json")
-    daemon = daemon_factory(model)
-    assert not _proven_by(daemon, model)
+    with _kept_fresh(model):
+        daemon = daemon_factory(model)
+        assert not _proven_by(daemon, model)
     _settled(model)
     assert _until_proven(daemon, model)
 

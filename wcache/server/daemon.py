@@ -93,9 +93,9 @@ TOMBSTONE_RETRY_S = 0.5
 #: the pause before a tombstone whose directory could not be opened (not the lock held) is tried again
 TOMBSTONE_FAILED_RETRY_S = 30.0
 #: a checkpoint planned while a file was too fresh to prove its key is planned again this long after the file
-#: settles (RACY_NS after its change), and at most this many times while its files keep changing
+#: settles (RACY_NS after its change), and at most this many times while its files keep changing (~2 s apart)
 PROVE_MARGIN_S = 0.05
-PROVE_TRIES = 3
+PROVE_TRIES = 8
 
 
 @dataclass(eq=False)
