@@ -205,7 +205,7 @@ class Daemon:
         #: the one task retrying them all (``_write_tombstones``), cancelled at stop and hand-over
         self._tombstone_worker: asyncio.Task[None] | None = None
         #: checkpoints planned again once their files have settled (``_prove_when_settled``), cancelled at stop
-        self._provers: set[asyncio.Task[None]] = set()
+        self._provers: dict[RankSpec, asyncio.Task[None]] = {}
         #: wcache-keeper holding this daemon's slabs across restarts (--keeper): told of every load and eviction
         self.keeper = keeper
         #: every COMMIT's generation (``<socket>.deposits``, keeper_link.CommitRecord), written before any engine can
@@ -267,9 +267,10 @@ class Daemon:
                     watch.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await watch
-                for task in list(self._provers):
+                provers = list(self._provers.values())  # none starts once the stop has begun (_prove_pending)
+                for task in provers:
                     task.cancel()
-                await asyncio.gather(*self._provers, return_exceptions=True)
+                await asyncio.gather(*provers, return_exceptions=True)
                 if self.peers is not None:
                     await self.peers.stop()
                 await self.shell.close()
@@ -586,11 +587,20 @@ class Daemon:
         file was too fresh for its identity to prove the key): without it, a daemon started on a checkpoint just
         written, the common case of a node that downloads one and starts, had every engine scan the headers for
         its whole life."""
+        if self._stop.is_set() or self._handed_over:  # a load that ends during the stop's drain: not planned again
+            self.store.unproven.clear()
+            return
         while self.store.unproven:
             spec, after_ns = self.store.unproven.pop(0)
+            if spec in self._provers:  # one planning per spec: a second PRELOAD of it meanwhile adds none
+                continue
             task = asyncio.get_running_loop().create_task(self._prove_when_settled(spec, after_ns))
-            self._provers.add(task)
-            task.add_done_callback(self._provers.discard)
+            self._provers[spec] = task
+            task.add_done_callback(functools.partial(self._proved, spec))
+
+    def _proved(self, spec: RankSpec, task: asyncio.Task[None]) -> None:
+        if self._provers.get(spec) is task:
+            del self._provers[spec]
 
     async def _prove_when_settled(self, spec: RankSpec, after_ns: int) -> None:
         """Plan ``spec`` after ``after_ns`` (and again, ``PROVE_TRIES`` times in all, while a file keeps changing):
