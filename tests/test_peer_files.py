@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from wcache.errors import CheckpointError
-from wcache.peer_files import MARKER, probes, refuse_stubs, stub_names, write_files
+from wcache.peer_files import MARKER, checkpoint_files, probes, refuse_stubs, stub_names, write_files
 from wcache.proto.fleet_frames import PeerBlock, PeerFile
 
 SIZE = 1 << 20
@@ -26,6 +28,91 @@ def _stub_of(real: bytes, name: str = "model.safetensors") -> PeerFile:
     """What a source sends of ``real``: its first bytes and two sampled blocks."""
     blocks = tuple(PeerBlock(offset=o, data=real[o : o + 4096]) for o in (100_000, 700_000))
     return PeerFile(name=name, size=len(real), data=real[:6], blocks=blocks)
+
+
+# What a source sends (checkpoint_files): a checkpoint directory may be written by others (a shared model store),
+# so what is sent is the checkpoint's own files, read within the budget, and a stray file is skipped, not fatal.
+
+
+def _source_dir(tmp_path: Path) -> Path:
+    """A small checkpoint directory as a source serves it: config.json and one safetensors file."""
+    src = tmp_path / "store" / "model"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    header = b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(range(16)))
+    return src
+
+
+@pytest.mark.parametrize("hlen", [256 << 20, 2**62, 2**64 - 1])
+def test_a_safetensors_length_prefix_past_its_file_is_skipped_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hlen: int
+) -> None:
+    """A planted ``.safetensors`` whose 8-byte length prefix claims a header as long as the (sparse) file, or
+    longer than any file (2**62: MemoryError; 2**64-1: OverflowError, and every PEER_FILES answer failed): the
+    header was read whole, before any budget check. It is skipped unread, and the other files are sent."""
+    src = _source_dir(tmp_path)
+    with open(src / "zz-planted.safetensors", "wb") as fh:
+        fh.write(struct.pack("<Q", hlen))
+        if hlen == 256 << 20:
+            fh.truncate(8 + hlen)  # sparse: no disk used
+    reads: list[int] = []
+    pread = os.pread
+
+    def counting(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting)
+    files = checkpoint_files(src)
+    assert sorted(f.name for f in files) == ["config.json", "model.safetensors"]
+    assert max(reads) <= 1 << 20, f"a pread of {max(reads)} bytes for a file that is not sent"
+
+
+def test_a_header_over_the_budget_left_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header that fits its file but not the budget left is left out before it is read, as a file too large."""
+    src = _source_dir(tmp_path)
+    reads: list[int] = []
+    pread = os.pread
+
+    def counting(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting)
+    files = checkpoint_files(src, budget=40)  # config.json (23 bytes) fits; the 8 + 57 byte header does not
+    assert [f.name for f in files] == ["config.json"]
+    assert all(n <= 23 for n in reads)
+
+
+def test_a_file_that_cannot_be_read_is_skipped_not_the_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file gone (or unreadable) between the listing and the open, or whose read fails, is skipped: the others
+    are sent."""
+    import wcache.peer_files as pf
+    from wcache.files import open_regular as opened
+
+    src = _source_dir(tmp_path)
+    (src / "gone.json").write_text("{}")
+    (src / "eio.json").write_text("{}")
+
+    def flaky(path: Path, **kw: Any) -> tuple[int, os.stat_result]:
+        if path.name == "gone.json":
+            raise CheckpointError(f"{path}: no such file")
+        return opened(path, **kw)
+
+    pread = os.pread
+    eio = os.open(src / "eio.json", os.O_RDONLY)
+    eio_ino = os.fstat(eio).st_ino
+    os.close(eio)
+
+    def failing(fd: int, n: int, off: int) -> bytes:
+        if os.fstat(fd).st_ino == eio_ino:
+            raise OSError(5, "Input/output error")
+        return pread(fd, n, off)
+
+    monkeypatch.setattr(pf, "open_regular", flaky)
+    monkeypatch.setattr(os, "pread", failing)
+    assert sorted(f.name for f in checkpoint_files(src)) == ["config.json", "model.safetensors"]
 
 
 def test_the_probes_lie_where_the_stub_writes_nothing() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import struct
 from collections.abc import Sequence
@@ -23,49 +24,84 @@ from pathlib import Path
 
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
-from wcache.plan.checkpoint import SAMPLE_BLOCK, _sample_offsets
+from wcache.plan.checkpoint import MAX_HEADER, SAMPLE_BLOCK, _sample_offsets
 from wcache.proto.fleet_frames import MAX_FILE_BYTES, STUB_MARKER, PeerBlock, PeerFile
 
 __all__ = ["MARKER", "checkpoint_files", "probes", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
 
 MARKER = STUB_MARKER
 
+log = logging.getLogger("wcache.fleet")
+
 
 def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFile]:
     """What a source sends for PEER_FILES: every regular file of ``root`` (not hidden, not the marker) whole up
     to ``budget`` bytes in all, and every ``.safetensors`` file as its length prefix, header and sampled blocks.
-    Other files that do not fit are left out (logged by the caller from what is missing)."""
+    Other files that do not fit are left out (logged by the caller from what is missing).
+
+    Whoever may write into the checkpoint directory (a shared model store) must not make the daemon read more than
+    the budget, nor fail every answer (docs/security.md, "Checkpoint files"). So a file is **skipped** — never the
+    whole answer — when it cannot be read (gone, unreadable), or when a ``.safetensors`` length prefix claims a
+    header over safetensors' own cap or past the file's end — checked before anything past the prefix is read; a
+    header over the budget left is left out unread. One log line names what was skipped."""
     out: list[PeerFile] = []
     left = budget
+    skipped: dict[str, list[str]] = {}
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
         name = entry.name
         if name.startswith(".") or name == MARKER or not entry.is_file():
             continue
-        fd, st = open_regular(entry, what="checkpoint file")
+        try:
+            fd, st = open_regular(entry, what="checkpoint file")
+        except CheckpointError:  # gone since it was listed, unreadable, swapped for something else
+            skipped.setdefault("unreadable", []).append(name)
+            continue
+        why: str | None = None
         try:
             if name.endswith(".safetensors"):
                 head = os.pread(fd, 8, 0)
                 if len(head) < 8:
                     continue
                 (hlen,) = struct.unpack("<Q", head)
-                data = head + os.pread(fd, hlen, 8)
-                start = len(data)
-                blocks = tuple(
-                    PeerBlock(offset=start + off, data=os.pread(fd, SAMPLE_BLOCK, start + off))
-                    for off in _sample_offsets(st.st_size - start)
-                )
-                need = len(data) + sum(len(b.data) for b in blocks)
-                if len(data) != 8 + hlen or need > left:
-                    continue
-                out.append(PeerFile(name=name, size=st.st_size, data=data, blocks=blocks))
-                left -= need
+                if hlen > MAX_HEADER or 8 + hlen > st.st_size:
+                    why = "bad safetensors header length"
+                elif 8 + hlen > left:
+                    continue  # does not fit what is left: left out, as any file that does not fit
+                else:
+                    data = head + os.pread(fd, hlen, 8)
+                    start = len(data)
+                    blocks = tuple(
+                        PeerBlock(offset=start + off, data=os.pread(fd, SAMPLE_BLOCK, start + off))
+                        for off in _sample_offsets(st.st_size - start)
+                    )
+                    need = len(data) + sum(len(b.data) for b in blocks)
+                    if len(data) != 8 + hlen or need > left:
+                        continue
+                    out.append(PeerFile(name=name, size=st.st_size, data=data, blocks=blocks))
+                    left -= need
             elif st.st_size <= left:
                 data = os.pread(fd, st.st_size, 0)
                 out.append(PeerFile(name=name, size=len(data), data=data))
                 left -= len(data)
+        except OSError:  # a read that fails (an I/O error, a file on a mount gone away)
+            why = "unreadable"
         finally:
             os.close(fd)
+        if why is not None:
+            skipped.setdefault(why, []).append(name)
+    if skipped:
+        log.warning(
+            "peer files skipped dir=%s %s",
+            root,
+            " ".join(f"{why.replace(' ', '_')}={_few(names)}" for why, names in sorted(skipped.items())),
+        )
     return out
+
+
+def _few(names: Sequence[str], shown: int = 5) -> str:
+    """``names`` for a log line: the first ``shown``, and how many more."""
+    text = ",".join(names[:shown])
+    return text + (f",+{len(names) - shown}_more" if len(names) > shown else "")
 
 
 #: a stub's probes: windows of its data region that only the real weights fill (a stub holds zeros there)

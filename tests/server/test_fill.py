@@ -1062,6 +1062,34 @@ async def test_peer_files_answers_in_memory_are_bounded(ckpt: Path) -> None:
         svc.store.close()
 
 
+async def test_a_stray_file_in_the_sources_directory_is_skipped_not_answered_internal(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """An 8-byte ``x.safetensors`` (length prefix 2**64-1) beside the checkpoint the source serves made every
+    PEER_FILES answer an INTERNAL error (OverflowError reading the header): no target could fetch the files from it.
+    The file is skipped and the checkpoint's files are answered."""
+    import shutil
+    import struct
+
+    from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
+    from wcache.server.service import Context, Reply
+
+    src = tmp_path / "store" / "model"
+    shutil.copytree(ckpt, src)
+    m = _load(src)
+    (src / "x.safetensors").write_bytes(struct.pack("<Q", 2**64 - 1))
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
+    try:
+        r = await svc.handle(PeerFiles(id=1, key={"fingerprint": m.key.fingerprint}), [], Context(0))
+        assert isinstance(r, Reply) and isinstance(r.frame, PeerFilesReply), r
+        assert sorted(f.name for f in r.frame.files) == sorted(p.name for p in ckpt.iterdir())
+        assert r.after is not None
+        r.after()
+    finally:
+        svc.close()
+        svc.store.close()
+
+
 def test_grants_follow_the_cap_and_cost_nothing_uncapped() -> None:
     assert grant_bytes(0, DEFAULT_CHUNK) == DEFAULT_CHUNK  # uncapped: a 64 MiB batch per PEER_READ, as before
     assert grant_bytes(10 << 30, DEFAULT_CHUNK) == DEFAULT_CHUNK  # a hundredth of 10 GiB/s is more than a batch
