@@ -4,6 +4,7 @@ and every copy of it are refused, and a file the real weights were written into 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import struct
@@ -42,6 +43,51 @@ def _source_dir(tmp_path: Path) -> Path:
     header = b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
     (src / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(range(16)))
     return src
+
+
+def test_a_link_out_of_the_checkpoint_directory_and_a_private_file_are_not_sent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file planted as ``notes.txt -> <the daemon's --peer-secret-file>`` (or its TLS key) by whoever may write
+    the model store was read through the link and sent, and the target wrote it 0644. What the link leads out of
+    the directory to is not sent, world-readable or not, and neither is a file others may not read; the
+    checkpoint's own files still are, and one log line names what was skipped."""
+    src = _source_dir(tmp_path)
+    secret = tmp_path / "peer.secret"
+    secret.write_bytes(b"fleet-shared-secret\n")
+    os.chmod(secret, 0o600)
+    public = tmp_path / "elsewhere.json"
+    public.write_text("{}")
+    (src / "notes.txt").symlink_to(secret)
+    (src / "other.json").symlink_to(public)
+    (src / "private.txt").write_text("mine")
+    os.chmod(src / "private.txt", 0o600)
+    (src / "sub").mkdir()
+    (src / "inner.json").symlink_to(Path("sub") / "x.json")  # a link that stays inside is followed
+    (src / "sub" / "x.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="wcache.fleet"):
+        files = checkpoint_files(src)
+    assert sorted(f.name for f in files) == ["config.json", "inner.json", "model.safetensors"]
+    (line,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert "notes.txt" in line and "other.json" in line and "private.txt" in line
+
+
+def test_a_hugging_face_snapshots_links_into_its_blobs_are_sent(tmp_path: Path) -> None:
+    """A Hugging Face cache snapshot (``<repo>/snapshots/<revision>``) is a directory of links to
+    ``../../blobs/<hash>``: those are the checkpoint's files and are sent; a link out of the repository is not."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    real = _source_dir(tmp_path)
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for i, p in enumerate(sorted(real.iterdir())):
+        shutil.copy(p, repo / "blobs" / f"hash{i}")
+        (snap / p.name).symlink_to(Path("..") / ".." / "blobs" / f"hash{i}")
+    (tmp_path / "hub" / "secret").write_text("x")
+    (snap / "notes.txt").symlink_to(tmp_path / "hub" / "secret")
+    files = checkpoint_files(snap)
+    assert sorted(f.name for f in files) == ["config.json", "model.safetensors"]
+    assert {f.name: f.data for f in files}["config.json"] == (real / "config.json").read_bytes()
 
 
 @pytest.mark.parametrize("hlen", [256 << 20, 2**62, 2**64 - 1])

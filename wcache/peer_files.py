@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,13 +40,17 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
     to ``budget`` bytes in all, and every ``.safetensors`` file as its length prefix, header and sampled blocks.
     Other files that do not fit are left out (logged by the caller from what is missing).
 
-    Whoever may write into the checkpoint directory (a shared model store) must not make the daemon read more than
-    the budget, nor fail every answer (docs/security.md, "Checkpoint files"). So a file is **skipped** — never the
-    whole answer — when it cannot be read (gone, unreadable), or when a ``.safetensors`` length prefix claims a
-    header over safetensors' own cap or past the file's end — checked before anything past the prefix is read; a
-    header over the budget left is left out unread. One log line names what was skipped."""
+    Whoever may write into the checkpoint directory (a shared model store) must not make the daemon send what is
+    not the checkpoint's, nor make it read more than the budget (docs/security.md, "Checkpoint files"). So a file
+    is **skipped** — never the whole answer — when what was opened (the link followed) lies outside ``root``
+    (:func:`_sendable_roots`: a Hugging Face snapshot's ``blobs`` too), when others may not read it (a
+    checkpoint's files are world-readable, the daemon's secret and TLS key are not), when it cannot be read (gone,
+    unreadable), or when a ``.safetensors`` length prefix claims a header over safetensors' own cap or past the
+    file's end — checked before anything past the prefix is read; a header over the budget left is left out
+    unread. One log line names what was skipped."""
     out: list[PeerFile] = []
     left = budget
+    inside = _sendable_roots(root)
     skipped: dict[str, list[str]] = {}
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
         name = entry.name
@@ -58,7 +63,8 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
             continue
         why: str | None = None
         try:
-            if name.endswith(".safetensors"):
+            why = _why_not_sent(entry, fd, st, inside)
+            if why is None and name.endswith(".safetensors"):
                 head = os.pread(fd, 8, 0)
                 if len(head) < 8:
                     continue
@@ -79,7 +85,7 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
                         continue
                     out.append(PeerFile(name=name, size=st.st_size, data=data, blocks=blocks))
                     left -= need
-            elif st.st_size <= left:
+            elif why is None and st.st_size <= left:
                 data = os.pread(fd, st.st_size, 0)
                 out.append(PeerFile(name=name, size=len(data), data=data))
                 left -= len(data)
@@ -96,6 +102,38 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
             " ".join(f"{why.replace(' ', '_')}={_few(names)}" for why, names in sorted(skipped.items())),
         )
     return out
+
+
+def _sendable_roots(root: Path) -> tuple[Path, ...]:
+    """The directories a file sent from checkpoint directory ``root`` may really lie in: ``root`` itself (links
+    followed) and, when ``root`` is a Hugging Face cache snapshot (``<repo>/snapshots/<revision>``, a directory of
+    links to ``../../blobs/<hash>``), its repository's ``blobs``."""
+    real = root.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append((real.parent.parent / "blobs").resolve())
+    return tuple(roots)
+
+
+def _why_not_sent(entry: Path, fd: int, st: os.stat_result, inside: Sequence[Path]) -> str | None:
+    """Why the file ``entry`` open at ``fd`` (``st`` its fstat) is not sent: it lies outside every directory of
+    ``inside`` (the path of what was opened, not of the link, so a link swapped after the check changes nothing),
+    or others may not read it. None to send it."""
+    try:
+        real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # no /proc: where the link leads now, if that is still the file that was opened
+        real = entry.resolve()
+        try:
+            now = real.stat()
+        except OSError:
+            return "unreadable"
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return "unreadable"
+    if not any(real.is_relative_to(d) for d in inside):
+        return "outside the checkpoint directory"
+    if not st.st_mode & stat.S_IROTH:
+        return "not world-readable"
+    return None
 
 
 def _few(names: Sequence[str], shown: int = 5) -> str:
