@@ -72,6 +72,17 @@ def test_a_link_out_of_the_checkpoint_directory_and_a_private_file_are_not_sent(
     assert "notes.txt" in line and "other.json" in line and "private.txt" in line
 
 
+def test_a_private_checkpoints_own_files_are_sent(tmp_path: Path) -> None:
+    """A checkpoint downloaded under umask 077: the files its key reads (config.json, the safetensors files) are
+    the checkpoint and are sent however private (the target checks them against the key); another private file
+    beside them is not."""
+    src = _source_dir(tmp_path)
+    (src / "tokenizer.json").write_text("{}")
+    for p in src.iterdir():
+        os.chmod(p, 0o600)
+    assert sorted(f.name for f in checkpoint_files(src)) == ["config.json", "model.safetensors"]
+
+
 def test_a_hugging_face_snapshots_links_into_its_blobs_are_sent(tmp_path: Path) -> None:
     """A Hugging Face cache snapshot (``<repo>/snapshots/<revision>``) is a directory of links to
     ``../../blobs/<hash>``: those are the checkpoint's files and are sent; a link out of the repository is not."""

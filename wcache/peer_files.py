@@ -25,7 +25,7 @@ from pathlib import Path
 
 from wcache.errors import CheckpointError
 from wcache.files import open_regular
-from wcache.plan.checkpoint import MAX_HEADER, SAMPLE_BLOCK, _sample_offsets
+from wcache.plan.checkpoint import INDEX_NAME, MAX_HEADER, SAMPLE_BLOCK, _sample_offsets
 from wcache.proto.fleet_frames import MAX_FILE_BYTES, STUB_MARKER, PeerBlock, PeerFile
 
 __all__ = ["MARKER", "checkpoint_files", "probes", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
@@ -43,8 +43,8 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
     Whoever may write into the checkpoint directory (a shared model store) must not make the daemon send what is
     not the checkpoint's, nor make it read more than the budget (docs/security.md, "Checkpoint files"). So a file
     is **skipped** — never the whole answer — when what was opened (the link followed) lies outside ``root``
-    (:func:`_sendable_roots`: a Hugging Face snapshot's ``blobs`` too), when others may not read it (a
-    checkpoint's files are world-readable, the daemon's secret and TLS key are not), when it cannot be read (gone,
+    (:func:`_sendable_roots`: a Hugging Face snapshot's ``blobs`` too), when others may not read it and it is not
+    one of the files the key reads (:func:`_keyed`: the daemon's secret and TLS key are not world-readable), when it cannot be read (gone,
     unreadable), or when a ``.safetensors`` length prefix claims a header over safetensors' own cap or past the
     file's end — checked before anything past the prefix is read; a header over the budget left is left out
     unread. One log line names what was skipped."""
@@ -131,9 +131,16 @@ def _why_not_sent(entry: Path, fd: int, st: os.stat_result, inside: Sequence[Pat
             return "unreadable"
     if not any(real.is_relative_to(d) for d in inside):
         return "outside the checkpoint directory"
-    if not st.st_mode & stat.S_IROTH:
+    if not st.st_mode & stat.S_IROTH and not _keyed(entry.name):
         return "not world-readable"
     return None
+
+
+def _keyed(name: str) -> bool:
+    """Whether ``name`` is one of the files a checkpoint's key reads (``config.json``, the index, a
+    ``.safetensors`` file): the checkpoint itself, sent however private (a checkpoint downloaded under umask 077),
+    and checked against the key on the target; only the other files must be world-readable to be sent."""
+    return name in ("config.json", INDEX_NAME) or name.endswith(".safetensors")
 
 
 def _few(names: Sequence[str], shown: int = 5) -> str:
