@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 
 from wcache.errors import CheckpointError
-from wcache.peer_files import MARKER, checkpoint_files, probes, refuse_stubs, stub_names, write_files
+from wcache.peer_files import (
+    MARKER,
+    checkpoint_files,
+    fill_incomplete,
+    probes,
+    refuse_stubs,
+    staging_dir,
+    stub_names,
+    write_files,
+)
 from wcache.proto.fleet_frames import PeerBlock, PeerFile
 
 SIZE = 1 << 20
@@ -219,10 +228,10 @@ def test_a_stub_and_its_copies_are_refused_and_the_real_weights_are_not(tmp_path
     assert stub_names(other) == set()
 
 
-def test_a_write_cut_short_leaves_every_stub_it_made_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The marker is written before any stub: a fill that fails half way (a full disk, a size past the filesystem's
-    limit, a name too long) leaves no stub the marker does not name — it used to be written last, and a daemon
-    restarted there computed the real key and served the unnamed stubs' zeros. No temporary file is left."""
+def test_a_write_cut_short_leaves_nothing_in_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files are written into a staging directory beside the node's first: a write that fails half way (a full
+    disk, a size past the filesystem's limit, a name too long) leaves the node's directory as it was and the
+    staging directory removed — no stub, named or not, and no temporary file."""
     real = _real()
     node = tmp_path / "node"
     ftruncate = os.ftruncate
@@ -238,10 +247,85 @@ def test_a_write_cut_short_leaves_every_stub_it_made_named(tmp_path: Path, monke
     files = [_stub_of(real, "model-00001-of-00002.safetensors"), _stub_of(real, "model-00002-of-00002.safetensors")]
     with pytest.raises(OSError, match="too large"):
         write_files(node, files)
-    assert sorted(p.name for p in node.iterdir()) == ["model-00001-of-00002.safetensors", MARKER]
-    assert stub_names(node) == {"model-00001-of-00002.safetensors"}
-    with pytest.raises(CheckpointError, match="hold no weights"):
-        refuse_stubs(node, [node / "model-00001-of-00002.safetensors"])
+    assert list(node.iterdir()) == [] and not staging_dir(node).exists()
+    assert not fill_incomplete(node)
+
+
+def _cut_short(node: Path, files: list[PeerFile], monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """``write_files`` stopped (a crash, a full disk) at its ``nth`` rename into ``node``."""
+    replace = os.replace
+    calls: list[object] = []
+
+    def failing(src: object, dst: object) -> None:
+        if Path(str(dst)).parent == node and Path(str(dst)).name != MARKER:
+            calls.append(dst)
+            if len(calls) == nth:
+                raise OSError(28, "No space left on device")
+        replace(src, dst)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", failing)
+        with pytest.raises(OSError, match="No space"):
+            write_files(node, files)
+
+
+def test_a_fill_cut_short_is_incomplete_until_written_again_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill cut short after its first stub (config.json and that stub in the node's directory, the second
+    missing) is marked incomplete — the marker naming every file of the set and saying so, the first stub named —
+    so a later start fetches it again (``fill_incomplete``); before, its one ``*.safetensors`` passed for weights
+    and the node never asked again. Written again, the files already there that are the peer's are kept, and the
+    marker then says the set is complete."""
+    real = _real()
+    one, two = _stub_of(real, "model-00001-of-00002.safetensors"), _stub_of(real, "model-00002-of-00002.safetensors")
+    files = [PeerFile(name="config.json", size=2, data=b"{}"), one, two]
+    node = tmp_path / "node"
+    _cut_short(node, files, monkeypatch, nth=3)
+    assert sorted(p.name for p in node.iterdir()) == ["config.json", one.name, MARKER]
+    assert stub_names(node) == {one.name} and fill_incomplete(node)
+    ino = (node / one.name).stat().st_ino
+    assert write_files(node, files) == [two.name]  # config.json and the first stub are the peer's: kept
+    assert (node / one.name).stat().st_ino == ino
+    assert not fill_incomplete(node) and stub_names(node) == {one.name, two.name}
+    assert not staging_dir(node).exists()
+
+
+def test_files_already_there_that_are_not_the_peers_are_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cut-short fill of another checkpoint (another config.json, a stub of another size, a stub the new set
+    does not have): the new set's files replace them, and the stub it does not have is removed — the directory
+    then holds the new set and the marker only."""
+    real = _real()
+    node = tmp_path / "node"
+    old = [
+        PeerFile(name="config.json", size=3, data=b"{1}"),
+        _stub_of(real[:-4096]),
+        _stub_of(real, "extra.safetensors"),
+    ]
+    _cut_short(node, old, monkeypatch, nth=3)
+    new = [PeerFile(name="config.json", size=2, data=b"{}"), _stub_of(real)]
+    assert write_files(node, new) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in node.iterdir()) == ["config.json", "model.safetensors", MARKER]
+    assert (node / "config.json").read_bytes() == b"{}" and (node / "model.safetensors").stat().st_size == SIZE
+    assert not fill_incomplete(node) and stub_names(node) == {"model.safetensors"}
+
+
+def test_files_the_check_refuses_never_reach_the_directory(tmp_path: Path) -> None:
+    """The caller's check (the key of the files, ``fetch_files``) runs on the staging directory: files it refuses
+    are discarded with it, and the node's directory is left as it was."""
+    node = tmp_path / "node"
+    seen: list[list[str]] = []
+
+    def refuse(staged: Path) -> None:
+        seen.append(sorted(p.name for p in staged.iterdir()))
+        raise CheckpointError("not the key asked for")
+
+    with pytest.raises(CheckpointError, match="not the key"):
+        write_files(node, [PeerFile(name="config.json", size=2, data=b"{}"), _stub_of(_real())], refuse)
+    assert seen == [["config.json", "model.safetensors"]]
+    assert list(node.iterdir()) == [] and not staging_dir(node).exists()
 
 
 def test_a_checkpoint_name_of_255_bytes_is_written(tmp_path: Path) -> None:
@@ -270,20 +354,22 @@ def test_a_peer_file_named_as_the_marker_is_refused_and_nothing_is_written(tmp_p
 
 
 def test_links_planted_at_the_temporary_names_are_not_followed(tmp_path: Path) -> None:
-    """Symbolic links planted at the temporary names ``write_files`` uses (the marker's ``.wcache-<pid>.tmp``, a
-    file's ``.wcache-<pid>-<i>.tmp``) are replaced, never written through: the files they name are unchanged, and
+    """Symbolic links planted at the temporary names ``write_files`` uses (the marker's ``.wcache-<pid>.tmp``, the
+    staging directory beside the node's) are replaced, never written through: what they name is unchanged, and
     the marker and the stub are written as regular files. The marker's temporary file was written with
     ``write_text``, which followed the link."""
     node = tmp_path / "node"
     node.mkdir()
-    victims = []
-    for name in (f".wcache-{os.getpid()}.tmp", f".wcache-{os.getpid()}-0.tmp"):
-        victim = tmp_path / f"victim-of-{name}"
-        victim.write_bytes(b"untouched")
-        (node / name).symlink_to(victim)
-        victims.append(victim)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched")
+    (node / f".wcache-{os.getpid()}.tmp").symlink_to(victim)
+    victim_dir = tmp_path / "victim-dir"
+    victim_dir.mkdir()
+    (victim_dir / "model.safetensors").write_bytes(b"untouched")
+    staging_dir(node).symlink_to(victim_dir)
     assert write_files(node, [_stub_of(_real())]) == ["model.safetensors"]
-    assert all(v.read_bytes() == b"untouched" for v in victims)
+    assert victim.read_bytes() == b"untouched" and (victim_dir / "model.safetensors").read_bytes() == b"untouched"
+    assert not staging_dir(node).exists() and not staging_dir(node).is_symlink()
     assert sorted(p.name for p in node.iterdir()) == ["model.safetensors", MARKER]
     assert not (node / MARKER).is_symlink() and not (node / "model.safetensors").is_symlink()
     assert stub_names(node) == {"model.safetensors"}

@@ -15,12 +15,14 @@ library and wcache's file rules (wcache/files.py).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import shutil
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from wcache.errors import CheckpointError
@@ -28,7 +30,17 @@ from wcache.files import open_regular
 from wcache.plan.checkpoint import INDEX_NAME, MAX_HEADER, SAMPLE_BLOCK, _sample_offsets
 from wcache.proto.fleet_frames import MAX_FILE_BYTES, STUB_MARKER, PeerBlock, PeerFile
 
-__all__ = ["MARKER", "checkpoint_files", "probes", "refuse_stub_dir", "refuse_stubs", "stub_names", "write_files"]
+__all__ = [
+    "MARKER",
+    "checkpoint_files",
+    "fill_incomplete",
+    "probes",
+    "refuse_stub_dir",
+    "refuse_stubs",
+    "staging_dir",
+    "stub_names",
+    "write_files",
+]
 
 MARKER = STUB_MARKER
 
@@ -176,40 +188,36 @@ def probes(f: PeerFile) -> list[tuple[int, int]]:
     return sorted(set(out))
 
 
-def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
-    """Write a source's files into ``root`` (created 0755 if missing; a file already there is left alone) and
-    record the stubs in the marker — first, before any stub exists, so that a write cut short (a crash, a full
-    disk, a name too long) leaves no stub the marker does not name. Returns the names written. Each file is
-    written to a temporary name and renamed, so an interrupted write leaves no half file under a checkpoint name;
-    whatever is at a temporary name (a link planted there) is replaced, never followed (``_create``).
-    OSError when a file cannot be written (its temporary file removed); ValueError, before anything is written, for
-    a file named as the marker (a PeerFile refuses that name; this is the last line of that rule: written over the
-    marker, it would unname the stubs, and their zeros would be loaded as weights)."""
+def staging_dir(root: Path) -> Path:
+    """Where ``write_files`` stages a peer's files: a hidden directory beside ``root`` (the same filesystem, so the
+    files are renamed into ``root``, never copied), named by a hash of ``root``'s name (which may be 255 bytes)."""
+    return root.parent / f".wcache-fill-{hashlib.sha256(os.fsencode(root.name)).hexdigest()[:16]}"
+
+
+def write_files(root: Path, files: Sequence[PeerFile], check: Callable[[Path], None] | None = None) -> list[str]:
+    """Write a source's files into ``root`` (created 0755 if missing) as one set. They are written into a staging
+    directory beside ``root`` (``staging_dir``) first, and ``check(staging)`` — the caller's test that they give
+    the key it asked for — runs there: whatever it raises (or a write failing: a full disk, a name too long, a size
+    past the filesystem's limit) leaves ``root`` as it was and the staging directory removed. Only then are they
+    renamed into ``root``: the marker first, naming every stub and every file of the set and saying the set is not
+    complete; then the files; then the marker again, saying it is — written last, so a fill cut short by a crash
+    leaves no stub the marker does not name, and a directory ``fill_incomplete`` tells a later start to fetch
+    again. A file ``root`` holds already is kept when it is the one the peer sends (its size, and its bytes where
+    the peer sends them: a stub, or the real weights downloaded over one), and replaced otherwise; a stub the marker
+    names that the set no longer has (a cut-short fill of another checkpoint) is removed. Returns the names written.
+    Whatever is at a name written (a link planted there) is replaced, never followed (``_create``). ValueError,
+    before anything is written, for a file named as the marker (a PeerFile refuses that name; this is the last line
+    of that rule: written over the marker, it would unname the stubs, and their zeros would be loaded as
+    weights)."""
     if any(f.name == MARKER for f in files):
         raise ValueError(f"a peer's file is named {MARKER!r}, the stub marker's name")
     root.mkdir(parents=True, exist_ok=True)
-    todo = [f for f in files if not ((root / f.name).exists() or (root / f.name).is_symlink())]
-    marker = _read_marker(root)
-    for f in todo:
-        windows = probes(f)
-        if windows:
-            marker[f.name] = {"size": f.size, "probes": [list(w) for w in windows]}
-    if marker:
-        tmp = root / f".wcache-{os.getpid()}.tmp"
-        text = json.dumps({"stubs": marker}, indent=1, sort_keys=True) + "\n"
-        fd = _create(tmp)
-        try:
-            with open(fd, "w", encoding="utf-8") as out:
-                out.write(text)
-            os.replace(tmp, root / MARKER)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    written: list[str] = []
-    for i, f in enumerate(todo):
-        tmp = root / f".wcache-{os.getpid()}-{i}.tmp"  # short: a checkpoint name may be 255 bytes long itself
-        fd = _create(tmp)
-        try:
+    stage = staging_dir(root)
+    _discard(stage)  # what a crashed fill left
+    os.mkdir(stage, 0o700)
+    try:
+        for f in files:
+            fd = _create(stage / f.name)
             try:
                 os.pwrite(fd, f.data, 0)
                 for b in f.blocks:
@@ -217,12 +225,91 @@ def write_files(root: Path, files: Sequence[PeerFile]) -> list[str]:
                 os.ftruncate(fd, f.size)  # the rest is a hole: a stub's apparent size is the real file's
             finally:
                 os.close(fd)
-            os.replace(tmp, root / f.name)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        written.append(f.name)
-    return written
+        if check is not None:
+            check(stage)
+        old = _read_marker(root)
+        stubs = {n: rec for n, rec in old.items() if n in {f.name for f in files} or not _gone_stub(root / n, rec)}
+        for f in files:
+            windows = probes(f)
+            if windows:
+                stubs[f.name] = {"size": f.size, "probes": [list(w) for w in windows]}
+        for n in set(old) - set(stubs):  # a stub of an earlier, cut-short fill that this set does not have
+            (root / n).unlink(missing_ok=True)  # (while the marker still names it)
+        names = sorted(f.name for f in files)
+        _write_marker(root, stubs, names, complete=False)  # before any stub is in root
+        written: list[str] = []
+        for f in files:
+            if not _same(root / f.name, f):
+                os.replace(stage / f.name, root / f.name)
+                written.append(f.name)
+        _write_marker(root, stubs, names, complete=True)  # last: the whole set is in root
+        return written
+    finally:
+        _discard(stage)
+
+
+def fill_incomplete(root: Path) -> bool:
+    """Whether ``root`` holds a fill of a peer's files that was cut short (a crash, a full disk): its marker does
+    not say the set is complete, or a file it names is missing. A marker an older wcache wrote (no set recorded)
+    counts as complete once none of its stubs is missing. Such a directory is fetched again (``write_files``)."""
+    try:
+        data = json.loads((root / MARKER).read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    if not isinstance(data, dict):
+        return True
+    names = data.get("files")
+    if names is None and "complete" not in data:  # an older marker: its stubs, all of them there
+        return any(not (root / n).exists() for n in _read_marker(root))
+    if data.get("complete") is not True or not isinstance(names, list):
+        return True
+    return any(not (isinstance(n, str) and (root / n).exists()) for n in names)
+
+
+def _write_marker(root: Path, stubs: dict[str, dict[str, object]], names: list[str], *, complete: bool) -> None:
+    tmp = root / f".wcache-{os.getpid()}.tmp"
+    text = json.dumps({"complete": complete, "files": names, "stubs": stubs}, indent=1, sort_keys=True) + "\n"
+    fd = _create(tmp)
+    try:
+        with open(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, root / MARKER)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _same(path: Path, f: PeerFile) -> bool:
+    """Whether ``path`` is the file ``f`` stands for: its size, and the bytes ``f`` carries at their offsets."""
+    try:
+        fd, st = open_regular(path, what="checkpoint file")
+    except (OSError, CheckpointError):
+        return False
+    try:
+        return (
+            st.st_size == f.size
+            and os.pread(fd, len(f.data), 0) == f.data
+            and all(os.pread(fd, len(b.data), b.offset) == b.data for b in f.blocks)
+        )
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _gone_stub(path: Path, rec: dict[str, object]) -> bool:
+    """A stub the marker names that is missing or still reads as a stub: an earlier fill's, to be removed."""
+    return not path.exists() or _still_stub(path, rec)
+
+
+def _discard(path: Path) -> None:
+    """Remove a staging directory (a link planted at its name: the link, never what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _create(path: Path) -> int:

@@ -1282,3 +1282,92 @@ def test_fill_from_specs() -> None:
     assert resolve_peers("dns:no-such-name.invalid:7070") == []
     with pytest.raises(ValueError):
         resolve_peers("nohost")
+
+
+def _changed_since_load(ckpt: Path, dst: Path) -> ServedModel:
+    """A source's model loaded from a copy of ``ckpt`` whose config.json then changed (a new revision downloaded
+    into the same directory): its PEER_FILES sends another checkpoint's files under the key it loaded."""
+    import json
+    import shutil
+
+    shutil.copytree(ckpt, dst)
+    m = _load(dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_theta"] = 1234.0
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return m
+
+
+async def test_files_that_are_not_the_key_asked_for_are_refused_and_the_next_peer_asked(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """A stale source (its directory changed since it loaded the key) listed first: its files are another
+    checkpoint's, checked in a staging directory beside the node's and discarded; the honest peer after it is
+    asked, and the node's directory holds the key's files. With the stale source alone, the fetch fails (reason
+    ``verify``) and leaves nothing in the directory. Before, the stale files were written, the start then refused
+    them against --fill-fingerprint, and the directory, holding stubs, was never fetched again."""
+    from wcache.peer_files import fill_incomplete, staging_dir
+    from wcache.plan.key import WeightCacheKey
+    from wcache.server.fill import fetch_files
+
+    stale = _changed_since_load(ckpt, tmp_path / "stale" / "model")
+    honest = _load(ckpt)
+    want: dict[str, str | int] = {"fingerprint": honest.key.fingerprint}
+    assert stale.key.fingerprint == honest.key.fingerprint
+    async with sources(stale, honest) as ports:
+        alone = tmp_path / "alone"
+        with pytest.raises(FillError) as err:
+            await fetch_files(alone, _cfg(ports[:1]), want)
+        assert err.value.details["reason"] == "verify" and "fingerprint" in err.value.message
+        assert list(alone.iterdir()) == [] and not staging_dir(alone).exists()
+        node = tmp_path / "model"
+        await fetch_files(node, _cfg(ports), want)
+    assert WeightCacheKey.from_checkpoint(node).fingerprint == honest.key.fingerprint
+    assert not fill_incomplete(node) and not staging_dir(node).exists()
+
+
+async def test_a_fill_of_the_files_cut_short_is_completed_by_the_next_start(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start whose fill of the files stopped after the first stub (a crash, a full disk: config.json, the first
+    stub and the marker there, the second stub missing) is followed by a start with the same --fill-from: it
+    fetches the files again and the directory then has the checkpoint's key. Before, the one ``*.safetensors``
+    passed for weights, nothing was fetched, and the load failed "hold no weights ... Fill from a peer again"."""
+    import argparse
+
+    from wcache.peer_files import checkpoint_files, fill_incomplete, stub_names
+    from wcache.plan.key import WeightCacheKey
+    from wcache.server.startup import fetch_checkpoint_files
+
+    m = _load(ckpt)
+    files = checkpoint_files(ckpt)
+    node = tmp_path / "model"
+    shards = [f.name for f in files if f.name.endswith(".safetensors")]
+    replace = os.replace
+
+    def crash_at_second_stub(src: object, dst: object) -> None:
+        if Path(str(dst)).name == shards[1]:
+            raise OSError(28, "No space left on device")
+        replace(src, dst)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", crash_at_second_stub)
+        with pytest.raises(OSError):
+            write_files(node, files)
+    assert stub_names(node) == {shards[0]} and not (node / shards[1]).exists() and fill_incomplete(node)
+    svc = PeerService(Store(HostBackend(), [m]), NONE, software="wcache/test")
+    try:
+        async with _listening(svc) as port:
+            args = argparse.Namespace(
+                fill_from=f"127.0.0.1:{port}",
+                peer_security=NONE,
+                fill_timeout=30.0,
+                verify_content=False,
+                fill_fingerprint=m.key.fingerprint,
+            )
+            await asyncio.to_thread(fetch_checkpoint_files, args, node)
+    finally:
+        svc.close()
+        svc.store.close()
+    assert not fill_incomplete(node) and stub_names(node) == set(shards)
+    assert WeightCacheKey.from_checkpoint(node) == m.key

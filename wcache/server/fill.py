@@ -24,6 +24,7 @@ from typing import Any
 
 from wcache.errors import (
     CacheUnavailableError,
+    CheckpointError,
     FillError,
     LimitExceededError,
     NotFoundError,
@@ -587,7 +588,10 @@ class PeerFill:
 async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) -> list[str]:
     """A node without the checkpoint: the small files and safetensors stubs of the checkpoint ``key`` names (a
     subset: ``{}`` for whatever the peers serve) from the first peer that has them, written into ``root``
-    (wcache/peer_files.py). FillError when no peer does."""
+    (wcache/peer_files.py). A peer's files are checked before any of them is in ``root``: they must make a
+    checkpoint, whose fingerprint and architecture are ``key``'s where ``key`` names them (a source whose directory
+    changed since it loaded the key sends another checkpoint's files under it); files that do not are discarded and
+    the next peer asked. FillError when no peer sends them."""
     from wcache.peer_files import write_files
     from wcache.proto.fleet_frames import PeerFiles, PeerFilesReply
 
@@ -610,7 +614,11 @@ async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) ->
             last = FillError(f"peer {src.addr} sent no safetensors headers", details={"reason": "not-found"})
             continue
         try:
-            written = await asyncio.to_thread(write_files, root, reply.files)
+            written = await asyncio.to_thread(write_files, root, reply.files, lambda d: _files_give(d, key))
+        except CheckpointError as exc:  # not a checkpoint, or not the one asked for: nothing of it in root
+            log.warning("checkpoint files from peer=%s refused: %s", src.addr, exc.message)
+            last = FillError(f"the files peer {src.addr} sent: {exc.message}", details={"reason": "verify"})
+            continue
         except (OSError, ValueError) as exc:  # a name too long here, a size past its limit, a full disk; the marker
             last = FillError(
                 f"writing the files peer {src.addr} sent into {root} failed: {exc}", details={"reason": "write"}
@@ -621,6 +629,19 @@ async def fetch_files(root: Path, cfg: FillConfig, key: dict[str, str | int]) ->
     raise FillError(
         f"no peer sent the checkpoint's files: {last}", details={"reason": _reason(last) if last else "no-peer"}
     )
+
+
+def _files_give(staged: Path, key: dict[str, str | int]) -> None:
+    """CheckpointError unless the files staged in ``staged`` make a checkpoint whose sampled fingerprint and
+    architecture are those ``key`` names (the key's inputs: config.json, the file names, the headers and the
+    sampled blocks, which the stubs carry)."""
+    with Checkpoint.open(staged, tensors=False) as ckpt:
+        got = {"fingerprint": ckpt.fingerprint(), "architecture": ckpt.architecture}
+    if key.get("fingerprint_kind", "sampled") != "sampled":  # every byte's: not what stubs can give
+        del got["fingerprint"]
+    for name, value in got.items():
+        if name in key and key[name] != value:
+            raise CheckpointError(f"they are a checkpoint whose {name} is {value}, not {key[name]} as asked")
 
 
 def _same_slab(m: PeerModel, first: PeerModel) -> bool:

@@ -406,23 +406,27 @@ def _fill_config(args: argparse.Namespace) -> FillConfig:
 
 
 def fetch_checkpoint_files(args: argparse.Namespace, root: Path) -> None:
-    """--fill-from with a --model directory holding no weights: the checkpoint's small files and safetensors
-    stubs from a peer (docs/fleet.md, "A node without the checkpoint"); a directory with weights is left alone.
-    Without them there is nothing to load from disk either: the CheckpointError says why."""
+    """--fill-from with a --model directory holding no weights, or a fill of a peer's files cut short (a crash or
+    a full disk part way: ``fill_incomplete``): the checkpoint's small files and safetensors stubs from a peer
+    (docs/fleet.md, "A node without the checkpoint"); a directory with weights is left alone. Without them there
+    is nothing to load from disk either: the CheckpointError says why."""
     import asyncio
 
     from wcache.errors import FillError
+    from wcache.peer_files import fill_incomplete
     from wcache.plan.checkpoint import INDEX_NAME
     from wcache.server.fill import fetch_files
 
-    if any(root.glob("*.safetensors")) or (root / INDEX_NAME).exists():
+    cut_short = fill_incomplete(root)
+    if (any(root.glob("*.safetensors")) or (root / INDEX_NAME).exists()) and not cut_short:
         return
     key: dict[str, str | int] = {"fingerprint": args.fill_fingerprint} if args.fill_fingerprint else {}
     try:
         asyncio.run(fetch_files(root, _fill_config(args), key))
     except FillError as exc:
+        what = "holds a fill of a peer's files cut short" if cut_short else "holds no weights"
         raise CheckpointError(
-            f"{root} holds no weights and no peer sent the checkpoint's files ({exc.details.get('reason')}: {exc.message})"
+            f"{root} {what} and no peer sent the checkpoint's files ({exc.details.get('reason')}: {exc.message})"
         ) from exc
 
 
