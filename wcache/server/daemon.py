@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -70,7 +71,8 @@ from wcache.proto.codec import MAX_REQUEST_SIZE
 from wcache.proto.frames import MAX_HANDOFF_FDS
 from wcache.server.keeper_link import CommitRecord, KeeperLink
 from wcache.server.listen import bind_private_socket
-from wcache.server.metrics import Metrics, serve_metrics
+from wcache.server.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
+from wcache.server.metrics import Metrics, listen_metrics, serve_metrics
 from wcache.server.service import ConnectionLimits, Context, Reply, SameUid, Shell, raise_nofile, stop_on_signals
 from wcache.server.store import ServedModel, Store, split_descriptors
 from wcache.server.tier import HostTier, TierEntry, tier_holds
@@ -144,6 +146,8 @@ class Daemon:
         limits: ConnectionLimits | None = None,
         read_budget: int = DEFAULT_READ_BUDGET,
         metrics_port: int = 0,
+        metrics_listener: socket.socket | None = None,
+        metrics_wait: float = 10.0,
         loader: Callable[[RankPlan, Callable[[int], None]], ServedModel] | None = None,
         planner: Callable[[RankSpec], RankPlan] = plan_rank,
         verify_content: bool = False,
@@ -172,6 +176,11 @@ class Daemon:
         #: leases live with it, docs/security.md)
         self.limits = replace(limits, max_frame_size=min(limits.max_frame_size, MAX_REQUEST_SIZE))
         self.metrics_port = metrics_port
+        #: --metrics-port's socket, bound before the load (``listen_metrics``); without it serve() binds
+        #: ``metrics_port`` itself, trying for ``metrics_wait`` seconds (after a --takeover the old daemon holds
+        #: the port until it stops), and serves without metrics if it cannot
+        self._metrics_listener = metrics_listener
+        self.metrics_wait = metrics_wait
         self.metrics = Metrics()
         self._tag = f"socket={self.socket_path}"
         self.shell = Shell(
@@ -247,7 +256,12 @@ class Daemon:
             self._fd_limits()
             listener = self._listener if self._listener is not None else bind_private_socket(self.socket_path)
             self._listener = listener
-            http = await serve_metrics(self.metrics_port, self.render_metrics) if self.metrics_port else None
+            http: asyncio.AbstractServer | None = None
+            later: asyncio.Task[asyncio.AbstractServer | None] | None = None
+            if self._metrics_listener is not None:
+                http = await serve_metrics(self._metrics_listener, self.render_metrics)
+            elif self.metrics_port:
+                later = asyncio.ensure_future(self._metrics_later())
             self.shell.start(listener)
             if self.peers is not None:
                 self.peers.start()
@@ -261,6 +275,10 @@ class Daemon:
             finally:
                 if on_stopping is not None:
                     on_stopping()
+                if later is not None:
+                    later.cancel()
+                    (done,) = await asyncio.gather(later, return_exceptions=True)
+                    http = done if isinstance(done, asyncio.AbstractServer) else None
                 if http is not None:
                     http.close()
                 if watch is not None:
@@ -281,6 +299,31 @@ class Daemon:
                 await self._cancel_supersedes()
                 await self._finish_tier_saves()
         log.info("stopped %s leases_ended=%d", self._tag, len(self.store.leases))
+
+    async def _metrics_later(self) -> asyncio.AbstractServer | None:
+        """--metrics-port bound once serving (no listener was bound before the load): retried while the port is
+        in use for ``metrics_wait`` seconds, then one line, and the daemon serves on without metrics."""
+        deadline = time.monotonic() + self.metrics_wait
+        while True:
+            try:
+                sock = listen_metrics(self.metrics_port)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                    continue
+                log.error(
+                    "metrics off %s: --metrics-port %d: cannot listen on 127.0.0.1:%d (%s); serving without metrics",
+                    self._tag,
+                    self.metrics_port,
+                    self.metrics_port,
+                    exc.strerror or exc,
+                )
+                return None
+            try:
+                return await serve_metrics(sock, self.render_metrics)
+            except BaseException:
+                sock.close()
+                raise
 
     async def _cancel_supersedes(self) -> None:
         """A stop ends the tombstone retries: their commits stay unsettled, and ``<socket>.deposits`` keeps their
@@ -311,7 +354,8 @@ class Daemon:
         (``split_descriptors``), so that no peer can make the daemon run out of descriptors to accept and
         answer with; the shell gives each peer its share of unread descriptors from what is left."""
         nofile = raise_nofile()
-        connections, slabs = split_descriptors(nofile, self.limits.connections)
+        metrics = METRICS_CONNECTIONS + 1 if self.metrics_port or self._metrics_listener is not None else 0
+        connections, slabs = split_descriptors(nofile, self.limits.connections, metrics)
         self.store.fit_descriptors(slabs)
         if connections < self.limits.connections:
             self.limits = replace(self.limits, connections=connections)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["BUCKETS", "Metrics", "serve_metrics"]
+__all__ = ["BUCKETS", "MAX_CONNECTIONS", "Metrics", "listen_metrics", "serve_metrics"]
 
 #: fetch latency buckets (seconds), served side: GET_STATE decoded -> STATE sent
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
@@ -139,28 +140,107 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-async def serve_metrics(port: int, render: Callable[[], str]) -> asyncio.AbstractServer:
-    """HTTP on 127.0.0.1:``port``: ``GET /metrics`` -> the text format; anything else -> 404."""
+#: metrics connections served at once; one beyond is closed as soon as it is accepted. They are few (a scraper
+#: takes one), and each holds a descriptor of the daemon's reserve (``split_descriptors``' ``extra``)
+MAX_CONNECTIONS = 16
+#: seconds to read a whole request (request line and headers), and again to send the answer
+REQUEST_TIMEOUT = 5.0
+#: header lines (after the request line) and bytes (request line included) a request may have: a GET from a
+#: scraper has a handful of short ones
+MAX_HEADER_LINES = 64
+MAX_HEADER_BYTES = 16 << 10
+
+
+class _Refused(Exception):
+    """A request the endpoint answers with ``status`` and then closes."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def listen_metrics(port: int) -> socket.socket:
+    """The endpoint's listening socket, 127.0.0.1:``port`` (OSError if that cannot be had: a port in use)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(MAX_CONNECTIONS)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """The request line, once the headers after it are read (and dropped); _Refused for a request too large or
+    cut short. Lines are bounded by the reader's limit (ValueError past it: a line too long)."""
+    try:
+        line = await reader.readline()
+        size, count = len(line), 0
+        while True:
+            header = await reader.readline()
+            if not header.endswith(b"\n"):  # the peer closed mid-request
+                raise _Refused("400 Bad Request")
+            if header in (b"\r\n", b"\n"):
+                return line
+            size, count = size + len(header), count + 1
+            if size > MAX_HEADER_BYTES or count > MAX_HEADER_LINES:
+                raise _Refused("431 Request Header Fields Too Large")
+    except (ValueError, asyncio.LimitOverrunError):  # a line past the reader's limit
+        raise _Refused("431 Request Header Fields Too Large") from None
+    except asyncio.IncompleteReadError:
+        raise _Refused("400 Bad Request") from None
+
+
+async def serve_metrics(
+    where: int | socket.socket,
+    render: Callable[[], str],
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    request_timeout: float = REQUEST_TIMEOUT,
+) -> asyncio.AbstractServer:
+    """HTTP on 127.0.0.1:``where`` (a port, or a socket from ``listen_metrics``): ``GET /metrics`` -> the text
+    format; anything else -> 404. Anyone on the machine may connect (docs/security.md, "Metrics"), so each
+    connection is bounded: ``max_connections`` at once (one beyond is closed at once), ``request_timeout`` to
+    send the whole request (then it is closed unanswered) and as long again to take the answer, and a request
+    of at most MAX_HEADER_LINES headers and MAX_HEADER_BYTES (else 431), each line within that too."""
+    active = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal active
+        if active >= max_connections:
+            writer.transport.abort()
+            return
+        active += 1
         try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
-            parts = line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                body = render().encode()
-                head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+            try:
+                async with asyncio.timeout(request_timeout):
+                    line = await _read_request(reader)
+            except _Refused as refused:
+                body, head = (
+                    f"{refused.status}\n".encode(),
+                    f"HTTP/1.1 {refused.status}\r\nContent-Type: text/plain\r\n",
+                )
             else:
-                body = b"not found\n"
-                head = "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n"
+                parts = line.decode("latin-1").split()
+                if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
+                    body = render().encode()
+                    head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                else:
+                    body = b"not found\n"
+                    head = "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\n"
             writer.write(f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeError):
-            pass
+            await asyncio.wait_for(writer.drain(), request_timeout)
+        except (TimeoutError, ConnectionError):
+            writer.transport.abort()  # a peer that does not send or does not read: no lingering close
         finally:
+            active -= 1
             writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await asyncio.wait_for(writer.wait_closed(), request_timeout)
 
-    return await asyncio.start_server(handle, host="127.0.0.1", port=port)
+    if isinstance(where, socket.socket):
+        return await asyncio.start_server(handle, sock=where, limit=MAX_HEADER_BYTES)
+    return await asyncio.start_server(handle, host="127.0.0.1", port=where, limit=MAX_HEADER_BYTES)

@@ -1,15 +1,17 @@
 """``wcache-server``'s start-up, after its arguments are parsed (wcache/server/cli.py): the phases ``run``
 goes through, in an order where a bad start costs nothing: socket directory checks (and a hold on the
-directory) -> the --model directory is there (one stat) -> device check -> one-daemon lock -> platform check ->
-takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) -> load into one slab -> listen ->
-ready line (and ready file, and systemd's READY=1 under a Type=notify unit: wcache/server/notify.py). At the end,
-clean or not, the lock file goes, and the default socket directory with the last user of it.
+directory) -> the --model directory is there (one stat) -> device check -> one-daemon lock -> --metrics-port
+bound -> platform check -> takeover or keeper reclaim -> checkpoint headers, key and shard plan (no data) ->
+load into one slab -> listen -> ready line (and ready file, and systemd's READY=1 under a Type=notify unit:
+wcache/server/notify.py). At the end, clean or not, the lock file goes, and the default socket directory with
+the last user of it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -53,6 +55,7 @@ __all__ = [
     "fetch_checkpoint_files",
     "fill_from_peers",
     "make_backend",
+    "metrics_listener",
     "peer_fill",
     "pytorch_bin_hint",
     "rank_spec",
@@ -463,6 +466,22 @@ def fill_from_peers(
     return filled.model
 
 
+def metrics_listener(port: int) -> socket.socket:
+    """--metrics-port's listening socket, bound before anything is loaded: a port in use (another process, any
+    local user, holds it) fails the start with one line and nothing loaded for nothing. After a --takeover the
+    old daemon holds the port until it stops: the new one binds it once serving (``Daemon._metrics_later``)."""
+    from wcache.server.metrics import listen_metrics
+
+    try:
+        return listen_metrics(port)
+    except OSError as exc:
+        held = "another process holds it: " if exc.errno == errno.EADDRINUSE else ""
+        raise WCacheError(
+            f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); "
+            f"{held}pick another port, or 0 for no metrics"
+        ) from None
+
+
 def peer_listener(args: argparse.Namespace, store: Store, metrics: Metrics) -> PeerListener:
     """--peer-listen: the peer channel's handler and listener (started by the daemon once it serves)."""
     from wcache.server.peer import PeerListener, PeerService
@@ -541,7 +560,10 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         hold.release()
         raise
+    metrics_sock: socket.socket | None = None
     try:
+        if args.metrics_port and args.takeover is None:  # a port in use fails the start, before any load
+            metrics_sock = metrics_listener(args.metrics_port)
         if loads:  # set loads up first (CudaBackend.prepare_loads says why)
             backend.prepare_loads()
         backend.check_platform()
@@ -644,6 +666,7 @@ def run(args: argparse.Namespace) -> int:
                     frame_timeout=args.frame_timeout,
                 ),
                 metrics_port=args.metrics_port,
+                metrics_listener=metrics_sock,
                 deposit_timeout=args.deposit_timeout or None,
                 loader=loader,
                 planner=planner,
@@ -700,6 +723,8 @@ def run(args: argparse.Namespace) -> int:
             if tier is not None:
                 tier.close()
     finally:
+        if metrics_sock is not None:  # (a no-op once the daemon's server has served and closed it)
+            metrics_sock.close()
         lock.release()  # a clean stop leaves neither the lock file nor (the default one, if empty) the directory
         hold.release()
     if workers is not None and workers.busy:
