@@ -50,6 +50,36 @@ async def test_takeover_hands_over_memory_socket_and_lock(
         new.stop()
 
 
+def test_a_takeover_serves_the_metrics_port_the_old_daemon_held(
+    daemon_factory: Callable[..., DaemonProc], ckpt: Path, socket_dir: Path
+) -> None:
+    """Both daemons on one --metrics-port: the new one cannot bind it before the hand-off (the old one holds it
+    until it stops), so it binds it once serving, and the port answers for the new daemon."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    old = daemon_factory(ckpt, "--metrics-port", str(port))
+    new = spawn_daemon(None, socket_dir, "--metrics-port", str(port), takeover=old.socket, timeout=60)
+    try:
+        assert old.proc.wait(30) == 0
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the new daemon never served the metrics port"
+                time.sleep(0.2)
+        assert "wcache_resident_bytes" in text and new.proc.poll() is None
+    finally:
+        new.stop()
+
+
 def _refused_naming(ckpt: Path, socket_dir: Path, holder: int) -> None:
     """A third daemon on the socket exits with an error naming the pid that holds the one-daemon lock."""
     third = subprocess.run(
