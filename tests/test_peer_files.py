@@ -110,6 +110,19 @@ def test_a_hugging_face_snapshots_links_into_its_blobs_are_sent(tmp_path: Path) 
     assert {f.name: f.data for f in files}["config.json"] == (real / "config.json").read_bytes()
 
 
+def _counting_preads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of every ``os.pread`` from here on, in order."""
+    reads: list[int] = []
+    pread = os.pread
+
+    def counting(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting)
+    return reads
+
+
 @pytest.mark.parametrize("hlen", [256 << 20, 2**62, 2**64 - 1])
 def test_a_safetensors_length_prefix_past_its_file_is_skipped_before_it_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hlen: int
@@ -122,14 +135,7 @@ def test_a_safetensors_length_prefix_past_its_file_is_skipped_before_it_is_read(
         fh.write(struct.pack("<Q", hlen))
         if hlen == 256 << 20:
             fh.truncate(8 + hlen)  # sparse: no disk used
-    reads: list[int] = []
-    pread = os.pread
-
-    def counting(fd: int, n: int, off: int) -> bytes:
-        reads.append(n)
-        return pread(fd, n, off)
-
-    monkeypatch.setattr(os, "pread", counting)
+    reads = _counting_preads(monkeypatch)
     files = checkpoint_files(src)
     assert sorted(f.name for f in files) == ["config.json", "model.safetensors"]
     assert max(reads) <= 1 << 20, f"a pread of {max(reads)} bytes for a file that is not sent"
@@ -138,14 +144,7 @@ def test_a_safetensors_length_prefix_past_its_file_is_skipped_before_it_is_read(
 def test_a_header_over_the_budget_left_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A header that fits its file but not the budget left is left out before it is read, as a file too large."""
     src = _source_dir(tmp_path)
-    reads: list[int] = []
-    pread = os.pread
-
-    def counting(fd: int, n: int, off: int) -> bytes:
-        reads.append(n)
-        return pread(fd, n, off)
-
-    monkeypatch.setattr(os, "pread", counting)
+    reads = _counting_preads(monkeypatch)
     files = checkpoint_files(src, budget=40)  # config.json (23 bytes) fits; the 8 + 57 byte header does not
     assert [f.name for f in files] == ["config.json"]
     assert all(n <= 23 for n in reads)
