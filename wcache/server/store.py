@@ -599,10 +599,9 @@ class Store:
         """A planning of ``spec`` recorded no ``facts`` only because its files were too fresh (``after_ns``:
         ``RankPlan.proof_after_ns``): the daemon plans it again after ``after_ns`` and records them then — for a
         spec an engine proves (no plan file, no ``verify_content``: ``WeightCacheKey.from_checkpoint`` defers no
-        other key), not a whole content fingerprint read again for a proof no engine sends."""
-        if facts is not None or after_ns is None or spec.plan_file is not None or spec.verify_content:
-            return
-        if all(s != spec for s, _ in self.unproven):
+        other key), not a whole content fingerprint read again for a proof no engine sends. The daemon plans a
+        spec once however often it is named here (``Daemon._prove_pending``)."""
+        if facts is None and after_ns is not None and spec.plan_file is None and not spec.verify_content:
             self.unproven.append((spec, after_ns))
 
     def completed(self, req: GetState) -> GetState:
