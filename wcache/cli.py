@@ -40,7 +40,7 @@ from typing import Any
 
 from wcache import __version__
 from wcache.client import WCacheClient
-from wcache.command import CommandParser
+from wcache.command import CommandParser, plain_text
 from wcache.errors import CacheUnavailableError, CheckpointError, NotFoundError, WCacheError
 from wcache.paths import DEFAULT_SOCKET_DIR_HELP, default_socket_dir
 from wcache.plan.key import WeightCacheKey, tp_problem
@@ -504,8 +504,9 @@ EVICT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    plain = (__doc__ or "").replace("``", "")  # the docstring's literal markup is no help to a terminal
-    ap = CommandParser(prog="wcache", description=plain, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = CommandParser(
+        prog="wcache", description=plain_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{status,preload,evict,make-checkpoint}")
     st = sub.add_parser(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-__all__ = ["CommandParser"]
+__all__ = ["CommandParser", "plain_text"]
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -17,3 +17,9 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help for usage)\n")
+
+
+def plain_text(doc: str | None) -> str:
+    """A module docstring as a command's ``--help`` description: its literal markup (````wcache````) is no help to
+    a terminal."""
+    return (doc or "").replace("``", "")

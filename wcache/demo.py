@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from wcache import WCacheClient, __version__
-from wcache.command import CommandParser
+from wcache.command import CommandParser, plain_text
 from wcache.errors import WCacheError
 from wcache.proto import ModelInfo
 from wcache.server.process import DaemonProcess, spawn_daemon, spawn_keeper
@@ -117,8 +117,9 @@ def why_copy_costs(r: dict[str, float], device: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    plain = (__doc__ or "").replace("``", "")  # the docstring's literal markup is no help to a terminal
-    ap = CommandParser(prog="wcache-demo", description=plain, formatter_class=argparse.RawTextHelpFormatter)
+    ap = CommandParser(
+        prog="wcache-demo", description=plain_text(__doc__), formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument(
         "--restarts",
