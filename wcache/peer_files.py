@@ -228,14 +228,14 @@ def write_files(root: Path, files: Sequence[PeerFile], check: Callable[[Path], N
         if check is not None:
             check(stage)
         old = _read_marker(root)
-        stubs = {n: rec for n, rec in old.items() if n in {f.name for f in files} or not _gone_stub(root / n, rec)}
+        names = sorted(f.name for f in files)
+        stubs = {n: rec for n, rec in old.items() if n in names or not _gone_stub(root / n, rec)}
         for f in files:
             windows = probes(f)
             if windows:
                 stubs[f.name] = {"size": f.size, "probes": [list(w) for w in windows]}
         for n in set(old) - set(stubs):  # a stub of an earlier, cut-short fill that this set does not have
             (root / n).unlink(missing_ok=True)  # (while the marker still names it)
-        names = sorted(f.name for f in files)
         _write_marker(root, stubs, names, complete=False)  # before any stub is in root
         written: list[str] = []
         for f in files:
@@ -262,7 +262,7 @@ def fill_incomplete(root: Path) -> bool:
         return True
     names = data.get("files")
     if names is None and "complete" not in data:  # an older marker: its stubs, all of them there
-        return any(not (root / n).exists() for n in _read_marker(root))
+        return any(not (root / n).exists() for n in _stubs_of(data))
     if data.get("complete") is not True or not isinstance(names, list):
         return True
     return any(not (isinstance(n, str) and (root / n).exists()) for n in names)
@@ -327,6 +327,11 @@ def _read_marker(root: Path) -> dict[str, dict[str, object]]:
         data = json.loads((root / MARKER).read_text())
     except (OSError, ValueError):
         return {}
+    return _stubs_of(data)
+
+
+def _stubs_of(data: object) -> dict[str, dict[str, object]]:
+    """The stub records of a parsed marker (none where it is not one)."""
     stubs = data.get("stubs") if isinstance(data, dict) else None
     return {k: v for k, v in stubs.items() if isinstance(v, dict)} if isinstance(stubs, dict) else {}
 
