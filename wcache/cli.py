@@ -90,8 +90,8 @@ def _nobody_at(p: Path) -> str:
 
 
 def _no_sockets(socket_dir: Path | None) -> str:
-    """Why ``wcache status`` (or ``evict``) found no socket in ``socket_dir`` (None: the default directory): it is not there, not
-    a directory, not readable, or holds none."""
+    """Why ``wcache status`` (or ``evict``) found no socket in ``socket_dir`` (None: the default directory): it is
+    not there, not a directory, not readable, or holds none."""
     d = Path(socket_dir or default_socket_dir())
     try:
         os.listdir(d)

@@ -56,8 +56,8 @@ def checkpoint_files(root: Path, *, budget: int = MAX_FILE_BYTES) -> list[PeerFi
     not the checkpoint's, nor make it read more than the budget (docs/security.md, "Checkpoint files"). So a file
     is **skipped** — never the whole answer — when what was opened (the link followed) lies outside ``root``
     (:func:`_sendable_roots`: a Hugging Face snapshot's ``blobs`` too), when others may not read it and it is not
-    one of the files the key reads (:func:`_keyed`: the daemon's secret and TLS key are not world-readable), when it cannot be read (gone,
-    unreadable), or when a ``.safetensors`` length prefix claims a header over safetensors' own cap or past the
+    one of the files the key reads (:func:`_keyed`: the daemon's secret and TLS key are not world-readable), when
+    it cannot be read (gone, unreadable), or when a ``.safetensors`` length prefix claims a header over safetensors' own cap or past the
     file's end — checked before anything past the prefix is read; a header over the budget left is left out
     unread. One log line names what was skipped."""
     out: list[PeerFile] = []
@@ -130,7 +130,7 @@ def _sendable_roots(root: Path) -> tuple[Path, ...]:
 def _why_not_sent(entry: Path, fd: int, st: os.stat_result, inside: Sequence[Path]) -> str | None:
     """Why the file ``entry`` open at ``fd`` (``st`` its fstat) is not sent: it lies outside every directory of
     ``inside`` (the path of what was opened, not of the link, so a link swapped after the check changes nothing),
-    or others may not read it. None to send it."""
+    or others may not read it and it is not one of the files the key reads (:func:`_keyed`). None to send it."""
     try:
         real = Path(os.readlink(f"/proc/self/fd/{fd}"))
     except OSError:  # no /proc: where the link leads now, if that is still the file that was opened

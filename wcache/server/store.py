@@ -211,8 +211,9 @@ def split_descriptors(nofile: int, connections: int, extra: int = 0) -> tuple[in
     """How a daemon whose RLIMIT_NOFILE is ``nofile`` shares its descriptors, so that it always has one to
     accept and answer with (docs/protocol.md §7): an eighth (16 to 1024) is kept for its own work (the
     listener, logs, a load's checkpoint files and reader threads, host-tier files, keeper sockets), and
-    ``extra`` more besides (the metrics endpoint's listener and its capped connections); of the rest, ``connections`` go to connections (one each) and the remainder to slabs (the
-    models' and the deposits' in progress) — unless that leaves the slabs less than a quarter: then they get
+    ``extra`` more besides (the metrics endpoint's listener and its capped connections); of the rest,
+    ``connections`` go to connections (one each) and the remainder to slabs (the models' and the deposits' in
+    progress) — unless that leaves the slabs less than a quarter: then they get
     the quarter and connections the rest. Returns (connections, slabs), each at least 1."""
     reserve = min(1024, max(16, nofile // 8)) + extra
     room = max(2, nofile - reserve)
