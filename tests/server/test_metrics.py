@@ -27,7 +27,14 @@ from wcache.server import metrics
 from wcache.server.backends.host import HostBackend
 from wcache.server.daemon import Daemon
 from wcache.server.load import load_model
-from wcache.server.metrics import BUCKETS, MAX_CONNECTIONS, MAX_HEADER_LINES, Metrics, serve_metrics
+from wcache.server.metrics import (
+    BUCKETS,
+    MAX_CONNECTIONS,
+    MAX_HEADER_LINES,
+    Metrics,
+    listen_metrics,
+    serve_metrics,
+)
 from wcache.server.process import DaemonProcess
 from wcache.server.store import Store
 from wcache.server.tier import HostTier
@@ -182,7 +189,7 @@ async def test_a_request_sent_slowly_is_closed_at_the_whole_requests_deadline() 
     (1 s here, 5 by default), then the connection closes unanswered. Before, each line had its own 5 s, and a
     line every 3 s held the connection (and a daemon descriptor) for ever."""
     port = _free_port()
-    srv = await serve_metrics(port, lambda: "x 1\n", request_timeout=1.0)
+    srv = await serve_metrics(listen_metrics(port), lambda: "x 1\n", request_timeout=1.0)
     try:
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(b"GET /metrics HTTP/1.1\r\n")
@@ -204,7 +211,7 @@ async def test_a_request_sent_slowly_is_closed_at_the_whole_requests_deadline() 
 
 async def test_a_request_with_too_many_headers_is_answered_431() -> None:
     port = _free_port()
-    srv = await serve_metrics(port, lambda: "x 1\n")
+    srv = await serve_metrics(listen_metrics(port), lambda: "x 1\n")
     try:
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(b"GET /metrics HTTP/1.1\r\n" + b"X-a: b\r\n" * (MAX_HEADER_LINES + 1) + b"\r\n")
@@ -225,7 +232,7 @@ async def test_a_line_over_the_read_limit_is_answered_431_without_a_traceback(
     answer. Now 431, then the connection closes, and nothing is logged."""
     caplog.set_level(logging.DEBUG)
     port = _free_port()
-    srv = await serve_metrics(port, lambda: "x 1\n")
+    srv = await serve_metrics(listen_metrics(port), lambda: "x 1\n")
     long = b"a" * 100_000
     request = (
         b"GET /" + long + b" HTTP/1.1\r\n\r\n"
@@ -251,7 +258,7 @@ async def test_metrics_connections_past_the_cap_are_closed_at_once() -> None:
     """MAX_CONNECTIONS connections each holding a request half-sent: the next ones are closed as soon as they
     are accepted (each would hold a descriptor of the daemon's), and those under the cap are still served."""
     port = _free_port()
-    srv = await serve_metrics(port, lambda: "x 1\n")
+    srv = await serve_metrics(listen_metrics(port), lambda: "x 1\n")
     held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     try:
         for _ in range(MAX_CONNECTIONS):

@@ -195,13 +195,13 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
 
 
 async def serve_metrics(
-    where: int | socket.socket,
+    sock: socket.socket,
     render: Callable[[], str],
     *,
     max_connections: int = MAX_CONNECTIONS,
     request_timeout: float = REQUEST_TIMEOUT,
 ) -> asyncio.AbstractServer:
-    """HTTP on 127.0.0.1:``where`` (a port, or a socket from ``listen_metrics``): ``GET /metrics`` -> the text
+    """HTTP on ``sock`` (``listen_metrics``: 127.0.0.1, the --metrics-port): ``GET /metrics`` -> the text
     format; anything else -> 404. Anyone on the machine may connect (docs/security.md, "Metrics"), so each
     connection is bounded: ``max_connections`` at once (one beyond is closed at once), ``request_timeout`` to
     send the whole request (then it is closed unanswered) and as long again to take the answer, and a request
@@ -241,6 +241,4 @@ async def serve_metrics(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), request_timeout)
 
-    if isinstance(where, socket.socket):
-        return await asyncio.start_server(handle, sock=where, limit=MAX_HEADER_BYTES)
-    return await asyncio.start_server(handle, host="127.0.0.1", port=where, limit=MAX_HEADER_BYTES)
+    return await asyncio.start_server(handle, sock=sock, limit=MAX_HEADER_BYTES)
